@@ -1,0 +1,34 @@
+# Stadium: every target does its own set-up from a fresh clone.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# Prefer a 3.12 interpreter (eager tasks); any Python >= 3.11 works.
+PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
+
+.PHONY: install demo test lint typecheck check clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip uv
+	VIRTUAL_ENV=$(VENV) $(VENV)/bin/uv pip install --quiet -e '.[dev]'
+	@touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/stadium demo
+
+lint: install
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install lint typecheck
+	$(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist

@@ -1,0 +1,168 @@
+"""The environment contract: :class:`Environment`, :class:`StepResult`, :class:`State`.
+
+An environment is a class generic over its action, observation and state types.
+``reset`` and ``step`` may each be ``async def`` or plain ``def``::
+
+    class Guess(msgspec.Struct):
+        word: str
+
+    class Feedback(msgspec.Struct):
+        hint: str
+
+    class Game(stadium.Environment[Guess, Feedback, stadium.State]):
+        async def reset(self, *, seed=None, options=None) -> Feedback:
+            return Feedback(hint="guess a word")
+
+        async def step(self, action: Guess) -> stadium.StepResult[Feedback]:
+            return stadium.StepResult(Feedback(hint="warmer"), reward=0.5, done=False)
+
+The server creates one instance per session (per WebSocket connection) and
+calls it from one task at a time; an instance never sees two calls at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from collections.abc import Awaitable
+from typing import Any, ClassVar, Generic, TypeVar
+
+import msgspec
+
+ActT = TypeVar("ActT")
+ObsT = TypeVar("ObsT")
+StateT = TypeVar("StateT")
+
+MaybeAwaitable = typing.Union[ObsT, Awaitable[ObsT]]  # noqa: UP007 - a generic alias
+
+
+class State(msgspec.Struct, kw_only=True):
+    """Base state: the episode id and the steps taken in it.
+
+    Subclass it to add fields. The server fills ``episode_id`` and ``step_count``
+    in the ``state`` reply when the environment leaves them unset.
+    """
+
+    episode_id: str | None = None
+    step_count: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult(Generic[ObsT]):
+    """What ``step`` (and optionally ``reset``) returns.
+
+    Args:
+        observation: the observation, of the environment's observation type.
+        reward: the reward of the transition (``None`` at reset).
+        done: the episode is over, for whatever reason.
+        truncated: the episode was cut short (time limit) rather than ended by
+            the environment's own dynamics. Implies ``done``.
+        info: extra diagnostics, carried to the client as ``info``.
+
+    ``StepResult.gym(obs, reward, terminated, truncated, info)`` builds one from
+    Gymnasium's five-tuple.
+    """
+
+    observation: ObsT
+    reward: float | None = None
+    done: bool = False
+    _: dataclasses.KW_ONLY
+    truncated: bool = False
+    info: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.truncated:
+            self.done = True
+
+    @property
+    def terminated(self) -> bool:
+        """Gymnasium's ``terminated``: done and not truncated."""
+        return self.done and not self.truncated
+
+    @classmethod
+    def gym(
+        cls,
+        observation: ObsT,
+        reward: float,
+        terminated: bool,
+        truncated: bool,
+        info: dict[str, Any] | None = None,
+    ) -> StepResult[ObsT]:
+        """Build a result from Gymnasium's ``(obs, reward, terminated, truncated, info)``."""
+        return cls(
+            observation, reward, terminated or truncated, truncated=truncated, info=info or None
+        )
+
+
+class Environment(Generic[ActT, ObsT, StateT]):
+    """Base class of every Stadium environment.
+
+    Class attributes a subclass may set:
+
+    * ``name``, ``version``, ``description``: shown by ``GET /metadata``.
+    * ``blocking`` (default ``True``): whether a *sync* ``reset``/``step`` may block
+      (I/O, heavy CPU). Blocking calls run on a bounded shared thread pool, so they
+      never hold up other sessions; set ``blocking = False`` for cheap pure-Python
+      environments to run them inline on the event loop (faster). Async methods
+      always run on the loop.
+    * ``action_type``, ``observation_type``, ``state_type``: normally taken from
+      the generic parameters ``Environment[Act, Obs, State]``; set them when the
+      class is not parametrised that way.
+
+    Types may be ``msgspec.Struct`` (recommended), dataclasses, ``TypedDict`` or
+    plain ``dict``: anything msgspec can validate and describe as JSON Schema.
+    """
+
+    name: ClassVar[str] = ""
+    version: ClassVar[str] = "0.0.0"
+    description: ClassVar[str] = ""
+    blocking: ClassVar[bool] = True
+    action_type: ClassVar[Any]
+    observation_type: ClassVar[Any]
+    state_type: ClassVar[Any] = State
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            origin = typing.get_origin(base)
+            if isinstance(origin, type) and issubclass(origin, Environment):
+                args = typing.get_args(base)
+                if len(args) == 3:
+                    for attr, arg in zip(
+                        ("action_type", "observation_type", "state_type"), args, strict=True
+                    ):
+                        if attr not in cls.__dict__ and not isinstance(arg, TypeVar):
+                            setattr(cls, attr, arg)
+        if not cls.__dict__.get("name"):
+            cls.name = cls.__name__
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> MaybeAwaitable[ObsT | StepResult[ObsT]]:
+        """Start a new episode and return its first observation.
+
+        Args:
+            seed: seeds the episode's randomness; the same seed and actions must
+                give the same observations.
+            options: environment-specific reset options.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement reset()")
+
+    def step(self, action: ActT) -> MaybeAwaitable[StepResult[ObsT] | ObsT]:
+        """Apply ``action`` and return the next observation with reward and done."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    @property
+    def state(self) -> StateT:
+        """The environment's state (episode id, step count and anything else)."""
+        return typing.cast(StateT, State())
+
+    def close(self) -> MaybeAwaitable[None]:
+        """Release resources; called once when the session ends."""
+        return None
+
+
+def is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` returns a coroutine (an ``async def``)."""
+    return inspect.iscoroutinefunction(fn)

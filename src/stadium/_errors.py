@@ -1,0 +1,186 @@
+"""Stadium's exception tree.
+
+Every error Stadium raises derives from :class:`StadiumError` and carries a
+machine-readable ``code`` and a ``context`` dict, so that a server can put it
+on the wire and a client can rebuild it on the other side::
+
+    StadiumError                      base; .code, .context, .to_wire()
+    ├── ProtocolError                 a frame the protocol cannot accept
+    │   ├── InvalidMessageError       INVALID_JSON: not JSON / MessagePack
+    │   └── UnknownTypeError          UNKNOWN_TYPE: "type" not reset/step/state/close
+    ├── ValidationError               VALIDATION_ERROR: an action or reset argument
+    │                                 does not match the environment's schema
+    ├── ExecutionError                EXECUTION_ERROR: the environment raised
+    ├── CapacityError                 CAPACITY_REACHED: no free session slot
+    ├── SessionError                  SESSION_ERROR: misuse of the session lifecycle
+    │   └── SessionClosedError        the session or its connection is gone
+    ├── ConnectError                  a client could not open a session
+    ├── ConfigError                   a bad argument, target or configuration
+    │   └── TargetError               TARGET cannot be imported or is not an env
+    └── EnvCheckError                 check_env() found a contract violation
+
+Protocol errors (the peer sent something wrong) are kept apart from closed
+session errors (the peer is gone): the first leaves the session usable, the
+second does not.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, ClassVar
+
+
+class ErrorCode(enum.StrEnum):
+    """Error codes carried in ``{"type": "error", "data": {"code": ...}}`` frames.
+
+    The first seven are OpenEnv's (``WSErrorCode``); the rest are Stadium's own.
+    """
+
+    INVALID_JSON = "INVALID_JSON"
+    UNKNOWN_TYPE = "UNKNOWN_TYPE"
+    VALIDATION_ERROR = "VALIDATION_ERROR"
+    EXECUTION_ERROR = "EXECUTION_ERROR"
+    CAPACITY_REACHED = "CAPACITY_REACHED"
+    FACTORY_ERROR = "FACTORY_ERROR"
+    SESSION_ERROR = "SESSION_ERROR"
+    # Stadium-only codes: never sent on the wire by the server.
+    CONNECT_ERROR = "CONNECT_ERROR"
+    CONFIG_ERROR = "CONFIG_ERROR"
+    CHECK_ERROR = "CHECK_ERROR"
+
+
+class StadiumError(Exception):
+    """Base of every Stadium error.
+
+    Args:
+        message: one sentence saying what was wrong and, where possible, what to do.
+        **context: structured details (field names, limits, ids) kept for the wire
+            and for logs.
+    """
+
+    code: ClassVar[ErrorCode] = ErrorCode.SESSION_ERROR
+    exit_code: ClassVar[int] = 1
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context: dict[str, Any] = context
+
+    def to_wire(self) -> dict[str, Any]:
+        """The ``data`` of an error frame: message, code and context."""
+        data: dict[str, Any] = {"message": self.message, "code": str(self.code)}
+        for key, value in self.context.items():
+            data.setdefault(key, value)
+        return data
+
+    def __repr__(self) -> str:
+        ctx = "".join(f", {k}={v!r}" for k, v in self.context.items())
+        return f"{type(self).__name__}({self.message!r}{ctx})"
+
+
+class ProtocolError(StadiumError):
+    """The peer sent a frame that the protocol cannot accept."""
+
+    code = ErrorCode.INVALID_JSON
+
+
+class InvalidMessageError(ProtocolError):
+    """The frame is not valid JSON (or MessagePack), or not a JSON object."""
+
+    code = ErrorCode.INVALID_JSON
+
+
+class UnknownTypeError(ProtocolError):
+    """The frame's ``type`` is not one of reset, step, state, close."""
+
+    code = ErrorCode.UNKNOWN_TYPE
+
+
+class ValidationError(StadiumError):
+    """An action or reset argument does not match the environment's schema.
+
+    ``context["field"]`` names the offending field as a JSON path (``$.x``).
+    """
+
+    code = ErrorCode.VALIDATION_ERROR
+
+
+class ExecutionError(StadiumError):
+    """The environment raised while handling a request.
+
+    ``context`` holds ``exception`` (the type name) and ``operation``.
+    """
+
+    code = ErrorCode.EXECUTION_ERROR
+
+
+class CapacityError(StadiumError):
+    """No session slot was free within the admission timeout.
+
+    ``context`` holds ``active_sessions``, ``max_sessions`` and ``retry_after_s``.
+    """
+
+    code = ErrorCode.CAPACITY_REACHED
+
+    @property
+    def retry_after_s(self) -> float:
+        value = self.context.get("retry_after_s", 1.0)
+        return float(value) if isinstance(value, int | float) else 1.0
+
+
+class SessionError(StadiumError):
+    """The session lifecycle was misused (e.g. ``step`` before ``reset``)."""
+
+    code = ErrorCode.SESSION_ERROR
+
+
+class SessionClosedError(SessionError):
+    """The session, or the connection under it, is closed."""
+
+
+class ConnectError(StadiumError):
+    """A client could not open a session (refused, timed out, bad handshake)."""
+
+    code = ErrorCode.CONNECT_ERROR
+
+
+class ConfigError(StadiumError):
+    """A bad command-line argument, environment variable or configuration value."""
+
+    code = ErrorCode.CONFIG_ERROR
+    exit_code = 2
+
+
+class TargetError(ConfigError):
+    """``stadium serve TARGET`` names something that cannot be loaded as an environment."""
+
+
+class EnvCheckError(StadiumError):
+    """:func:`stadium.check_env` found a violation of the environment contract."""
+
+    code = ErrorCode.CHECK_ERROR
+
+
+_BY_CODE: dict[str, type[StadiumError]] = {
+    ErrorCode.INVALID_JSON: InvalidMessageError,
+    ErrorCode.UNKNOWN_TYPE: UnknownTypeError,
+    ErrorCode.VALIDATION_ERROR: ValidationError,
+    ErrorCode.EXECUTION_ERROR: ExecutionError,
+    ErrorCode.CAPACITY_REACHED: CapacityError,
+    ErrorCode.FACTORY_ERROR: ExecutionError,
+    ErrorCode.SESSION_ERROR: SessionError,
+}
+
+
+def error_from_wire(data: Any) -> StadiumError:
+    """Rebuild the error a server sent in an error frame's ``data``."""
+    if not isinstance(data, dict):
+        return SessionError(f"server sent a malformed error frame: {data!r}")
+    message = str(data.get("message", "unknown error"))
+    code = str(data.get("code", ErrorCode.SESSION_ERROR))
+    cls = _BY_CODE.get(code, SessionError)
+    context = {k: v for k, v in data.items() if k not in ("message", "code")}
+    err = cls(message, **context)
+    if code not in _BY_CODE:
+        err.context.setdefault("server_code", code)
+    return err

@@ -1,0 +1,174 @@
+"""Plain-HTTP endpoints, shared by every transport.
+
+``GET /health``, ``/metadata``, ``/schema``, ``/state`` and OpenEnv's stateless
+``POST /reset`` and ``POST /step`` (each on a fresh environment instance, as
+OpenEnv does). Handlers take the method, path and body and return an
+:class:`HttpResponse`; transports only move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import msgspec
+
+from stadium import __version__
+from stadium._env import StepResult
+from stadium._errors import StadiumError, ValidationError
+from stadium._protocol import PROTOCOL_VERSION
+from stadium._session import Runtime
+from stadium._spec import validation_error
+
+_JSON = "application/json"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HttpResponse:
+    status: int
+    body: bytes
+    content_type: str = _JSON
+
+
+def _json(status: int, payload: Any) -> HttpResponse:
+    return HttpResponse(status, msgspec.json.encode(payload))
+
+
+def _error(status: int, message: str, code: str, **extra: Any) -> HttpResponse:
+    return _json(status, {"detail": message, "code": code, **extra})
+
+
+class HttpEndpoints:
+    """The HTTP surface of one worker."""
+
+    GET_PATHS = ("/health", "/metadata", "/schema", "/state")
+    POST_PATHS = ("/reset", "/step")
+
+    def __init__(self, runtime: Runtime, *, workers: int = 1) -> None:
+        self.runtime = runtime
+        self.workers = workers
+        spec = runtime.spec
+        self._schema = msgspec.json.encode(spec.schemas())
+
+    def get(self, path: str) -> HttpResponse:
+        """Answer a GET (synchronously: these never wait on an environment)."""
+        path = path.split("?", 1)[0].rstrip("/") or "/"
+        rt = self.runtime
+        if path == "/health":
+            if rt.draining:
+                return _json(503, {"status": "draining"})
+            return _json(200, {"status": "healthy"})
+        if path == "/schema":
+            return HttpResponse(200, self._schema)
+        if path == "/metadata":
+            return _json(200, self.metadata())
+        if path == "/state":
+            env = rt.new_env()
+            try:
+                return HttpResponse(200, rt.spec.json_encoder.encode(env.state))
+            finally:
+                _close_quietly(env)
+        if path in self.POST_PATHS:
+            return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
+        return self.not_found(path)
+
+    def not_found(self, path: str) -> HttpResponse:
+        return _error(
+            404,
+            f"no endpoint {path}; try GET {', '.join(self.GET_PATHS)}, "
+            f"POST {', '.join(self.POST_PATHS)} or a WebSocket at /ws",
+            "NOT_FOUND",
+        )
+
+    def metadata(self) -> dict[str, Any]:
+        spec = self.runtime.spec
+        slots = self.runtime.admission.slots
+        return {
+            "name": spec.name,
+            "description": spec.description,
+            "version": spec.version,
+            "readme_content": None,
+            "author": None,
+            "documentation_url": None,
+            "server": "stadium",
+            "server_version": __version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "capacity": {
+                "max_sessions": slots.limit,
+                "active_sessions": slots.active(),
+                "workers": self.workers,
+            },
+        }
+
+    async def post(self, path: str, body: bytes) -> HttpResponse:
+        """Answer a POST: OpenEnv's stateless reset and step."""
+        path = path.split("?", 1)[0].rstrip("/")
+        if path not in self.POST_PATHS:
+            if path in self.GET_PATHS:
+                return _error(405, f"{path} takes GET", "METHOD_NOT_ALLOWED")
+            return self.not_found(path)
+        try:
+            data = msgspec.json.decode(body) if body.strip() else {}
+        except msgspec.DecodeError as exc:
+            return _error(400, f"body is not valid JSON: {exc}", "INVALID_JSON")
+        if not isinstance(data, dict):
+            return _error(422, "body must be a JSON object", "VALIDATION_ERROR")
+        rt = self.runtime
+        spec = rt.spec
+        try:
+            if path == "/reset":
+                seed = data.get("seed")
+                if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+                    raise ValidationError("seed must be an integer or null", field="$.seed")
+                options = {k: v for k, v in data.items() if k not in ("seed", "episode_id")}
+                result = await self._run(
+                    lambda env: env.reset(seed=seed, options=options or None), spec.async_reset
+                )
+            else:
+                if "action" not in data:
+                    raise ValidationError('body needs an "action" object', field="$.action")
+                try:
+                    action = msgspec.convert(data["action"], spec.action.tp, strict=False)
+                except msgspec.ValidationError as exc:
+                    raise validation_error(exc, "action") from None
+                result = await self._run(lambda env: env.step(action), spec.async_step)
+        except StadiumError as exc:
+            status = 422 if isinstance(exc, ValidationError) else 500
+            return _json(status, {"detail": exc.message, **exc.to_wire()})
+        except Exception as exc:
+            return _error(
+                500, f"{path[1:]} raised {type(exc).__name__}: {exc}", "EXECUTION_ERROR"
+            )
+        if isinstance(result, StepResult):
+            payload = {"observation": result.observation, "reward": result.reward, "done": result.done}
+        else:
+            payload = {"observation": result, "reward": None, "done": False}
+        return HttpResponse(200, spec.json_encoder.encode(payload))
+
+    async def _run(self, fn: Any, is_async: bool) -> Any:
+        rt = self.runtime
+        loop = asyncio.get_running_loop()
+        if rt.spec.blocking and not is_async:
+            env = await loop.run_in_executor(rt.executor, rt.new_env)
+        else:
+            env = rt.new_env()
+        try:
+            if is_async:
+                return await fn(env)
+            if rt.spec.blocking:
+                return await loop.run_in_executor(rt.executor, fn, env)
+            return fn(env)
+        finally:
+            close = env.close()
+            if asyncio.iscoroutine(close):
+                await close
+
+
+def _close_quietly(env: Any) -> None:
+    try:
+        result = env.close()
+        if asyncio.iscoroutine(result):
+            asyncio.get_running_loop().create_task(result)
+    except Exception:  # noqa: S110 - best effort on a throwaway instance
+        pass

@@ -1,0 +1,352 @@
+"""The picows transport: WebSocket sessions and plain HTTP on one listening socket.
+
+Each accepted connection starts in :class:`_FrontProtocol`, which looks at the
+first bytes: a ``GET`` goes to picows (a WebSocket upgrade on ``/ws``, or one of
+the GET endpoints answered in picows' handshake hook); anything else (``POST
+/reset``, ``POST /step``) goes to a small h11-based HTTP/1.1 protocol. A
+WebSocket session is a :class:`_SessionListener` that feeds complete messages to
+a :class:`~stadium._session.Session` and is that session's channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from http import HTTPStatus
+from typing import Any
+
+import h11
+from picows import (
+    WSCloseCode,
+    WSFrame,
+    WSListener,
+    WSMsgType,
+    WSTransport,
+    WSUpgradeRequest,
+    WSUpgradeResponse,
+    WSUpgradeResponseWithListener,
+)
+from picows.picows import WSAutoPingStrategy, WSProtocol
+
+from stadium._http import HttpEndpoints, HttpResponse
+from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
+from stadium._session import Runtime, Session
+
+log = logging.getLogger("stadium.transport")
+
+# picows makes a child logging.Logger per connection when given a Logger; an
+# adapter avoids that allocation (memory per session).
+_PICOWS_LOG = logging.LoggerAdapter(logging.getLogger("stadium.picows"), {})
+_READ_BUFFER = 2048
+
+_TEXT = WSMsgType.TEXT
+_BINARY = WSMsgType.BINARY
+_CONTINUATION = WSMsgType.CONTINUATION
+_CLOSE = WSMsgType.CLOSE
+
+
+class _SessionListener(WSListener):  # type: ignore[misc]
+    __slots__ = ("_frags", "_max", "_msg_type", "encoding", "runtime", "session", "transport")
+
+    def __init__(self, runtime: Runtime, encoding: Encoding, max_message_bytes: int) -> None:
+        self.runtime = runtime
+        self.encoding = encoding
+        self._msg_type = _TEXT if encoding is Encoding.JSON else _BINARY
+        self._max = max_message_bytes
+        self._frags: list[bytes] | None = None
+        self.transport: WSTransport | None = None
+        self.session: Session | None = None
+
+    # picows callbacks ----------------------------------------------------------
+
+    def on_ws_connected(self, transport: WSTransport) -> None:
+        self.transport = transport
+        self.session = Session(self.runtime, self, self.encoding)
+        self.session.start()
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        mtype = frame.msg_type
+        if mtype == _TEXT or mtype == _BINARY:
+            if frame.fin:
+                if self._frags is not None:
+                    self._protocol_violation("a new message started inside a fragmented one")
+                    return
+                self.session.feed(frame.get_payload_as_bytes())  # type: ignore[union-attr]
+            else:
+                self._frags = [frame.get_payload_as_bytes()]
+        elif mtype == _CONTINUATION:
+            frags = self._frags
+            if frags is None:
+                self._protocol_violation("continuation frame without a message to continue")
+                return
+            frags.append(frame.get_payload_as_bytes())
+            if sum(map(len, frags)) > self._max:
+                self._frags = None
+                transport.send_close(
+                    WSCloseCode.MESSAGE_TOO_BIG, f"message exceeds {self._max} bytes".encode()
+                )
+                transport.disconnect()
+                return
+            if frame.fin:
+                self._frags = None
+                self.session.feed(b"".join(frags))  # type: ignore[union-attr]
+        elif mtype == _CLOSE:
+            transport.send_close(frame.get_close_code(), frame.get_close_message())
+            transport.disconnect()
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if self.session is not None:
+            self.session.connection_lost()
+
+    def _protocol_violation(self, reason: str) -> None:
+        assert self.transport is not None
+        self._frags = None
+        self.transport.send_close(WSCloseCode.PROTOCOL_ERROR, reason.encode())
+        self.transport.disconnect()
+
+    # Channel (what the session sees) ------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_close_frame_sent:
+            transport.send(self._msg_type, data)
+
+    def close(self, code: int, reason: str) -> None:
+        transport = self.transport
+        if transport is not None:
+            if not transport.is_close_frame_sent:
+                transport.send_close(WSCloseCode(code), reason.encode()[:120])
+            transport.disconnect()
+
+
+def _response(resp: HttpResponse) -> WSUpgradeResponseWithListener:
+    headers = {"Content-Type": resp.content_type}
+    if resp.status < 400:
+        r = WSUpgradeResponse.create_ok_response(resp.body, headers)
+        r.status = HTTPStatus(resp.status)
+    else:
+        r = WSUpgradeResponse.create_error_response(resp.status, resp.body, headers)
+    return WSUpgradeResponseWithListener(r, None)
+
+
+class PicowsTransport:
+    """Builds the per-connection protocols for one worker."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        endpoints: HttpEndpoints,
+        *,
+        max_message_bytes: int,
+        ping_interval: float,
+        ping_timeout: float,
+    ) -> None:
+        self.runtime = runtime
+        self.endpoints = endpoints
+        self.max_message_bytes = max_message_bytes
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
+        self.http_connections: set[_HttpProtocol] = set()
+
+    def _route(self, request: WSUpgradeRequest) -> Any:
+        path = request.path.decode("latin-1")
+        if path.split("?", 1)[0] == "/ws":
+            if request.headers.get("Upgrade", "").lower() != "websocket":
+                return _response(
+                    HttpResponse(
+                        426, b'{"detail":"/ws is a WebSocket endpoint: send an Upgrade request"}'
+                    )
+                )
+            offered = request.headers.get("Sec-WebSocket-Protocol", "")
+            if MSGPACK_SUBPROTOCOL in (p.strip() for p in offered.split(",")):
+                return WSUpgradeResponseWithListener(
+                    WSUpgradeResponse.create_101_response(
+                        {"Sec-WebSocket-Protocol": MSGPACK_SUBPROTOCOL}
+                    ),
+                    _SessionListener(self.runtime, Encoding.MSGPACK, self.max_message_bytes),
+                )
+            return _SessionListener(self.runtime, Encoding.JSON, self.max_message_bytes)
+        try:
+            return _response(self.endpoints.get(path))
+        except Exception as exc:
+            log.exception("GET %s failed", path)
+            return _response(HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode()))
+
+    def ws_protocol(self) -> WSProtocol:
+        ping = self.ping_interval > 0
+        return WSProtocol(
+            None,
+            None,
+            False,
+            self._route,
+            _PICOWS_LOG,
+            True,
+            10.0,
+            ping,
+            self.ping_interval or 20.0,
+            self.ping_timeout or 20.0,
+            WSAutoPingStrategy.PING_WHEN_IDLE,
+            True,
+            self.max_message_bytes,
+            None,
+            _READ_BUFFER,
+        )
+
+    def __call__(self) -> asyncio.Protocol:
+        """The protocol factory for ``loop.create_server``."""
+        return _FrontProtocol(self)
+
+
+class _FrontProtocol(asyncio.Protocol):
+    """Decides from the first bytes whether a connection is picows' or plain HTTP."""
+
+    __slots__ = ("_buf", "_owner", "_transport")
+
+    def __init__(self, owner: PicowsTransport) -> None:
+        self._owner = owner
+        self._transport: asyncio.Transport | None = None
+        self._buf = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        if len(buf) < 4:
+            self._buf = buf
+            return
+        transport = self._transport
+        assert transport is not None
+        proto: asyncio.BaseProtocol
+        if buf[:4] == b"GET ":
+            proto = self._owner.ws_protocol()
+            transport.set_protocol(proto)
+            proto.connection_made(transport)
+            view = memoryview(buf)
+            while view:
+                target = proto.get_buffer(len(view))
+                n = min(len(target), len(view))
+                target[:n] = view[:n]
+                proto.buffer_updated(n)
+                view = view[n:]
+        else:
+            proto = _HttpProtocol(self._owner)
+            transport.set_protocol(proto)
+            proto.connection_made(transport)
+            proto.data_received(buf)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+
+
+class _HttpProtocol(asyncio.Protocol):
+    """HTTP/1.1 with keep-alive for the non-GET endpoints (h11 does the parsing)."""
+
+    def __init__(self, owner: PicowsTransport) -> None:
+        self._owner = owner
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+        self._transport: asyncio.Transport | None = None
+        self._request: h11.Request | None = None
+        self._body: list[bytes] = []
+        self._size = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self._owner.http_connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._owner.http_connections.discard(self)
+        if self._task is not None:
+            self._task.cancel()
+
+    def data_received(self, data: bytes) -> None:
+        self._conn.receive_data(data)
+        self._process()
+
+    def _process(self) -> None:
+        while self._task is None and self._transport is not None:
+            try:
+                event = self._conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                self._send(HttpResponse(exc.error_status_hint, f'{{"detail":"{exc}"}}'.encode()))
+                self._close()
+                return
+            if event is h11.NEED_DATA or event is h11.PAUSED:
+                return
+            if isinstance(event, h11.Request):
+                self._request = event
+                self._body = []
+                self._size = 0
+            elif isinstance(event, h11.Data):
+                self._size += len(event.data)
+                if self._size > self._owner.max_message_bytes:
+                    self._send(HttpResponse(413, b'{"detail":"request body too large"}'))
+                    self._close()
+                    return
+                self._body.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                self._task = asyncio.get_running_loop().create_task(self._respond())
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                self._close()
+                return
+
+    async def _respond(self) -> None:
+        request = self._request
+        assert request is not None
+        path = request.target.decode("latin-1")
+        endpoints = self._owner.endpoints
+        try:
+            if request.method == b"GET":
+                resp = endpoints.get(path)
+            elif request.method == b"POST":
+                resp = await endpoints.post(path, b"".join(self._body))
+            else:
+                resp = HttpResponse(405, b'{"detail":"use GET or POST"}')
+        except Exception as exc:
+            log.exception("%s %s failed", request.method, path)
+            resp = HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode())
+        self._task = None
+        self._send(resp)
+        if self._conn.our_state is h11.MUST_CLOSE or self._owner.runtime.draining:
+            self._close()
+            return
+        try:
+            self._conn.start_next_cycle()
+        except h11.LocalProtocolError:
+            self._close()
+            return
+        self._process()
+
+    def _send(self, resp: HttpResponse) -> None:
+        transport = self._transport
+        if transport is None:
+            return
+        try:
+            out = self._conn.send(
+                h11.Response(
+                    status_code=resp.status,
+                    headers=[
+                        ("Content-Type", resp.content_type),
+                        ("Content-Length", str(len(resp.body))),
+                    ],
+                )
+            )
+            out = (out or b"") + (self._conn.send(h11.Data(data=resp.body)) or b"")
+            out += self._conn.send(h11.EndOfMessage()) or b""
+        except h11.LocalProtocolError:
+            self._close()
+            return
+        transport.write(out)
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    def shutdown(self) -> None:
+        """Close if idle (server draining)."""
+        if self._task is None:
+            self._close()

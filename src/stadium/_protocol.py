@@ -1,0 +1,318 @@
+"""The session protocol core: messages in, calls and reply frames out. No I/O, no clocks.
+
+Wire format (OpenEnv's, see docs/PROTOCOL.md)::
+
+    client → {"type": "reset", "data": {"seed": 1, ...}, "id": 7}
+             {"type": "step",  "data": {<action>}}
+             {"type": "state"} | {"type": "close"}
+    server → {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
+             {"type": "state", "data": {"episode_id": ..., "step_count": ..., ...}}
+             {"type": "error", "data": {"message": ..., "code": ...}}
+
+``id`` is Stadium's extension: when a request carries one, the reply echoes it.
+
+A transport feeds each complete WebSocket message to :meth:`SessionProtocol.receive`,
+which returns either a :class:`Call` to carry out on the environment or the bytes
+of an error reply. Once the call is done the transport asks for the reply frame
+(:meth:`~SessionProtocol.observation_reply`, :meth:`~SessionProtocol.state_reply`,
+:meth:`~SessionProtocol.error_reply`). The protocol tracks the episode id and
+step count, and the session lifecycle (:class:`SessionState`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from stadium._env import StepResult
+from stadium._errors import (
+    InvalidMessageError,
+    SessionClosedError,
+    SessionError,
+    StadiumError,
+    UnknownTypeError,
+)
+from stadium._errors import ValidationError as StadiumValidationError
+from stadium._spec import EnvSpec, validation_error
+
+#: WebSocket subprotocol that switches a session to MessagePack frames.
+MSGPACK_SUBPROTOCOL = "stadium.msgpack"
+#: Version of the wire protocol (OpenEnv's frames plus Stadium's extensions).
+PROTOCOL_VERSION = "1.0"
+
+RequestId = int | str | None
+
+
+class Encoding(enum.Enum):
+    """How a session's frames are encoded."""
+
+    JSON = "json"
+    MSGPACK = "msgpack"
+
+
+class Op(enum.IntEnum):
+    """The four requests a client can make."""
+
+    RESET = 1
+    STEP = 2
+    STATE = 3
+    CLOSE = 4
+
+
+class SessionState(enum.IntEnum):
+    """Lifecycle of one session, as the protocol sees it."""
+
+    NEW = 0
+    """Admitted; no episode yet (``step`` is refused until ``reset``)."""
+    READY = 1
+    """An episode is running."""
+    CLOSED = 2
+    """``close`` was received or the session was ended; no more requests."""
+
+
+_OPS = {"reset": Op.RESET, "step": Op.STEP, "state": Op.STATE, "close": Op.CLOSE}
+
+
+class _Envelope(msgspec.Struct):
+    type: str = ""
+    data: msgspec.Raw = msgspec.Raw(b"")
+    id: int | str | None = None
+
+
+_RESET_KEYS = frozenset({"seed", "episode_id", "options"})
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    """One request the session must carry out on its environment."""
+
+    op: Op
+    id: RequestId = None
+    action: Any = None
+    seed: int | None = None
+    options: dict[str, Any] | None = None
+    episode_id: str | None = None
+
+
+class SessionProtocol:
+    """The protocol state of one session (one WebSocket connection).
+
+    Args:
+        spec: the environment's compiled spec (decoders, encoders).
+        encoding: JSON (OpenEnv's) or MessagePack (negotiated subprotocol).
+        new_episode_id: makes an episode id when ``reset`` does not bring one.
+    """
+
+    __slots__ = (
+        "_action_decoder",
+        "_encode",
+        "_envelope_decoder",
+        "_new_episode_id",
+        "_raw_decode",
+        "encoding",
+        "episode_id",
+        "spec",
+        "state",
+        "step_count",
+    )
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        encoding: Encoding,
+        new_episode_id: Callable[[], str],
+    ) -> None:
+        self.spec = spec
+        self.encoding = encoding
+        self.state = SessionState.NEW
+        self.episode_id: str | None = None
+        self.step_count = 0
+        self._new_episode_id = new_episode_id
+        if encoding is Encoding.JSON:
+            self._envelope_decoder: Any = _JSON_ENVELOPE
+            self._action_decoder: Any = spec.action.json_decoder
+            self._raw_decode: Callable[[Any], Any] = msgspec.json.decode
+            self._encode: Callable[[Any], bytes] = spec.json_encoder.encode
+        else:
+            self._envelope_decoder = _MSGPACK_ENVELOPE
+            self._action_decoder = spec.action.msgpack_decoder
+            self._raw_decode = msgspec.msgpack.decode
+            self._encode = spec.msgpack_encoder.encode
+
+    # -- input ---------------------------------------------------------------
+
+    def receive(self, message: bytes | str) -> Call | bytes:
+        """Decode one message: a :class:`Call` to carry out, or an error reply's bytes."""
+        if self.state is SessionState.CLOSED:
+            return self.error_reply(None, SessionClosedError("the session is closed"))
+        try:
+            envelope = self._envelope_decoder.decode(message)
+        except msgspec.ValidationError as exc:
+            return self.error_reply(None, self._envelope_error(exc))
+        except msgspec.DecodeError as exc:
+            kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
+            return self.error_reply(
+                None, InvalidMessageError(f"Invalid {kind}: {exc}", encoding=self.encoding.value)
+            )
+        op = _OPS.get(envelope.type)
+        rid = envelope.id
+        if op is None:
+            return self.error_reply(
+                rid,
+                UnknownTypeError(
+                    f"Unknown message type: {envelope.type!r}; expected one of "
+                    "reset, step, state, close",
+                    type=envelope.type,
+                ),
+            )
+        try:
+            if op is Op.STEP:
+                if self.state is not SessionState.READY:
+                    raise SessionError("no episode is running: send reset before step")
+                return Call(op, rid, action=self._decode_action(envelope.data))
+            if op is Op.RESET:
+                return self._reset_call(rid, envelope.data)
+            if op is Op.CLOSE:
+                self.state = SessionState.CLOSED
+            return Call(op, rid)
+        except StadiumError as exc:
+            return self.error_reply(rid, exc)
+
+    def _envelope_error(self, exc: msgspec.ValidationError) -> StadiumError:
+        text = str(exc)
+        if text.endswith("`$.type`"):
+            return UnknownTypeError(f"Invalid message type: {text}", field="$.type")
+        if text.endswith("`$.id`"):
+            return validation_error(exc, "request id")
+        return InvalidMessageError(f"Invalid message: a frame must be an object ({text})")
+
+    def _decode_action(self, raw: msgspec.Raw) -> Any:
+        if not raw:
+            raise StadiumValidationError(
+                "step needs an action in \"data\"; see GET /schema for its shape", field="$.data"
+            )
+        try:
+            return self._action_decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, "action") from None
+
+    def _reset_call(self, rid: RequestId, raw: msgspec.Raw) -> Call:
+        data: Any = self._raw_decode(raw) if raw else None
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise StadiumValidationError(
+                "reset data must be an object such as {\"seed\": 1}", field="$.data"
+            )
+        seed = data.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise StadiumValidationError(
+                f"seed must be an integer or null, got {seed!r}", field="$.data.seed"
+            )
+        episode_id = data.get("episode_id")
+        if episode_id is not None and not isinstance(episode_id, str):
+            raise StadiumValidationError(
+                f"episode_id must be a string, got {episode_id!r}", field="$.data.episode_id"
+            )
+        options = data.get("options")
+        if options is not None and not isinstance(options, dict):
+            raise StadiumValidationError(
+                f"options must be an object, got {options!r}", field="$.data.options"
+            )
+        extra = {k: v for k, v in data.items() if k not in _RESET_KEYS}
+        if extra:
+            options = {**extra, **(options or {})}
+        return Call(
+            Op.RESET,
+            rid,
+            seed=seed,
+            options=options,
+            episode_id=episode_id or self._new_episode_id(),
+        )
+
+    # -- output --------------------------------------------------------------
+
+    def observation_reply(self, call: Call, result: Any) -> bytes:
+        """The reply to a successful reset or step; advances the episode counters."""
+        if call.op is Op.RESET:
+            self.state = SessionState.READY
+            self.episode_id = call.episode_id
+            self.step_count = 0
+        else:
+            self.step_count += 1
+        if isinstance(result, StepResult):
+            obs, reward, done = result.observation, result.reward, result.done
+            truncated, info = result.truncated, result.info
+        else:
+            obs, reward, done, truncated, info = result, None, False, False, None
+        if self.encoding is Encoding.JSON:
+            enc = self._encode
+            parts = [
+                b'{"type":"observation","data":{"observation":',
+                enc(obs),
+                b',"reward":',
+                enc(reward),
+                b',"done":true' if done else b',"done":false',
+            ]
+            if truncated:
+                parts.append(b',"truncated":true')
+            if info:
+                parts.append(b',"info":')
+                parts.append(enc(info))
+            parts.append(b"}")
+            if call.id is not None:
+                parts.append(b',"id":')
+                parts.append(enc(call.id))
+            parts.append(b"}")
+            return b"".join(parts)
+        data: dict[str, Any] = {"observation": obs, "reward": reward, "done": done}
+        if truncated:
+            data["truncated"] = True
+        if info:
+            data["info"] = info
+        return self._frame("observation", data, call.id)
+
+    def state_reply(self, call: Call, state: Any) -> bytes:
+        """The reply to ``state``: the env's state with episode id and step count filled in."""
+        data = msgspec.to_builtins(state, enc_hook=_to_builtins_hook)
+        if not isinstance(data, dict):
+            data = {"value": data}
+        if data.get("episode_id") is None:
+            data["episode_id"] = self.episode_id
+        if not data.get("step_count"):
+            data["step_count"] = self.step_count
+        return self._frame("state", data, call.id)
+
+    def error_reply(self, rid: RequestId | Call, error: StadiumError) -> bytes:
+        """An error frame carrying ``error``'s code, message and context."""
+        if isinstance(rid, Call):
+            rid = rid.id
+        return self._frame("error", error.to_wire(), rid)
+
+    def close(self) -> None:
+        """Mark the session closed (the connection is gone or the server ended it)."""
+        self.state = SessionState.CLOSED
+
+    def _frame(self, kind: str, data: Any, rid: RequestId) -> bytes:
+        frame: dict[str, Any] = {"type": kind, "data": data}
+        if rid is not None:
+            frame["id"] = rid
+        return self._encode(frame)
+
+
+def _to_builtins_hook(value: Any) -> Any:
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump()
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return tolist()
+    raise NotImplementedError(f"cannot encode objects of type {type(value).__name__}")
+
+
+_JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)
+_MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)

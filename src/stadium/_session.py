@@ -1,0 +1,452 @@
+"""Session runner: one environment instance driven by the protocol core, for any transport.
+
+A transport (picows, ASGI) wraps each connection in a :class:`Session` and calls
+:meth:`Session.feed` with every complete message, :meth:`Session.connection_lost`
+when the peer is gone. The session admits itself, creates its environment,
+runs calls one at a time in arrival order (later messages queue), and sends the
+replies through the transport's :class:`Channel`.
+
+No OS thread per session: async env methods run on the event loop (as eager
+tasks where Python has them, so a call that does not suspend costs no task
+switch); blocking sync methods run on the worker's one bounded thread pool;
+non-blocking sync methods run inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import enum
+import logging
+import sys
+import uuid
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
+
+from stadium._admission import Admission
+from stadium._errors import (
+    CapacityError,
+    ExecutionError,
+    SessionError,
+    StadiumError,
+)
+from stadium._protocol import Call, Encoding, Op, SessionProtocol
+from stadium._spec import EnvSpec
+
+log = logging.getLogger("stadium.session")
+
+# WebSocket close codes used by the server.
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_INTERNAL_ERROR = 1011
+CLOSE_TRY_AGAIN_LATER = 1013
+
+#: Requests queued behind a running one before the session refuses more.
+MAX_PENDING = 1024
+
+
+class Channel(Protocol):
+    """What a transport offers a session: send a frame, close the connection."""
+
+    def send(self, data: bytes) -> None: ...
+
+    def close(self, code: int, reason: str) -> None: ...
+
+
+class Phase(enum.IntEnum):
+    """Lifecycle of a session on the server."""
+
+    ADMITTING = 0
+    """Waiting for a free slot; messages are queued."""
+    STARTING = 1
+    """Slot taken; the environment is being created."""
+    OPEN = 2
+    """Serving requests."""
+    CLOSING = 3
+    """Finishing the in-flight request, then closing (close frame, drain, idle)."""
+    CLOSED = 4
+    """Slot and environment released."""
+
+
+def _new_episode_id() -> str:
+    return uuid.uuid4().hex
+
+
+if sys.version_info >= (3, 12):
+
+    def _start_task(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
+    ) -> asyncio.Task[Any]:
+        # Runs synchronously up to the first suspension: a call that never waits
+        # completes here without a trip through the event loop.
+        return asyncio.Task(coro, loop=loop, eager_start=True)
+
+else:
+
+    def _start_task(
+        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
+    ) -> asyncio.Task[Any]:
+        return loop.create_task(coro)
+
+
+class Runtime:
+    """What all sessions of one worker share: spec, admission, thread pool, counters."""
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        admission: Admission,
+        *,
+        executor_threads: int = 8,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.admission = admission
+        self.executor_threads = executor_threads
+        self.env_kwargs = env_kwargs or {}
+        self.sessions: set[Session] = set()
+        self.draining = False
+        self.sessions_total = 0
+        self.steps_total = 0
+        self.errors_total: collections.Counter[str] = collections.Counter()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                self.executor_threads, thread_name_prefix="stadium-env"
+            )
+        return self._executor
+
+    def new_env(self) -> Any:
+        return self.spec.factory(**self.env_kwargs) if self.env_kwargs else self.spec.factory()
+
+    def capacity_error(self) -> CapacityError:
+        slots = self.admission.slots
+        return CapacityError(
+            f"server at capacity ({slots.active()}/{slots.limit} sessions) and no slot freed "
+            f"within {self.admission.timeout:g}s; retry later",
+            active_sessions=slots.active(),
+            max_sessions=slots.limit,
+            retry_after_s=1.0,
+        )
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Session:
+    """One session: admission, environment, ordered request processing, replies."""
+
+    __slots__ = (
+        "_call",
+        "_close_after",
+        "_pending",
+        "_task",
+        "_waiter",
+        "channel",
+        "env",
+        "last_active",
+        "loop",
+        "phase",
+        "protocol",
+        "runtime",
+    )
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        channel: Channel,
+        encoding: Encoding = Encoding.JSON,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.channel = channel
+        self.loop = loop or asyncio.get_running_loop()
+        self.protocol = SessionProtocol(runtime.spec, encoding, _new_episode_id)
+        self.phase = Phase.ADMITTING
+        self.env: Any = None
+        self.last_active = self.loop.time()
+        self._pending: collections.deque[bytes | str] | None = None
+        self._call: Call | None = None
+        self._task: asyncio.Task[Any] | asyncio.Future[Any] | None = None
+        self._waiter: Callable[[bool], None] | None = None
+        self._close_after = (CLOSE_GOING_AWAY, "server closing session")
+
+    # -- transport-facing ------------------------------------------------------
+
+    def start(self) -> None:
+        """Ask for a slot; the session opens when one is granted."""
+        rt = self.runtime
+        if rt.draining:
+            self._refuse(rt.capacity_error(), "server is shutting down")
+            return
+        rt.sessions.add(self)
+        waiter = self._on_admission
+        if rt.admission.admit(waiter):
+            self._on_admission(True)
+        elif self.phase is Phase.ADMITTING:
+            self._waiter = waiter
+
+    def feed(self, message: bytes | str) -> None:
+        """Handle (or queue) one complete message from the peer."""
+        self.last_active = self.loop.time()
+        if self._call is not None or self.phase is not Phase.OPEN:
+            if self.phase >= Phase.CLOSING:
+                return
+            pending = self._pending
+            if pending is None:
+                pending = self._pending = collections.deque()
+            if len(pending) >= MAX_PENDING:
+                self._send_error(
+                    None, SessionError(f"more than {MAX_PENDING} requests queued; wait for replies")
+                )
+                return
+            pending.append(message)
+            return
+        self._handle(message)
+
+    def connection_lost(self) -> None:
+        """The peer is gone: cancel in-flight work, free the slot and the environment."""
+        if self.phase is Phase.CLOSED:
+            return
+        if self._waiter is not None:
+            self.runtime.admission.cancel(self._waiter)
+            self._waiter = None
+        self._teardown()
+
+    def close(self, code: int = CLOSE_GOING_AWAY, reason: str = "server closing session") -> None:
+        """End the session from the server side, after the in-flight request, if any."""
+        if self.phase >= Phase.CLOSING:
+            return
+        if self.phase is Phase.ADMITTING:
+            self._refuse(self.runtime.capacity_error(), reason)
+            return
+        self.phase = Phase.CLOSING
+        self._pending = None
+        if self._call is None:
+            self._finish_close(code, reason)
+        else:
+            self._close_after = (code, reason)
+
+    @property
+    def busy(self) -> bool:
+        return self._call is not None
+
+    # -- admission and start-up -------------------------------------------------
+
+    def _on_admission(self, granted: bool) -> None:
+        self._waiter = None
+        if self.phase is not Phase.ADMITTING:
+            if granted:  # the peer left while we waited: give the slot back
+                self.runtime.admission.release()
+            return
+        if not granted:
+            self._refuse(self.runtime.capacity_error(), "no free session slot")
+            return
+        self.phase = Phase.STARTING
+        self.runtime.sessions_total += 1
+        spec = self.runtime.spec
+        if spec.blocking and not (spec.async_reset or spec.async_step):
+            fut = self.loop.run_in_executor(self.runtime.executor, self.runtime.new_env)
+            fut.add_done_callback(self._on_env_created)
+            self._task = fut
+            return
+        try:
+            env = self.runtime.new_env()
+        except Exception as exc:
+            self._fail_start(exc)
+            return
+        self._opened(env)
+
+    def _on_env_created(self, fut: asyncio.Future[Any]) -> None:
+        self._task = None
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self._fail_start(exc)
+            return
+        if self.phase is not Phase.STARTING:  # the peer left meanwhile
+            self.env = fut.result()
+            self._release_env()
+            return
+        self._opened(fut.result())
+
+    def _opened(self, env: Any) -> None:
+        self.env = env
+        self.phase = Phase.OPEN
+        self._drain_pending()
+
+    def _fail_start(self, exc: BaseException) -> None:
+        log.error("creating the environment failed: %r", exc)
+        err = ExecutionError(
+            f"creating the environment failed: {type(exc).__name__}: {exc}",
+            exception=type(exc).__name__,
+            operation="create",
+        )
+        self.channel.send(self.protocol.error_reply(None, err))
+        self.phase = Phase.CLOSING
+        self._finish_close(CLOSE_INTERNAL_ERROR, "environment could not be created")
+
+    def _refuse(self, err: CapacityError, reason: str) -> None:
+        self.runtime.errors_total[str(err.code)] += 1
+        self.runtime.sessions.discard(self)
+        self.phase = Phase.CLOSED
+        self._pending = None
+        self.channel.send(self.protocol.error_reply(None, err))
+        self.channel.close(CLOSE_TRY_AGAIN_LATER, reason)
+
+    # -- request processing -----------------------------------------------------
+
+    def _drain_pending(self) -> None:
+        pending = self._pending
+        while pending and self._call is None and self.phase is Phase.OPEN:
+            self._handle(pending.popleft())
+
+    def _handle(self, message: bytes | str) -> None:
+        out = self.protocol.receive(message)
+        if type(out) is bytes:
+            self.runtime.errors_total["protocol"] += 1
+            self.channel.send(out)
+            return
+        assert isinstance(out, Call)
+        call = out
+        op = call.op
+        spec = self.runtime.spec
+        env = self.env
+        try:
+            if op is Op.STEP:
+                if spec.async_step:
+                    self._await(call, env.step(call.action))
+                elif spec.blocking:
+                    self._in_thread(call, env.step, call.action)
+                else:
+                    self._reply(call, env.step(call.action))
+            elif op is Op.RESET:
+                if spec.async_reset:
+                    self._await(call, env.reset(seed=call.seed, options=call.options))
+                elif spec.blocking:
+                    self._in_thread(call, _call_reset, env, call.seed, call.options)
+                else:
+                    self._reply(call, env.reset(seed=call.seed, options=call.options))
+            elif op is Op.STATE:
+                self._reply(call, env.state)
+            else:  # CLOSE
+                self.phase = Phase.CLOSING
+                self._pending = None
+                self._finish_close(CLOSE_NORMAL, "session closed by client")
+        except Exception as exc:
+            self._fail(call, exc)
+
+    def _await(self, call: Call, coro: Coroutine[Any, Any, Any]) -> None:
+        task = _start_task(self.loop, coro)
+        if task.done():
+            self._on_done(call, task)
+            return
+        self._call = call
+        self._task = task
+        task.add_done_callback(lambda t: self._on_done(call, t))
+
+    def _in_thread(self, call: Call, fn: Callable[..., Any], *args: Any) -> None:
+        self._call = call
+        fut = self.loop.run_in_executor(self.runtime.executor, fn, *args)
+        self._task = fut
+        fut.add_done_callback(lambda f: self._on_done(call, f))
+
+    def _on_done(self, call: Call, fut: asyncio.Future[Any]) -> None:
+        self._call = None
+        self._task = None
+        if self.phase is Phase.CLOSED:
+            return
+        if fut.cancelled():
+            self._send_error(call, SessionError(f"{call.op.name.lower()} was cancelled"))
+        else:
+            exc = fut.exception()
+            if exc is None:
+                self._reply(call, fut.result())
+            else:
+                self._fail(call, exc)
+        if self.phase is Phase.CLOSING:
+            self._finish_close(*self._close_after)
+        elif self._pending:
+            self._drain_pending()
+
+    def _reply(self, call: Call, result: Any) -> None:
+        protocol = self.protocol
+        if call.op is Op.STATE:
+            frame = protocol.state_reply(call, result)
+        else:
+            frame = protocol.observation_reply(call, result)
+            if call.op is Op.STEP:
+                self.runtime.steps_total += 1
+        self.channel.send(frame)
+
+    def _fail(self, call: Call, exc: BaseException) -> None:
+        if isinstance(exc, StadiumError):
+            err = exc
+        else:
+            op = call.op.name.lower()
+            err = ExecutionError(
+                f"{op} raised {type(exc).__name__}: {exc}",
+                exception=type(exc).__name__,
+                operation=op,
+            )
+            log.debug("environment raised in %s", op, exc_info=exc)
+        self._send_error(call, err)
+
+    def _send_error(self, call: Call | None, err: StadiumError) -> None:
+        self.runtime.errors_total[str(err.code)] += 1
+        self.channel.send(self.protocol.error_reply(call, err))
+
+    # -- teardown ---------------------------------------------------------------
+
+    def _finish_close(self, code: int, reason: str) -> None:
+        self.channel.close(code, reason)
+        self._teardown()
+
+    def _teardown(self) -> None:
+        phase = self.phase
+        self.phase = Phase.CLOSED
+        self.protocol.close()
+        self._pending = None
+        rt = self.runtime
+        rt.sessions.discard(self)
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
+        self._task = None
+        if phase is not Phase.ADMITTING and phase is not Phase.CLOSED:
+            rt.admission.release()
+        self._release_env()
+
+    def _release_env(self) -> None:
+        env, self.env = self.env, None
+        if env is None:
+            return
+        spec = self.runtime.spec
+        try:
+            if spec.async_close:
+                task = _start_task(self.loop, env.close())
+                if not task.done():
+                    task.add_done_callback(_log_close_error)
+                else:
+                    _log_close_error(task)
+            elif spec.blocking:
+                self.loop.run_in_executor(self.runtime.executor, env.close)
+            else:
+                env.close()
+        except Exception:
+            log.exception("closing the environment raised")
+
+
+def _call_reset(env: Any, seed: int | None, options: dict[str, Any] | None) -> Any:
+    return env.reset(seed=seed, options=options)
+
+
+def _log_close_error(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("closing the environment raised: %r", task.exception())

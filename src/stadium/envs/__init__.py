@@ -1,0 +1,15 @@
+"""Built-in environments, servable by short name (``stadium serve echo``)."""
+
+from __future__ import annotations
+
+from stadium.envs.benchmark import BenchmarkEnv
+from stadium.envs.echo import EchoEnv
+from stadium.envs.wordguess import WordGuessEnv
+
+BUILTIN: dict[str, str] = {
+    "echo": "stadium.envs.echo:EchoEnv",
+    "benchmark": "stadium.envs.benchmark:BenchmarkEnv",
+    "wordguess": "stadium.envs.wordguess:WordGuessEnv",
+}
+
+__all__ = ["BUILTIN", "BenchmarkEnv", "EchoEnv", "WordGuessEnv"]
