@@ -1,5 +1,74 @@
-"""Stadium: serve RL and LLM-agent environments to thousands of concurrent sessions."""
+"""Stadium: serve RL and LLM-agent environments to thousands of concurrent sessions.
 
-from __future__ import annotations
+Write an environment::
 
-__version__ = "0.1.0"
+    import msgspec, stadium
+
+    class Say(msgspec.Struct):
+        message: str
+
+    class Heard(msgspec.Struct):
+        text: str
+
+    class Parrot(stadium.Environment[Say, Heard, stadium.State]):
+        def reset(self, *, seed=None, options=None) -> Heard:
+            return Heard("ready")
+
+        def step(self, action: Say) -> stadium.StepResult[Heard]:
+            return stadium.StepResult(Heard(action.message), reward=1.0)
+
+serve it with ``stadium serve my_module:Parrot`` and drive it with
+:class:`stadium.Client` or any OpenEnv client.
+"""
+
+from stadium._check import check_env
+from stadium._client import AsyncClient, Client, SessionPool
+from stadium._config import ServerConfig
+from stadium._env import Environment, State, StepResult
+from stadium._errors import (
+    CapacityError,
+    ConfigError,
+    ConnectError,
+    EnvCheckError,
+    ErrorCode,
+    ExecutionError,
+    InvalidMessageError,
+    ProtocolError,
+    SessionClosedError,
+    SessionError,
+    StadiumError,
+    TargetError,
+    UnknownTypeError,
+    ValidationError,
+)
+from stadium._server import Server, ServerState, run_server
+from stadium._version import __version__
+
+__all__ = [
+    "AsyncClient",
+    "CapacityError",
+    "Client",
+    "ConfigError",
+    "ConnectError",
+    "EnvCheckError",
+    "Environment",
+    "ErrorCode",
+    "ExecutionError",
+    "InvalidMessageError",
+    "ProtocolError",
+    "Server",
+    "ServerConfig",
+    "ServerState",
+    "SessionClosedError",
+    "SessionError",
+    "SessionPool",
+    "StadiumError",
+    "State",
+    "StepResult",
+    "TargetError",
+    "UnknownTypeError",
+    "ValidationError",
+    "__version__",
+    "check_env",
+    "run_server",
+]

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from stadium import __version__
 from stadium._errors import StadiumError
+from stadium._version import __version__
 
 # Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
 _LAZY = {

@@ -79,7 +79,7 @@ class ServerConfig:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
             if not isinstance(env_kwargs, dict):
-                raise ConfigError('--env-kwargs must be a JSON object, e.g. \'{"size": 4}\'')
+                raise ConfigError("--env-kwargs must be a JSON object, e.g. '{\"size\": 4}'")
             kwargs["env_kwargs"] = env_kwargs
         return cls(**kwargs)
 
@@ -107,12 +107,22 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--admission-timeout", type=float, help="Seconds to wait for a free slot [5]."
         ),
-        click.option("--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."),
+        click.option(
+            "--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."
+        ),
         click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
-        click.option("--drain-timeout", type=float, help="Seconds to finish in-flight work on SIGTERM [30]."),
-        click.option("--ping-interval", type=float, help="Keepalive ping when idle this long; 0 off [20]."),
-        click.option("--ping-timeout", type=float, help="Drop a peer that does not pong in time [20]."),
-        click.option("--executor-threads", type=int, help="Threads for blocking sync envs [cpus+4]."),
+        click.option(
+            "--drain-timeout", type=float, help="Seconds to finish in-flight work on SIGTERM [30]."
+        ),
+        click.option(
+            "--ping-interval", type=float, help="Keepalive ping when idle this long; 0 off [20]."
+        ),
+        click.option(
+            "--ping-timeout", type=float, help="Drop a peer that does not pong in time [20]."
+        ),
+        click.option(
+            "--executor-threads", type=int, help="Threads for blocking sync envs [cpus+4]."
+        ),
         click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
         click.option(
             "--log-level",

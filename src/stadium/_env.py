@@ -110,6 +110,9 @@ class Environment(Generic[ActT, ObsT, StateT]):
       the generic parameters ``Environment[Act, Obs, State]``; set them when the
       class is not parametrised that way.
 
+    An environment may also define ``sample_action(self, rng: random.Random) -> Act``,
+    which :func:`stadium.check_env` uses to try actions.
+
     Types may be ``msgspec.Struct`` (recommended), dataclasses, ``TypedDict`` or
     plain ``dict``: anything msgspec can validate and describe as JSON Schema.
     """

@@ -14,12 +14,12 @@ from typing import Any
 
 import msgspec
 
-from stadium import __version__
 from stadium._env import StepResult
 from stadium._errors import StadiumError, ValidationError
 from stadium._protocol import PROTOCOL_VERSION
 from stadium._session import Runtime
 from stadium._spec import validation_error
+from stadium._version import __version__
 
 _JSON = "application/json"
 
@@ -137,11 +137,13 @@ class HttpEndpoints:
             status = 422 if isinstance(exc, ValidationError) else 500
             return _json(status, {"detail": exc.message, **exc.to_wire()})
         except Exception as exc:
-            return _error(
-                500, f"{path[1:]} raised {type(exc).__name__}: {exc}", "EXECUTION_ERROR"
-            )
+            return _error(500, f"{path[1:]} raised {type(exc).__name__}: {exc}", "EXECUTION_ERROR")
         if isinstance(result, StepResult):
-            payload = {"observation": result.observation, "reward": result.reward, "done": result.done}
+            payload = {
+                "observation": result.observation,
+                "reward": result.reward,
+                "done": result.done,
+            }
         else:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
@@ -170,5 +172,5 @@ def _close_quietly(env: Any) -> None:
         result = env.close()
         if asyncio.iscoroutine(result):
             asyncio.get_running_loop().create_task(result)
-    except Exception:  # noqa: S110 - best effort on a throwaway instance
+    except Exception:
         pass

@@ -26,7 +26,8 @@ from picows import (
     WSUpgradeResponse,
     WSUpgradeResponseWithListener,
 )
-from picows.picows import WSAutoPingStrategy, WSProtocol
+from picows import picows as _picows_impl
+from picows.picows import WSAutoPingStrategy
 
 from stadium._http import HttpEndpoints, HttpResponse
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
@@ -39,13 +40,16 @@ log = logging.getLogger("stadium.transport")
 _PICOWS_LOG = logging.LoggerAdapter(logging.getLogger("stadium.picows"), {})
 _READ_BUFFER = 2048
 
+# picows' protocol class is not in its public API; ws_create_server builds it the same way.
+_WSProtocol: Any = getattr(_picows_impl, "WSProtocol")  # noqa: B009
+
 _TEXT = WSMsgType.TEXT
 _BINARY = WSMsgType.BINARY
 _CONTINUATION = WSMsgType.CONTINUATION
 _CLOSE = WSMsgType.CLOSE
 
 
-class _SessionListener(WSListener):  # type: ignore[misc]
+class _SessionListener(WSListener):
     __slots__ = ("_frags", "_max", "_msg_type", "encoding", "runtime", "session", "transport")
 
     def __init__(self, runtime: Runtime, encoding: Encoding, max_message_bytes: int) -> None:
@@ -66,7 +70,7 @@ class _SessionListener(WSListener):  # type: ignore[misc]
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
-        if mtype == _TEXT or mtype == _BINARY:
+        if mtype in (_TEXT, _BINARY):
             if frame.fin:
                 if self._frags is not None:
                     self._protocol_violation("a new message started inside a fragmented one")
@@ -172,9 +176,9 @@ class PicowsTransport:
             log.exception("GET %s failed", path)
             return _response(HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode()))
 
-    def ws_protocol(self) -> WSProtocol:
+    def ws_protocol(self) -> asyncio.BufferedProtocol:
         ping = self.ping_interval > 0
-        return WSProtocol(
+        proto: asyncio.BufferedProtocol = _WSProtocol(
             None,
             None,
             False,
@@ -191,6 +195,7 @@ class PicowsTransport:
             None,
             _READ_BUFFER,
         )
+        return proto
 
     def __call__(self) -> asyncio.Protocol:
         """The protocol factory for ``loop.create_server``."""
@@ -217,23 +222,22 @@ class _FrontProtocol(asyncio.Protocol):
             return
         transport = self._transport
         assert transport is not None
-        proto: asyncio.BaseProtocol
         if buf[:4] == b"GET ":
-            proto = self._owner.ws_protocol()
-            transport.set_protocol(proto)
-            proto.connection_made(transport)
+            ws = self._owner.ws_protocol()
+            transport.set_protocol(ws)
+            ws.connection_made(transport)
             view = memoryview(buf)
             while view:
-                target = proto.get_buffer(len(view))
+                target = memoryview(ws.get_buffer(len(view)))
                 n = min(len(target), len(view))
                 target[:n] = view[:n]
-                proto.buffer_updated(n)
+                ws.buffer_updated(n)
                 view = view[n:]
         else:
-            proto = _HttpProtocol(self._owner)
-            transport.set_protocol(proto)
-            proto.connection_made(transport)
-            proto.data_received(buf)
+            http = _HttpProtocol(self._owner)
+            transport.set_protocol(http)
+            http.connection_made(transport)
+            http.data_received(buf)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None

@@ -193,7 +193,7 @@ class SessionProtocol:
     def _decode_action(self, raw: msgspec.Raw) -> Any:
         if not raw:
             raise StadiumValidationError(
-                "step needs an action in \"data\"; see GET /schema for its shape", field="$.data"
+                'step needs an action in "data"; see GET /schema for its shape', field="$.data"
             )
         try:
             return self._action_decoder.decode(raw)
@@ -206,7 +206,7 @@ class SessionProtocol:
             data = {}
         if not isinstance(data, dict):
             raise StadiumValidationError(
-                "reset data must be an object such as {\"seed\": 1}", field="$.data"
+                'reset data must be an object such as {"seed": 1}', field="$.data"
             )
         seed = data.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):

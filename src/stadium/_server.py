@@ -60,7 +60,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
         )
     except OSError as exc:
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}", host=host, port=port) from None
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror}", host=host, port=port
+        ) from None
     sock.listen(_max_backlog())
     sock.setblocking(False)
     return sock
@@ -159,9 +161,10 @@ class Server:
         self.state = ServerState.STOPPED
         self._stopped.set()
 
-    async def _wait_sessions(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.runtime.sessions and time.monotonic() < deadline:
+    async def _wait_sessions(self, limit_s: float) -> None:
+        deadline = time.monotonic() + limit_s
+        # Polled, only while shutting down: sessions end from many callbacks.
+        while self.runtime.sessions and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
     def _schedule_reaper(self) -> None:
@@ -174,7 +177,11 @@ class Server:
         now = asyncio.get_running_loop().time()
         idle = self.config.idle_timeout
         for session in list(self.runtime.sessions):
-            if session.phase is Phase.OPEN and not session.busy and now - session.last_active > idle:
+            if (
+                session.phase is Phase.OPEN
+                and not session.busy
+                and now - session.last_active > idle
+            ):
                 session.close(CLOSE_GOING_AWAY, f"idle for more than {idle:g}s")
         self._schedule_reaper()
 
@@ -283,9 +290,9 @@ class _Supervisor:
                 break
             except InterruptedError:  # pragma: no cover - PEP 475 retries
                 continue
-            index = self.children.pop(pid, None)
-            if index is None:
+            if pid not in self.children:
                 continue
+            index = self.children.pop(pid)
             self.slots.forget_worker(index)
             code = os.waitstatus_to_exitcode(status)
             if not self.stopping:

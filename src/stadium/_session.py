@@ -425,9 +425,9 @@ class Session:
 
     def _release_env(self) -> None:
         env, self.env = self.env, None
-        if env is None:
-            return
         spec = self.runtime.spec
+        if env is None or not spec.has_close:
+            return
         try:
             if spec.async_close:
                 task = _start_task(self.loop, env.close())

@@ -99,6 +99,7 @@ class EnvSpec:
     async_reset: bool
     async_step: bool
     async_close: bool
+    has_close: bool
     blocking: bool
     json_encoder: msgspec.json.Encoder
     msgpack_encoder: msgspec.msgpack.Encoder
@@ -145,6 +146,7 @@ class EnvSpec:
             async_reset=is_async(env_cls.reset),
             async_step=is_async(env_cls.step),
             async_close=is_async(env_cls.close),
+            has_close=env_cls.close is not Environment.close,
             blocking=env_cls.blocking,
             json_encoder=msgspec.json.Encoder(enc_hook=hook),
             msgpack_encoder=msgspec.msgpack.Encoder(enc_hook=hook),

@@ -61,6 +61,10 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> BenchmarkObservation:
         self._steps = 0
+        if seed is not None:  # reproducible episodes for a given seed
+            self._hash = hashlib.blake2s(
+                seed.to_bytes(8, "little", signed=True), digest_size=6
+            ).hexdigest()
         if options and "state_kb" in options:
             kb = options["state_kb"]
             if not isinstance(kb, int) or isinstance(kb, bool) or not 0 <= kb <= _MAX_STATE_KB:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgspec
@@ -32,7 +33,9 @@ class EchoEnv(Environment[EchoAction, EchoObservation, State]):
     def __init__(self) -> None:
         self._state = State()
 
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> EchoObservation:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> EchoObservation:
         self._state = State(step_count=0)
         return EchoObservation(echoed_message="Echo environment ready!")
 
@@ -40,6 +43,10 @@ class EchoEnv(Environment[EchoAction, EchoObservation, State]):
         self._state.step_count += 1
         text = action.message
         return StepResult(EchoObservation(text, len(text)), reward=len(text) * 0.1)
+
+    def sample_action(self, rng: random.Random) -> EchoAction:
+        """A random message (used by ``check_env``)."""
+        return EchoAction(message="".join(rng.choice("abcdef ") for _ in range(rng.randint(1, 20))))
 
     @property
     def state(self) -> State:

@@ -108,6 +108,10 @@ class WordGuessEnv(Environment[Guess, Feedback, WordGuessState]):
         )
         return StepResult(obs, reward, self._solved, truncated=not self._solved and left == 0)
 
+    def sample_action(self, rng: random.Random) -> Guess:
+        """A random word from the list (used by ``check_env``)."""
+        return Guess(word=rng.choice(WORDS))
+
     @property
     def state(self) -> WordGuessState:
         return WordGuessState(

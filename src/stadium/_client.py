@@ -1,0 +1,434 @@
+"""Clients: :class:`AsyncClient`, :class:`Client` (sync) and :class:`SessionPool`.
+
+One client object is one session (one WebSocket). They speak OpenEnv's wire
+protocol, so they work against OpenEnv servers too::
+
+    async with stadium.AsyncClient("http://127.0.0.1:8000") as env:
+        first = await env.reset(seed=1)
+        result = await env.step({"message": "hi"})
+
+    with stadium.Client("http://127.0.0.1:8000") as env:
+        env.reset()
+        env.step({"message": "hi"})
+
+Requests may be issued concurrently on one session: they are sent at once
+(pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
+before it did any work is retried with backoff, honouring ``retry_after_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import random
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, Generic, TypeVar, cast
+
+import msgspec
+from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+
+from stadium._env import StepResult
+from stadium._errors import (
+    CapacityError,
+    ConnectError,
+    SessionClosedError,
+    StadiumError,
+    error_from_wire,
+)
+from stadium._protocol import MSGPACK_SUBPROTOCOL
+
+T = TypeVar("T")
+ObsT = TypeVar("ObsT")
+
+
+def ws_url(url: str) -> str:
+    """Normalise a server address to its session endpoint: ``http://h:p`` → ``ws://h:p/ws``."""
+    url = url.strip().rstrip("/")
+    for plain, ws in (("http://", "ws://"), ("https://", "wss://")):
+        if url.startswith(plain):
+            url = ws + url[len(plain) :]
+    if not url.startswith(("ws://", "wss://")):
+        url = "ws://" + url
+    host_and_path = url.split("://", 1)[1]
+    if "/" not in host_and_path:
+        url += "/ws"
+    return url
+
+
+class _Listener(WSListener):
+    """Routes reply frames to the waiting futures, in order."""
+
+    def __init__(self) -> None:
+        self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self.early: collections.deque[bytes] = collections.deque()
+        self.closed: SessionClosedError | None = None
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        mtype = frame.msg_type
+        if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            data = frame.get_payload_as_bytes()
+            if self.waiting:
+                fut = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(data)
+            else:
+                self.early.append(data)  # e.g. a capacity refusal before any request
+        elif mtype == WSMsgType.CLOSE:
+            code = frame.get_close_code()
+            reason = frame.get_close_message() or b""
+            self.closed = SessionClosedError(
+                f"server closed the session ({code.value}: {reason.decode(errors='replace')})",
+                close_code=code.value,
+            )
+            transport.send_close(code)
+            transport.disconnect()
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        err = self.closed or SessionClosedError("connection lost")
+        self.closed = err
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+
+
+class AsyncClient(Generic[ObsT]):
+    """One session against a Stadium (or OpenEnv) server, for asyncio code.
+
+    Args:
+        url: ``http://host:port``, ``ws://host:port`` or the full ``ws://…/ws``.
+        observation_type: convert observations to this type (msgspec/dataclass);
+            by default they are plain dicts.
+        state_type: likewise for ``state()``.
+        msgpack: negotiate MessagePack frames (binary observations stay compact).
+        connect_timeout: seconds for the TCP + WebSocket handshake.
+        request_timeout: seconds to wait for each reply (``None``: no limit).
+        max_retries: attempts when the server is unreachable or at capacity.
+        max_message_bytes: largest reply accepted.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        observation_type: type[ObsT] | None = None,
+        state_type: Any = None,
+        msgpack: bool = False,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        max_retries: int = 8,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.url = ws_url(url)
+        self.observation_type = observation_type
+        self.state_type = state_type
+        self.msgpack = msgpack
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.max_message_bytes = max_message_bytes
+        self.headers = dict(headers or {})
+        if msgpack:
+            self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
+            self._encode: Callable[[Any], bytes] = msgspec.msgpack.encode
+            self._decode: Callable[[bytes], Any] = msgspec.msgpack.decode
+            self._msg_type = WSMsgType.BINARY
+        else:
+            self._encode = msgspec.json.encode
+            self._decode = msgspec.json.decode
+            self._msg_type = WSMsgType.TEXT
+        self._transport: WSTransport | None = None
+        self._listener: _Listener | None = None
+        self._answered = 0
+
+    # -- connection -------------------------------------------------------------
+
+    async def connect(self) -> AsyncClient[ObsT]:
+        """Open the WebSocket (retrying with backoff while the server is unreachable)."""
+        if self._transport is not None and not self._transport.is_disconnected:
+            return self
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                transport, listener = await ws_connect(
+                    _Listener,
+                    self.url,
+                    websocket_handshake_timeout=self.connect_timeout,
+                    max_frame_size=self.max_message_bytes,
+                    extra_headers=self.headers or None,
+                    enable_auto_ping=False,
+                )
+            except (TimeoutError, OSError) as exc:
+                last = exc
+                if attempt < self.max_retries:
+                    await asyncio.sleep(_backoff(attempt))
+                continue
+            except Exception as exc:  # picows handshake errors (HTTP 404, 426, ...)
+                raise ConnectError(
+                    f"cannot open a session at {self.url}: {exc}", url=self.url
+                ) from exc
+            self._transport, self._listener = transport, cast(_Listener, listener)
+            self._answered = 0
+            return self
+        raise ConnectError(
+            f"cannot reach {self.url} after {self.max_retries + 1} attempts: {last}", url=self.url
+        ) from last
+
+    async def close(self) -> None:
+        """Send ``close`` and end the session (idempotent)."""
+        transport, self._transport = self._transport, None
+        if transport is None or transport.is_disconnected:
+            return
+        try:
+            transport.send(self._msg_type, self._encode({"type": "close"}))
+            await asyncio.wait_for(transport.wait_disconnected(), 5.0)
+        except (TimeoutError, OSError):
+            transport.disconnect(graceful=False)
+
+    async def __aenter__(self) -> AsyncClient[ObsT]:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None and not self._transport.is_disconnected
+
+    # -- requests ---------------------------------------------------------------
+
+    async def reset(
+        self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
+    ) -> StepResult[ObsT]:
+        """Start an episode; extra keyword arguments are reset options."""
+        data: dict[str, Any] = dict(options)
+        if seed is not None:
+            data["seed"] = seed
+        if episode_id is not None:
+            data["episode_id"] = episode_id
+        reply = await self._request({"type": "reset", "data": data}, retry_capacity=True)
+        return self._result(reply)
+
+    async def step(self, action: Any) -> StepResult[ObsT]:
+        """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
+        reply = await self._request({"type": "step", "data": _to_builtins(action)})
+        return self._result(reply)
+
+    async def state(self) -> Any:
+        """The session's state (a dict, or ``state_type``)."""
+        reply = await self._request({"type": "state"})
+        data = reply.get("data", {})
+        if self.state_type is not None:
+            return msgspec.convert(data, self.state_type, strict=False)
+        return data
+
+    async def _request(self, message: dict[str, Any], retry_capacity: bool = False) -> Any:
+        payload = self._encode(message)
+        listener = self._listener
+        if not retry_capacity and listener is not None and not self.connected:
+            # The session this client had is gone: a silent reconnect would start a
+            # new session with no episode, so say what happened instead.
+            raise listener.closed or SessionClosedError(
+                "the session is closed; reset to start anew"
+            )
+        for attempt in range(self.max_retries + 1):
+            await self.connect()
+            try:
+                reply = await self._roundtrip(payload)
+            except CapacityError as exc:
+                fresh = self._answered == 0
+                await self._drop()
+                if not (retry_capacity and fresh) or attempt >= self.max_retries:
+                    raise
+                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                continue
+            self._answered += 1
+            return reply
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _roundtrip(self, payload: bytes) -> Any:
+        transport, listener = self._transport, self._listener
+        assert transport is not None
+        assert listener is not None
+        if listener.early:
+            raw = listener.early.popleft()
+        else:
+            if listener.closed is not None:
+                raise listener.closed
+            fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+            listener.waiting.append(fut)
+            transport.send(self._msg_type, payload)
+            try:
+                raw = await asyncio.wait_for(fut, self.request_timeout)
+            except TimeoutError:
+                # The reply may still come; a later request would then read it.
+                # Drop the session rather than desynchronise it.
+                await self._drop()
+                raise SessionClosedError(
+                    f"no reply within {self.request_timeout:g}s; the session was dropped",
+                    timeout_s=self.request_timeout,
+                ) from None
+        reply = self._decode(raw)
+        if not isinstance(reply, dict):
+            raise SessionClosedError(f"server sent a non-object frame: {reply!r}")
+        if reply.get("type") == "error":
+            raise error_from_wire(reply.get("data"))
+        return reply
+
+    async def _drop(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None and not transport.is_disconnected:
+            transport.send_close(WSCloseCode.OK)
+            transport.disconnect()
+
+    def _result(self, reply: dict[str, Any]) -> StepResult[ObsT]:
+        data = reply.get("data") or {}
+        obs = data.get("observation", {})
+        if self.observation_type is not None:
+            obs = msgspec.convert(obs, self.observation_type, strict=False)
+        return StepResult(
+            obs,
+            data.get("reward"),
+            bool(data.get("done", False)),
+            truncated=bool(data.get("truncated", False)),
+            info=data.get("info") or data.get("metadata"),
+        )
+
+
+def _backoff(attempt: int) -> float:
+    """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
+    return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+
+
+def _to_builtins(action: Any) -> Any:
+    if isinstance(action, dict):
+        return action
+    dump = getattr(action, "model_dump", None)
+    if callable(dump):
+        return dump()
+    return msgspec.to_builtins(action)
+
+
+class _LoopThread:
+    """One background event loop shared by every sync :class:`Client` in the process."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def run(cls, coro: Coroutine[Any, Any, T]) -> T:
+        with cls._lock:
+            if cls._loop is None or cls._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=loop.run_forever, name="stadium-client", daemon=True
+                ).start()
+                cls._loop = loop
+            loop = cls._loop
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+class Client(Generic[ObsT]):
+    """A blocking session client; same arguments and methods as :class:`AsyncClient`.
+
+    All sync clients of a process share one background event loop thread.
+    """
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        self._client: AsyncClient[ObsT] = AsyncClient(url, **kwargs)
+
+    @property
+    def url(self) -> str:
+        return self._client.url
+
+    def connect(self) -> Client[ObsT]:
+        _LoopThread.run(self._client.connect())
+        return self
+
+    def close(self) -> None:
+        _LoopThread.run(self._client.close())
+
+    def __enter__(self) -> Client[ObsT]:
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def reset(
+        self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
+    ) -> StepResult[ObsT]:
+        return _LoopThread.run(self._client.reset(seed=seed, episode_id=episode_id, **options))
+
+    def step(self, action: Any) -> StepResult[ObsT]:
+        return _LoopThread.run(self._client.step(action))
+
+    def state(self) -> Any:
+        return _LoopThread.run(self._client.state())
+
+
+class SessionPool(Generic[ObsT]):
+    """N sessions driven together, the way a trainer steps a batch of episodes.
+
+    ``reset``/``step`` take one argument per session and return results in
+    session order; a failed session raises unless ``return_exceptions=True``.
+
+    Example::
+
+        async with SessionPool(url, size=256) as pool:
+            firsts = await pool.reset(seeds=range(256))
+            results = await pool.step([{"wait_seconds": 0.0}] * 256)
+    """
+
+    def __init__(self, url: str, size: int, **client_kwargs: Any) -> None:
+        if size < 1:
+            raise ValueError("a SessionPool needs at least one session")
+        self.clients: list[AsyncClient[ObsT]] = [
+            AsyncClient(url, **client_kwargs) for _ in range(size)
+        ]
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    async def __aenter__(self) -> SessionPool[ObsT]:
+        await self._gather(c.connect() for c in self.clients)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    async def reset(
+        self,
+        seeds: Iterable[int | None] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **options: Any,
+    ) -> list[StepResult[ObsT]]:
+        seed_list: Sequence[int | None] = list(seeds) if seeds is not None else [None] * len(self)
+        if len(seed_list) != len(self):
+            raise ValueError(f"got {len(seed_list)} seeds for {len(self)} sessions")
+        return await self._gather(
+            (c.reset(seed=s, **options) for c, s in zip(self.clients, seed_list, strict=True)),
+            return_exceptions,
+        )
+
+    async def step(
+        self, actions: Sequence[Any], *, return_exceptions: bool = False
+    ) -> list[StepResult[ObsT]]:
+        if len(actions) != len(self):
+            raise ValueError(f"got {len(actions)} actions for {len(self)} sessions")
+        return await self._gather(
+            (c.step(a) for c, a in zip(self.clients, actions, strict=True)), return_exceptions
+        )
+
+    @staticmethod
+    async def _gather(coros: Iterable[Awaitable[T]], return_exceptions: bool = False) -> list[T]:
+        results = await asyncio.gather(*coros, return_exceptions=return_exceptions)
+        return list(results)  # type: ignore[arg-type]
+
+
+__all__ = ["AsyncClient", "Client", "SessionPool", "StadiumError", "ws_url"]

@@ -1,0 +1,80 @@
+"""Whole-server behaviour in a subprocess: the limit across workers, flat threads, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from tests.conftest import UNIT
+
+import stadium
+from stadium import AsyncClient
+from stadium._demo import _proc_stats, spawn_server
+
+
+async def _open(url: str, n: int) -> list[AsyncClient]:
+    clients = [AsyncClient(url, max_retries=0) for _ in range(n)]
+    await asyncio.gather(*(c.reset() for c in clients))
+    return clients
+
+
+async def test_session_limit_holds_across_two_workers() -> None:
+    m = 6
+    with spawn_server(
+        "benchmark", "--workers", "2", "--max-sessions", str(m),
+        "--admission-timeout", str(0.5 * UNIT),
+    ) as (_, url):  # fmt: skip
+        admitted = await _open(url, m)
+        pids = {(await c.step({"wait_seconds": 0})).observation["pid"] for c in admitted}
+        assert len(pids) >= 1
+        # the next one is queued, then refused with the hint
+        extra = AsyncClient(url, max_retries=0)
+        t0 = time.monotonic()
+        with pytest.raises(stadium.CapacityError) as info:
+            await extra.reset()
+        assert time.monotonic() - t0 >= 0.4 * UNIT  # it waited in the queue first
+        ctx = info.value.context
+        assert (ctx["active_sessions"], ctx["max_sessions"]) == (m, m)
+        assert ctx["retry_after_s"] > 0
+        # a queued one is admitted when any worker frees a slot in time
+        late = AsyncClient(url, max_retries=0)
+        pending = asyncio.ensure_future(late.reset())
+        await asyncio.sleep(0.1 * UNIT)
+        assert not pending.done()
+        await admitted[0].close()
+        assert (await pending).observation["step_count"] == 0
+        # still exactly m: one more is refused
+        with pytest.raises(stadium.CapacityError):
+            await AsyncClient(url, max_retries=0).reset()
+        await asyncio.gather(late.close(), *(c.close() for c in admitted[1:]))
+
+
+async def test_thread_count_is_flat_from_10_to_1000_sessions() -> None:
+    with spawn_server("benchmark", "--max-sessions", "2000") as (proc, url):
+        few = await _open(url, 10)
+        await asyncio.gather(*(c.step({"wait_seconds": 0}) for c in few))
+        _, _, threads_10 = _proc_stats(proc.pid)
+        many = await _open(url, 990)
+        await asyncio.gather(*(c.step({"wait_seconds": 0}) for c in many))
+        _, _, threads_1000 = _proc_stats(proc.pid)
+        await asyncio.gather(*(c.close() for c in few + many))
+    assert threads_1000 == threads_10
+
+
+async def test_sigterm_drains_in_flight_steps_and_exits_zero() -> None:
+    with spawn_server("benchmark", "--drain-timeout", str(0.3 * UNIT)) as (proc, url):
+        clients = await _open(url, 3)
+        steps = [asyncio.ensure_future(c.step({"wait_seconds": 1.0 * UNIT})) for c in clients]
+        await asyncio.sleep(0.3 * UNIT)
+        os.kill(proc.pid, signal.SIGTERM)
+        results = await asyncio.gather(*steps)
+        assert [r.observation["waited_seconds"] for r in results] == [1.0 * UNIT] * 3
+        # then the server closes the sessions with 1001 and exits 0
+        for c in clients:
+            with pytest.raises(stadium.SessionClosedError) as info:
+                await c.step({"wait_seconds": 0})
+            assert info.value.context.get("close_code") in (1001, None)
+        assert await asyncio.to_thread(proc.wait, 30 * UNIT) == 0

@@ -1,0 +1,235 @@
+"""A real server on port 0, driven by Stadium's client and raw WebSockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import msgspec
+import pytest
+import websockets
+from tests.conftest import UNIT, serve
+
+import stadium
+from stadium import AsyncClient, Environment, State, StepResult
+from stadium.envs.benchmark import BenchmarkObservation
+
+
+class Act(msgspec.Struct):
+    value: int
+
+
+class Obs(msgspec.Struct):
+    value: int
+
+
+class Flaky(Environment[Act, Obs, State]):
+    """Raises on value 13, sleeps on value 99."""
+
+    blocking = False
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Obs:
+        return Obs(0)
+
+    async def step(self, action: Act) -> StepResult[Obs]:  # type: ignore[override]
+        if action.value == 13:
+            raise RuntimeError("unlucky number")
+        if action.value == 99:
+            await asyncio.sleep(0.2 * UNIT)
+        return StepResult(Obs(action.value), reward=float(action.value))
+
+
+class SyncBlocking(Environment[Act, Obs, State]):
+    """A sync env that blocks (runs on the thread pool)."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Obs:
+        return Obs(seed or 0)
+
+    def step(self, action: Act) -> StepResult[Obs]:
+        import time
+
+        time.sleep(0.01)
+        return StepResult(Obs(action.value * 2), reward=1.0, done=action.value > 2)
+
+
+def http(url: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        url + path, data=body, method="POST" if body is not None else "GET"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=10 * UNIT) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+async def test_client_reset_step_state_close() -> None:
+    async with serve("benchmark") as server:
+        async with AsyncClient(server.url, observation_type=BenchmarkObservation) as env:
+            first = await env.reset(seed=1)
+            assert first.observation.step_count == 0
+            assert first.reward is None
+            result = await env.step({"wait_seconds": 0.01})
+            assert result.observation.waited_seconds == 0.01
+            assert result.observation.step_count == 1
+            assert result.reward == 1.0
+            assert result.done is False
+            state = await env.state()
+            assert state["step_count"] == 1
+            assert len(state["episode_id"]) == 32
+        assert not env.connected
+
+
+async def test_every_error_code_and_the_session_survives() -> None:
+    async with serve("benchmark") as server:
+        async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
+
+            async def ask(frame: str | bytes) -> dict[str, Any]:
+                await ws.send(frame)
+                reply: dict[str, Any] = json.loads(await ws.recv())
+                return reply
+
+            assert (await ask("{nope"))["data"]["code"] == "INVALID_JSON"
+            assert (await ask(b"\x89PNG\r\n\x1a\n\x00\x00"))["data"]["code"] == "INVALID_JSON"
+            assert (await ask('{"type":"fly"}'))["data"]["code"] == "UNKNOWN_TYPE"
+            reply = await ask('{"type":"step","data":{"wait_seconds":0}}')
+            assert reply["data"]["code"] == "SESSION_ERROR"
+            assert (await ask('{"type":"reset","data":{"state_kb":-1}}'))["data"]["code"] == (
+                "EXECUTION_ERROR"
+            )
+            assert (await ask('{"type":"reset"}'))["type"] == "observation"
+            bad = await ask('{"type":"step","data":{"wait_seconds":"soon"}}')
+            assert bad["data"]["code"] == "VALIDATION_ERROR"
+            assert bad["data"]["field"] == "$.wait_seconds"
+            ok = await ask('{"type":"step","data":{"wait_seconds":0}}')
+            assert ok["type"] == "observation"
+            assert ok["data"]["observation"]["step_count"] == 1
+
+
+async def test_env_raising_in_step_leaves_other_sessions_running() -> None:
+    async with serve(Flaky) as server:
+        async with AsyncClient(server.url) as a, AsyncClient(server.url) as b:
+            await a.reset()
+            await b.reset()
+            slow = asyncio.ensure_future(b.step({"value": 99}))
+            with pytest.raises(stadium.ExecutionError) as info:
+                await a.step({"value": 13})
+            assert info.value.context["exception"] == "RuntimeError"
+            assert "unlucky number" in info.value.message
+            assert (await slow).observation == {"value": 99}
+            assert (await a.step({"value": 2})).reward == 2.0  # a is still usable
+
+
+async def test_sync_blocking_env_runs_on_the_pool() -> None:
+    async with serve(SyncBlocking) as server, stadium.SessionPool(server.url, size=20) as pool:
+        firsts = await pool.reset(seeds=range(20))
+        assert [r.observation["value"] for r in firsts] == list(range(20))
+        results = await pool.step([{"value": 3}] * 20)
+        assert all(r.observation == {"value": 6} and r.done for r in results)
+
+
+async def test_pipelined_requests_are_answered_in_order_with_ids() -> None:
+    async with serve(Flaky) as server:
+        async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
+            await ws.send('{"type":"reset","id":0}')
+            for i in range(1, 6):
+                await ws.send(json.dumps({"type": "step", "data": {"value": i}, "id": i}))
+            replies = [json.loads(await ws.recv()) for _ in range(6)]
+            assert [r["id"] for r in replies] == list(range(6))
+            assert [r["data"]["reward"] for r in replies[1:]] == [1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+async def test_msgpack_subprotocol() -> None:
+    async with serve("echo") as server, AsyncClient(server.url, msgpack=True) as env:
+        await env.reset()
+        result = await env.step({"message": "packed"})
+        assert result.observation == {"echoed_message": "packed", "message_length": 6}
+
+
+async def test_oversize_message_closes_with_1009_and_server_keeps_serving() -> None:
+    async with serve("echo", max_message_bytes=4096) as server:
+        url = server.url.replace("http", "ws") + "/ws"
+        async with websockets.connect(url, max_size=None) as ws:
+            await ws.send(json.dumps({"type": "step", "data": {"message": "x" * 10_000}}))
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await ws.recv()
+            assert info.value.rcvd is not None
+            assert info.value.rcvd.code == 1009
+        async with AsyncClient(server.url) as env:
+            await env.reset()
+            assert (await env.step({"message": "still here"})).reward == pytest.approx(1.0)
+
+
+async def test_fragmented_message_is_reassembled() -> None:
+    async with serve("echo") as server:
+        async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
+            await ws.send(['{"type":', '"reset"}'])
+            assert json.loads(await ws.recv())["type"] == "observation"
+
+
+async def test_capacity_queue_then_refusal_with_hint() -> None:
+    async with serve("benchmark", max_sessions=2, admission_timeout=0.3 * UNIT) as server:
+        a, b = AsyncClient(server.url), AsyncClient(server.url)
+        await a.reset()
+        await b.reset()
+        c = AsyncClient(server.url, max_retries=0)
+        with pytest.raises(stadium.CapacityError) as info:
+            await c.reset()
+        ctx = info.value.context
+        assert (ctx["active_sessions"], ctx["max_sessions"]) == (2, 2)
+        assert ctx["retry_after_s"] > 0
+        # a queued session is admitted when a slot frees within the timeout
+        d = AsyncClient(server.url, max_retries=0)
+        pending = asyncio.ensure_future(d.reset())
+        await asyncio.sleep(0.05 * UNIT)
+        await a.close()
+        assert (await pending).observation["step_count"] == 0
+        await b.close()
+        await d.close()
+
+
+async def test_idle_sessions_are_reaped() -> None:
+    async with serve("echo", idle_timeout=0.2 * UNIT) as server:
+        async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
+            await ws.send('{"type":"reset"}')
+            await ws.recv()
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 5 * UNIT)
+            assert info.value.rcvd is not None
+            assert info.value.rcvd.code == 1001
+            assert "idle" in info.value.rcvd.reason
+        assert server.runtime.sessions == set()
+
+
+async def test_http_endpoints() -> None:
+    async with serve("echo") as server:
+        url = server.url
+        assert await asyncio.to_thread(http, url, "/health") == (200, {"status": "healthy"})
+        status, schema = await asyncio.to_thread(http, url, "/schema")
+        assert status == 200
+        assert set(schema) == {"action", "observation", "state"}
+        status, meta = await asyncio.to_thread(http, url, "/metadata")
+        assert meta["name"] == "echo"
+        assert meta["capacity"]["max_sessions"] == server.config.max_sessions
+        status, state = await asyncio.to_thread(http, url, "/state")
+        assert (status, state["step_count"]) == (200, 0)
+        status, reset = await asyncio.to_thread(http, url, "/reset", b"{}")
+        assert (status, reset["done"]) == (200, False)
+        status, step = await asyncio.to_thread(http, url, "/step", b'{"action":{"message":"hey"}}')
+        assert status == 200
+        assert step["observation"]["echoed_message"] == "hey"
+        assert step["reward"] == pytest.approx(0.3)
+        status, bad = await asyncio.to_thread(http, url, "/step", b'{"action":{"message":1}}')
+        assert (status, bad["code"], bad["field"]) == (422, "VALIDATION_ERROR", "$.message")
+        status, missing = await asyncio.to_thread(http, url, "/nowhere")
+        assert status == 404
+        assert "/health" in missing["detail"]
+
+
+async def test_client_connect_error_is_clear() -> None:
+    with pytest.raises(stadium.ConnectError) as info:
+        await AsyncClient("http://127.0.0.1:9", max_retries=1).connect()
+    assert "127.0.0.1:9" in info.value.message
