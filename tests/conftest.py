@@ -2,34 +2,84 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import uvicorn
 
 from stadium import Server, ServerConfig
+from stadium._asgi import AsgiApp
 from stadium._env import Environment
 
 #: Every timeout in the tests is a multiple of this unit (STADIUM_TEST_UNIT scales it).
 UNIT = float(os.environ.get("STADIUM_TEST_UNIT", "1.0"))
 
 
+@dataclasses.dataclass
+class AsgiServer:
+    """A Stadium ASGI app under uvicorn, with the attributes tests read from a Server."""
+
+    app: AsgiApp
+    url: str
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.runtime
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.app.config
+
+
 @contextlib.asynccontextmanager
 async def serve(
-    target: str | type[Environment[Any, Any, Any]] = "benchmark", **config: Any
-) -> AsyncIterator[Server]:
-    """Run a Server in this event loop on 127.0.0.1:0; stop it (drain 0) afterwards."""
+    target: str | type[Environment[Any, Any, Any]] = "benchmark",
+    transport: str = "picows",
+    **config: Any,
+) -> AsyncIterator[Any]:
+    """Run a server in this event loop on 127.0.0.1:0; stop it afterwards.
+
+    ``transport`` is ``picows`` (``stadium serve``'s) or ``asgi`` (the ASGI app under uvicorn).
+    """
     env_cls = None if isinstance(target, str) else target
     name = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
     config.setdefault("drain_timeout", 0.0)
-    server = Server(ServerConfig(target=name, host="127.0.0.1", port=0, **config), env_cls)
+    cfg = ServerConfig(target=name, host="127.0.0.1", port=0, **config)
+    if transport == "asgi":
+        app = AsgiApp(cfg, env_cls)
+        uv = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
+                ws="websockets-sansio", ws_max_size=cfg.max_message_bytes,
+                ws_per_message_deflate=False,
+            )
+        )  # fmt: skip
+        task = asyncio.ensure_future(uv.serve())
+        while not uv.started:
+            await asyncio.sleep(0.01)
+            if task.done():
+                task.result()
+        port = uv.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield AsgiServer(app, f"http://127.0.0.1:{port}")
+        finally:
+            uv.should_exit = True
+            await task
+        return
+    server = Server(cfg, env_cls)
     await server.start()
     try:
         yield server
     finally:
         await server.stop()
+
+
+TRANSPORTS = ["picows", "asgi"]
 
 
 @pytest.fixture

@@ -11,11 +11,14 @@ from typing import Any
 import msgspec
 import pytest
 import websockets
-from tests.conftest import UNIT, serve
+from tests.conftest import TRANSPORTS, UNIT, serve
 
 import stadium
 from stadium import AsyncClient, Environment, State, StepResult
 from stadium.envs.benchmark import BenchmarkObservation
+
+# One conformance suite for both transports: picows (stadium serve) and the ASGI app.
+pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
 
 
 class Act(msgspec.Struct):
@@ -66,8 +69,8 @@ def http(url: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
-async def test_client_reset_step_state_close() -> None:
-    async with serve("benchmark") as server:
+async def test_client_reset_step_state_close(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with AsyncClient(server.url, observation_type=BenchmarkObservation) as env:
             first = await env.reset(seed=1)
             assert first.observation.step_count == 0
@@ -83,8 +86,8 @@ async def test_client_reset_step_state_close() -> None:
         assert not env.connected
 
 
-async def test_every_error_code_and_the_session_survives() -> None:
-    async with serve("benchmark") as server:
+async def test_every_error_code_and_the_session_survives(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
 
             async def ask(frame: str | bytes) -> dict[str, Any]:
@@ -109,8 +112,8 @@ async def test_every_error_code_and_the_session_survives() -> None:
             assert ok["data"]["observation"]["step_count"] == 1
 
 
-async def test_env_raising_in_step_leaves_other_sessions_running() -> None:
-    async with serve(Flaky) as server:
+async def test_env_raising_in_step_leaves_other_sessions_running(transport: str) -> None:
+    async with serve(Flaky, transport=transport) as server:
         async with AsyncClient(server.url) as a, AsyncClient(server.url) as b:
             await a.reset()
             await b.reset()
@@ -123,16 +126,19 @@ async def test_env_raising_in_step_leaves_other_sessions_running() -> None:
             assert (await a.step({"value": 2})).reward == 2.0  # a is still usable
 
 
-async def test_sync_blocking_env_runs_on_the_pool() -> None:
-    async with serve(SyncBlocking) as server, stadium.SessionPool(server.url, size=20) as pool:
+async def test_sync_blocking_env_runs_on_the_pool(transport: str) -> None:
+    async with (
+        serve(SyncBlocking, transport=transport) as server,
+        stadium.SessionPool(server.url, size=20) as pool,
+    ):
         firsts = await pool.reset(seeds=range(20))
         assert [r.observation["value"] for r in firsts] == list(range(20))
         results = await pool.step([{"value": 3}] * 20)
         assert all(r.observation == {"value": 6} and r.done for r in results)
 
 
-async def test_pipelined_requests_are_answered_in_order_with_ids() -> None:
-    async with serve(Flaky) as server:
+async def test_pipelined_requests_are_answered_in_order_with_ids(transport: str) -> None:
+    async with serve(Flaky, transport=transport) as server:
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
             await ws.send('{"type":"reset","id":0}')
             for i in range(1, 6):
@@ -142,15 +148,18 @@ async def test_pipelined_requests_are_answered_in_order_with_ids() -> None:
             assert [r["data"]["reward"] for r in replies[1:]] == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-async def test_msgpack_subprotocol() -> None:
-    async with serve("echo") as server, AsyncClient(server.url, msgpack=True) as env:
+async def test_msgpack_subprotocol(transport: str) -> None:
+    async with (
+        serve("echo", transport=transport) as server,
+        AsyncClient(server.url, msgpack=True) as env,
+    ):
         await env.reset()
         result = await env.step({"message": "packed"})
         assert result.observation == {"echoed_message": "packed", "message_length": 6}
 
 
-async def test_oversize_message_closes_with_1009_and_server_keeps_serving() -> None:
-    async with serve("echo", max_message_bytes=4096) as server:
+async def test_oversize_message_closes_with_1009_and_server_keeps_serving(transport: str) -> None:
+    async with serve("echo", max_message_bytes=4096, transport=transport) as server:
         url = server.url.replace("http", "ws") + "/ws"
         async with websockets.connect(url, max_size=None) as ws:
             await ws.send(json.dumps({"type": "step", "data": {"message": "x" * 10_000}}))
@@ -163,15 +172,17 @@ async def test_oversize_message_closes_with_1009_and_server_keeps_serving() -> N
             assert (await env.step({"message": "still here"})).reward == pytest.approx(1.0)
 
 
-async def test_fragmented_message_is_reassembled() -> None:
-    async with serve("echo") as server:
+async def test_fragmented_message_is_reassembled(transport: str) -> None:
+    async with serve("echo", transport=transport) as server:
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
             await ws.send(['{"type":', '"reset"}'])
             assert json.loads(await ws.recv())["type"] == "observation"
 
 
-async def test_capacity_queue_then_refusal_with_hint() -> None:
-    async with serve("benchmark", max_sessions=2, admission_timeout=0.3 * UNIT) as server:
+async def test_capacity_queue_then_refusal_with_hint(transport: str) -> None:
+    async with serve(
+        "benchmark", max_sessions=2, admission_timeout=0.3 * UNIT, transport=transport
+    ) as server:
         a, b = AsyncClient(server.url), AsyncClient(server.url)
         await a.reset()
         await b.reset()
@@ -191,8 +202,8 @@ async def test_capacity_queue_then_refusal_with_hint() -> None:
         await d.close()
 
 
-async def test_idle_sessions_are_reaped() -> None:
-    async with serve("echo", idle_timeout=0.2 * UNIT) as server:
+async def test_idle_sessions_are_reaped(transport: str) -> None:
+    async with serve("echo", idle_timeout=0.2 * UNIT, transport=transport) as server:
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
             await ws.send('{"type":"reset"}')
             await ws.recv()
@@ -204,8 +215,8 @@ async def test_idle_sessions_are_reaped() -> None:
         assert server.runtime.sessions == set()
 
 
-async def test_http_endpoints() -> None:
-    async with serve("echo") as server:
+async def test_http_endpoints(transport: str) -> None:
+    async with serve("echo", transport=transport) as server:
         url = server.url
         assert await asyncio.to_thread(http, url, "/health") == (200, {"status": "healthy"})
         status, schema = await asyncio.to_thread(http, url, "/schema")
@@ -229,7 +240,7 @@ async def test_http_endpoints() -> None:
         assert "/health" in missing["detail"]
 
 
-async def test_client_connect_error_is_clear() -> None:
+async def test_client_connect_error_is_clear(transport: str) -> None:
     with pytest.raises(stadium.ConnectError) as info:
         await AsyncClient("http://127.0.0.1:9", max_retries=1).connect()
     assert "127.0.0.1:9" in info.value.message

@@ -21,6 +21,7 @@ serve it with ``stadium serve my_module:Parrot`` and drive it with
 :class:`stadium.Client` or any OpenEnv client.
 """
 
+from stadium._asgi import AsgiApp, asgi_app
 from stadium._check import check_env
 from stadium._client import AsyncClient, Client, SessionPool
 from stadium._config import ServerConfig
@@ -45,6 +46,7 @@ from stadium._server import Server, ServerState, run_server
 from stadium._version import __version__
 
 __all__ = [
+    "AsgiApp",
     "AsyncClient",
     "CapacityError",
     "Client",
@@ -69,6 +71,7 @@ __all__ = [
     "UnknownTypeError",
     "ValidationError",
     "__version__",
+    "asgi_app",
     "check_env",
     "run_server",
 ]

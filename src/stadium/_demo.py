@@ -131,7 +131,7 @@ def run_demo(*, sessions: int, steps: int, wait: float, bench: bool) -> int:
         console.print(f"[red]failures: {sorted(set(res['failures']))}")
     if bench:
         try:
-            from stadium.bench import run_ramp
+            from stadium.bench import run_ramp  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             console.print("[yellow]stadium.bench is not available: skipping the ramp")
         else:

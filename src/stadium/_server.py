@@ -28,14 +28,14 @@ import sys
 import time
 from typing import Any
 
-from stadium._admission import Admission, LocalSlots, SharedSlots, Slots
+from stadium._admission import SharedSlots, Slots
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._errors import ConfigError
 from stadium._http import HttpEndpoints
 from stadium._loader import load_target
 from stadium._picows import PicowsTransport
-from stadium._session import CLOSE_GOING_AWAY, Phase, Runtime
+from stadium._session import CLOSE_GOING_AWAY, Runtime
 from stadium._spec import EnvSpec
 
 log = logging.getLogger("stadium.server")
@@ -92,13 +92,7 @@ class Server:
         self.spec = EnvSpec.of(cls)
         self.state = ServerState.CREATED
         self._sock = sock
-        self._slots = slots or LocalSlots(config.max_sessions)
-        self.runtime = Runtime(
-            self.spec,
-            Admission(self._slots, config.admission_timeout),
-            executor_threads=config.executor_threads,
-            env_kwargs=config.env_kwargs,
-        )
+        self.runtime = Runtime.from_config(config, self.spec, slots)
         self.endpoints = HttpEndpoints(self.runtime, workers=config.workers)
         self.transport = PicowsTransport(
             self.runtime,
@@ -174,15 +168,7 @@ class Server:
             self._reaper = loop.call_later(max(0.05, min(idle / 4, 5.0)), self._reap)
 
     def _reap(self) -> None:
-        now = asyncio.get_running_loop().time()
-        idle = self.config.idle_timeout
-        for session in list(self.runtime.sessions):
-            if (
-                session.phase is Phase.OPEN
-                and not session.busy
-                and now - session.last_active > idle
-            ):
-                session.close(CLOSE_GOING_AWAY, f"idle for more than {idle:g}s")
+        self.runtime.reap_idle(self.config.idle_timeout)
         self._schedule_reaper()
 
 

@@ -22,9 +22,9 @@ import logging
 import sys
 import uuid
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from stadium._admission import Admission
+from stadium._admission import Admission, LocalSlots, Slots
 from stadium._errors import (
     CapacityError,
     ExecutionError,
@@ -33,6 +33,9 @@ from stadium._errors import (
 )
 from stadium._protocol import Call, Encoding, Op, SessionProtocol
 from stadium._spec import EnvSpec
+
+if TYPE_CHECKING:
+    from stadium._config import ServerConfig
 
 log = logging.getLogger("stadium.session")
 
@@ -132,6 +135,32 @@ class Runtime:
             max_sessions=slots.limit,
             retry_after_s=1.0,
         )
+
+    @classmethod
+    def from_config(
+        cls, config: ServerConfig, spec: EnvSpec, slots: Slots | None = None
+    ) -> Runtime:
+        """The runtime a server or ASGI app builds from its configuration."""
+        return cls(
+            spec,
+            Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout),
+            executor_threads=config.executor_threads,
+            env_kwargs=config.env_kwargs,
+        )
+
+    def reap_idle(self, idle_timeout: float) -> int:
+        """Close sessions with no request for ``idle_timeout`` seconds; return how many."""
+        now = asyncio.get_running_loop().time()
+        reaped = 0
+        for session in list(self.sessions):
+            if (
+                session.phase is Phase.OPEN
+                and not session.busy
+                and now - session.last_active > idle_timeout
+            ):
+                session.close(CLOSE_GOING_AWAY, f"idle for more than {idle_timeout:g}s")
+                reaped += 1
+        return reaped
 
     def shutdown(self) -> None:
         if self._executor is not None:

@@ -1,0 +1,208 @@
+"""The ASGI transport: the same sessions and endpoints inside any ASGI server.
+
+Mount it in your own deployment::
+
+    app = stadium.asgi_app("my_pkg.envs:MyEnv", max_sessions=1024)
+    # uvicorn my_module:app        or   fastapi_app.mount("/env", app)
+
+It speaks the same protocol as ``stadium serve`` (both pass one conformance
+suite); ``stadium serve`` is faster (picows), this path is for fitting into an
+existing ASGI stack. Graceful drain on SIGTERM is the hosting server's job here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from stadium._config import ServerConfig
+from stadium._env import Environment
+from stadium._http import HttpEndpoints, HttpResponse
+from stadium._loader import load_target
+from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
+from stadium._session import Runtime, Session
+from stadium._spec import EnvSpec
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+log = logging.getLogger("stadium.asgi")
+
+_CLOSE = object()
+
+
+class _AsgiChannel:
+    """A session's channel: frames go through a queue to one writer task per connection."""
+
+    __slots__ = ("_binary", "_queue", "closed")
+
+    def __init__(self, binary: bool) -> None:
+        self._binary = binary
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        if not self.closed:
+            self._queue.put_nowait(data)
+
+    def close(self, code: int, reason: str) -> None:
+        if not self.closed:
+            self.closed = True
+            self._queue.put_nowait((_CLOSE, code, reason))
+
+    async def writer(self, send: Send) -> None:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, tuple):
+                await send({"type": "websocket.close", "code": item[1], "reason": item[2]})
+                return
+            if self._binary:
+                await send({"type": "websocket.send", "bytes": item})
+            else:
+                await send({"type": "websocket.send", "text": item.decode()})
+
+
+class AsgiApp:
+    """An ASGI 3 application serving one environment class."""
+
+    def __init__(
+        self, config: ServerConfig, env_cls: type[Environment[Any, Any, Any]] | None = None
+    ) -> None:
+        self.config = config
+        self.spec = EnvSpec.of(env_cls if env_cls is not None else load_target(config.target))
+        self.runtime = Runtime.from_config(config, self.spec)
+        self.endpoints = HttpEndpoints(self.runtime, workers=1)
+        self._reaper: asyncio.TimerHandle | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "websocket":
+            self._ensure_reaper()
+            await self._websocket(scope, receive, send)
+        elif kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    # -- WebSocket sessions -------------------------------------------------------
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("path", "").rstrip("/").rsplit("/", 1)[-1] != "ws":
+            await receive()
+            await send({"type": "websocket.close", "code": 1008, "reason": "sessions live at /ws"})
+            return
+        message = await receive()
+        if message["type"] != "websocket.connect":
+            return
+        msgpack = MSGPACK_SUBPROTOCOL in scope.get("subprotocols", ())
+        await send(
+            {"type": "websocket.accept", "subprotocol": MSGPACK_SUBPROTOCOL if msgpack else None}
+        )
+        channel = _AsgiChannel(binary=msgpack)
+        writer = asyncio.get_running_loop().create_task(channel.writer(send))
+        session = Session(self.runtime, channel, Encoding.MSGPACK if msgpack else Encoding.JSON)
+        session.start()
+        limit = self.config.max_message_bytes
+        try:
+            while not writer.done():
+                receiving = asyncio.ensure_future(receive())
+                await asyncio.wait({receiving, writer}, return_when=asyncio.FIRST_COMPLETED)
+                if not receiving.done():
+                    receiving.cancel()
+                    break
+                message = receiving.result()
+                if message["type"] == "websocket.disconnect":
+                    break
+                data = message.get("bytes")
+                if data is None:
+                    data = (message.get("text") or "").encode()
+                if len(data) > limit:
+                    channel.close(1009, f"message exceeds {limit} bytes")
+                    continue
+                session.feed(data)
+        finally:
+            session.connection_lost()
+            channel.closed = True
+            if not writer.done():
+                writer.cancel()
+
+    # -- HTTP -------------------------------------------------------------------------
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "/")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :] or "/"
+        method = scope.get("method", "GET")
+        try:
+            if method == "GET":
+                resp = self.endpoints.get(path)
+            elif method == "POST":
+                body = b""
+                more = True
+                while more:
+                    message = await receive()
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.config.max_message_bytes:
+                        resp = HttpResponse(413, b'{"detail":"request body too large"}')
+                        break
+                else:
+                    resp = await self.endpoints.post(path, body)
+            else:
+                resp = HttpResponse(405, b'{"detail":"use GET or POST"}')
+        except Exception as exc:
+            log.exception("%s %s failed", method, path)
+            resp = HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode())
+        await send(
+            {
+                "type": "http.response.start",
+                "status": resp.status,
+                "headers": [
+                    (b"content-type", resp.content_type.encode()),
+                    (b"content-length", str(len(resp.body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": resp.body})
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self._ensure_reaper()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.runtime.draining = True
+                if self._reaper is not None:
+                    self._reaper.cancel()
+                self.runtime.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _ensure_reaper(self) -> None:
+        idle = self.config.idle_timeout
+        if self._reaper is None and idle > 0:
+            loop = asyncio.get_running_loop()
+            interval = max(0.05, min(idle / 4, 5.0))
+
+            def reap() -> None:
+                self.runtime.reap_idle(idle)
+                self._reaper = loop.call_later(interval, reap)
+
+            self._reaper = loop.call_later(interval, reap)
+
+
+def asgi_app(target: str | type[Environment[Any, Any, Any]], **options: Any) -> AsgiApp:
+    """Build an ASGI app for TARGET (a target string or an Environment class).
+
+    ``options`` are :class:`~stadium.ServerConfig` fields (``max_sessions``,
+    ``admission_timeout``, ``idle_timeout``, ``max_message_bytes``, ...).
+    """
+    if isinstance(target, str):
+        return AsgiApp(ServerConfig(target=target, **options))
+    return AsgiApp(ServerConfig(target=target.__qualname__, **options), target)
