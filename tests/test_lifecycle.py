@@ -8,11 +8,11 @@ import signal
 import time
 
 import pytest
-from tests.conftest import UNIT
 
 import stadium
 from stadium import AsyncClient
 from stadium._demo import _proc_stats, spawn_server
+from tests.conftest import UNIT
 
 
 async def _open(url: str, n: int) -> list[AsyncClient]:

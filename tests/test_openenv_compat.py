@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.conftest import UNIT, serve
 
 import stadium
 from stadium._demo import spawn_server
+from tests.conftest import UNIT, serve
 
 openenv_client = pytest.importorskip("openenv.core.generic_client")
 GenericEnvClient = openenv_client.GenericEnvClient

@@ -11,11 +11,11 @@ from typing import Any
 import msgspec
 import pytest
 import websockets
-from tests.conftest import TRANSPORTS, UNIT, serve
 
 import stadium
 from stadium import AsyncClient, Environment, State, StepResult
 from stadium.envs.benchmark import BenchmarkObservation
+from tests.conftest import TRANSPORTS, UNIT, serve
 
 # One conformance suite for both transports: picows (stadium serve) and the ASGI app.
 pytestmark = pytest.mark.parametrize("transport", TRANSPORTS)
