@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -78,3 +79,65 @@ async def test_sigterm_drains_in_flight_steps_and_exits_zero() -> None:
                 await c.step({"wait_seconds": 0})
             assert info.value.context.get("close_code") in (1001, None)
         assert await asyncio.to_thread(proc.wait, 30 * UNIT) == 0
+
+
+async def _until(predicate: Callable[[], bool], limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not predicate() and time.monotonic() < deadline:  # noqa: ASYNC110 - /proc has no event
+        await asyncio.sleep(0.02)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def test_a_crashed_worker_is_restarted_and_its_slots_freed() -> None:
+    m = 4
+    with spawn_server(
+        "benchmark", "--workers", "2", "--max-sessions", str(m), "--admission-timeout", "0"
+    ) as (proc, url):
+        clients = await _open(url, m)
+        pids = [(await c.step({"wait_seconds": 0})).observation["pid"] for c in clients]
+        victim = pids[0]
+        os.kill(victim, signal.SIGKILL)
+        # the victim's sessions are gone; the survivors keep working
+        for c, pid in zip(clients, pids, strict=True):
+            if pid == victim:
+                with pytest.raises(stadium.SessionClosedError):
+                    await c.step({"wait_seconds": 0})
+            else:
+                assert (await c.step({"wait_seconds": 0})).observation["pid"] == pid
+        lost = pids.count(victim)
+        # its slots are free again, and a replacement worker comes up
+        await _until(
+            lambda: victim not in _children(proc.pid) and len(_children(proc.pid)) == 2,
+            10 * UNIT,
+        )
+        assert len(_children(proc.pid)) == 2
+        assert victim not in _children(proc.pid)
+        fresh = [AsyncClient(url, max_retries=20) for _ in range(lost)]
+        await asyncio.gather(*(c.reset() for c in fresh))
+        with pytest.raises(stadium.CapacityError):
+            await AsyncClient(url, max_retries=0).reset()
+        await asyncio.gather(*(c.close() for c in clients + fresh))
+
+
+async def test_sigterm_stops_every_worker_and_exits_zero() -> None:
+    with spawn_server("echo", "--workers", "2", "--drain-timeout", "0") as (proc, url):
+        async with AsyncClient(url) as env:
+            await env.reset()
+        await _until(lambda: len(_children(proc.pid)) == 2, 10 * UNIT)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30 * UNIT) == 0
+    assert not any(_alive(pid) for pid in workers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import multiprocessing
 import multiprocessing.sharedctypes
 from collections.abc import Callable
@@ -95,6 +96,15 @@ class SharedSlots:
 Waiter = Callable[[bool], None]
 
 
+class Verdict(enum.Enum):
+    """What :meth:`Admission.admit` decided."""
+
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    """The waiter will be called with the outcome."""
+    REFUSED = "refused"
+
+
 class Admission:
     """Admit sessions now or queue them until a slot frees or their deadline passes."""
 
@@ -111,18 +121,18 @@ class Admission:
     def waiting(self) -> int:
         return len(self._queue)
 
-    def admit(self, waiter: Waiter) -> bool:
-        """Take a slot now (True), or queue ``waiter`` to be called with the outcome."""
+    def admit(self, waiter: Waiter) -> Verdict:
+        """Take a slot now, refuse now (no admission timeout), or queue ``waiter``."""
         if not self._queue and self.slots.try_acquire():
-            return True
+            return Verdict.ADMITTED
         if self.timeout <= 0:
-            return False
+            return Verdict.REFUSED
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
         self._queue.append((waiter, loop.time() + self.timeout))
         if self._poller is None:
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
-        return False
+        return Verdict.QUEUED
 
     def cancel(self, waiter: Waiter) -> None:
         """Forget a queued waiter (its connection went away)."""

@@ -73,7 +73,9 @@ class AsgiApp:
         self, config: ServerConfig, env_cls: type[Environment[Any, Any, Any]] | None = None
     ) -> None:
         self.config = config
-        self.spec = EnvSpec.of(env_cls if env_cls is not None else load_target(config.target))
+        if env_cls is None:
+            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+        self.spec = EnvSpec.of(env_cls)
         self.runtime = Runtime.from_config(config, self.spec)
         self.endpoints = HttpEndpoints(self.runtime, workers=1)
         self._reaper: asyncio.TimerHandle | None = None

@@ -31,7 +31,9 @@ def _sample_actions(
     env: Any, spec: EnvSpec, steps: int, seed: int, actions: Sequence[Any] | None
 ) -> list[Any]:
     if actions is not None:
-        return [spec.action.convert(msgspec.to_builtins(a), "action") for a in actions]
+        return [
+            spec.action.convert(msgspec.to_builtins(a, enc_hook=_hook), "action") for a in actions
+        ]
     rng = random.Random(f"stadium-check-actions-{seed}")  # not the env's own stream
     sampler = getattr(env, "sample_action", None)
     if callable(sampler):
@@ -48,13 +50,11 @@ def _sample_actions(
 
 
 def _check_obs(spec: EnvSpec, obs: Any, where: str) -> None:
-    tp = spec.observation_type
     try:
-        msgspec.convert(msgspec.to_builtins(obs, enc_hook=_hook), tp, strict=False)
-    except (msgspec.ValidationError, TypeError) as exc:
+        spec.observation.check(obs, "observation")
+    except (StadiumError, TypeError) as exc:
         raise EnvCheckError(
-            f"{where} returned an observation that is not a valid {getattr(tp, '__name__', tp)}: "
-            f"{exc}",
+            f"{where} returned an observation that is not a valid {spec.observation.name}: {exc}",
             check=where,
         ) from None
     try:
@@ -99,9 +99,7 @@ async def _episode(
                 spec.json_encoder.encode([result.observation, result.reward, result.done])
             )
             if i == 0:
-                log.append(
-                    f"step() returns a valid {spec.observation_type.__name__} with reward/done"
-                )
+                log.append(f"step() returns a valid {spec.observation.name} with reward/done")
             if result.done:
                 break
         state = env.state

@@ -1,4 +1,4 @@
-"""The ``stadium`` command line: serve, check, demo, bench.
+"""The ``stadium`` command line: serve, check, init, demo, bench.
 
 Errors print one line (``error: ...``) and exit non-zero: 2 for a bad argument
 or configuration, 1 for anything else.
@@ -50,7 +50,9 @@ def _serve_options(fn: Any) -> Any:
 @_serve_options
 def serve(target: str, **options: Any) -> None:
     """Serve TARGET: a built-in name (echo, benchmark, wordguess),
-    package.module:Class or path/to/file.py:Class.
+    package.module:Class or path/to/file.py:Class (a Stadium, OpenEnv or
+    Gymnasium environment class), or gymnasium:ENV_ID (e.g. gymnasium:CartPole-v1;
+    --env-kwargs go to gymnasium.make).
 
     Environment variables HOST, PORT, WORKERS and MAX_CONCURRENT_ENVS (OpenEnv's)
     are read when the matching option is not given.
@@ -74,6 +76,29 @@ def check(target: str, steps: int, seed: int) -> None:
     for line in report:
         click.echo(f"ok  {line}")
     click.echo(f"{target}: all {len(report)} checks passed")
+
+
+@cli.command()
+@click.argument("name")
+@click.option(
+    "--dir",
+    "directory",
+    default=".",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory to create NAME/ in.",
+)
+def init(name: str, directory: str) -> None:
+    """Create NAME/: a ready-to-run environment package (env, tests, README, Dockerfile)."""
+    from stadium._scaffold import create_project, module_name
+
+    path = create_project(name, directory)
+    module = module_name(name)
+    click.echo(f"created {path}; next:")
+    click.echo(f"  cd {path}")
+    click.echo("  python -m pytest                 # check_env and the game's tests")
+    click.echo("  pip install -e .")
+    click.echo(f"  stadium serve {module}.env:Env   # or: docker build -t {module} .")
 
 
 @cli.command()

@@ -18,7 +18,6 @@ from stadium._env import StepResult
 from stadium._errors import StadiumError, ValidationError
 from stadium._protocol import PROTOCOL_VERSION
 from stadium._session import Runtime
-from stadium._spec import validation_error
 from stadium._version import __version__
 
 _JSON = "application/json"
@@ -122,16 +121,14 @@ class HttpEndpoints:
                 if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
                     raise ValidationError("seed must be an integer or null", field="$.seed")
                 options = {k: v for k, v in data.items() if k not in ("seed", "episode_id")}
-                result = await self._run(
-                    lambda env: env.reset(seed=seed, options=options or None), spec.async_reset
-                )
+                kwargs: dict[str, Any] = {"seed": seed, "options": options or None}
+                if spec.reset_takes_episode_id and isinstance(data.get("episode_id"), str):
+                    kwargs["episode_id"] = data["episode_id"]
+                result = await self._run(lambda env: env.reset(**kwargs), spec.async_reset)
             else:
                 if "action" not in data:
                     raise ValidationError('body needs an "action" object', field="$.action")
-                try:
-                    action = msgspec.convert(data["action"], spec.action.tp, strict=False)
-                except msgspec.ValidationError as exc:
-                    raise validation_error(exc, "action") from None
+                action = spec.action.convert(data["action"], "action")
                 result = await self._run(lambda env: env.step(action), spec.async_step)
         except StadiumError as exc:
             status = 422 if isinstance(exc, ValidationError) else 500

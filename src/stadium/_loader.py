@@ -1,6 +1,9 @@
 """Resolve ``stadium serve TARGET`` to an environment class.
 
-TARGET is a built-in name (``echo``), ``package.module:Class`` or ``path/to/file.py:Class``.
+TARGET is a built-in name (``echo``), ``package.module:Class``, ``path/to/file.py:Class``
+or ``gymnasium:ENV_ID``. The class may be a Stadium ``Environment``, an OpenEnv
+``Environment`` (wrapped by :mod:`stadium.integrations.openenv`) or a
+``gymnasium.Env`` (wrapped by :mod:`stadium.integrations.gymnasium`).
 """
 
 from __future__ import annotations
@@ -14,15 +17,36 @@ from typing import Any
 from stadium._env import Environment
 from stadium._errors import TargetError
 
+GYMNASIUM_PREFIX = "gymnasium:"
 
-def load_target(target: str) -> type[Environment[Any, Any, Any]]:
+
+def load_target(
+    target: str, *, env_kwargs: dict[str, Any] | None = None
+) -> type[Environment[Any, Any, Any]]:
     """Import TARGET and return the environment class it names.
 
+    Args:
+        target: see the module docstring.
+        env_kwargs: the server's ``--env-kwargs``. Only Gymnasium targets use them
+            here (their spaces are read from an instance built with them); every
+            target's instances are built with them by the server.
+
     Raises:
-        TargetError: the module or attribute does not exist, or is not an Environment.
+        TargetError: the module or attribute does not exist, is not an environment,
+            or an optional dependency (gymnasium, openenv) is missing.
     """
     from stadium.envs import BUILTIN
 
+    if target.startswith(GYMNASIUM_PREFIX):
+        env_id = target[len(GYMNASIUM_PREFIX) :]
+        if not env_id:
+            raise TargetError(
+                "gymnasium: needs an environment id, e.g. gymnasium:CartPole-v1", target=target
+            )
+        cls: type[Environment[Any, Any, Any]] = _gymnasium(target).gymnasium_environment(
+            env_id, env_kwargs
+        )
+        return cls
     spec = BUILTIN.get(target, target)
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
@@ -40,11 +64,36 @@ def load_target(target: str) -> type[Environment[Any, Any, Any]]:
             raise TargetError(
                 f"{module_part!r} has no attribute {attr!r} (target {target!r})", target=target
             ) from None
-    if not (isinstance(obj, type) and issubclass(obj, Environment)):
-        raise TargetError(
-            f"{target!r} is {obj!r}, not a stadium.Environment subclass", target=target
+    if isinstance(obj, type) and issubclass(obj, Environment):
+        return obj
+    from stadium.integrations.openenv import is_openenv_environment
+
+    if is_openenv_environment(obj):
+        from stadium.integrations.openenv import openenv_environment
+
+        return openenv_environment(obj)
+    gym = sys.modules.get("gymnasium")
+    if gym is not None and isinstance(obj, type) and issubclass(obj, gym.Env):
+        gym_cls: type[Environment[Any, Any, Any]] = _gymnasium(target).gymnasium_environment(
+            obj, env_kwargs
         )
-    return obj
+        return gym_cls
+    raise TargetError(
+        f"{target!r} is {obj!r}, not a stadium.Environment subclass (nor an OpenEnv "
+        "Environment or gymnasium.Env subclass, which Stadium can also serve)",
+        target=target,
+    )
+
+
+def _gymnasium(target: str) -> Any:
+    """The Gymnasium integration module, or a TargetError saying what to install."""
+    try:
+        from stadium.integrations import gymnasium
+    except ModuleNotFoundError as exc:
+        raise TargetError(
+            f"serving {target!r} needs {exc.name}: pip install 'stadium[gym]'", target=target
+        ) from exc
+    return gymnasium
 
 
 def _import(module_part: str, target: str) -> Any:

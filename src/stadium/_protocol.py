@@ -96,6 +96,8 @@ class Call:
     seed: int | None = None
     options: dict[str, Any] | None = None
     episode_id: str | None = None
+    client_episode_id: bool = False
+    """Whether ``episode_id`` came from the client (else the server made it)."""
 
 
 class SessionProtocol:
@@ -111,6 +113,7 @@ class SessionProtocol:
         "_action_decoder",
         "_encode",
         "_envelope_decoder",
+        "_info_prefix",
         "_new_episode_id",
         "_raw_decode",
         "encoding",
@@ -132,6 +135,7 @@ class SessionProtocol:
         self.episode_id: str | None = None
         self.step_count = 0
         self._new_episode_id = new_episode_id
+        self._info_prefix = b',"' + spec.info_key.encode() + b'":'
         if encoding is Encoding.JSON:
             self._envelope_decoder: Any = _JSON_ENVELOPE
             self._action_decoder: Any = spec.action.json_decoder
@@ -232,6 +236,7 @@ class SessionProtocol:
             seed=seed,
             options=options,
             episode_id=episode_id or self._new_episode_id(),
+            client_episode_id=bool(episode_id),
         )
 
     # -- output --------------------------------------------------------------
@@ -261,7 +266,7 @@ class SessionProtocol:
             if truncated:
                 parts.append(b',"truncated":true')
             if info:
-                parts.append(b',"info":')
+                parts.append(self._info_prefix)
                 parts.append(enc(info))
             parts.append(b"}")
             if call.id is not None:
@@ -273,7 +278,7 @@ class SessionProtocol:
         if truncated:
             data["truncated"] = True
         if info:
-            data["info"] = info
+            data[self.spec.info_key] = info
         return self._frame("observation", data, call.id)
 
     def state_reply(self, call: Call, state: Any) -> bytes:

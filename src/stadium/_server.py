@@ -88,7 +88,11 @@ class Server:
         slots: Slots | None = None,
     ) -> None:
         self.config = config
-        cls = env_cls if env_cls is not None else load_target(config.target)
+        cls = (
+            env_cls
+            if env_cls is not None
+            else load_target(config.target, env_kwargs=config.env_kwargs)
+        )
         self.spec = EnvSpec.of(cls)
         self.state = ServerState.CREATED
         self._sock = sock
@@ -214,7 +218,7 @@ def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None
 def run_server(config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; return the process exit code (0 after a clean drain)."""
     _setup_logging(config.log_level)
-    env_cls = load_target(config.target)
+    env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
@@ -224,6 +228,18 @@ def run_server(config: ServerConfig) -> int:
             runner.run(_serve_until_signal(server))
         return 0
     return _Supervisor(config, env_cls, sock).run()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this worker if the supervisor dies (no orphaned workers)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
 
 
 class _Supervisor:
@@ -244,6 +260,7 @@ class _Supervisor:
         if pid == 0:  # worker
             code = 1
             try:
+                _die_with_parent()
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 self.slots.bind(index)

@@ -18,13 +18,14 @@ import asyncio
 import collections
 import concurrent.futures
 import enum
+import functools
 import logging
 import sys
 import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stadium._admission import Admission, LocalSlots, Slots
+from stadium._admission import Admission, LocalSlots, Slots, Verdict
 from stadium._errors import (
     CapacityError,
     ExecutionError,
@@ -215,10 +216,11 @@ class Session:
             return
         rt.sessions.add(self)
         waiter = self._on_admission
-        if rt.admission.admit(waiter):
-            self._on_admission(True)
-        elif self.phase is Phase.ADMITTING:
+        verdict = rt.admission.admit(waiter)
+        if verdict is Verdict.QUEUED:
             self._waiter = waiter
+        else:
+            self._on_admission(verdict is Verdict.ADMITTED)
 
     def feed(self, message: bytes | str) -> None:
         """Handle (or queue) one complete message from the peer."""
@@ -356,12 +358,15 @@ class Session:
                 else:
                     self._reply(call, env.step(call.action))
             elif op is Op.RESET:
+                kwargs: dict[str, Any] = {"seed": call.seed, "options": call.options}
+                if spec.reset_takes_episode_id and call.client_episode_id:
+                    kwargs["episode_id"] = call.episode_id
                 if spec.async_reset:
-                    self._await(call, env.reset(seed=call.seed, options=call.options))
+                    self._await(call, env.reset(**kwargs))
                 elif spec.blocking:
-                    self._in_thread(call, _call_reset, env, call.seed, call.options)
+                    self._in_thread(call, functools.partial(env.reset, **kwargs))
                 else:
-                    self._reply(call, env.reset(seed=call.seed, options=call.options))
+                    self._reply(call, env.reset(**kwargs))
             elif op is Op.STATE:
                 self._reply(call, env.state)
             else:  # CLOSE
@@ -470,10 +475,6 @@ class Session:
                 env.close()
         except Exception:
             log.exception("closing the environment raised")
-
-
-def _call_reset(env: Any, seed: int | None, options: dict[str, Any] | None) -> Any:
-    return env.reset(seed=seed, options=options)
 
 
 def _log_close_error(task: asyncio.Future[Any]) -> None:

@@ -17,7 +17,6 @@ import msgspec
 
 from stadium._env import Environment, State, StepResult
 
-_PID = os.getpid()
 _HOST = socket.gethostname()
 _MAX_STATE_KB = 1024 * 1024
 
@@ -50,9 +49,10 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
     name = "benchmark"
     version = "1.0"
 
-    __slots__ = ("_ballast", "_hash", "_steps")
+    __slots__ = ("_ballast", "_hash", "_pid", "_steps")
 
     def __init__(self) -> None:
+        self._pid = os.getpid()  # per instance: workers are forked after import
         self._steps = 0
         self._hash = hashlib.blake2s(os.urandom(8), digest_size=6).hexdigest()
         self._ballast = b""
@@ -71,7 +71,7 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
                 raise ValueError(f"state_kb must be an integer from 0 to {_MAX_STATE_KB}")
             # Real, touched memory (not a lazily mapped zero page).
             self._ballast = os.urandom(kb * 1024) if kb else b""
-        return BenchmarkObservation(0.0, _PID, self._hash, _HOST, 0)
+        return BenchmarkObservation(0.0, self._pid, self._hash, _HOST, 0)
 
     async def step(self, action: BenchmarkAction) -> StepResult[BenchmarkObservation]:
         wait = action.wait_seconds
@@ -79,7 +79,7 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
             await asyncio.sleep(wait)
         self._steps += 1
         return StepResult(
-            BenchmarkObservation(wait, _PID, self._hash, _HOST, self._steps), reward=1.0
+            BenchmarkObservation(wait, self._pid, self._hash, _HOST, self._steps), reward=1.0
         )
 
     @property

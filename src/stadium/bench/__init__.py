@@ -1,0 +1,42 @@
+"""``stadium bench``: the scaling benchmark harness for any environment server.
+
+Public API (imported lazily, so ``import stadium.bench`` stays cheap)::
+
+    from stadium.bench import run_ramp
+    report_md = run_ramp(["stadium", "floor"], [32, 128, 512, 2048], [1.0], reps=1,
+                         output_dir="bench-demo")
+
+* :func:`run_ramp` — start each arm's server per point and ramp until collapse;
+* :func:`run` with a :class:`BenchConfig` — every knob of the command line;
+* :func:`compare` — two result directories side by side.
+
+Modules: ``metrics`` (pure arithmetic), ``results`` (records and summaries),
+``loadgen`` (the load generator), ``procstat`` (/proc sampling), ``arms``
+(servers and caps), ``report`` (files and figures), ``compare``, ``floor``
+(the floor server), ``openenv_server`` (the OpenEnv arm).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stadium.bench.compare import compare
+    from stadium.bench.runner import BenchConfig, run, run_ramp
+
+__all__ = ["BenchConfig", "compare", "run", "run_ramp"]
+
+_WHERE = {
+    "BenchConfig": "stadium.bench.runner",
+    "run": "stadium.bench.runner",
+    "run_ramp": "stadium.bench.runner",
+    "compare": "stadium.bench.compare",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'stadium.bench' has no attribute {name!r}")

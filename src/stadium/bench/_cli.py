@@ -1,0 +1,284 @@
+"""``stadium bench``: the command line of the benchmark harness.
+
+* ``stadium bench --url ws://HOST:PORT/ws [grid options]`` — the OpenEnv
+  scaling study against a running server: every point of the grid.
+* ``stadium bench ramp --arm stadium --arm floor [--arm openenv ...]`` — start
+  each arm's server per point, ramp N until each arm collapses.
+* ``stadium bench compare DIR_A DIR_B`` — two result sets side by side;
+  ``stadium bench compare --git-ref REF [grid options]`` benches Stadium at
+  REF (a temporary worktree) against the working tree and compares them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from stadium.bench.arms import Arm, parse_cpus, parse_size
+from stadium.bench.loadgen import ThinkModel
+
+
+def _ints(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected integers separated by commas: {value!r}") from None
+    if not out or any(x <= 0 for x in out):
+        raise click.BadParameter("expected positive integers")
+    return out
+
+
+def _floats(ctx: click.Context, param: click.Parameter, value: str) -> list[float]:
+    try:
+        out = [float(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected numbers separated by commas: {value!r}") from None
+    if not out or any(x < 0 for x in out):
+        raise click.BadParameter("expected non-negative numbers")
+    return out
+
+
+_OPTIONS: list[Callable[[Any], Any]] = [
+    click.option(
+        "--requests-grid",
+        default="32,128,512,2048",
+        show_default=True,
+        callback=_ints,
+        help="Batch sizes N (concurrent sessions per burst).",
+    ),
+    click.option(
+        "--wait-grid",
+        default="1.0",
+        show_default=True,
+        callback=_floats,
+        help="Seconds each step waits on the server (W).",
+    ),
+    click.option(
+        "--reps",
+        default=3,
+        show_default=True,
+        type=click.IntRange(1, 100),
+        help="Repetitions of each point.",
+    ),
+    click.option(
+        "--mode",
+        type=click.Choice(["ws", "http"]),
+        default="ws",
+        show_default=True,
+        help="WebSocket sessions, or HTTP POST /reset + /step.",
+    ),
+    click.option(
+        "--output-dir",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Where results go [default: bench-results/<timestamp>].",
+    ),
+    click.option(
+        "--steps",
+        default=1,
+        show_default=True,
+        type=click.IntRange(1, 100_000),
+        help="Steps per session.",
+    ),
+    click.option(
+        "--think-ms",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Think time before each step (the LLM's time to first token), ms.",
+    ),
+    click.option(
+        "--think-tokens",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Tokens the agent generates before each step.",
+    ),
+    click.option(
+        "--think-token-ms",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0),
+        help="Milliseconds per generated token.",
+    ),
+    click.option(
+        "--state-kb",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Per-session state the benchmark env holds (reset option state_kb).",
+    ),
+    click.option("--cpus", default=None, help="Server CPUs, e.g. 0 or 0-1 (sched_setaffinity)."),
+    click.option("--load-cpus", default=None, help="Load generator CPUs, e.g. 1."),
+    click.option(
+        "--pin", is_flag=True, help="Server on the first half of the CPUs, load on the rest."
+    ),
+    click.option("--mem", default=None, help="Server memory cap, e.g. 2G (cgroup, else rlimit)."),
+    click.option(
+        "--load-procs",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Load generator processes (0: automatic).",
+    ),
+    click.option(
+        "--server-workers",
+        default=1,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Worker processes of each started server.",
+    ),
+    click.option(
+        "--max-sessions",
+        default=0,
+        type=click.IntRange(0),
+        help="Server session cap (0: twice the largest N, at least 100,000).",
+    ),
+    click.option(
+        "--timeout",
+        default=30.0,
+        show_default=True,
+        type=click.FloatRange(0.1),
+        help="Timeout of each phase beyond the step's wait, seconds.",
+    ),
+    click.option(
+        "--deadline",
+        default=3600.0,
+        show_default=True,
+        type=click.FloatRange(1),
+        help="Hard deadline of the whole run, seconds.",
+    ),
+    click.option(
+        "--cache-dir",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="Cache for the openenv venv and worktrees [~/.cache/stadium-bench].",
+    ),
+    click.option("--progress/--no-progress", default=True, help="Live progress and tables."),
+]
+
+
+def _grid_options(fn: Any) -> Any:
+    for opt in reversed(_OPTIONS):
+        fn = opt(fn)
+    return fn
+
+
+def _config(arms: list[Arm], stop: bool, **o: Any) -> Any:
+    from stadium.bench.runner import BenchConfig, pin_defaults
+
+    cpus = parse_cpus(o["cpus"]) if o["cpus"] else None
+    load_cpus = parse_cpus(o["load_cpus"]) if o["load_cpus"] else None
+    if o["pin"] and cpus is None and load_cpus is None:
+        cpus, load_cpus = pin_defaults()
+    out = o["output_dir"] or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
+    return BenchConfig(
+        arms=arms,
+        requests_grid=o["requests_grid"],
+        wait_grid=o["wait_grid"],
+        output_dir=out,
+        reps=o["reps"],
+        steps=o["steps"],
+        think=ThinkModel(o["think_ms"], o["think_tokens"], o["think_token_ms"]),
+        state_kb=o["state_kb"],
+        mode=o["mode"],
+        stop_at_collapse=stop,
+        cpus=cpus,
+        load_cpus=load_cpus,
+        mem_bytes=parse_size(o["mem"]) if o["mem"] else None,
+        load_procs=o["load_procs"],
+        server_workers=o["server_workers"],
+        max_sessions=o["max_sessions"],
+        connect_timeout=o["timeout"],
+        request_timeout=o["timeout"],
+        deadline_s=o["deadline"],
+        cache_dir=o["cache_dir"],
+        progress=o["progress"],
+    )
+
+
+def _run(config: Any) -> Path:
+    from stadium.bench.runner import run
+
+    path = run(config)
+    click.echo(f"report: {path}")
+    return path
+
+
+@click.group(invoke_without_command=True)
+@click.option("--url", default=None, help="A running server, ws://HOST:PORT/ws.")
+@click.option("--server-pid", default=None, type=int,
+              help="PID of that server, for server-side figures from /proc.")  # fmt: skip
+@click.option("--stop-at-collapse", is_flag=True, help="Stop at the first N below 95 %.")
+@_grid_options
+@click.pass_context
+def bench(
+    ctx: click.Context, /, url: str | None, server_pid: int | None, stop_at_collapse: bool, **o: Any
+) -> None:
+    """Benchmark an environment server: bursts of N sessions (connect, reset,
+    steps that wait W seconds, close) over a grid of N and W.
+
+    Without a subcommand, runs the grid against --url. See `ramp` to start and
+    compare servers (stadium, floor, openenv), `compare` for two result sets.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    if not url:
+        click.echo(ctx.get_help())
+        raise click.UsageError("give --url ws://HOST:PORT/ws, or a subcommand (ramp, compare)")
+    arm = Arm("url", "url", url=url, server_pid=server_pid)
+    _run(_config([arm], stop_at_collapse, **o))
+
+
+@bench.command()
+@click.option("--arm", "arm_names", multiple=True, default=("stadium", "floor"),
+              show_default=True,
+              help="stadium, stadium@REF, floor, openenv, url (repeatable).")  # fmt: skip
+@click.option("--url", default=None, help="For the url arm: ws://HOST:PORT/ws.")
+@click.option("--server-pid", default=None, type=int, help="For the url arm: its PID.")
+@click.option("--git-ref", default=None, help="Also bench Stadium at this git ref.")
+@click.option("--no-stop", is_flag=True, help="Run the whole grid even past a collapse.")
+@_grid_options
+def ramp(
+    arm_names: tuple[str, ...],
+    url: str | None,
+    server_pid: int | None,
+    git_ref: str | None,
+    no_stop: bool,
+    **o: Any,
+) -> None:
+    """Start each arm's server (fresh per point, capped) and ramp N until it collapses.
+
+    Prints the knee (max batch) per arm and writes raw.jsonl, summary.csv,
+    figures and report.md to --output-dir.
+    """
+    arms = [Arm.parse(a, url=url, server_pid=server_pid) for a in arm_names]
+    if git_ref:
+        arms.insert(0, Arm.parse(f"stadium@{git_ref}"))
+    _run(_config(arms, not no_stop, **o))
+
+
+@bench.command(name="compare")
+@click.argument("dirs", nargs=-1, type=click.Path(exists=True, path_type=Path))
+@click.option("--git-ref", default=None,
+              help="Bench Stadium at REF against the working tree, then compare.")  # fmt: skip
+@_grid_options
+def compare_cmd(dirs: tuple[Path, ...], git_ref: str | None, **o: Any) -> None:
+    """Compare two result directories DIR_A DIR_B (ratios B/A), or --git-ref REF."""
+    from stadium.bench.compare import compare, compare_arms
+
+    if git_ref:
+        if dirs:
+            raise click.UsageError("give either DIR_A DIR_B or --git-ref, not both")
+        arms = [Arm.parse(f"stadium@{git_ref}"), Arm.parse("stadium")]
+        path = _run(_config(arms, True, **o))
+        md = compare_arms(path.parent, f"stadium@{git_ref}", "stadium")
+    else:
+        if len(dirs) != 2:
+            raise click.UsageError("compare needs two result directories: DIR_A DIR_B")
+        md = compare(dirs[0], dirs[1])
+    click.echo(f"comparison: {md}")

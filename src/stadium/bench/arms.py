@@ -1,0 +1,444 @@
+"""Arms: the servers a benchmark compares, and how each is started and capped.
+
+An arm is one of:
+
+* ``stadium`` — ``python -m stadium serve benchmark`` (the full server);
+  ``stadium@REF`` runs the same from a temporary git worktree of REF;
+* ``floor`` — :mod:`stadium.bench.floor`, started by its file path (no
+  Stadium code in the server process);
+* ``openenv`` — OpenEnv's server (:mod:`stadium.bench.openenv_server`) under
+  a Python that has ``openenv`` (the project's venv if it imports there, else
+  a venv under the cache directory, created on demand);
+* ``url`` — a server already running at ``--url`` (optionally ``--server-pid``
+  for server-side figures); never started or stopped.
+
+Started arms run in a fresh process group per point and are stopped with
+SIGTERM, then SIGKILL to the group after a grace period. Resource caps are
+applied to the server right after it starts (children it forks inherit them):
+CPUs with ``sched_setaffinity``; memory with a cgroup (v1
+``memory.limit_in_bytes`` or v2 ``memory.max``, a child of this process's own
+cgroup), falling back to ``RLIMIT_AS`` per process. :class:`CapReport` says
+which was used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stadium._errors import ConfigError
+
+BENCH_DIR = Path(__file__).resolve().parent
+FLOOR_SCRIPT = BENCH_DIR / "floor.py"
+OPENENV_SCRIPT = BENCH_DIR / "openenv_server.py"
+OPENENV_VERSION = "0.10.0"
+KINDS = ("stadium", "floor", "openenv", "url")
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One arm of a comparison. ``name`` labels it in every output."""
+
+    name: str
+    kind: str
+    url: str | None = None
+    server_pid: int | None = None
+    git_ref: str | None = None
+
+    @classmethod
+    def parse(cls, text: str, *, url: str | None = None, server_pid: int | None = None) -> Arm:
+        """``stadium``, ``stadium@REF``, ``floor``, ``openenv``, ``url`` or ``url=ws://...``."""
+        if text.startswith("stadium@"):
+            return cls(text, "stadium", git_ref=text.partition("@")[2])
+        if text.startswith("url="):
+            return cls("url", "url", url=text[4:], server_pid=server_pid)
+        if text not in KINDS:
+            raise ConfigError(f"unknown arm {text!r}; choose from {', '.join(KINDS)}, stadium@REF")
+        if text == "url":
+            if not url:
+                raise ConfigError("the url arm needs --url ws://HOST:PORT/ws")
+            return cls("url", "url", url=url, server_pid=server_pid)
+        return cls(text, text)
+
+
+@dataclass(frozen=True, slots=True)
+class Caps:
+    """Resource caps for the server of each point (``None``: no cap)."""
+
+    cpus: tuple[int, ...] | None = None
+    mem_bytes: int | None = None
+
+
+@dataclass(slots=True)
+class CapReport:
+    """How the caps were applied (goes into the report)."""
+
+    cpu: str = "none"
+    mem: str = "none"
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """Options passed to every started server."""
+
+    workers: int = 1
+    max_sessions: int = 100_000
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "stadium-bench")
+    worktrees: dict[str, Path] = field(default_factory=dict)
+
+
+def parse_size(text: str) -> int:
+    """``512M``, ``2G``, ``1.5g``, ``1048576`` → bytes (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30), ("T", 1 << 40)):
+        if t.endswith(suffix):
+            t, mult = t[:-1], m
+            break
+    try:
+        return int(float(t) * mult)
+    except ValueError:
+        raise ConfigError(f"not a size: {text!r} (try 512M or 2G)") from None
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``0``, ``0,1``, ``0-3,6`` → a tuple of CPU numbers."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            if "-" in part:
+                lo, hi = part.split("-")
+                cpus.extend(range(int(lo), int(hi) + 1))
+            elif part.strip():
+                cpus.append(int(part))
+    except ValueError:
+        raise ConfigError(f"not a CPU list: {text!r} (try 0 or 0-1,3)") from None
+    if not cpus:
+        raise ConfigError("empty CPU list")
+    return tuple(sorted(set(cpus)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` at the time of the call."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# ------------------------------------------------------------------ python envs
+
+
+def _imports(python: str, module: str) -> bool:
+    try:
+        r = subprocess.run(
+            [python, "-c", f"import {module}"], capture_output=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def openenv_python(cache_dir: Path, *, install: bool = True) -> str:
+    """A Python that imports ``openenv`` and ``uvicorn``.
+
+    The project's own interpreter when it has them; else ``cache_dir /
+    openenv-VERSION`` (a venv created with ``uv`` or ``venv`` + pip and
+    ``openenv==VERSION uvicorn`` installed into it, never into the project's).
+    Raises :class:`ConfigError` when neither exists and ``install`` is false.
+    """
+    if _imports(sys.executable, "openenv.core.env_server.http_server, uvicorn"):
+        return sys.executable
+    venv = cache_dir / f"openenv-{OPENENV_VERSION}"
+    py = venv / "bin" / "python"
+    if py.exists() and _imports(str(py), "openenv.core.env_server.http_server, uvicorn"):
+        return str(py)
+    if not install:
+        raise ConfigError(f"openenv is not installed (looked in {sys.executable} and {venv})")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv") or str(Path(sys.executable).parent / "uv")
+    pkgs = [f"openenv=={OPENENV_VERSION}", "uvicorn"]
+    if Path(uv).exists():
+        subprocess.run([uv, "venv", "--python", sys.executable, str(venv)], check=True)
+        subprocess.run([uv, "pip", "install", "--python", str(py), *pkgs], check=True, timeout=1800)
+    else:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(py), "-m", "pip", "install", *pkgs], check=True, timeout=1800)
+    return str(py)
+
+
+@contextlib.contextmanager
+def git_worktree(ref: str, parent: Path) -> Iterator[Path]:
+    """A temporary detached worktree of ``ref`` of the current repository, removed after."""
+    parent.mkdir(parents=True, exist_ok=True)
+    path = parent / f"worktree-{ref.replace('/', '_')}-{os.getpid()}"
+    repo = Path(__file__).resolve().parents[3]
+    subprocess.run(
+        ["git", "-C", str(repo), "worktree", "add", "--detach", str(path), ref],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
+        )
+
+
+# ---------------------------------------------------------------------- launch
+
+
+def server_command(
+    arm: Arm, port: int, settings: ServerSettings, openenv_py: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and extra environment that start ``arm`` on ``port``.
+
+    This is the one place to adjust how each server is launched.
+    """
+    host = "127.0.0.1"
+    env: dict[str, str] = {}
+    if arm.kind == "stadium":
+        cmd = [
+            sys.executable, "-m", "stadium", "serve", "benchmark",
+            "--host", host, "--port", str(port),
+            "--workers", str(settings.workers),
+            "--max-sessions", str(settings.max_sessions),
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if arm.git_ref is not None:
+            tree = settings.worktrees.get(arm.git_ref)
+            if tree is None:
+                raise ConfigError(f"no worktree for {arm.git_ref!r}")
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(tree / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+        return cmd, env
+    if arm.kind == "floor":
+        cmd = [sys.executable, str(FLOOR_SCRIPT), "--host", host, "--port", str(port)]
+        if settings.workers > 1:
+            cmd += ["--workers", str(settings.workers)]
+        return cmd, env
+    if arm.kind == "openenv":
+        py = openenv_py or openenv_python(settings.cache_dir)
+        cmd = [
+            py, str(OPENENV_SCRIPT), "--host", host, "--port", str(port),
+            "--workers", str(settings.workers), "--max-sessions", str(settings.max_sessions),
+        ]  # fmt: skip
+        return cmd, env
+    raise ConfigError(f"arm {arm.name!r} is not started by the harness")
+
+
+_CGROUP_SEQ = itertools.count()
+
+
+def _own_cgroup_dir() -> tuple[Path, str] | None:
+    """This process's memory cgroup directory and its version, if writable."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            d = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            if (d / "memory.limit_in_bytes").exists() and os.access(d, os.W_OK):
+                return d, "v1"
+    for line in lines:
+        if line.startswith("0::"):
+            d = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+            ctl = d / "cgroup.subtree_control"
+            if ctl.exists() and "memory" in ctl.read_text() and os.access(d, os.W_OK):
+                return d, "v2"
+    return None
+
+
+class MemoryCap:
+    """A memory cap on one server: a child cgroup, else ``RLIMIT_AS``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.cgroup: Path | None = None
+        self.version = ""
+        self.method = "none"
+
+    def apply(self, pid: int) -> str:
+        """Cap ``pid`` (its future children inherit); return the method used."""
+        own = _own_cgroup_dir()
+        if own is not None:
+            base, version = own
+            d = base / f"stadium-bench-{os.getpid()}-{next(_CGROUP_SEQ)}"
+            try:
+                d.mkdir()
+                if version == "v1":
+                    (d / "memory.limit_in_bytes").write_text(str(self.limit))
+                    with contextlib.suppress(OSError):
+                        (d / "memory.memsw.limit_in_bytes").write_text(str(self.limit))
+                else:
+                    (d / "memory.max").write_text(str(self.limit))
+                    with contextlib.suppress(OSError):
+                        (d / "memory.swap.max").write_text("0")
+                (d / "cgroup.procs").write_text(str(pid))
+                self.cgroup, self.version = d, version
+                knob = "memory.limit_in_bytes" if version == "v1" else "memory.max"
+                self.method = f"cgroup {version} ({knob} = {self.limit} bytes, whole process tree)"
+                return self.method
+            except OSError:
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+        import psutil
+
+        try:
+            psutil.Process(pid).rlimit(psutil.RLIMIT_AS, (self.limit, self.limit))
+            self.method = f"RLIMIT_AS = {self.limit} bytes (address space, per process)"
+        except (psutil.Error, OSError, AttributeError) as exc:
+            self.method = f"none (could not cap memory: {exc})"
+        return self.method
+
+    def oom_killed(self) -> bool:
+        """Whether the kernel OOM-killed a process of the cgroup."""
+        if self.cgroup is None:
+            return False
+        name = "memory.oom_control" if self.version == "v1" else "memory.events"
+        try:
+            for line in (self.cgroup / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and int(value) > 0:
+                    return True
+        except (OSError, ValueError):
+            pass
+        return False
+
+    def remove(self) -> None:
+        """Remove the cgroup (after its processes are gone); bounded retries."""
+        if self.cgroup is None:
+            return
+        for _ in range(50):
+            try:
+                self.cgroup.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.cgroup = None
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) -> None:
+    """Poll ``GET /health`` until 200; raise :class:`ConfigError` on exit or timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ConfigError(f"the server exited with {proc.returncode} before it was ready")
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except (OSError, http.client.HTTPException):
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.1)
+    raise ConfigError(f"the server on port {port} was not healthy after {timeout:.0f} s")
+
+
+@dataclass
+class RunningServer:
+    """A server for one point. ``pid`` is what to sample (``None``: unknown)."""
+
+    url: str
+    pid: int | None
+    proc: subprocess.Popen[bytes] | None = None
+    mem: MemoryCap | None = None
+    log: Path | None = None
+    killed_by_us: bool = False
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL to the process group after ``grace`` s; the exit code."""
+        p = self.proc
+        if p is None:
+            return None
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.killed_by_us = True
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10.0)
+        # Descendants left in the group we created (e.g. workers of a crashed master).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        if self.mem is not None:
+            self.mem.remove()
+        return p.returncode
+
+    def oom(self) -> bool:
+        """Whether the server (or one of its processes) was OOM-killed."""
+        if self.mem is not None and self.mem.oom_killed():
+            return True
+        p = self.proc
+        return (
+            p is not None
+            and p.returncode == -signal.SIGKILL
+            and not self.killed_by_us
+            and self.mem is not None
+        )
+
+
+def start_server(
+    arm: Arm,
+    settings: ServerSettings,
+    caps: Caps,
+    log_dir: Path,
+    tag: str,
+    *,
+    openenv_py: str | None = None,
+    ready_timeout: float = 60.0,
+) -> tuple[RunningServer, CapReport]:
+    """Start (or, for ``url``, just describe) the server of one point.
+
+    The caller must call :meth:`RunningServer.stop` (in a ``finally``).
+    """
+    report = CapReport()
+    if arm.kind == "url":
+        assert arm.url is not None
+        return RunningServer(url=arm.url, pid=arm.server_pid), report
+    port = free_port()
+    cmd, extra_env = server_command(arm, port, settings, openenv_py)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{tag}.log"
+    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+    server = RunningServer(url=f"ws://127.0.0.1:{port}/ws", pid=proc.pid, proc=proc, log=log)
+    try:
+        if caps.cpus is not None:
+            os.sched_setaffinity(proc.pid, caps.cpus)
+            report.cpu = f"sched_setaffinity (taskset) to CPUs {','.join(map(str, caps.cpus))}"
+        if caps.mem_bytes is not None:
+            server.mem = MemoryCap(caps.mem_bytes)
+            report.mem = server.mem.apply(proc.pid)
+        wait_healthy(port, proc, ready_timeout)
+    except BaseException:
+        server.stop(grace=2.0)
+        raise
+    return server, report

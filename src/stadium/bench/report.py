@@ -1,0 +1,437 @@
+"""Outputs of a run: ``raw.jsonl``, ``summary.csv``, PNG figures, ``report.md``.
+
+* ``raw.jsonl`` — one JSON object per session: the point's ``arm``, ``n``,
+  ``wait_s``, ``rep`` and every field of :class:`~stadium.bench.results.SessionRecord`.
+* ``summary.csv`` — one row per point, the columns of
+  :func:`stadium.bench.results.columns`; empty cells for unknown figures.
+* figures (Agg backend, PNG): ``scaling.png`` (success rate vs batch),
+  ``max_batch.png`` (max batch by arm and wait), ``batch_per_core.png``,
+  ``p99_heatmap.png`` (total p99, batch x wait, one panel per arm),
+  ``latency_phases.png`` (p50 and p99 of connect, reset, step, total vs batch),
+  ``server_cost.png`` (server CPU per step and RSS per session vs batch).
+* ``report.md`` — machine, versions, exact command, caps, knees, tables and figures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import math
+import os
+import platform
+import socket
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from stadium.bench import metrics
+from stadium.bench.results import PointKey, PointSummary, SessionRecord, columns
+
+FIGURES = (
+    "scaling.png",
+    "max_batch.png",
+    "batch_per_core.png",
+    "p99_heatmap.png",
+    "latency_phases.png",
+    "server_cost.png",
+)
+
+Row = Mapping[str, Any]
+
+
+# ------------------------------------------------------------------ raw / csv
+
+
+def append_raw(fh: IO[bytes], key: PointKey, records: Iterable[SessionRecord]) -> None:
+    """Append one line per session to an open ``raw.jsonl``."""
+    head = {"arm": key.arm, "n": key.n, "wait_s": key.wait_s, "rep": key.rep}
+    enc = msgspec.json.Encoder()
+    for r in records:
+        fh.write(enc.encode({**head, **msgspec.structs.asdict(r)}))
+        fh.write(b"\n")
+
+
+def write_summary(path: Path, rows: Sequence[PointSummary]) -> None:
+    """Write ``summary.csv`` (header = :func:`columns`); ``None`` becomes an empty cell."""
+    cols = columns()
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=cols)
+        w.writeheader()
+        for s in rows:
+            w.writerow({k: ("" if v is None else v) for k, v in s.as_row().items()})
+    os.replace(tmp, path)
+
+
+def _convert(value: str) -> Any:
+    if value == "":
+        return None
+    if value in ("True", "False"):
+        return value == "True"
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def read_summary(path: Path) -> list[dict[str, Any]]:
+    """Read a ``summary.csv`` back as dicts of typed values (ints, floats, bools, None)."""
+    with path.open(newline="") as fh:
+        return [{k: _convert(v) for k, v in row.items()} for row in csv.DictReader(fh)]
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def max_batches(rows: Iterable[Row]) -> dict[tuple[str, float], int]:
+    """Max batch per (arm, wait) by the study's rule (:func:`metrics.max_batch`)."""
+    rates: dict[tuple[str, float], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        rates[(str(r["arm"]), float(r["wait_s"]))][int(r["n"])].append(float(r["success_rate"]))
+    return {k: metrics.max_batch(v) for k, v in rates.items()}
+
+
+def _mean(values: Iterable[Any]) -> float | None:
+    vs = [float(v) for v in values if v is not None]
+    vs = [v for v in vs if not math.isnan(v)]
+    return sum(vs) / len(vs) if vs else None
+
+
+def by_point(rows: Iterable[Row]) -> dict[tuple[str, float, int], list[Row]]:
+    """Rows grouped by (arm, wait, n) over repetitions, sorted by key."""
+    out: dict[tuple[str, float, int], list[Row]] = defaultdict(list)
+    for r in rows:
+        out[(str(r["arm"]), float(r["wait_s"]), int(r["n"]))].append(r)
+    return dict(sorted(out.items()))
+
+
+def mean_of(rows: Sequence[Row], column: str) -> float | None:
+    """The mean of ``column`` over repetitions, ignoring missing values."""
+    return _mean(r.get(column) for r in rows)
+
+
+# -------------------------------------------------------------------- figures
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _n_axis(ax: Any, ns: Sequence[int]) -> None:
+    """Log x axis labelled with the batch sizes themselves."""
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    if ns:
+        ax.set_xticks(list(ns), [f"{n:,}" for n in ns], fontsize=7)
+
+
+def write_figures(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
+    """Write every figure of :data:`FIGURES` into ``out_dir``; return their paths."""
+    plt = _plt()
+    groups = by_point(rows)
+    arms = sorted({k[0] for k in groups})
+    waits = sorted({k[1] for k in groups})
+    paths: list[Path] = []
+
+    def series(arm: str, wait: float, col: str) -> tuple[list[int], list[float | None]]:
+        ns = sorted(k[2] for k in groups if k[0] == arm and k[1] == wait)
+        return ns, [mean_of(groups[(arm, wait, n)], col) for n in ns]
+
+    def save(fig: Any, name: str) -> None:
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+
+    styles = ["-", "--", ":", "-."]
+    # 1. scaling curves
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for arm in arms:
+        for j, w in enumerate(waits):
+            ns, ys = series(arm, w, "success_rate")
+            if ns:
+                ax.plot(ns, [100 * (y or 0) for y in ys], styles[j % 4], marker="o",
+                        label=f"{arm}, W={w:g}s")  # fmt: skip
+    ax.axhline(95, color="grey", lw=0.8, ls=":")
+    ax.set(xlabel="concurrent sessions N", ylabel="success rate (%)",
+           title="Scaling: success rate vs batch", ylim=(0, 105))  # fmt: skip
+    _n_axis(ax, sorted({k[2] for k in groups}))
+    ax.legend(fontsize=8)
+    save(fig, "scaling.png")
+
+    # 2./3. max batch and batch per core
+    mb = max_batches(rows)
+    cores: dict[str, float] = {}
+    for r in rows:
+        c = r.get("server_cores")
+        cores[str(r["arm"])] = float(c) if c else float(os.cpu_count() or 1)
+    for name, per_core in (("max_batch.png", False), ("batch_per_core.png", True)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        width = 0.8 / max(1, len(waits))
+        for j, w in enumerate(waits):
+            vals = [mb.get((a, w), 0) / (cores.get(a, 1.0) if per_core else 1.0) for a in arms]
+            xs = [i + j * width for i in range(len(arms))]
+            bars = ax.bar(xs, vals, width, label=f"W={w:g}s")
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+        ax.set_xticks([i + width * (len(waits) - 1) / 2 for i in range(len(arms))], arms)
+        ax.set(ylabel="sessions per core" if per_core else "sessions",
+               title=("Max batch per core" if per_core else "Max batch")
+               + " (largest N with >= 95% success in every rep)")  # fmt: skip
+        ax.legend(fontsize=8)
+        save(fig, name)
+
+    # 4. p99 heatmap (batch x wait), one panel per arm
+    ns_all = sorted({k[2] for k in groups})
+    fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(4.2 * max(1, len(arms)), 3.8),
+                             squeeze=False)  # fmt: skip
+    for ax, arm in zip(axes[0], arms, strict=False):
+        grid = [
+            [mean_of(groups.get((arm, w, n), []), "total_p99_ms") for n in ns_all] for w in waits
+        ]
+        data = [[(v / 1000.0 if v is not None else float("nan")) for v in row] for row in grid]
+        im = ax.imshow(data, aspect="auto", cmap="viridis", origin="lower")
+        ax.set_xticks(range(len(ns_all)), [str(n) for n in ns_all], rotation=45, fontsize=7)
+        ax.set_yticks(range(len(waits)), [f"{w:g}" for w in waits])
+        ax.set(xlabel="N", ylabel="wait (s)", title=f"{arm}: total p99 (s)")
+        for yi, row in enumerate(data):
+            for xi, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w")
+        fig.colorbar(im, ax=ax)
+    save(fig, "p99_heatmap.png")
+
+    # 5. latency by phase
+    phases = ("connect", "reset", "step", "total")
+    fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(4.5 * max(1, len(arms)), 4),
+                             squeeze=False, sharey=True)  # fmt: skip
+    w0 = waits[0] if waits else 0.0
+    for ax, arm in zip(axes[0], arms, strict=False):
+        for ph in phases:
+            for q, ls in (("p50", "--"), ("p99", "-")):
+                ns, ys = series(arm, w0, f"{ph}_{q}_ms")
+                pts = [(n, y) for n, y in zip(ns, ys, strict=True) if y is not None and y > 0]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), ls, marker=".", label=f"{ph} {q}")
+        ax.set(yscale="log", xlabel="N", ylabel="latency (ms)",
+               title=f"{arm}: latency by phase, W={w0:g}s")  # fmt: skip
+        _n_axis(ax, sorted({k[2] for k in groups if k[0] == arm}))
+        ax.legend(fontsize=6, ncol=2)
+    save(fig, "latency_phases.png")
+
+    # 6. server cost
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm in arms:
+        ns, cpu = series(arm, w0, "server_cpu_us_per_step")
+        pts = [(n, y) for n, y in zip(ns, cpu, strict=True) if y is not None]
+        if pts:
+            ax1.plot(*zip(*pts, strict=True), marker="o", label=arm)
+        ns, rss = series(arm, w0, "rss_per_session_kb")
+        pts = [(n, y) for n, y in zip(ns, rss, strict=True) if y is not None]
+        if pts:
+            ax2.plot(*zip(*pts, strict=True), marker="o", label=arm)
+    ax1.set(xlabel="N", ylabel="µs", title="Server CPU per step")
+    ax2.set(xlabel="N", ylabel="KiB", title="Server RSS per session")
+    for ax in (ax1, ax2):
+        _n_axis(ax, sorted({k[2] for k in groups}))
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    save(fig, "server_cost.png")
+    return paths
+
+
+# ------------------------------------------------------------------- markdown
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else ""
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "-"
+        return f"{v:,.{digits}f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("arm", "arm", 0),
+    ("wait_s", "W (s)", 1),
+    ("n", "N", 0),
+    ("success_rate", "success", 3),
+    ("errors", "errors", 0),
+    ("connect_p99_ms", "connect p99 ms", 1),
+    ("reset_p99_ms", "reset p99 ms", 1),
+    ("step_p99_ms", "step p99 ms", 1),
+    ("total_p50_ms", "total p50 ms", 1),
+    ("total_p99_ms", "total p99 ms", 1),
+    ("inflation_p99", "infl. p99", 2),
+    ("rps", "RPS", 0),
+    ("effective_concurrency", "eff. conc.", 0),
+    ("server_peak_rss_mb", "peak RSS MiB", 1),
+    ("rss_per_session_kb", "RSS/session KiB", 1),
+    ("server_peak_threads", "threads", 0),
+    ("server_cpu_ms_per_session", "CPU ms/session", 3),
+    ("server_cpu_us_per_step", "CPU µs/step", 1),
+    ("unique_pids", "PIDs", 0),
+)
+
+_ERR = ("refused", "timeout", "capacity", "protocol", "disconnected", "client", "deadline")
+
+
+def errors_text(rows: Sequence[Row]) -> str:
+    """``timeout:3 capacity:1`` summed over repetitions ('' when none)."""
+    parts = []
+    for kind in _ERR:
+        total = sum(int(r.get(f"err_{kind}") or 0) for r in rows)
+        if total:
+            parts.append(f"{kind}:{total}")
+    return " ".join(parts)
+
+
+TERMINAL_COLUMNS = (
+    "arm", "wait_s", "n", "success_rate", "errors", "total_p50_ms", "total_p99_ms",
+    "inflation_p99", "rps", "rss_per_session_kb", "server_peak_threads",
+    "server_cpu_us_per_step",
+)  # fmt: skip
+"""The columns of the terminal table (the report has all of :data:`TABLE_COLUMNS`)."""
+
+
+def table_rows(rows: Sequence[Row], columns: Sequence[str] | None = None) -> list[list[str]]:
+    """Formatted cells (means over repetitions) for the tables of :data:`TABLE_COLUMNS`."""
+    cols = [c for c in TABLE_COLUMNS if columns is None or c[0] in columns]
+    out = []
+    for (arm, wait, n), reps in by_point(rows).items():
+        cells = []
+        for col, _, digits in cols:
+            if col == "arm":
+                cells.append(arm)
+            elif col == "wait_s":
+                cells.append(f"{wait:g}")
+            elif col == "n":
+                cells.append(f"{n:,}")
+            elif col == "errors":
+                cells.append(errors_text(reps))
+            else:
+                cells.append(_fmt(mean_of(reps, col), digits))
+        out.append(cells)
+    return out
+
+
+def machine_info() -> dict[str, str]:
+    """CPU model, cores, memory, kernel, Python and package versions."""
+    info: dict[str, str] = {
+        "host": socket.gethostname(),
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "cores": str(os.cpu_count()),
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["memory"] = f"{int(line.split()[1]) / 1024 / 1024:.1f} GiB"
+                break
+    except OSError:
+        pass
+    for pkg in ("stadium", "picows", "uvloop", "msgspec", "openenv", "uvicorn", "websockets"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            info[pkg] = metadata.version(pkg)
+    return info
+
+
+def write_report(
+    out_dir: Path,
+    rows: Sequence[Row],
+    *,
+    command: str,
+    settings: Mapping[str, Any],
+    figures: Sequence[Path],
+    notes: Sequence[str] = (),
+    machine: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``report.md`` (tables, knees, figures, machine, versions, command)."""
+    machine = machine if machine is not None else machine_info()
+    lines = ["# Stadium benchmark report", ""]
+    lines += ["Command:", "", "```", command, "```", ""]
+    lines += ["## Machine and versions", "", "| item | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in machine.items()]
+    lines += ["", "## Settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in settings.items()]
+    lines += ["", "## Max batch (knee) per arm", ""]
+    lines += ["Largest N with >= 95 % success in every repetition.", ""]
+    lines += ["| arm | W (s) | max batch | batch per core |", "|---|---|---|---|"]
+    cores: dict[str, float] = {}
+    for r in rows:
+        c = r.get("server_cores")
+        cores[str(r["arm"])] = float(c) if c else float(os.cpu_count() or 1)
+    for (arm, wait), mb in sorted(max_batches(rows).items()):
+        per_core = metrics.batch_per_core(mb, cores.get(arm, 1.0))
+        lines.append(f"| {arm} | {wait:g} | {mb:,} | {per_core:,.0f} |")
+    lines += ["", "## Points (means over repetitions)", ""]
+    lines.append("| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |")
+    lines.append("|" + "---|" * len(TABLE_COLUMNS))
+    lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
+    if notes:
+        lines += ["", "## Notes", ""]
+        lines += [f"- {n}" for n in notes]
+    lines += ["", "## Figures", ""]
+    for f in figures:
+        lines += [f"### {f.stem.replace('_', ' ')}", "", f"![{f.stem}]({f.name})", ""]
+    lines += [
+        "## Method",
+        "",
+        "Each point is a burst of N sessions started at one instant by the load",
+        "generator's processes: connect, reset, `steps` x (think, step waiting W s), close.",
+        "Percentiles are nearest-rank; latency inflation is total latency over",
+        "(W + think) x steps; server CPU is the server process tree's user + system",
+        "time during the point, divided by sessions or steps; RSS per session is",
+        "(peak RSS - idle RSS) / N. See BENCHMARKS.md.",
+        "",
+        "Files: `raw.jsonl` (one row per session), `summary.csv` (one row per point).",
+        "",
+    ]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def print_table(rows: Sequence[Row], title: str = "stadium bench") -> None:
+    """Print the points table and the knees to the terminal (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=title, show_lines=False)
+    for col, header, _ in TABLE_COLUMNS:
+        if col in TERMINAL_COLUMNS:
+            table.add_column(header, justify="left" if header in ("arm", "errors") else "right")
+    for cells in table_rows(rows, TERMINAL_COLUMNS):
+        table.add_row(*cells)
+    console.print(table)
+    knees = Table(title="max batch (>= 95 % success in every rep)")
+    for h in ("arm", "W (s)", "max batch"):
+        knees.add_column(h)
+    for (arm, wait), mb in sorted(max_batches(rows).items()):
+        knees.add_row(arm, f"{wait:g}", f"{mb:,}")
+    console.print(knees)

@@ -1,0 +1,12 @@
+"""Adapters that let Stadium serve environments written for other frameworks, unchanged.
+
+* :mod:`stadium.integrations.openenv`: an OpenEnv ``Environment`` subclass
+  (pydantic Action/Observation/State, sync or async) becomes a Stadium environment
+  that speaks OpenEnv's wire format (extra ``stadium[openenv]``).
+* :mod:`stadium.integrations.gymnasium`: a Gymnasium env (a registered id or a
+  ``gymnasium.Env`` subclass) becomes a Stadium environment whose spaces are
+  exported in ``GET /schema`` (extra ``stadium[gym]``).
+
+``stadium serve`` picks the adapter itself (see :func:`stadium._loader.load_target`);
+nothing here is imported by ``import stadium``.
+"""

@@ -1,0 +1,246 @@
+"""Serve an OpenEnv ``Environment`` subclass on Stadium's runtime, unchanged.
+
+``stadium serve my_pkg.server.env:MyEnvironment`` finds that the class is an
+OpenEnv environment (``openenv.core.env_server.interfaces.Environment``) and
+wraps it with :func:`openenv_environment`:
+
+* actions are validated with the env's pydantic ``Action`` model
+  (``model_validate``; an error names the field as ``$.field``), and
+  ``GET /schema`` reports the models' ``model_json_schema()``;
+* observations go on the wire as OpenEnv's ``serialize_observation`` puts them:
+  the observation's fields without ``reward``/``done``, with ``reward`` and
+  ``done`` beside it and ``metadata`` when non-empty;
+* a sync ``reset``/``step`` runs on Stadium's bounded thread pool; an env that
+  overrides ``reset_async``/``step_async`` has those awaited on the event loop.
+
+Sessions get Stadium's runtime: no thread per session, the server-wide session
+limit and the admission queue. OpenEnv's own clients (``GenericEnvClient`` and
+the typed ``EnvClient`` subclasses) see no difference.
+
+Requires ``pip install 'stadium[openenv]'``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import sys
+import typing
+from typing import Any, ClassVar
+
+from stadium._env import Environment, StepResult
+from stadium._errors import TargetError
+
+log = logging.getLogger("stadium.openenv")
+
+_INTERFACES = "openenv.core.env_server.interfaces"
+
+
+def is_openenv_environment(obj: Any) -> bool:
+    """Whether ``obj`` is an OpenEnv ``Environment`` subclass (never imports openenv)."""
+    interfaces = sys.modules.get(_INTERFACES)
+    return (
+        interfaces is not None
+        and isinstance(obj, type)
+        and issubclass(obj, interfaces.Environment)
+        and obj is not interfaces.Environment
+    )
+
+
+class OpenEnvAdapter(Environment[Any, Any, Any]):
+    """Base of the Stadium classes made by :func:`openenv_environment`.
+
+    One instance wraps one instance of ``openenv_class``, built with the
+    server's ``--env-kwargs``. ``info_key = "metadata"`` asks the protocol to
+    put an observation's metadata where OpenEnv's clients read it.
+    """
+
+    openenv_class: ClassVar[type[Any]]
+    info_key: ClassVar[str] = "metadata"
+    _reset_params: ClassVar[frozenset[str] | None]  # None: the env takes **kwargs
+    _validate_action: ClassVar[Any]
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.env = self.openenv_class(**kwargs)
+
+    def _reset_kwargs(
+        self, seed: int | None, options: dict[str, Any] | None, episode_id: str | None = None
+    ) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(options or {})
+        if seed is not None:
+            kwargs["seed"] = seed
+        if episode_id is not None:
+            kwargs["episode_id"] = episode_id
+        params = self._reset_params
+        if params is not None:  # drop what the signature cannot take, as OpenEnv does
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        return kwargs
+
+    def _action(self, action: Any) -> Any:
+        # Actions from the WebSocket are validated already; POST /step passes a dict.
+        return self._validate_action(action, "action")
+
+    @property
+    def state(self) -> Any:
+        return self.env.state
+
+    def close(self) -> None:
+        close = getattr(self.env, "close", None)
+        if callable(close):
+            close()
+
+
+def serialize_observation(observation: Any) -> StepResult[dict[str, Any]]:
+    """An OpenEnv observation as a :class:`~stadium.StepResult`, the way OpenEnv sends it."""
+    reward = getattr(observation, "reward", None)
+    done = bool(getattr(observation, "done", False))
+    metadata = getattr(observation, "metadata", None)
+    dump = getattr(observation, "model_dump", None)
+    if callable(dump):
+        data = dump(exclude={"reward", "done"})
+    elif isinstance(observation, dict):
+        data = {k: v for k, v in observation.items() if k not in ("reward", "done")}
+    else:
+        raise TypeError(
+            f"an OpenEnv environment returned {type(observation).__name__}, not an Observation"
+        )
+    return StepResult(data, reward, done, info=metadata or None)
+
+
+def _sync_reset(
+    self: OpenEnvAdapter,
+    *,
+    seed: int | None = None,
+    options: dict[str, Any] | None = None,
+    episode_id: str | None = None,
+) -> StepResult[dict[str, Any]]:
+    return serialize_observation(self.env.reset(**self._reset_kwargs(seed, options, episode_id)))
+
+
+async def _async_reset(
+    self: OpenEnvAdapter,
+    *,
+    seed: int | None = None,
+    options: dict[str, Any] | None = None,
+    episode_id: str | None = None,
+) -> StepResult[dict[str, Any]]:
+    kwargs = self._reset_kwargs(seed, options, episode_id)
+    return serialize_observation(await self.env.reset_async(**kwargs))
+
+
+def _sync_step(self: OpenEnvAdapter, action: Any) -> StepResult[dict[str, Any]]:
+    return serialize_observation(self.env.step(self._action(action)))
+
+
+async def _async_step(self: OpenEnvAdapter, action: Any) -> StepResult[dict[str, Any]]:
+    return serialize_observation(await self.env.step_async(self._action(action)))
+
+
+def _model_types(cls: type[Any]) -> tuple[Any, Any, Any]:
+    """The Action, Observation and State models of an OpenEnv env class.
+
+    Taken from ``Environment[Act, Obs, State]`` in its bases, else from the
+    annotations of ``step``'s action, ``reset``'s return and ``state``, else
+    OpenEnv's base models.
+    """
+    from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+    from openenv.core.env_server.types import Action, Observation, State
+
+    found: list[Any] = [None, None, None]
+    for klass in cls.__mro__:
+        for base in getattr(klass, "__orig_bases__", ()):
+            origin = typing.get_origin(base)
+            args = typing.get_args(base)
+            if (
+                isinstance(origin, type)
+                and issubclass(origin, OpenEnvEnvironment)
+                and len(args) == 3
+            ):
+                for i, arg in enumerate(args):
+                    if found[i] is None and isinstance(arg, type):
+                        found[i] = arg
+    hints: list[dict[str, Any]] = []
+    for fn in (cls.step, cls.reset, getattr(cls.state, "fget", None)):
+        try:
+            hints.append(typing.get_type_hints(fn) if fn is not None else {})
+        except Exception:  # unresolvable annotations: fall back to the base models
+            hints.append({})
+    from_hints = [hints[0].get("action"), hints[1].get("return"), hints[2].get("return")]
+    bases = (Action, Observation, State)
+    result = []
+    for i, base in enumerate(bases):
+        tp = found[i]
+        if not (isinstance(tp, type) and issubclass(tp, base)):
+            tp = from_hints[i]
+        if not (isinstance(tp, type) and issubclass(tp, base)):
+            tp = base
+        result.append(tp)
+    return result[0], result[1], result[2]
+
+
+def _reset_params(cls: type[Any], method: str) -> frozenset[str] | None:
+    params = inspect.signature(getattr(cls, method)).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params if p.name != "self")
+
+
+def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
+    """A Stadium environment class serving the OpenEnv environment class ``cls``.
+
+    Raises:
+        TargetError: ``cls`` is not an OpenEnv ``Environment`` subclass, or is abstract.
+    """
+    if not is_openenv_environment(cls):
+        raise TargetError(
+            f"{cls!r} is not an OpenEnv Environment subclass "
+            "(openenv.core.env_server.interfaces.Environment)",
+            target=repr(cls),
+        )
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
+        raise TargetError(
+            f"{cls.__name__} is abstract (it does not implement {missing}); serve a concrete "
+            "OpenEnv environment",
+            target=cls.__name__,
+        )
+    from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+
+    from stadium._spec import TypeCodec
+
+    action, observation, state = _model_types(cls)
+    async_reset = cls.reset_async is not OpenEnvEnvironment.reset_async
+    async_step = cls.step_async is not OpenEnvEnvironment.step_async
+    if not getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False):
+        log.warning(
+            "%s does not set SUPPORTS_CONCURRENT_SESSIONS = True; Stadium gives every "
+            "session its own instance, so make sure instances share no mutable state",
+            cls.__name__,
+        )
+    if getattr(cls, "REQUIRES_SINGLE_THREAD_EXECUTOR", False):
+        log.warning(
+            "%s sets REQUIRES_SINGLE_THREAD_EXECUTOR; Stadium runs sync calls on a shared "
+            "thread pool, not one thread per session",
+            cls.__name__,
+        )
+    doc = (cls.__doc__ or "").strip().split("\n")[0]
+    namespace: dict[str, Any] = {
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "name": cls.__name__,
+        "description": doc or f"{cls.__name__} (OpenEnv environment)",
+        "action_type": action,
+        "observation_type": observation,
+        "state_type": state,
+        "openenv_class": cls,
+        "blocking": True,
+        "reset": _async_reset if async_reset else _sync_reset,
+        "step": _async_step if async_step else _sync_step,
+        "_reset_params": _reset_params(cls, "reset_async" if async_reset else "reset"),
+        "_validate_action": staticmethod(TypeCodec.of(action).convert),
+    }
+    return type(cls.__name__, (OpenEnvAdapter,), namespace)
+
+
+__all__ = ["OpenEnvAdapter", "is_openenv_environment", "openenv_environment"]
