@@ -154,7 +154,10 @@ def write_comparison(
             t.add_column(h, justify="left" if h == "arm" else "right")
         for c in table:
             t.add_row(*c)
-        Console().print(t)
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=160)
+        console.print(t)
     return out / "compare.md"
 
 

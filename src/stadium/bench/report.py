@@ -422,6 +422,8 @@ def print_table(rows: Sequence[Row], title: str = "stadium bench") -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:  # piped or in CI: do not squeeze the table into 80 columns
+        console = Console(width=160)
     table = Table(title=title, show_lines=False)
     for col, header, _ in TABLE_COLUMNS:
         if col in TERMINAL_COLUMNS:
