@@ -182,6 +182,9 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if level != "debug":
+        # picows logs every connect and disconnect at INFO: per-session noise at scale.
+        logging.getLogger("stadium.picows").setLevel(logging.WARNING)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
