@@ -222,9 +222,17 @@ async def test_http_endpoints(transport: str) -> None:
         status, schema = await asyncio.to_thread(http, url, "/schema")
         assert status == 200
         assert set(schema) == {"action", "observation", "state"}
+        async with AsyncClient(server.url) as env:
+            await env.reset()
+            await env.step({"message": "a"})
+            with pytest.raises(stadium.ValidationError):
+                await env.step({"message": 1})
         status, meta = await asyncio.to_thread(http, url, "/metadata")
         assert meta["name"] == "echo"
         assert meta["capacity"]["max_sessions"] == server.config.max_sessions
+        assert meta["worker"]["sessions_total"] == 1
+        assert meta["worker"]["steps_total"] == 1
+        assert meta["worker"]["errors_total"] == {"VALIDATION_ERROR": 1}
         status, state = await asyncio.to_thread(http, url, "/state")
         assert (status, state["step_count"]) == (200, 0)
         status, reset = await asyncio.to_thread(http, url, "/reset", b"{}")

@@ -19,7 +19,7 @@ from typing import Any
 
 from stadium._config import ServerConfig
 from stadium._env import Environment
-from stadium._http import HttpEndpoints, HttpResponse
+from stadium._http import TOO_LARGE, HttpEndpoints
 from stadium._loader import load_target
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
 from stadium._session import Runtime, Session
@@ -140,26 +140,18 @@ class AsgiApp:
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
         method = scope.get("method", "GET")
-        try:
-            if method == "GET":
-                resp = self.endpoints.get(path)
-            elif method == "POST":
-                body = b""
-                more = True
-                while more:
-                    message = await receive()
-                    body += message.get("body", b"")
-                    more = message.get("more_body", False)
-                    if len(body) > self.config.max_message_bytes:
-                        resp = HttpResponse(413, b'{"detail":"request body too large"}')
-                        break
-                else:
-                    resp = await self.endpoints.post(path, body)
-            else:
-                resp = HttpResponse(405, b'{"detail":"use GET or POST"}')
-        except Exception as exc:
-            log.exception("%s %s failed", method, path)
-            resp = HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode())
+        body = b""
+        more = method == "POST"
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.config.max_message_bytes:
+                break
+        if len(body) > self.config.max_message_bytes:
+            resp = TOO_LARGE
+        else:
+            resp = await self.endpoints.handle(method, path, body)
         await send(
             {
                 "type": "http.response.start",

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import os
 from typing import Any
 
 import msgspec
@@ -19,6 +21,8 @@ from stadium._errors import StadiumError, ValidationError
 from stadium._protocol import PROTOCOL_VERSION
 from stadium._session import Runtime
 from stadium._version import __version__
+
+log = logging.getLogger("stadium.http")
 
 _JSON = "application/json"
 
@@ -34,8 +38,14 @@ def _json(status: int, payload: Any) -> HttpResponse:
     return HttpResponse(status, msgspec.json.encode(payload))
 
 
-def _error(status: int, message: str, code: str, **extra: Any) -> HttpResponse:
+def error_response(status: int, message: str, code: str, **extra: Any) -> HttpResponse:
+    """A JSON error body ``{"detail": message, "code": code, ...}``."""
     return _json(status, {"detail": message, "code": code, **extra})
+
+
+_error = error_response
+
+TOO_LARGE = error_response(413, "request body too large", "TOO_LARGE")
 
 
 class HttpEndpoints:
@@ -50,8 +60,25 @@ class HttpEndpoints:
         spec = runtime.spec
         self._schema = msgspec.json.encode(spec.schemas())
 
+    async def handle(self, method: str, path: str, body: bytes) -> HttpResponse:
+        """Answer any request: GET and POST endpoints, 405 otherwise, 500 on a bug."""
+        if method == "GET":
+            return self.get(path)
+        if method != "POST":
+            return _error(405, f"{method} is not supported: use GET or POST", "METHOD_NOT_ALLOWED")
+        try:
+            return await self.post(path, body)
+        except Exception as exc:
+            return _internal_error(method, path, exc)
+
     def get(self, path: str) -> HttpResponse:
-        """Answer a GET (synchronously: these never wait on an environment)."""
+        """Answer a GET (synchronously: these never wait on an environment); never raises."""
+        try:
+            return self._get(path)
+        except Exception as exc:
+            return _internal_error("GET", path, exc)
+
+    def _get(self, path: str) -> HttpResponse:
         path = path.split("?", 1)[0].rstrip("/") or "/"
         rt = self.runtime
         if path == "/health":
@@ -97,6 +124,12 @@ class HttpEndpoints:
                 "max_sessions": slots.limit,
                 "active_sessions": slots.active(),
                 "workers": self.workers,
+            },
+            "worker": {  # counters of the worker process that answered
+                "pid": os.getpid(),
+                "sessions_total": self.runtime.sessions_total,
+                "steps_total": self.runtime.steps_total,
+                "errors_total": dict(self.runtime.errors_total),
             },
         }
 
@@ -162,6 +195,11 @@ class HttpEndpoints:
             close = env.close()
             if asyncio.iscoroutine(close):
                 await close
+
+
+def _internal_error(method: str, path: str, exc: Exception) -> HttpResponse:
+    log.exception("%s %s failed", method, path)
+    return _error(500, f"{method} {path} failed: {type(exc).__name__}: {exc}", "INTERNAL_ERROR")
 
 
 def _close_quietly(env: Any) -> None:

@@ -29,7 +29,7 @@ from picows import (
 from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
-from stadium._http import HttpEndpoints, HttpResponse
+from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
 from stadium._session import Runtime, Session
 
@@ -157,8 +157,8 @@ class PicowsTransport:
         if path.split("?", 1)[0] == "/ws":
             if request.headers.get("Upgrade", "").lower() != "websocket":
                 return _response(
-                    HttpResponse(
-                        426, b'{"detail":"/ws is a WebSocket endpoint: send an Upgrade request"}'
+                    error_response(
+                        426, "/ws is a WebSocket endpoint: send an Upgrade request", "UPGRADE"
                     )
                 )
             offered = request.headers.get("Sec-WebSocket-Protocol", "")
@@ -170,11 +170,7 @@ class PicowsTransport:
                     _SessionListener(self.runtime, Encoding.MSGPACK, self.max_message_bytes),
                 )
             return _SessionListener(self.runtime, Encoding.JSON, self.max_message_bytes)
-        try:
-            return _response(self.endpoints.get(path))
-        except Exception as exc:
-            log.exception("GET %s failed", path)
-            return _response(HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode()))
+        return _response(self.endpoints.get(path))
 
     def ws_protocol(self) -> asyncio.BufferedProtocol:
         ping = self.ping_interval > 0
@@ -274,7 +270,7 @@ class _HttpProtocol(asyncio.Protocol):
             try:
                 event = self._conn.next_event()
             except h11.RemoteProtocolError as exc:
-                self._send(HttpResponse(exc.error_status_hint, f'{{"detail":"{exc}"}}'.encode()))
+                self._send(error_response(exc.error_status_hint, str(exc), "BAD_REQUEST"))
                 self._close()
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
@@ -286,7 +282,7 @@ class _HttpProtocol(asyncio.Protocol):
             elif isinstance(event, h11.Data):
                 self._size += len(event.data)
                 if self._size > self._owner.max_message_bytes:
-                    self._send(HttpResponse(413, b'{"detail":"request body too large"}'))
+                    self._send(TOO_LARGE)
                     self._close()
                     return
                 self._body.append(event.data)
@@ -300,18 +296,11 @@ class _HttpProtocol(asyncio.Protocol):
     async def _respond(self) -> None:
         request = self._request
         assert request is not None
-        path = request.target.decode("latin-1")
-        endpoints = self._owner.endpoints
-        try:
-            if request.method == b"GET":
-                resp = endpoints.get(path)
-            elif request.method == b"POST":
-                resp = await endpoints.post(path, b"".join(self._body))
-            else:
-                resp = HttpResponse(405, b'{"detail":"use GET or POST"}')
-        except Exception as exc:
-            log.exception("%s %s failed", request.method, path)
-            resp = HttpResponse(500, f'{{"detail":"{type(exc).__name__}"}}'.encode())
+        resp = await self._owner.endpoints.handle(
+            request.method.decode("latin-1"),
+            request.target.decode("latin-1"),
+            b"".join(self._body),
+        )
         self._task = None
         self._send(resp)
         if self._conn.our_state is h11.MUST_CLOSE or self._owner.runtime.draining:

@@ -118,6 +118,7 @@ class SessionProtocol:
         "_raw_decode",
         "encoding",
         "episode_id",
+        "last_error",
         "spec",
         "state",
         "step_count",
@@ -134,6 +135,8 @@ class SessionProtocol:
         self.state = SessionState.NEW
         self.episode_id: str | None = None
         self.step_count = 0
+        self.last_error: str | None = None
+        """Code of the last error reply made (for counters)."""
         self._new_episode_id = new_episode_id
         self._info_prefix = b',"' + spec.info_key.encode() + b'":'
         if encoding is Encoding.JSON:
@@ -296,6 +299,7 @@ class SessionProtocol:
         """An error frame carrying ``error``'s code, message and context."""
         if isinstance(rid, Call):
             rid = rid.id
+        self.last_error = str(error.code)
         return self._frame("error", error.to_wire(), rid)
 
     def close(self) -> None:

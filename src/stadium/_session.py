@@ -341,7 +341,7 @@ class Session:
     def _handle(self, message: bytes | str) -> None:
         out = self.protocol.receive(message)
         if type(out) is bytes:
-            self.runtime.errors_total["protocol"] += 1
+            self.runtime.errors_total[self.protocol.last_error or "protocol"] += 1
             self.channel.send(out)
             return
         assert isinstance(out, Call)
