@@ -18,7 +18,7 @@ import msgspec
 
 from stadium._env import Environment, StepResult
 from stadium._errors import EnvCheckError, StadiumError
-from stadium._spec import EnvSpec
+from stadium._spec import EnvSpec, enc_hook_default
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -32,7 +32,8 @@ def _sample_actions(
 ) -> list[Any]:
     if actions is not None:
         return [
-            spec.action.convert(msgspec.to_builtins(a, enc_hook=_hook), "action") for a in actions
+            spec.action.convert(msgspec.to_builtins(a, enc_hook=enc_hook_default), "action")
+            for a in actions
         ]
     rng = random.Random(f"stadium-check-actions-{seed}")  # not the env's own stream
     sampler = getattr(env, "sample_action", None)
@@ -65,14 +66,6 @@ def _check_obs(spec: EnvSpec, obs: Any, where: str) -> None:
         ) from None
 
 
-def _hook(value: Any) -> Any:
-    for name in ("model_dump", "tolist"):
-        fn = getattr(value, name, None)
-        if callable(fn):
-            return fn()
-    raise NotImplementedError(type(value).__name__)
-
-
 async def _episode(
     spec: EnvSpec, seed: int, steps: int, actions: Sequence[Any] | None, log: list[str]
 ) -> list[bytes]:
@@ -103,7 +96,7 @@ async def _episode(
             if result.done:
                 break
         state = env.state
-        builtins = msgspec.to_builtins(state, enc_hook=_hook)
+        builtins = msgspec.to_builtins(state, enc_hook=enc_hook_default)
         if not isinstance(builtins, dict):
             raise EnvCheckError(f"state must encode to an object, got {builtins!r}")
     finally:

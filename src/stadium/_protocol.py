@@ -37,7 +37,7 @@ from stadium._errors import (
     UnknownTypeError,
 )
 from stadium._errors import ValidationError as StadiumValidationError
-from stadium._spec import EnvSpec, validation_error
+from stadium._spec import EnvSpec, enc_hook_default, validation_error
 
 #: WebSocket subprotocol that switches a session to MessagePack frames.
 MSGPACK_SUBPROTOCOL = "stadium.msgpack"
@@ -286,7 +286,7 @@ class SessionProtocol:
 
     def state_reply(self, call: Call, state: Any) -> bytes:
         """The reply to ``state``: the env's state with episode id and step count filled in."""
-        data = msgspec.to_builtins(state, enc_hook=_to_builtins_hook)
+        data = msgspec.to_builtins(state, enc_hook=enc_hook_default)
         if not isinstance(data, dict):
             data = {"value": data}
         if data.get("episode_id") is None:
@@ -311,16 +311,6 @@ class SessionProtocol:
         if rid is not None:
             frame["id"] = rid
         return self._encode(frame)
-
-
-def _to_builtins_hook(value: Any) -> Any:
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return dump()
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    raise NotImplementedError(f"cannot encode objects of type {type(value).__name__}")
 
 
 _JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)

@@ -31,10 +31,7 @@ def validation_error(err: msgspec.ValidationError, what: str) -> StadiumValidati
     match = _PATH.search(text)
     field = match.group(1) if match else "$"
     detail = text[: match.start()] if match else text
-    return StadiumValidationError(
-        f"invalid {what} at {field}: {detail}; see GET /schema for the expected shape",
-        field=field,
-    )
+    return invalid(what, field, detail)
 
 
 #: MessagePack extension type code of a numpy array (see docs/PROTOCOL.md, "Arrays").
@@ -42,8 +39,8 @@ NDARRAY_EXT = 1
 _NUMERIC_KINDS = frozenset("biufc")
 
 
-def _default_enc_hook(value: Any) -> Any:
-    """Encode what msgspec cannot natively: objects with ``tolist`` (numpy) or pydantic dumps."""
+def enc_hook_default(value: Any) -> Any:
+    """The one enc_hook: objects with ``tolist`` (numpy) or ``model_dump`` (pydantic)."""
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         return tolist()
@@ -69,11 +66,11 @@ def ndarray_ext(value: Any) -> msgspec.msgpack.Ext | None:
 
 
 def _msgpack_enc_hook(value: Any) -> Any:
-    """Like :func:`_default_enc_hook`, but numeric numpy arrays become binary extensions."""
+    """Like :func:`enc_hook_default`, but numeric numpy arrays become binary extensions."""
     ext = ndarray_ext(value)
     if ext is not None:
         return ext
-    return _default_enc_hook(value)
+    return enc_hook_default(value)
 
 
 def _schema(tp: Any) -> dict[str, Any]:
@@ -211,7 +208,7 @@ class TypeCodec:
             return
         try:
             msgspec.convert(
-                msgspec.to_builtins(value, enc_hook=_default_enc_hook), self.tp, strict=False
+                msgspec.to_builtins(value, enc_hook=enc_hook_default), self.tp, strict=False
             )
         except msgspec.ValidationError as exc:
             raise validation_error(exc, what) from None
@@ -347,7 +344,7 @@ class EnvSpec:
             async_close=is_async(env_cls.close),
             has_close=env_cls.close is not Environment.close,
             blocking=env_cls.blocking,
-            json_encoder=msgspec.json.Encoder(enc_hook=enc_hook or _default_enc_hook),
+            json_encoder=msgspec.json.Encoder(enc_hook=enc_hook or enc_hook_default),
             msgpack_encoder=msgspec.msgpack.Encoder(enc_hook=enc_hook or _msgpack_enc_hook),
             schema_extra=dict(schema_extra),
             info_key=str(getattr(env_cls, "info_key", "info")),
