@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -22,7 +24,7 @@ from click.testing import CliRunner
 from stadium.bench import report, run_ramp
 from stadium.bench.arms import FLOOR_SCRIPT, free_port, wait_healthy
 from stadium.bench.compare import compare, compare_arms
-from stadium.bench.loadgen import LoadSpec, ThinkModel, run_load
+from stadium.bench.loadgen import LoadSpec, ThinkModel, run_load, run_sessions
 from stadium.bench.results import columns
 
 WAIT = 0.05
@@ -64,6 +66,39 @@ def test_load_against_floor(floor: str) -> None:
     assert len({r.session_hash for r in records}) == 12
     assert len({r.pid for r in records}) == 1
     assert seen[-1] == 12
+
+
+def test_connect_window_bounds_connects_in_flight(
+    floor: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    import picows
+
+    real = picows.ws_connect
+    state = {"now": 0, "most": 0, "calls": 0}
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        state["now"] += 1
+        state["calls"] += 1
+        state["most"] = max(state["most"], state["now"])
+        try:
+            await asyncio.sleep(0.01)  # let every other session reach its connect
+            return await real(*args, **kwargs)
+        finally:
+            state["now"] -= 1
+
+    monkeypatch.setattr(picows, "ws_connect", counting)
+    spec = LoadSpec(url=floor, sessions=20, wait_s=0.0, connect_window=3)
+    records = asyncio.run(run_sessions(spec, range(20), time.monotonic()))
+    assert all(r.ok for r in records), [r.detail for r in records if not r.ok]
+    assert state == {"now": 0, "most": 3, "calls": 20}
+    # without a window every session connects at the burst's instant
+    state.update(most=0, calls=0)
+    spec = LoadSpec(url=floor, sessions=20, wait_s=0.0)
+    records = asyncio.run(run_sessions(spec, range(20), time.monotonic()))
+    assert all(r.ok for r in records)
+    assert state["most"] == 20
 
 
 def test_errors_are_classified(floor: str) -> None:

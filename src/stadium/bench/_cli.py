@@ -126,6 +126,14 @@ _OPTIONS: list[Callable[[Any], Any]] = [
         help="Load generator processes (0: automatic).",
     ),
     click.option(
+        "--connect-window",
+        default=0,
+        show_default=True,
+        type=click.IntRange(0),
+        help="At most this many sessions connecting at once (0: all at the burst's "
+        "instant). Waiting for the window counts in connect and total latency.",
+    ),
+    click.option(
         "--server-workers",
         default=1,
         show_default=True,
@@ -191,6 +199,7 @@ def _config(arms: list[Arm], stop: bool, **o: Any) -> Any:
         load_cpus=load_cpus,
         mem_bytes=parse_size(o["mem"]) if o["mem"] else None,
         load_procs=o["load_procs"],
+        connect_window=o["connect_window"],
         server_workers=o["server_workers"],
         max_sessions=o["max_sessions"],
         connect_timeout=o["timeout"],

@@ -50,6 +50,7 @@ class BenchConfig:
     load_cpus: tuple[int, ...] | None = None
     mem_bytes: int | None = None
     load_procs: int = 0
+    connect_window: int = 0
     server_workers: int = 1
     max_sessions: int = 0
     connect_timeout: float = 30.0
@@ -211,6 +212,7 @@ def run(config: BenchConfig) -> Path:
         "load CPUs": ",".join(map(str, config.load_cpus)) if config.load_cpus else "all",
         "server memory cap": config.mem_bytes or "none",
         "server workers": config.server_workers,
+        "connect window": config.connect_window or "none (pure burst)",
         "stop at collapse": config.stop_at_collapse,
         "run deadline (s)": config.deadline_s,
     }
@@ -258,6 +260,7 @@ def _run_point(
         request_timeout=config.request_timeout,
         procs=config.load_procs,
         cpus=config.load_cpus,
+        connect_window=config.connect_window,
     )
     remaining = run_deadline - time.monotonic()
     deadline = min(spec.deadline(), max(1.0, remaining))
