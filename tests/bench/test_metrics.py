@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+import socket
+from collections import Counter
 
 import pytest
 
 from stadium._errors import ConfigError
 from stadium.bench import metrics
 from stadium.bench.arms import Arm, parse_cpus, parse_size
-from stadium.bench.loadgen import LoadSpec, ThinkModel, source_address
+from stadium.bench.loadgen import (
+    PORTS_PER_SOURCE,
+    LoadSpec,
+    ThinkModel,
+    _bound_socket,
+    source_address,
+)
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import (
     PointKey,
@@ -106,9 +114,25 @@ def test_processes_and_source_addresses_respect_machine_limits() -> None:
     assert LoadSpec(url="", sessions=100, procs=4).n_procs() == 4
     assert LoadSpec(url="", sessions=2, procs=4).n_procs() == 2
     assert LoadSpec(url="", sessions=100, cpus=(1, 2)).n_procs() == 2
-    assert source_address(0, 20_000) is None
-    assert source_address(0, 60_000) == "127.0.0.2"
-    assert source_address(59_999, 60_000) == "127.0.0.4"
+    assert source_address(8_191, PORTS_PER_SOURCE) is None
+    per_source = Counter(source_address(i, 60_000) for i in range(60_000))
+    assert sorted(per_source) == [f"127.0.0.{k}" for k in range(2, 10)]
+    assert max(per_source.values()) <= PORTS_PER_SOURCE
+    with pytest.raises(ValueError, match="too many sessions"):
+        source_address(0, 251 * PORTS_PER_SOURCE)
+
+
+def test_bound_socket_connects_from_its_source_address() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sock = _bound_socket("127.0.0.3")
+        with sock:
+            assert sock.getsockname() == ("127.0.0.3", 0)  # the port is picked at connect
+            sock.setblocking(True)
+            sock.connect(listener.getsockname())
+            conn, peer = listener.accept()
+            conn.close()
+            assert peer[0] == "127.0.0.3"
+            assert sock.getsockname()[1] != 0
 
 
 def test_parsers() -> None:

@@ -12,9 +12,12 @@ Limits it respects by construction:
 
 * at most :data:`MAX_SESSIONS_PER_PROC` sessions per process (the machine's
   open-file limit is 20,000 per process), so ``procs >= ceil(N / that)``;
-* past :data:`PORTS_PER_SOURCE` sessions, sessions bind source addresses
-  127.0.0.2, 127.0.0.3, ... in turn (about 28k ephemeral ports exist per
-  source address and destination);
+* past :data:`PORTS_PER_SOURCE` sessions, sessions are spread round-robin
+  over source addresses 127.0.0.2, 127.0.0.3, ..., at most that many each
+  (about 28k ephemeral ports exist per source address and destination, and
+  the kernel's search for a free one slows down as they fill: with 25,000 on
+  one address, a burst of 32,768 spent most of its CPU in the kernel); the
+  port is picked at ``connect`` (``IP_BIND_ADDRESS_NO_PORT``), not at ``bind``;
 * every phase has a timeout, the point a deadline after which the sessions
   still running are cancelled and recorded as ``deadline``; the parent kills
   a worker that does not report within the deadline plus a grace period.
@@ -32,6 +35,7 @@ import errno
 import gc
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -48,8 +52,8 @@ from stadium.bench.results import SessionRecord
 MAX_SESSIONS_PER_PROC = 15_000
 """Sessions per worker process: under the 20,000 open-file limit with margin."""
 
-PORTS_PER_SOURCE = 25_000
-"""Sessions per source address before the next 127.0.0.x is used."""
+PORTS_PER_SOURCE = 8_192
+"""Most sessions per source address (under a third of the ~28k ephemeral ports)."""
 
 _CLIENT_ERRNOS = {errno.EADDRNOTAVAIL, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
@@ -126,19 +130,34 @@ def source_address(index: int, sessions: int) -> str | None:
     """The source address of session ``index`` of a point of ``sessions``.
 
     ``None`` (the kernel's choice, 127.0.0.1) up to :data:`PORTS_PER_SOURCE`
-    sessions; past that 127.0.0.2, 127.0.0.3, ... each for that many sessions.
+    sessions; past that ``k = ceil(sessions / PORTS_PER_SOURCE)`` addresses
+    127.0.0.2 ... 127.0.0.(k+1), round-robin.
 
     >>> source_address(0, 100) is None
     True
-    >>> source_address(30_000, 60_000)
-    '127.0.0.3'
+    >>> [source_address(i, 20_000) for i in range(4)]
+    ['127.0.0.2', '127.0.0.3', '127.0.0.4', '127.0.0.2']
     """
     if sessions <= PORTS_PER_SOURCE:
         return None
-    block = index // PORTS_PER_SOURCE
-    if block > 250:
+    k = math.ceil(sessions / PORTS_PER_SOURCE)
+    if k > 250:
         raise ValueError("too many sessions for 127.0.0.0/24 source addresses")
-    return f"127.0.0.{2 + block}"
+    return f"127.0.0.{2 + index % k}"
+
+
+def _bound_socket(source: str) -> socket.socket:
+    """An unconnected TCP socket bound to ``source``; its port is chosen at connect."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_BIND_ADDRESS_NO_PORT", 24), 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        sock.bind((source, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Fail(Exception):
@@ -295,8 +314,9 @@ async def _ws_session(
     start = loop_time()
     rec.start = start - t0
     kwargs: dict[str, Any] = {}
-    if rec.source is not None:
-        kwargs["local_addr"] = (rec.source, 0)
+    source = rec.source
+    if source is not None:
+        kwargs["socket_factory"] = lambda _url: _bound_socket(source)
     transport: Any = None
     try:
         try:
