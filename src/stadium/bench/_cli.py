@@ -291,3 +291,31 @@ def compare_cmd(dirs: tuple[Path, ...], git_ref: str | None, **o: Any) -> None:
             raise click.UsageError("compare needs two result directories: DIR_A DIR_B")
         md = compare(dirs[0], dirs[1])
     click.echo(f"comparison: {md}")
+
+
+@bench.command()
+@click.option("--output-dir", type=click.Path(path_type=Path), default=None,
+              help="Where results go [default: bench-results/goals-<timestamp>].")  # fmt: skip
+@click.option("--only", multiple=True, metavar="RAMP",
+              help="Run only this ramp (repeatable): per_step, lifecycle, p99_8192, "
+              "idle_rss, burst_32768, burst_openenv.")  # fmt: skip
+@click.option("--arm", "arm_names", multiple=True, default=("stadium", "floor", "openenv"),
+              show_default=True, help="Arms to keep in every ramp.")  # fmt: skip
+def goals(output_dir: Path | None, only: tuple[str, ...], arm_names: tuple[str, ...]) -> None:
+    """Measure every performance goal (issue 4's table) with stadium, floor and openenv.
+
+    Runs one `stadium bench ramp` per goal (~10 minutes on 2 cores), then
+    writes goals.md: each goal, the three arms side by side, their ratios,
+    met or not, and the command that reproduces each row.
+    """
+    from stadium.bench.goals import RAMPS, run_goals
+
+    unknown = [o for o in only if o not in RAMPS]
+    if unknown:
+        raise click.BadParameter(
+            f"unknown ramp {unknown[0]!r}; choose from {', '.join(RAMPS)}", param_hint="--only"
+        )
+    out = output_dir or Path("bench-results") / time.strftime("goals-%Y%m%d-%H%M%S")
+    path = run_goals(out, only=only, arms=arm_names)
+    click.echo(path.read_text())
+    click.echo(f"goals: {path}")

@@ -1,0 +1,339 @@
+"""``stadium bench goals``: the performance goals, each measured by one ramp, in one run.
+
+Every goal is a plain ``stadium bench ramp`` command (printed in the report,
+so one command reproduces each row) with the ``stadium``, ``floor`` and
+``openenv`` arms side by side; the goal is read off the ramp's
+``summary.csv``. Nothing here times anything itself: the ramps measure, this
+module only runs them in turn and tables what they wrote.
+
+Output (``--output-dir``): one sub-directory per ramp (its full report and
+figures), ``goals.md`` (the table: each goal, its target, the three arms, the
+stadium/floor and openenv/stadium ratios, met or not) and ``goals.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import platform
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARMS = ("stadium", "floor", "openenv")
+SMALL_N = 512
+"""The threads row compares N = 8,192 with this N of the same ramp."""
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Ramp:
+    """One ``stadium bench ramp`` invocation (arguments after ``ramp``, without --output-dir)."""
+
+    name: str
+    args: tuple[str, ...]
+
+    def command(self, out: Path) -> str:
+        """The shell command that reproduces this ramp."""
+        return "stadium bench ramp " + shlex.join([*self.args, "--output-dir", str(out)])
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A row of the goals table: which ramp, which point, which figure, which target."""
+
+    key: str
+    metric: str
+    target: str
+    ramps: tuple[str, ...]
+    n: int
+    figure: Callable[[Row], float | None]
+    unit: str
+    met: Callable[[dict[str, float | None]], bool | None]
+    note: str = ""
+    fmt: Callable[[float], str] = field(default=lambda v: f"{v:,.3g}")
+
+
+def _f(row: Row, col: str) -> float | None:
+    value = row.get(col)
+    if value in (None, "", "None"):
+        return None
+    return float(value)
+
+
+def _cpu_step(row: Row) -> float | None:
+    return _f(row, "server_cpu_us_per_step")
+
+
+def _cpu_session(row: Row) -> float | None:
+    return _f(row, "server_cpu_ms_per_session")
+
+
+def _total_p99_s(row: Row) -> float | None:
+    v = _f(row, "total_p99_ms")
+    return None if v is None else v / 1000.0
+
+
+def _rss_kb(row: Row) -> float | None:
+    v = _f(row, "rss_per_session_kb")  # KiB in summary.csv
+    return None if v is None else v * 1.024  # KB (1,000 bytes), the goal's unit
+
+
+def _threads(row: Row) -> float | None:
+    return _f(row, "server_peak_threads")
+
+
+def _success(row: Row) -> float | None:
+    v = _f(row, "success_rate")
+    return None if v is None else v * 100.0
+
+
+def _le(limit: float) -> Callable[[dict[str, float | None]], bool | None]:
+    def met(v: dict[str, float | None]) -> bool | None:
+        s = v.get("stadium")
+        return None if s is None else s <= limit
+
+    return met
+
+
+def _per_step_met(v: dict[str, float | None]) -> bool | None:
+    s, f = v.get("stadium"), v.get("floor")
+    if s is None or f is None:
+        return None
+    return s <= 20.0 and s <= 1.5 * f
+
+
+def _ge(limit: float) -> Callable[[dict[str, float | None]], bool | None]:
+    def met(v: dict[str, float | None]) -> bool | None:
+        s = v.get("stadium")
+        return None if s is None else s >= limit
+
+    return met
+
+
+RAMPS: dict[str, Ramp] = {
+    r.name: r
+    for r in (
+        Ramp("per_step", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
+                          "--requests-grid", "64", "--wait-grid", "0", "--steps", "500",
+                          "--reps", "1", "--pin")),
+        Ramp("lifecycle", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
+                           "--requests-grid", "2048", "--wait-grid", "0", "--steps", "1",
+                           "--reps", "1", "--pin")),
+        Ramp("p99_8192", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
+                          "--requests-grid", "512,8192", "--wait-grid", "1", "--reps", "1",
+                          "--pin")),
+        Ramp("idle_rss", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
+                          "--requests-grid", "4096", "--wait-grid", "0", "--think-ms", "3000",
+                          "--reps", "1", "--pin")),
+        Ramp("burst_32768", ("--arm", "stadium", "--arm", "floor", "--server-workers", "2",
+                             "--requests-grid", "32768", "--wait-grid", "10", "--reps", "1")),
+        # A thread-per-session server cannot hold 32,768 sessions here: pid_max is
+        # 32,768 for the whole machine. OpenEnv's burst row stops at 8,192.
+        Ramp("burst_openenv", ("--arm", "openenv", "--server-workers", "2",
+                               "--requests-grid", "8192", "--wait-grid", "10", "--reps", "1")),
+    )
+}  # fmt: skip
+
+GOALS: tuple[Goal, ...] = (
+    Goal("per_step", "Server CPU per step, benchmark env, W = 0, 64 sessions, 1 worker on "
+         "1 core", "≤ 20 µs and ≤ 1.5 × floor", ("per_step",), 64, _cpu_step, "µs",
+         _per_step_met, "500 steps per session; includes each session's connect, reset, close"),
+    Goal("lifecycle", "Server CPU per session lifecycle (connect, reset, step, close)",
+         "≤ 0.3 ms", ("lifecycle",), 2048, _cpu_session, "ms", _le(0.3),
+         "a burst of 2,048, W = 0, one step"),
+    Goal("burst_success", "Burst, W = 10 s, 2 workers: success", "≥ 99 % at N = 32,768",
+         ("burst_32768", "burst_openenv"), 32768, _success, "%", _ge(99.0),
+         "openenv at N = 8,192 (32,768 threads exceed the machine's pid_max)",
+         lambda v: f"{v:.2f}"),
+    Goal("burst_p99", "Burst, W = 10 s, 2 workers: total p99", "≤ 2 × W = 20 s at N = 32,768",
+         ("burst_32768", "burst_openenv"), 32768, _total_p99_s, "s", _le(20.0),
+         "openenv at N = 8,192", lambda v: f"{v:.2f}"),
+    Goal("p99_8192", "Total p99 at N = 8,192, W = 1 s", "≤ 3 s", ("p99_8192",), 8192,
+         _total_p99_s, "s", _le(3.0), "1 worker on 1 core, pure burst",
+         lambda v: f"{v:.2f}"),
+    Goal("idle_rss", "Server RSS per idle session (benchmark env)", "≤ 20 KB", ("idle_rss",),
+         4096, _rss_kb, "KB", _le(20.0), "4,096 sessions idle 3 s after reset; KB = 1,000 B",
+         lambda v: f"{v:.1f}"),
+    Goal("threads", "Peak server threads at N = 8,192", f"flat (as at N = {SMALL_N})",
+         ("p99_8192",), 8192, _threads, "", lambda v: None, "", lambda v: f"{v:,.0f}"),
+)  # fmt: skip
+
+
+def read_rows(directory: Path) -> list[Row]:
+    """The rows of ``directory/summary.csv`` (empty if the ramp wrote none)."""
+    path = directory / "summary.csv"
+    if not path.exists():
+        return []
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def _pick(rows: Sequence[Row], arm: str, n: int) -> Row | None:
+    """The arm's row at N = n, else its largest N (averaging nothing: reps = 1)."""
+    mine = [r for r in rows if r.get("arm") == arm]
+    exact = [r for r in mine if int(r["n"]) == n]
+    if exact:
+        return exact[0]
+    return max(mine, key=lambda r: int(r["n"]), default=None)
+
+
+@dataclass
+class GoalResult:
+    """One evaluated row."""
+
+    goal: Goal
+    values: dict[str, float | None]
+    ns: dict[str, int]
+    met: bool | None
+    baseline: dict[str, float | None] = field(default_factory=dict)
+    """For the threads row: each arm's figure at the small N."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "key": self.goal.key,
+            "metric": self.goal.metric,
+            "target": self.goal.target,
+            "unit": self.goal.unit,
+            "values": self.values,
+            "n": self.ns,
+            "met": self.met,
+        }
+
+
+def evaluate(out: Path) -> list[GoalResult]:
+    """Read every ramp's summary under ``out`` and evaluate each goal (pure but for reading)."""
+    results: list[GoalResult] = []
+    for goal in GOALS:
+        rows = [row for name in goal.ramps for row in read_rows(out / name)]
+        values: dict[str, float | None] = {}
+        ns: dict[str, int] = {}
+        for arm in ARMS:
+            row = _pick(rows, arm, goal.n)
+            values[arm] = goal.figure(row) if row is not None else None
+            if row is not None:
+                ns[arm] = int(row["n"])
+        baseline: dict[str, float | None] = {}
+        if goal.key == "threads":
+            for arm in ARMS:
+                row = _pick(rows, arm, SMALL_N)
+                baseline[arm] = goal.figure(row) if row is not None else None
+            small, big = baseline.get("stadium"), values.get("stadium")
+            met = None if small is None or big is None else big <= small
+        else:
+            met = goal.met(values)
+        results.append(GoalResult(goal, values, ns, met, baseline))
+    return results
+
+
+def _cell(goal: Goal, value: float | None, n: int | None, small: float | None) -> str:
+    if value is None:
+        return "—"
+    text = goal.fmt(value)
+    if n is not None and n != goal.n:
+        text += f" (N = {n:,})"
+    if small is not None:
+        text += f" ({goal.fmt(small)} at {SMALL_N:,})"
+    return text
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "—"
+    return f"{a / b:.2f}"
+
+
+def goals_markdown(results: Sequence[GoalResult], commands: dict[str, str], head: str) -> str:
+    """The goals table and the commands, as Markdown."""
+    lines = [
+        "# Stadium performance goals",
+        "",
+        head,
+        "",
+        "| metric | goal | stadium | floor | openenv | stadium ÷ floor | openenv ÷ stadium | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        g = r.goal
+        unit = f" ({g.unit})" if g.unit else ""
+        cells = [_cell(g, r.values[a], r.ns.get(a), r.baseline.get(a)) for a in ARMS]
+        met = {True: "yes", False: "**no**", None: "—"}[r.met]
+        lines.append(
+            f"| {g.metric}{unit} | {g.target} | {' | '.join(cells)} | "
+            f"{_ratio(r.values['stadium'], r.values['floor'])} | "
+            f"{_ratio(r.values['openenv'], r.values['stadium'])} | {met} |"
+        )
+    lines += ["", "Notes:", ""]
+    lines += [f"- {r.goal.metric}: {r.goal.note}" for r in results if r.goal.note]
+    lines += ["", "## Commands (one per ramp; each ramp's report is in its directory)", ""]
+    lines += [f"- `{name}`: `{cmd}`" for name, cmd in commands.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_goals(
+    output_dir: Path,
+    *,
+    only: Sequence[str] = (),
+    arms: Sequence[str] = ARMS,
+    run_ramp: Callable[[Ramp, Path], None] | None = None,
+) -> Path:
+    """Run every ramp the goals need (or ``only`` those), then write ``goals.md``.
+
+    ``arms`` drops arms from every ramp (e.g. without ``openenv`` on a machine
+    that cannot create its venv). ``run_ramp`` runs one ramp into a directory
+    (default: the ``stadium bench ramp`` command in this process).
+    """
+    output_dir.mkdir(parents=True, exist_ok=True)
+    runner = run_ramp or _run_ramp_cli
+    commands: dict[str, str] = {}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    for name, ramp in RAMPS.items():
+        if only and name not in only:
+            continue
+        kept = _only_arms(ramp, arms)
+        if kept is None:
+            continue
+        out = output_dir / name
+        commands[name] = kept.command(out)
+        runner(kept, out)
+    results = evaluate(output_dir)
+    head = (
+        f"Run {started} on {platform.node() or 'this machine'} "
+        f"({platform.machine()}, Python {platform.python_version()}); one repetition per "
+        "point: compare the ratios, taken in one run, not absolute times across runs."
+    )
+    md = goals_markdown(results, commands, head)
+    path = output_dir / "goals.md"
+    path.write_text(md)
+    (output_dir / "goals.json").write_text(
+        json.dumps([r.as_json() for r in results], indent=2) + "\n"
+    )
+    return path
+
+
+def _only_arms(ramp: Ramp, arms: Sequence[str]) -> Ramp | None:
+    args = list(ramp.args)
+    kept: list[str] = []
+    any_arm = False
+    i = 0
+    while i < len(args):
+        if args[i] == "--arm":
+            if args[i + 1] in arms:
+                kept += args[i : i + 2]
+                any_arm = True
+            i += 2
+            continue
+        kept.append(args[i])
+        i += 1
+    return Ramp(ramp.name, tuple(kept)) if any_arm else None
+
+
+def _run_ramp_cli(ramp: Ramp, out: Path) -> None:
+    from stadium.bench._cli import ramp as ramp_cmd
+
+    args = [*ramp.args, "--output-dir", str(out)]
+    ramp_cmd.main(args=args, prog_name="stadium bench ramp", standalone_mode=False)
