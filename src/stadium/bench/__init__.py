@@ -13,7 +13,8 @@ Public API (imported lazily, so ``import stadium.bench`` stays cheap)::
 Modules: ``metrics`` (pure arithmetic), ``results`` (records and summaries),
 ``loadgen`` (the load generator), ``procstat`` (/proc sampling), ``arms``
 (servers and caps), ``report`` (files and figures), ``compare``, ``floor``
-(the floor server), ``openenv_server`` (the OpenEnv arm).
+(the floor server), ``openenv_server`` (the OpenEnv arm), ``opcount`` (calls
+per step counted in-process: the CI regression check).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
 * ``stadium bench compare DIR_A DIR_B`` — two result sets side by side;
   ``stadium bench compare --git-ref REF [grid options]`` benches Stadium at
   REF (a temporary worktree) against the working tree and compares them.
+* ``stadium bench ops [--target benchmark] [--steps N]`` — calls per step and
+  per session lifecycle, counted in-process (deterministic; the CI check).
 """
 
 from __future__ import annotations
@@ -319,3 +321,33 @@ def goals(output_dir: Path | None, only: tuple[str, ...], arm_names: tuple[str, 
     path = run_goals(out, only=only, arms=arm_names)
     click.echo(path.read_text())
     click.echo(f"goals: {path}")
+
+
+@bench.command()
+@click.option("--target", default="benchmark", show_default=True, help="Environment to serve.")
+@click.option("--steps", default=1000, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Steady-state steps to count.")  # fmt: skip
+@click.option("--sessions", default=4, show_default=True, type=click.IntRange(1, 10_000),
+              help="Sessions open (steps go round-robin); also lifecycles counted.")  # fmt: skip
+@click.option("--action", default=None,
+              help='Step data as JSON [benchmark: {"wait_seconds":0}, else {}].')  # fmt: skip
+def ops(target: str, steps: int, sessions: int, action: str | None) -> None:
+    """Count Python and C calls per step and per session lifecycle, without sockets.
+
+    Deterministic (no clocks): the regression check CI runs. See BENCHMARKS.md.
+    """
+    import json
+
+    from stadium.bench.opcount import count_ops
+
+    try:
+        data = json.loads(action) if action is not None else None
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--action") from None
+    if data is not None and not isinstance(data, dict):
+        raise click.BadParameter("expected a JSON object", param_hint="--action")
+    result = count_ops(target, steps, sessions, action=data)
+    for line in result.lines():
+        click.echo(line)
+    if result.errors or result.replies < steps:
+        raise click.ClickException("some requests failed: the counts are not of the normal path")
