@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 import shlex
 import time
@@ -241,10 +242,12 @@ def _cell(goal: Goal, value: float | None, n: int | None, small: float | None) -
     return text
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    if a is None or b is None or b == 0:
+def _ratio(r: GoalResult, a: str, b: str) -> str:
+    """``a / b``, only where both arms were measured at the same N."""
+    x, y = r.values.get(a), r.values.get(b)
+    if x is None or y is None or y == 0 or r.ns.get(a) != r.ns.get(b):
         return "—"
-    return f"{a / b:.2f}"
+    return f"{x / y:,.2f}"
 
 
 def goals_markdown(results: Sequence[GoalResult], commands: dict[str, str], head: str) -> str:
@@ -264,8 +267,7 @@ def goals_markdown(results: Sequence[GoalResult], commands: dict[str, str], head
         met = {True: "yes", False: "**no**", None: "—"}[r.met]
         lines.append(
             f"| {g.metric}{unit} | {g.target} | {' | '.join(cells)} | "
-            f"{_ratio(r.values['stadium'], r.values['floor'])} | "
-            f"{_ratio(r.values['openenv'], r.values['stadium'])} | {met} |"
+            f"{_ratio(r, 'stadium', 'floor')} | {_ratio(r, 'openenv', 'stadium')} | {met} |"
         )
     lines += ["", "Notes:", ""]
     lines += [f"- {r.goal.metric}: {r.goal.note}" for r in results if r.goal.note]
@@ -302,9 +304,11 @@ def run_goals(
         runner(kept, out)
     results = evaluate(output_dir)
     head = (
-        f"Run {started} on {platform.node() or 'this machine'} "
-        f"({platform.machine()}, Python {platform.python_version()}); one repetition per "
-        "point: compare the ratios, taken in one run, not absolute times across runs."
+        f"Run {started} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, "
+        f"{platform.machine()}, Linux {platform.release()}, Python "
+        f"{platform.python_version()}; versions of every package in each ramp's "
+        "report.md). One repetition per point: compare the ratios, taken in one run, "
+        "not absolute times across runs."
     )
     md = goals_markdown(results, commands, head)
     path = output_dir / "goals.md"
