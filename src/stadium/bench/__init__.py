@@ -14,7 +14,8 @@ Modules: ``metrics`` (pure arithmetic), ``results`` (records and summaries),
 ``loadgen`` (the load generator), ``procstat`` (/proc sampling), ``arms``
 (servers and caps), ``report`` (files and figures), ``compare``, ``floor``
 (the floor server), ``openenv_server`` (the OpenEnv arm), ``opcount`` (calls
-per step counted in-process: the CI regression check).
+per step counted in-process: the CI regression check), ``goals`` (every
+performance goal, one ramp each, in ``goals.md``).
 """
 
 from __future__ import annotations
