@@ -137,6 +137,34 @@ async def test_sync_blocking_env_runs_on_the_pool(transport: str) -> None:
         assert all(r.observation == {"value": 6} and r.done for r in results)
 
 
+async def test_session_pool_bounds_connects_in_flight(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stadium._client as client_mod
+
+    real = client_mod.ws_connect
+    now, most = 0, 0
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal now, most
+        now += 1
+        most = max(most, now)
+        try:
+            await asyncio.sleep(0.01)  # let the other sessions reach their connect
+            return await real(*args, **kwargs)
+        finally:
+            now -= 1
+
+    monkeypatch.setattr(client_mod, "ws_connect", counting)
+    async with serve(SyncBlocking, transport=transport) as server:
+        async with stadium.SessionPool(server.url, size=12, connect_concurrency=3) as pool:
+            firsts = await pool.reset(seeds=range(12))
+        assert [r.observation["value"] for r in firsts] == list(range(12))
+        assert (now, most) == (0, 3)
+    with pytest.raises(ValueError, match="connect_concurrency"):
+        stadium.SessionPool("ws://127.0.0.1:1/ws", size=2, connect_concurrency=0)
+
+
 async def test_pipelined_requests_are_answered_in_order_with_ids(transport: str) -> None:
     async with serve(Flaky, transport=transport) as server:
         async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
