@@ -191,6 +191,25 @@ def test_cli(tmp_path: Path) -> None:
     assert result.exit_code == 2
 
 
+def test_compare_against_a_git_ref(tmp_path: Path) -> None:
+    """``compare --git-ref``: Stadium from a temporary worktree of HEAD against the tree."""
+    from stadium.bench._cli import bench
+
+    out = tmp_path / "ref"
+    result = CliRunner().invoke(
+        bench,
+        ["compare", "--git-ref", "HEAD", "--requests-grid", "4", "--wait-grid", "0",
+         "--reps", "1", "--output-dir", str(out), "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert sorted(r["arm"] for r in rows) == ["stadium", "stadium@HEAD"]
+    assert all(r["success_rate"] == "1.0" for r in rows)
+    md = (out / "compare.md").read_text()
+    assert "A = `stadium@HEAD`, B = `stadium`" in md
+    assert (out / "compare.csv").exists()
+
+
 def test_url_arm_with_server_pid(tmp_path: Path, floor_server: tuple[str, int]) -> None:
     from stadium.bench.arms import Arm
     from stadium.bench.runner import BenchConfig, run
