@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check clean
+.PHONY: install demo test lint typecheck check bench-goals clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -19,6 +19,10 @@ install: $(VENV)/.installed
 
 demo: install
 	$(VENV)/bin/stadium demo
+
+# Every performance goal, stadium / floor / openenv side by side (~10 minutes).
+bench-goals: install
+	$(VENV)/bin/stadium bench goals --output-dir bench-results/goals
 
 lint: install
 	$(VENV)/bin/ruff check src tests examples
