@@ -101,6 +101,23 @@ def test_connect_window_bounds_connects_in_flight(
     assert state["most"] == 20
 
 
+async def test_http_mode_from_the_default_and_a_chosen_source_address() -> None:
+    from stadium.bench.loadgen import _http_session, _messages
+    from stadium.bench.results import SessionRecord
+    from tests.conftest import serve
+
+    async with serve("benchmark") as server:
+        spec = LoadSpec(url=server.url.replace("http", "ws") + "/ws", sessions=2,
+                        wait_s=0.0, steps=2, mode="http")  # fmt: skip
+        reset_body, step_body = _messages(spec)
+        records = [SessionRecord(index=0), SessionRecord(index=1, source="127.0.0.3")]
+        t0 = time.monotonic()
+        for rec in records:
+            await _http_session(rec, spec, t0, reset_body, step_body)
+    assert all(r.ok for r in records), [r.detail for r in records]
+    assert all(r.reset_s is not None and len(r.step_s) == 2 for r in records)
+
+
 def test_errors_are_classified(floor: str) -> None:
     # nothing listens on this port: refused
     dead = f"ws://127.0.0.1:{free_port()}/ws"

@@ -436,12 +436,17 @@ async def _http_session(
     writer: asyncio.StreamWriter | None = None
     try:
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(
-                    host, port, local_addr=(rec.source, 0) if rec.source else None
-                ),
-                spec.connect_timeout,
-            )
+            async with asyncio.timeout(spec.connect_timeout):
+                if rec.source is None:
+                    reader, writer = await asyncio.open_connection(host, port)
+                else:  # the same source spreading as the WebSocket mode
+                    sock = _bound_socket(rec.source)
+                    try:
+                        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+                    except BaseException:
+                        sock.close()
+                        raise
+                    reader, writer = await asyncio.open_connection(sock=sock)
         except TimeoutError:
             raise _Fail(ErrorKind.TIMEOUT, "connect timed out") from None
         except OSError as exc:
