@@ -65,6 +65,7 @@ def test_goals_table_from_summaries(tmp_path: Path) -> None:
     assert results["burst_p99"]["n"] == {"stadium": 32768, "floor": 32768, "openenv": 8192}
     assert results["burst_success"]["met"] is True
     assert results["threads"]["met"] is True  # 1 thread at 512 and at 8,192
+    assert results["threads"]["baseline"] == {"stadium": 1.0, "floor": 1.0, "openenv": 512.0}
     assert "| 9 | 11 | 40 | 0.82 | 4.44 | yes |" in text
     assert "(N = 8,192)" in text
     # every command in the report is a runnable ramp command
@@ -82,6 +83,8 @@ def test_goal_missed_and_arms_dropped(tmp_path: Path) -> None:
         for r in rows:
             if r["arm"] == "stadium":
                 r["server_cpu_us_per_step"] = "17.0"  # <= 20 us but > 1.5 x floor
+                if r["n"] == "8192":
+                    r["server_peak_threads"] = "9"  # 1 at N = 512: not flat
         with (out / "summary.csv").open("w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=columns())
             w.writeheader()
@@ -90,6 +93,7 @@ def test_goal_missed_and_arms_dropped(tmp_path: Path) -> None:
     run_goals(tmp_path, only=["per_step", "p99_8192"], arms=["stadium", "floor"], run_ramp=slow)
     results = {r["key"]: r for r in json.loads((tmp_path / "goals.json").read_text())}
     assert results["per_step"]["met"] is False
+    assert results["threads"]["met"] is False
     assert results["per_step"]["values"]["openenv"] is None
     assert results["lifecycle"]["met"] is None  # not run
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["p99_8192", "per_step"]

@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 ARMS = ("stadium", "floor", "openenv")
-SMALL_N = 512
-"""The threads row compares N = 8,192 with this N of the same ramp."""
+
+Values = dict[str, float | None]
+"""A figure per arm (``None``: not measured)."""
 
 Row = dict[str, Any]
 
@@ -54,9 +55,12 @@ class Goal:
     n: int
     figure: Callable[[Row], float | None]
     unit: str
-    met: Callable[[dict[str, float | None]], bool | None]
+    met: Callable[[Values, Values], bool | None]
+    """(figures at ``n``, figures at ``baseline_n``) → met, missed, or None if unmeasured."""
     note: str = ""
     fmt: Callable[[float], str] = field(default=lambda v: f"{v:,.3g}")
+    baseline_n: int | None = None
+    """Also read each arm's figure at this N of the same ramp (shown in brackets)."""
 
 
 def _f(row: Row, col: str) -> float | None:
@@ -93,27 +97,26 @@ def _success(row: Row) -> float | None:
     return None if v is None else v * 100.0
 
 
-def _le(limit: float) -> Callable[[dict[str, float | None]], bool | None]:
-    def met(v: dict[str, float | None]) -> bool | None:
+def _stadium(test: Callable[[float], bool]) -> Callable[[Values, Values], bool | None]:
+    """A goal on Stadium's figure alone."""
+
+    def met(v: Values, _baseline: Values) -> bool | None:
         s = v.get("stadium")
-        return None if s is None else s <= limit
+        return None if s is None else test(s)
 
     return met
 
 
-def _per_step_met(v: dict[str, float | None]) -> bool | None:
+def _per_step_met(v: Values, _baseline: Values) -> bool | None:
     s, f = v.get("stadium"), v.get("floor")
     if s is None or f is None:
         return None
     return s <= 20.0 and s <= 1.5 * f
 
 
-def _ge(limit: float) -> Callable[[dict[str, float | None]], bool | None]:
-    def met(v: dict[str, float | None]) -> bool | None:
-        s = v.get("stadium")
-        return None if s is None else s >= limit
-
-    return met
+def _flat_met(v: Values, baseline: Values) -> bool | None:
+    big, small = v.get("stadium"), baseline.get("stadium")
+    return None if big is None or small is None else big <= small
 
 
 RAMPS: dict[str, Ramp] = {
@@ -145,23 +148,24 @@ GOALS: tuple[Goal, ...] = (
          "1 core", "≤ 20 µs and ≤ 1.5 × floor", ("per_step",), 64, _cpu_step, "µs",
          _per_step_met, "500 steps per session; includes each session's connect, reset, close"),
     Goal("lifecycle", "Server CPU per session lifecycle (connect, reset, step, close)",
-         "≤ 0.3 ms", ("lifecycle",), 2048, _cpu_session, "ms", _le(0.3),
+         "≤ 0.3 ms", ("lifecycle",), 2048, _cpu_session, "ms", _stadium(lambda s: s <= 0.3),
          "a burst of 2,048, W = 0, one step"),
     Goal("burst_success", "Burst, W = 10 s, 2 workers: success", "≥ 99 % at N = 32,768",
-         ("burst_32768", "burst_openenv"), 32768, _success, "%", _ge(99.0),
+         ("burst_32768", "burst_openenv"), 32768, _success, "%", _stadium(lambda s: s >= 99.0),
          "openenv at N = 8,192 (32,768 threads exceed the machine's pid_max)",
          lambda v: f"{v:.2f}"),
     Goal("burst_p99", "Burst, W = 10 s, 2 workers: total p99", "≤ 2 × W = 20 s at N = 32,768",
-         ("burst_32768", "burst_openenv"), 32768, _total_p99_s, "s", _le(20.0),
+         ("burst_32768", "burst_openenv"), 32768, _total_p99_s, "s", _stadium(lambda s: s <= 20.0),
          "openenv at N = 8,192", lambda v: f"{v:.2f}"),
     Goal("p99_8192", "Total p99 at N = 8,192, W = 1 s", "≤ 3 s", ("p99_8192",), 8192,
-         _total_p99_s, "s", _le(3.0), "1 worker on 1 core, pure burst",
+         _total_p99_s, "s", _stadium(lambda s: s <= 3.0), "1 worker on 1 core, pure burst",
          lambda v: f"{v:.2f}"),
     Goal("idle_rss", "Server RSS per idle session (benchmark env)", "≤ 20 KB", ("idle_rss",),
-         4096, _rss_kb, "KB", _le(20.0), "4,096 sessions idle 3 s after reset; KB = 1,000 B",
+         4096, _rss_kb, "KB", _stadium(lambda s: s <= 20.0),
+         "4,096 sessions idle 3 s after reset; KB = 1,000 B",
          lambda v: f"{v:.1f}"),
-    Goal("threads", "Peak server threads at N = 8,192", f"flat (as at N = {SMALL_N})",
-         ("p99_8192",), 8192, _threads, "", lambda v: None, "", lambda v: f"{v:,.0f}"),
+    Goal("threads", "Peak server threads at N = 8,192", "flat (as at N = 512)",
+         ("p99_8192",), 8192, _threads, "", _flat_met, "", lambda v: f"{v:,.0f}", 512),
 )  # fmt: skip
 
 
@@ -188,11 +192,11 @@ class GoalResult:
     """One evaluated row."""
 
     goal: Goal
-    values: dict[str, float | None]
+    values: Values
     ns: dict[str, int]
     met: bool | None
-    baseline: dict[str, float | None] = field(default_factory=dict)
-    """For the threads row: each arm's figure at the small N."""
+    baseline: Values = field(default_factory=dict)
+    """Each arm's figure at the goal's ``baseline_n`` (empty without one)."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -202,6 +206,8 @@ class GoalResult:
             "unit": self.goal.unit,
             "values": self.values,
             "n": self.ns,
+            "baseline_n": self.goal.baseline_n,
+            "baseline": self.baseline,
             "met": self.met,
         }
 
@@ -211,22 +217,18 @@ def evaluate(out: Path) -> list[GoalResult]:
     results: list[GoalResult] = []
     for goal in GOALS:
         rows = [row for name in goal.ramps for row in read_rows(out / name)]
-        values: dict[str, float | None] = {}
+        values: Values = {}
         ns: dict[str, int] = {}
+        baseline: Values = {}
         for arm in ARMS:
             row = _pick(rows, arm, goal.n)
             values[arm] = goal.figure(row) if row is not None else None
             if row is not None:
                 ns[arm] = int(row["n"])
-        baseline: dict[str, float | None] = {}
-        if goal.key == "threads":
-            for arm in ARMS:
-                row = _pick(rows, arm, SMALL_N)
-                baseline[arm] = goal.figure(row) if row is not None else None
-            small, big = baseline.get("stadium"), values.get("stadium")
-            met = None if small is None or big is None else big <= small
-        else:
-            met = goal.met(values)
+            if goal.baseline_n is not None:
+                small = _pick(rows, arm, goal.baseline_n)
+                baseline[arm] = goal.figure(small) if small is not None else None
+        met = goal.met(values, baseline)
         results.append(GoalResult(goal, values, ns, met, baseline))
     return results
 
@@ -238,7 +240,7 @@ def _cell(goal: Goal, value: float | None, n: int | None, small: float | None) -
     if n is not None and n != goal.n:
         text += f" (N = {n:,})"
     if small is not None:
-        text += f" ({goal.fmt(small)} at {SMALL_N:,})"
+        text += f" ({goal.fmt(small)} at {goal.baseline_n:,})"
     return text
 
 
