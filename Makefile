@@ -24,9 +24,11 @@ demo: install
 bench-goals: install
 	$(VENV)/bin/stadium bench goals --output-dir bench-results/goals
 
+# Style, then the architecture: the import contracts in pyproject.toml ([tool.importlinter]).
 lint: install
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/lint-imports --no-logo
 
 typecheck: install
 	$(VENV)/bin/mypy

@@ -58,6 +58,30 @@ class SyncBlocking(Environment[Act, Obs, State]):
         return StepResult(Obs(action.value * 2), reward=1.0, done=action.value > 2)
 
 
+class OptionsObs(msgspec.Struct):
+    seed: int | None
+    options: dict[str, Any] | None
+    episode_id: str | None
+
+
+class ShowsReset(Environment[Act, OptionsObs, State]):
+    """Returns its reset arguments as the observation."""
+
+    blocking = False
+
+    def reset(
+        self,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        episode_id: str | None = None,
+    ) -> OptionsObs:
+        return OptionsObs(seed, options, episode_id)
+
+    def step(self, action: Act) -> OptionsObs:
+        return OptionsObs(None, None, None)
+
+
 def http(url: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
     req = urllib.request.Request(
         url + path, data=body, method="POST" if body is not None else "GET"
@@ -274,6 +298,40 @@ async def test_http_endpoints(transport: str) -> None:
         status, missing = await asyncio.to_thread(http, url, "/nowhere")
         assert status == 404
         assert "/health" in missing["detail"]
+
+
+RESET_BODIES = [
+    ({}, {"seed": None, "options": None, "episode_id": None}),
+    ({"seed": 3}, {"seed": 3, "options": None, "episode_id": None}),
+    ({"options": {"level": 2}}, {"seed": None, "options": {"level": 2}, "episode_id": None}),
+    ({"level": 2}, {"seed": None, "options": {"level": 2}, "episode_id": None}),
+    (
+        {"seed": 1, "level": 2, "options": {"level": 5, "mode": "x"}, "episode_id": "e1"},
+        {"seed": 1, "options": {"level": 5, "mode": "x"}, "episode_id": "e1"},
+    ),
+]
+
+
+async def test_reset_arguments_mean_the_same_over_websocket_and_post(transport: str) -> None:
+    async with serve(ShowsReset, transport=transport) as server:
+        for body, expected in RESET_BODIES:
+            async with AsyncClient(server.url) as env:
+                ws = await env.reset(**body)
+            status, post = await asyncio.to_thread(
+                http, server.url, "/reset", json.dumps(body).encode()
+            )
+            assert status == 200
+            assert msgspec.to_builtins(ws.observation) == expected, body
+            assert post["observation"] == expected, body
+        for bad, field in (({"seed": "x"}, "$.seed"), ({"options": [1]}, "$.options")):
+            status, err = await asyncio.to_thread(
+                http, server.url, "/reset", json.dumps(bad).encode()
+            )
+            assert (status, err["code"], err["field"]) == (422, "VALIDATION_ERROR", field)
+            async with AsyncClient(server.url) as env:
+                with pytest.raises(stadium.ValidationError) as info:
+                    await env.reset(**bad)
+            assert info.value.context["field"] == "$.data" + field[1:]
 
 
 async def test_client_connect_error_is_clear(transport: str) -> None:

@@ -119,6 +119,7 @@ class Admission:
 
     @property
     def waiting(self) -> int:
+        """Sessions of this worker queued for a slot (``GET /metadata``'s ``waiting_sessions``)."""
         return len(self._queue)
 
     def admit(self, waiter: Waiter) -> Verdict:

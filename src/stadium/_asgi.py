@@ -19,11 +19,10 @@ from typing import Any
 
 from stadium._config import ServerConfig
 from stadium._env import Environment
-from stadium._http import TOO_LARGE, HttpEndpoints
-from stadium._loader import load_target
+from stadium._http import TOO_LARGE
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import Runtime, Session
-from stadium._spec import EnvSpec
+from stadium._session import Session
+from stadium._worker import Worker
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -73,17 +72,15 @@ class AsgiApp:
         self, config: ServerConfig, env_cls: type[Environment[Any, Any, Any]] | None = None
     ) -> None:
         self.config = config
-        if env_cls is None:
-            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
-        self.spec = EnvSpec.of(env_cls)
-        self.runtime = Runtime.from_config(config, self.spec)
-        self.endpoints = HttpEndpoints(self.runtime, workers=1)
-        self._reaper: asyncio.TimerHandle | None = None
+        self.worker = Worker.build(config, env_cls)
+        self.spec = self.worker.spec
+        self.runtime = self.worker.runtime
+        self.endpoints = self.worker.endpoints
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "websocket":
-            self._ensure_reaper()
+            self.worker.start()  # idempotent: servers without lifespan events start here
             await self._websocket(scope, receive, send)
         elif kind == "http":
             await self._http(scope, receive, send)
@@ -168,27 +165,13 @@ class AsgiApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self._ensure_reaper()
+                self.worker.start()
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 self.runtime.draining = True
-                if self._reaper is not None:
-                    self._reaper.cancel()
                 self.runtime.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    def _ensure_reaper(self) -> None:
-        idle = self.config.idle_timeout
-        if self._reaper is None and idle > 0:
-            loop = asyncio.get_running_loop()
-            interval = max(0.05, min(idle / 4, 5.0))
-
-            def reap() -> None:
-                self.runtime.reap_idle(idle)
-                self._reaper = loop.call_later(interval, reap)
-
-            self._reaper = loop.call_later(interval, reap)
 
 
 def asgi_app(target: str | type[Environment[Any, Any, Any]], **options: Any) -> AsgiApp:

@@ -16,9 +16,10 @@ from typing import Any
 
 import msgspec
 
+from stadium._codecs import enc_hook_default
 from stadium._env import Environment, StepResult
 from stadium._errors import EnvCheckError, StadiumError
-from stadium._spec import EnvSpec, enc_hook_default
+from stadium._spec import EnvSpec
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -106,6 +106,9 @@ class AsyncClient(Generic[ObsT]):
         request_timeout: seconds to wait for each reply (``None``: no limit).
         max_retries: attempts when the server is unreachable or at capacity.
         max_message_bytes: largest reply accepted.
+        headers: extra HTTP headers of the WebSocket handshake.
+        action_encoder: turns an action into its wire value (default: dicts as
+            they are; msgspec Structs, dataclasses and pydantic models to dicts).
     """
 
     def __init__(
@@ -120,8 +123,10 @@ class AsyncClient(Generic[ObsT]):
         max_retries: int = 8,
         max_message_bytes: int = 64 * 1024 * 1024,
         headers: dict[str, str] | None = None,
+        action_encoder: Callable[[Any], Any] | None = None,
     ) -> None:
         self.url = ws_url(url)
+        self.action_encoder = action_encoder or _to_builtins
         self.observation_type = observation_type
         self.state_type = state_type
         self.msgpack = msgpack
@@ -216,7 +221,7 @@ class AsyncClient(Generic[ObsT]):
 
     async def step(self, action: Any) -> StepResult[ObsT]:
         """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
-        reply = await self._request({"type": "step", "data": _to_builtins(action)})
+        reply = await self._request({"type": "step", "data": self.action_encoder(action)})
         return self._result(reply)
 
     async def state(self) -> Any:
@@ -312,6 +317,11 @@ def _to_builtins(action: Any) -> Any:
     if callable(dump):
         return dump()
     return msgspec.to_builtins(action)
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the background loop every sync client shares; block for its result."""
+    return _LoopThread.run(coro)
 
 
 class _LoopThread:
@@ -449,4 +459,4 @@ class SessionPool(Generic[ObsT]):
         return list(results)  # type: ignore[arg-type]
 
 
-__all__ = ["AsyncClient", "Client", "SessionPool", "StadiumError", "ws_url"]
+__all__ = ["AsyncClient", "Client", "SessionPool", "StadiumError", "run_sync", "ws_url"]

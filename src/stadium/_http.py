@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
 from stadium._env import StepResult
 from stadium._errors import StadiumError, ValidationError
-from stadium._protocol import PROTOCOL_VERSION
+from stadium._protocol import PROTOCOL_VERSION, reset_call
 from stadium._session import Runtime
+from stadium._spec import CallMode
 from stadium._version import __version__
 
 log = logging.getLogger("stadium.http")
@@ -94,7 +98,7 @@ class HttpEndpoints:
             try:
                 return HttpResponse(200, rt.spec.json_encoder.encode(env.state))
             finally:
-                _close_quietly(env)
+                _close_env(rt, env)
         if path in self.POST_PATHS:
             return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
         return self.not_found(path)
@@ -123,6 +127,7 @@ class HttpEndpoints:
             "capacity": {
                 "max_sessions": slots.limit,
                 "active_sessions": slots.active(),
+                "waiting_sessions": self.runtime.admission.waiting,
                 "workers": self.workers,
             },
             "worker": {  # counters of the worker process that answered
@@ -150,19 +155,20 @@ class HttpEndpoints:
         spec = rt.spec
         try:
             if path == "/reset":
-                seed = data.get("seed")
-                if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-                    raise ValidationError("seed must be an integer or null", field="$.seed")
-                options = {k: v for k, v in data.items() if k not in ("seed", "episode_id")}
-                kwargs: dict[str, Any] = {"seed": seed, "options": options or None}
-                if spec.reset_takes_episode_id and isinstance(data.get("episode_id"), str):
-                    kwargs["episode_id"] = data["episode_id"]
-                result = await self._run(lambda env: env.reset(**kwargs), spec.async_reset)
+                call = reset_call(
+                    None,
+                    data,
+                    _new_episode_id,
+                    takes_episode_id=spec.reset_takes_episode_id,
+                    where="$",
+                )
+                reset = functools.partial(_reset, kwargs=call.reset_kwargs)
+                result = await self._run(spec.reset_mode, reset)
             else:
                 if "action" not in data:
                     raise ValidationError('body needs an "action" object', field="$.action")
                 action = spec.action.convert(data["action"], "action")
-                result = await self._run(lambda env: env.step(action), spec.async_step)
+                result = await self._run(spec.step_mode, functools.partial(_step, action=action))
         except StadiumError as exc:
             status = 422 if isinstance(exc, ValidationError) else 500
             return _json(status, {"detail": exc.message, **exc.to_wire()})
@@ -178,23 +184,29 @@ class HttpEndpoints:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
 
-    async def _run(self, fn: Any, is_async: bool) -> Any:
+    async def _run(self, mode: CallMode, call: Callable[[Any], Any]) -> Any:
+        """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after."""
         rt = self.runtime
+        spec = rt.spec
         loop = asyncio.get_running_loop()
-        if rt.spec.blocking and not is_async:
-            env = await loop.run_in_executor(rt.executor, rt.new_env)
-        else:
-            env = rt.new_env()
+        env = await rt.invoke.call(loop, spec.create_mode, rt.new_env)
         try:
-            if is_async:
-                return await fn(env)
-            if rt.spec.blocking:
-                return await loop.run_in_executor(rt.executor, fn, env)
-            return fn(env)
+            return await rt.invoke.call(loop, mode, call, env)
         finally:
-            close = env.close()
-            if asyncio.iscoroutine(close):
-                await close
+            if spec.has_close:
+                await rt.invoke.call(loop, spec.close_mode, env.close)
+
+
+def _reset(env: Any, kwargs: Mapping[str, Any]) -> Any:
+    return env.reset(**kwargs)
+
+
+def _step(env: Any, action: Any) -> Any:
+    return env.step(action)
+
+
+def _new_episode_id() -> str:
+    return uuid.uuid4().hex
 
 
 def _internal_error(method: str, path: str, exc: Exception) -> HttpResponse:
@@ -202,10 +214,14 @@ def _internal_error(method: str, path: str, exc: Exception) -> HttpResponse:
     return _error(500, f"{method} {path} failed: {type(exc).__name__}: {exc}", "INTERNAL_ERROR")
 
 
-def _close_quietly(env: Any) -> None:
-    try:
-        result = env.close()
-        if asyncio.iscoroutine(result):
-            asyncio.get_running_loop().create_task(result)
-    except Exception:
-        pass
+def _close_env(runtime: Runtime, env: Any) -> None:
+    """Close a request's env without waiting (as the env's close mode says); log a failure."""
+    if not runtime.spec.has_close:
+        return
+    loop = asyncio.get_running_loop()
+    runtime.invoke.run(loop, runtime.spec.close_mode, env.close, (), _log_close_error)
+
+
+def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:
+    if error is not None and not isinstance(error, asyncio.CancelledError):
+        log.warning("closing a request's environment raised: %r", error)

@@ -40,8 +40,46 @@ log = logging.getLogger("stadium.transport")
 _PICOWS_LOG = logging.LoggerAdapter(logging.getLogger("stadium.picows"), {})
 _READ_BUFFER = 2048
 
-# picows' protocol class is not in its public API; ws_create_server builds it the same way.
+# -- the one private seam ---------------------------------------------------------
+# picows' public server API (ws_create_server) owns the listening socket, but
+# Stadium serves plain HTTP (h11) and WebSockets on one socket and hands picows
+# only the connections that start with GET. picows has no public factory for its
+# per-connection protocol, so it is built here exactly as ws_create_server builds
+# it: positionally, in this order. tests/test_picows.py reads picows' own
+# ws_create_server and fails loudly if the order changes; pyproject.toml bounds
+# picows to the minor version that test passed on.
 _WSProtocol: Any = getattr(_picows_impl, "WSProtocol")  # noqa: B009
+
+WS_PROTOCOL_ARGS = (
+    "host_port",
+    "ws_path",
+    "is_client_side",
+    "ws_listener_factory",
+    "logger",
+    "disconnect_on_exception",
+    "websocket_handshake_timeout",
+    "enable_auto_ping",
+    "auto_ping_idle_timeout",
+    "auto_ping_reply_timeout",
+    "auto_ping_strategy",
+    "enable_auto_pong",
+    "max_frame_size",
+    "extra_headers",
+    "read_buffer_init_size",
+)
+"""The positional parameters of picows' ``WSProtocol``, as ``ws_create_server`` passes them."""
+
+
+def picows_server_protocol(**kwargs: Any) -> asyncio.BufferedProtocol:
+    """picows' server-side protocol for one connection; ``kwargs`` named as in
+    :data:`WS_PROTOCOL_ARGS` (every one is required)."""
+    missing = set(WS_PROTOCOL_ARGS) - set(kwargs)
+    extra = set(kwargs) - set(WS_PROTOCOL_ARGS)
+    if missing or extra:
+        raise TypeError(f"picows protocol arguments: missing {missing}, unknown {extra}")
+    proto: asyncio.BufferedProtocol = _WSProtocol(*(kwargs[name] for name in WS_PROTOCOL_ARGS))
+    return proto
+
 
 _TEXT = WSMsgType.TEXT
 _BINARY = WSMsgType.BINARY
@@ -173,25 +211,23 @@ class PicowsTransport:
         return _response(self.endpoints.get(path))
 
     def ws_protocol(self) -> asyncio.BufferedProtocol:
-        ping = self.ping_interval > 0
-        proto: asyncio.BufferedProtocol = _WSProtocol(
-            None,
-            None,
-            False,
-            self._route,
-            _PICOWS_LOG,
-            True,
-            10.0,
-            ping,
-            self.ping_interval or 20.0,
-            self.ping_timeout or 20.0,
-            WSAutoPingStrategy.PING_WHEN_IDLE,
-            True,
-            self.max_message_bytes,
-            None,
-            _READ_BUFFER,
+        return picows_server_protocol(
+            host_port=None,
+            ws_path=None,
+            is_client_side=False,
+            ws_listener_factory=self._route,
+            logger=_PICOWS_LOG,
+            disconnect_on_exception=True,
+            websocket_handshake_timeout=10.0,
+            enable_auto_ping=self.ping_interval > 0,
+            auto_ping_idle_timeout=self.ping_interval or 20.0,
+            auto_ping_reply_timeout=self.ping_timeout or 20.0,
+            auto_ping_strategy=WSAutoPingStrategy.PING_WHEN_IDLE,
+            enable_auto_pong=True,
+            max_frame_size=self.max_message_bytes,
+            extra_headers=None,
+            read_buffer_init_size=_READ_BUFFER,
         )
-        return proto
 
     def __call__(self) -> asyncio.Protocol:
         """The protocol factory for ``loop.create_server``."""

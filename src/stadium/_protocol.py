@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
 
+from stadium._codecs import enc_hook_default, validation_error
 from stadium._env import StepResult
 from stadium._errors import (
     InvalidMessageError,
@@ -37,7 +39,7 @@ from stadium._errors import (
     UnknownTypeError,
 )
 from stadium._errors import ValidationError as StadiumValidationError
-from stadium._spec import EnvSpec, enc_hook_default, validation_error
+from stadium._spec import EnvSpec
 
 #: WebSocket subprotocol that switches a session to MessagePack frames.
 MSGPACK_SUBPROTOCOL = "stadium.msgpack"
@@ -84,6 +86,7 @@ class _Envelope(msgspec.Struct):
 
 
 _RESET_KEYS = frozenset({"seed", "episode_id", "options"})
+_NO_KWARGS: Mapping[str, Any] = types.MappingProxyType({})
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,6 +101,68 @@ class Call:
     episode_id: str | None = None
     client_episode_id: bool = False
     """Whether ``episode_id`` came from the client (else the server made it)."""
+    reset_kwargs: Mapping[str, Any] = _NO_KWARGS
+    """A reset's keyword arguments for ``env.reset``: ``seed``, ``options`` and, when
+    the client chose it and the env's ``reset`` accepts it, ``episode_id``."""
+
+
+def reset_call(
+    rid: RequestId,
+    data: Any,
+    new_episode_id: Callable[[], str],
+    *,
+    takes_episode_id: bool,
+    where: str = "$.data",
+) -> Call:
+    """The :class:`Call` of a reset whose arguments are ``data`` (decoded JSON/MessagePack).
+
+    The one reading of reset arguments, for WebSocket and HTTP alike: ``seed``
+    (an integer or null), ``episode_id`` (a string) and ``options`` (an object);
+    any other key is an option too, merged under the explicit ``options`` (which
+    win on a clash), so ``{"seed": 1, "level": 2}`` and ``{"seed": 1, "options":
+    {"level": 2}}`` mean the same. ``where`` is the JSON path of ``data`` in the
+    request, for error messages; ``takes_episode_id`` says whether the env's
+    ``reset`` accepts ``episode_id`` (OpenEnv's signature filtering).
+
+    Raises:
+        ValidationError: naming the offending field.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise StadiumValidationError(
+            'reset data must be an object such as {"seed": 1}', field=where
+        )
+    seed = data.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise StadiumValidationError(
+            f"seed must be an integer or null, got {seed!r}", field=f"{where}.seed"
+        )
+    episode_id = data.get("episode_id")
+    if episode_id is not None and not isinstance(episode_id, str):
+        raise StadiumValidationError(
+            f"episode_id must be a string, got {episode_id!r}", field=f"{where}.episode_id"
+        )
+    options = data.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise StadiumValidationError(
+            f"options must be an object, got {options!r}", field=f"{where}.options"
+        )
+    extra = {k: v for k, v in data.items() if k not in _RESET_KEYS}
+    if extra:
+        options = {**extra, **(options or {})}
+    kwargs: dict[str, Any] = {"seed": seed, "options": options}
+    if episode_id and takes_episode_id:
+        kwargs["episode_id"] = episode_id
+    return Call(
+        Op.RESET,
+        rid,
+        seed=seed,
+        options=options,
+        episode_id=episode_id or new_episode_id(),
+        client_episode_id=bool(episode_id),
+        reset_kwargs=kwargs,
+    )
 
 
 class SessionProtocol:
@@ -182,7 +247,13 @@ class SessionProtocol:
                     raise SessionError("no episode is running: send reset before step")
                 return Call(op, rid, action=self._decode_action(envelope.data))
             if op is Op.RESET:
-                return self._reset_call(rid, envelope.data)
+                raw = envelope.data
+                return reset_call(
+                    rid,
+                    self._raw_decode(raw) if raw else None,
+                    self._new_episode_id,
+                    takes_episode_id=self.spec.reset_takes_episode_id,
+                )
             if op is Op.CLOSE:
                 self.state = SessionState.CLOSED
             return Call(op, rid)
@@ -206,41 +277,6 @@ class SessionProtocol:
             return self._action_decoder.decode(raw)
         except msgspec.ValidationError as exc:
             raise validation_error(exc, "action") from None
-
-    def _reset_call(self, rid: RequestId, raw: msgspec.Raw) -> Call:
-        data: Any = self._raw_decode(raw) if raw else None
-        if data is None:
-            data = {}
-        if not isinstance(data, dict):
-            raise StadiumValidationError(
-                'reset data must be an object such as {"seed": 1}', field="$.data"
-            )
-        seed = data.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise StadiumValidationError(
-                f"seed must be an integer or null, got {seed!r}", field="$.data.seed"
-            )
-        episode_id = data.get("episode_id")
-        if episode_id is not None and not isinstance(episode_id, str):
-            raise StadiumValidationError(
-                f"episode_id must be a string, got {episode_id!r}", field="$.data.episode_id"
-            )
-        options = data.get("options")
-        if options is not None and not isinstance(options, dict):
-            raise StadiumValidationError(
-                f"options must be an object, got {options!r}", field="$.data.options"
-            )
-        extra = {k: v for k, v in data.items() if k not in _RESET_KEYS}
-        if extra:
-            options = {**extra, **(options or {})}
-        return Call(
-            Op.RESET,
-            rid,
-            seed=seed,
-            options=options,
-            episode_id=episode_id or self._new_episode_id(),
-            client_episode_id=bool(episode_id),
-        )
 
     # -- output --------------------------------------------------------------
 

@@ -33,11 +33,11 @@ from stadium._admission import SharedSlots, Slots
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._errors import ConfigError
-from stadium._http import HttpEndpoints
 from stadium._loader import load_target
 from stadium._picows import PicowsTransport
-from stadium._session import CLOSE_GOING_AWAY, Runtime
+from stadium._session import CLOSE_GOING_AWAY
 from stadium._spec import EnvSpec
+from stadium._worker import Worker
 
 log = logging.getLogger("stadium.server")
 
@@ -89,16 +89,12 @@ class Server:
         slots: Slots | None = None,
     ) -> None:
         self.config = config
-        cls = (
-            env_cls
-            if env_cls is not None
-            else load_target(config.target, env_kwargs=config.env_kwargs)
-        )
-        self.spec = EnvSpec.of(cls)
+        self.worker = Worker.build(config, env_cls, slots=slots)
+        self.spec = self.worker.spec
+        self.runtime = self.worker.runtime
+        self.endpoints = self.worker.endpoints
         self.state = ServerState.CREATED
         self._sock = sock
-        self.runtime = Runtime.from_config(config, self.spec, slots)
-        self.endpoints = HttpEndpoints(self.runtime, workers=config.workers)
         self.transport = PicowsTransport(
             self.runtime,
             self.endpoints,
@@ -107,7 +103,6 @@ class Server:
             ping_timeout=config.ping_timeout,
         )
         self._server: asyncio.Server | None = None
-        self._reaper: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -130,7 +125,7 @@ class Server:
             self.transport, sock=self._sock, backlog=_max_backlog()
         )
         self.state = ServerState.SERVING
-        self._schedule_reaper()
+        self.worker.start()
 
     async def stop(self, drain_timeout: float | None = None) -> None:
         """Stop accepting, let sessions finish, close the rest with 1001."""
@@ -140,8 +135,7 @@ class Server:
         self.state = ServerState.DRAINING
         rt = self.runtime
         rt.draining = True
-        if self._reaper is not None:
-            self._reaper.cancel()
+        rt.stop_reaper()
         if self._server is not None:
             self._server.close()
         rt.admission.refuse_all()
@@ -165,16 +159,6 @@ class Server:
         # Polled, only while shutting down: sessions end from many callbacks.
         while self.runtime.sessions and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
-
-    def _schedule_reaper(self) -> None:
-        idle = self.config.idle_timeout
-        if idle > 0:
-            loop = asyncio.get_running_loop()
-            self._reaper = loop.call_later(max(0.05, min(idle / 4, 5.0)), self._reap)
-
-    def _reap(self) -> None:
-        self.runtime.reap_idle(self.config.idle_timeout)
-        self._schedule_reaper()
 
 
 def _setup_logging(level: str) -> None:

@@ -16,27 +16,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import enum
 import functools
 import logging
-import sys
 import uuid
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from stadium._admission import Admission, LocalSlots, Slots, Verdict
+from stadium._admission import Admission, Verdict
 from stadium._errors import (
     CapacityError,
     ExecutionError,
     SessionError,
     StadiumError,
 )
+from stadium._invoke import Invoker
 from stadium._protocol import Call, Encoding, Op, SessionProtocol
 from stadium._spec import EnvSpec
-
-if TYPE_CHECKING:
-    from stadium._config import ServerConfig
 
 log = logging.getLogger("stadium.session")
 
@@ -77,25 +73,15 @@ def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-if sys.version_info >= (3, 12):
-
-    def _start_task(
-        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
-    ) -> asyncio.Task[Any]:
-        # Runs synchronously up to the first suspension: a call that never waits
-        # completes here without a trip through the event loop.
-        return asyncio.Task(coro, loop=loop, eager_start=True)
-
-else:
-
-    def _start_task(
-        loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
-    ) -> asyncio.Task[Any]:
-        return loop.create_task(coro)
-
-
 class Runtime:
-    """What all sessions of one worker share: spec, admission, thread pool, counters."""
+    """What all sessions of one worker share: spec, admission, env calls, counters.
+
+    Args:
+        spec: the compiled environment class.
+        admission: the session slots and their queue.
+        executor_threads: size of the thread pool for blocking sync env calls.
+        env_kwargs: keyword arguments for every env instance.
+    """
 
     def __init__(
         self,
@@ -107,22 +93,14 @@ class Runtime:
     ) -> None:
         self.spec = spec
         self.admission = admission
-        self.executor_threads = executor_threads
+        self.invoke = Invoker(executor_threads)
         self.env_kwargs = env_kwargs or {}
         self.sessions: set[Session] = set()
         self.draining = False
         self.sessions_total = 0
         self.steps_total = 0
         self.errors_total: collections.Counter[str] = collections.Counter()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-
-    @property
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.executor_threads, thread_name_prefix="stadium-env"
-            )
-        return self._executor
+        self._reaper: asyncio.TimerHandle | None = None
 
     def new_env(self) -> Any:
         return self.spec.factory(**self.env_kwargs) if self.env_kwargs else self.spec.factory()
@@ -135,18 +113,6 @@ class Runtime:
             active_sessions=slots.active(),
             max_sessions=slots.limit,
             retry_after_s=1.0,
-        )
-
-    @classmethod
-    def from_config(
-        cls, config: ServerConfig, spec: EnvSpec, slots: Slots | None = None
-    ) -> Runtime:
-        """The runtime a server or ASGI app builds from its configuration."""
-        return cls(
-            spec,
-            Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout),
-            executor_threads=config.executor_threads,
-            env_kwargs=config.env_kwargs,
         )
 
     def reap_idle(self, idle_timeout: float) -> int:
@@ -163,9 +129,31 @@ class Runtime:
                 reaped += 1
         return reaped
 
+    def start_reaper(self, idle_timeout: float) -> None:
+        """Reap idle sessions every ``idle_timeout / 4`` s (at most 5 s) on the running loop.
+
+        Idempotent; ``idle_timeout`` 0 disables it. :meth:`shutdown` stops it.
+        """
+        if self._reaper is not None or idle_timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        interval = max(0.05, min(idle_timeout / 4, 5.0))
+
+        def reap() -> None:
+            self.reap_idle(idle_timeout)
+            self._reaper = loop.call_later(interval, reap)
+
+        self._reaper = loop.call_later(interval, reap)
+
+    def stop_reaper(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
+
     def shutdown(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the reaper and the thread pool (running calls are not waited for)."""
+        self.stop_reaper()
+        self.invoke.shutdown()
 
 
 class Session:
@@ -279,38 +267,23 @@ class Session:
             self._refuse(self.runtime.capacity_error(), "no free session slot")
             return
         self.phase = Phase.STARTING
-        self.runtime.sessions_total += 1
-        spec = self.runtime.spec
-        if spec.blocking and not (spec.async_reset or spec.async_step):
-            fut = self.loop.run_in_executor(self.runtime.executor, self.runtime.new_env)
-            fut.add_done_callback(self._on_env_created)
-            self._task = fut
-            return
-        try:
-            env = self.runtime.new_env()
-        except Exception as exc:
-            self._fail_start(exc)
-            return
-        self._opened(env)
+        rt = self.runtime
+        rt.sessions_total += 1
+        self._task = rt.invoke.run(self.loop, rt.spec.create_mode, rt.new_env, (), self._created)
 
-    def _on_env_created(self, fut: asyncio.Future[Any]) -> None:
+    def _created(self, _token: Any, env: Any, error: BaseException | None) -> None:
         self._task = None
-        if fut.cancelled():
+        if error is not None:
+            if not isinstance(error, asyncio.CancelledError):
+                self._fail_start(error)
             return
-        exc = fut.exception()
-        if exc is not None:
-            self._fail_start(exc)
-            return
+        self.env = env
         if self.phase is not Phase.STARTING:  # the peer left meanwhile
-            self.env = fut.result()
             self._release_env()
             return
-        self._opened(fut.result())
-
-    def _opened(self, env: Any) -> None:
-        self.env = env
         self.phase = Phase.OPEN
-        self._drain_pending()
+        if self._pending:
+            self._drain_pending()
 
     def _fail_start(self, exc: BaseException) -> None:
         log.error("creating the environment failed: %r", exc)
@@ -347,63 +320,45 @@ class Session:
         assert isinstance(out, Call)
         call = out
         op = call.op
-        spec = self.runtime.spec
-        env = self.env
-        try:
-            if op is Op.STEP:
-                if spec.async_step:
-                    self._await(call, env.step(call.action))
-                elif spec.blocking:
-                    self._in_thread(call, env.step, call.action)
-                else:
-                    self._reply(call, env.step(call.action))
-            elif op is Op.RESET:
-                kwargs: dict[str, Any] = {"seed": call.seed, "options": call.options}
-                if spec.reset_takes_episode_id and call.client_episode_id:
-                    kwargs["episode_id"] = call.episode_id
-                if spec.async_reset:
-                    self._await(call, env.reset(**kwargs))
-                elif spec.blocking:
-                    self._in_thread(call, functools.partial(env.reset, **kwargs))
-                else:
-                    self._reply(call, env.reset(**kwargs))
-            elif op is Op.STATE:
-                self._reply(call, env.state)
-            else:  # CLOSE
-                self.phase = Phase.CLOSING
-                self._pending = None
-                self._finish_close(CLOSE_NORMAL, "session closed by client")
-        except Exception as exc:
-            self._fail(call, exc)
-
-    def _await(self, call: Call, coro: Coroutine[Any, Any, Any]) -> None:
-        task = _start_task(self.loop, coro)
-        if task.done():
-            self._on_done(call, task)
+        rt = self.runtime
+        spec = rt.spec
+        if op is Op.STEP:
+            pending = rt.invoke.run(self.loop, spec.step_mode, self.env.step, (call.action,),
+                                    self._on_done, call)  # fmt: skip
+        elif op is Op.RESET:
+            reset = functools.partial(self.env.reset, **call.reset_kwargs)
+            pending = rt.invoke.run(self.loop, spec.reset_mode, reset, (), self._on_done, call)
+        elif op is Op.STATE:
+            try:
+                state = self.env.state
+            except Exception as exc:
+                self._fail(call, exc)
+                return
+            self._reply(call, state)
             return
-        self._call = call
-        self._task = task
-        task.add_done_callback(lambda t: self._on_done(call, t))
+        else:  # CLOSE
+            self.phase = Phase.CLOSING
+            self._pending = None
+            self._finish_close(CLOSE_NORMAL, "session closed by client")
+            return
+        if pending is not None:  # the call waits: later messages queue behind it
+            self._call = call
+            self._task = pending
 
-    def _in_thread(self, call: Call, fn: Callable[..., Any], *args: Any) -> None:
-        self._call = call
-        fut = self.loop.run_in_executor(self.runtime.executor, fn, *args)
-        self._task = fut
-        fut.add_done_callback(lambda f: self._on_done(call, f))
-
-    def _on_done(self, call: Call, fut: asyncio.Future[Any]) -> None:
+    def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
         self._call = None
         self._task = None
         if self.phase is Phase.CLOSED:
             return
-        if fut.cancelled():
+        if error is None:
+            try:
+                self._reply(call, result)
+            except Exception as exc:  # e.g. an observation that cannot be encoded
+                self._fail(call, exc)
+        elif isinstance(error, asyncio.CancelledError):
             self._send_error(call, SessionError(f"{call.op.name.lower()} was cancelled"))
         else:
-            exc = fut.exception()
-            if exc is None:
-                self._reply(call, fut.result())
-            else:
-                self._fail(call, exc)
+            self._fail(call, error)
         if self.phase is Phase.CLOSING:
             self._finish_close(*self._close_after)
         elif self._pending:
@@ -459,24 +414,11 @@ class Session:
 
     def _release_env(self) -> None:
         env, self.env = self.env, None
-        spec = self.runtime.spec
-        if env is None or not spec.has_close:
-            return
-        try:
-            if spec.async_close:
-                task = _start_task(self.loop, env.close())
-                if not task.done():
-                    task.add_done_callback(_log_close_error)
-                else:
-                    _log_close_error(task)
-            elif spec.blocking:
-                self.loop.run_in_executor(self.runtime.executor, env.close)
-            else:
-                env.close()
-        except Exception:
-            log.exception("closing the environment raised")
+        rt = self.runtime
+        if env is not None and rt.spec.has_close:
+            rt.invoke.run(self.loop, rt.spec.close_mode, env.close, (), _log_close_error)
 
 
-def _log_close_error(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("closing the environment raised: %r", task.exception())
+def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:
+    if error is not None and not isinstance(error, asyncio.CancelledError):
+        log.error("closing the environment raised: %r", error)

@@ -8,254 +8,34 @@ is async. The protocol core and the session runner read it; nothing here does I/
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
-import re
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
+from stadium._codecs import EncHook, TypeCodec, enc_hook_default, msgpack_enc_hook
 from stadium._env import Environment, State, is_async
 from stadium._errors import TargetError
-from stadium._errors import ValidationError as StadiumValidationError
-
-_PATH = re.compile(r" - at `(\$[^`]*)`$")
-
-EncHook = Callable[[Any], Any]
 
 
-def validation_error(err: msgspec.ValidationError, what: str) -> StadiumValidationError:
-    """Turn msgspec's error into ours, naming the offending field as ``field``."""
-    text = str(err)
-    match = _PATH.search(text)
-    field = match.group(1) if match else "$"
-    detail = text[: match.start()] if match else text
-    return invalid(what, field, detail)
+class CallMode(enum.IntEnum):
+    """Where one kind of environment call runs (carried out by ``_invoke.Invoker``)."""
+
+    INLINE = 0
+    """A non-blocking sync method: called in place on the event loop."""
+    TASK = 1
+    """A coroutine function: an eager task on the event loop."""
+    POOL = 2
+    """A blocking sync method: the worker's thread pool."""
 
 
-#: MessagePack extension type code of a numpy array (see docs/PROTOCOL.md, "Arrays").
-NDARRAY_EXT = 1
-_NUMERIC_KINDS = frozenset("biufc")
-
-
-def enc_hook_default(value: Any) -> Any:
-    """The one enc_hook: objects with ``tolist`` (numpy) or ``model_dump`` (pydantic)."""
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return tolist()
-    dump = getattr(value, "model_dump", None)
-    if callable(dump):
-        return dump()
-    raise NotImplementedError(f"cannot encode objects of type {type(value).__name__}")
-
-
-def ndarray_ext(value: Any) -> msgspec.msgpack.Ext | None:
-    """A numeric numpy array as a MessagePack extension, else ``None``.
-
-    The extension (type code :data:`NDARRAY_EXT`) holds the MessagePack array
-    ``[dtype, shape, data]``: numpy's dtype string (``"<f4"``, ``"|u1"``), the
-    shape as a list of ints, and the C-ordered bytes. numpy is never imported
-    here: an ndarray can only exist if numpy is already loaded.
-    """
-    np = sys.modules.get("numpy")
-    if np is None or not isinstance(value, np.ndarray) or value.dtype.kind not in _NUMERIC_KINDS:
-        return None
-    payload = msgspec.msgpack.encode([value.dtype.str, list(value.shape), value.tobytes()])
-    return msgspec.msgpack.Ext(NDARRAY_EXT, payload)
-
-
-def _msgpack_enc_hook(value: Any) -> Any:
-    """Like :func:`enc_hook_default`, but numeric numpy arrays become binary extensions."""
-    ext = ndarray_ext(value)
-    if ext is not None:
-        return ext
-    return enc_hook_default(value)
-
-
-def _schema(tp: Any) -> dict[str, Any]:
-    try:
-        schema: dict[str, Any] = msgspec.json.schema(tp)
-    except (TypeError, NotImplementedError):
-        return {"type": "object", "description": f"{getattr(tp, '__name__', tp)} (no schema)"}
-    return schema
-
-
-def invalid(what: str, field: str, detail: str) -> StadiumValidationError:
-    """The error for a value that does not match its type, naming ``field`` (a JSON path)."""
-    return StadiumValidationError(
-        f"invalid {what} at {field}: {detail}; see GET /schema for the expected shape",
-        field=field,
-    )
-
-
-def _is_pydantic_model(tp: Any) -> bool:
-    return (
-        isinstance(tp, type)
-        and callable(getattr(tp, "model_validate", None))
-        and callable(getattr(tp, "model_json_schema", None))
-    )
-
-
-def _is_gym_space(tp: Any) -> bool:
-    gym = sys.modules.get("gymnasium")
-    return gym is not None and isinstance(tp, gym.spaces.Space)
-
-
-class ValidatingDecoder:
-    """A decoder that parses without a type, then validates with a function.
-
-    It offers ``decode(buf)`` like msgspec's typed decoders; ``validate(value, what)``
-    raises :class:`~stadium.ValidationError` naming the field.
-    """
-
-    __slots__ = ("_decode", "_validate")
-
-    def __init__(self, decode: Callable[[Any], Any], validate: Callable[[Any, str], Any]) -> None:
-        self._decode = decode
-        self._validate = validate
-
-    def decode(self, buf: Any) -> Any:
-        return self._validate(self._decode(buf), "action")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TypeCodec:
-    """Validate, describe and check values of one declared type, as JSON or MessagePack.
-
-    The declared type is a msgspec-compatible type (Struct, dataclass, TypedDict,
-    dict, ...), a pydantic model class, or a Gymnasium space *instance*. For the
-    last two, ``tp`` is ``Any`` (msgspec cannot convert to them) and validation
-    goes through ``validator``; use :meth:`convert` rather than ``msgspec.convert``.
-
-    Attributes:
-        tp: the type for msgspec (the declared type, or ``Any``).
-        json_decoder, msgpack_decoder: ``decode(bytes)`` to a validated value;
-            they raise ``msgspec.ValidationError`` or :class:`~stadium.ValidationError`.
-        declared: what the environment declared.
-        validator: ``(value, what) -> value`` for non-msgspec types.
-        describe: returns the JSON Schema for non-msgspec types.
-        checker: ``(value, what) -> None`` checks an *output* value (an observation).
-    """
-
-    tp: Any
-    json_decoder: Any
-    msgpack_decoder: Any
-    declared: Any = None
-    validator: Callable[[Any, str], Any] | None = None
-    describe: Callable[[], dict[str, Any]] | None = None
-    checker: Callable[[Any, str], None] | None = None
-
-    @classmethod
-    def of(cls, tp: Any, *, required: bool = True) -> TypeCodec:
-        """The codec of ``tp``.
-
-        Raises:
-            TargetError: msgspec cannot validate ``tp`` (only when ``required``;
-                otherwise values of ``tp`` are passed through unchecked).
-        """
-        if _is_pydantic_model(tp):
-            return _pydantic_codec(tp)
-        if _is_gym_space(tp):
-            from stadium.integrations.gymnasium import space_codec
-
-            return space_codec(tp)
-        try:
-            return cls(tp, msgspec.json.Decoder(tp), msgspec.msgpack.Decoder(tp), tp)
-        except TypeError as exc:
-            if not required:
-                return cls(Any, msgspec.json.Decoder(), msgspec.msgpack.Decoder(), tp)
-            raise TargetError(
-                f"type {tp!r} cannot be validated: {exc}; use a msgspec.Struct, a "
-                "dataclass, a TypedDict, dict, a pydantic model or a Gymnasium space",
-                type=repr(tp),
-            ) from exc
-
-    @classmethod
-    def custom(
-        cls,
-        declared: Any,
-        validator: Callable[[Any, str], Any],
-        describe: Callable[[], dict[str, Any]],
-        checker: Callable[[Any, str], None],
-        *,
-        ext_hook: Callable[[int, memoryview], Any] | None = None,
-    ) -> TypeCodec:
-        """A codec that parses untyped JSON/MessagePack, then calls ``validator``."""
-        return cls(
-            Any,
-            ValidatingDecoder(msgspec.json.Decoder().decode, validator),
-            ValidatingDecoder(msgspec.msgpack.Decoder(ext_hook=ext_hook).decode, validator),
-            declared,
-            validator,
-            describe,
-            checker,
-        )
-
-    def convert(self, value: Any, what: str) -> Any:
-        """Validate an already-decoded value (a dict from JSON) into the type."""
-        if self.validator is not None:
-            return self.validator(value, what)
-        try:
-            return msgspec.convert(value, self.tp, strict=False)
-        except msgspec.ValidationError as exc:
-            raise validation_error(exc, what) from None
-
-    def check(self, value: Any, what: str) -> None:
-        """Raise :class:`~stadium.ValidationError` unless ``value`` (an output) fits the type."""
-        if self.checker is not None:
-            self.checker(value, what)
-            return
-        try:
-            msgspec.convert(
-                msgspec.to_builtins(value, enc_hook=enc_hook_default), self.tp, strict=False
-            )
-        except msgspec.ValidationError as exc:
-            raise validation_error(exc, what) from None
-
-    def schema(self) -> dict[str, Any]:
-        """The JSON Schema of the declared type."""
-        if self.describe is not None:
-            return self.describe()
-        return _schema(self.declared if self.declared is not None else self.tp)
-
-    @property
-    def name(self) -> str:
-        """A short name of the declared type, for messages."""
-        declared = self.declared if self.declared is not None else self.tp
-        name = getattr(declared, "__name__", None)
-        return str(name) if name else type(declared).__name__
-
-
-def _loc_path(loc: Any) -> str:
-    path = "$"
-    for part in loc or ():
-        path += f"[{part}]" if isinstance(part, int) else f".{part}"
-    return path
-
-
-def _pydantic_codec(model: Any) -> TypeCodec:
-    """A codec for a pydantic model class (pydantic is loaded: ``model`` is one)."""
-    import pydantic
-
-    def validate(value: Any, what: str) -> Any:
-        if isinstance(value, model):
-            return value
-        try:
-            return model.model_validate(value)
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            raise invalid(what, _loc_path(first.get("loc")), str(first.get("msg"))) from None
-
-    def check(value: Any, what: str) -> None:
-        if not isinstance(value, model):
-            validate(value, what)
-
-    def describe() -> dict[str, Any]:
-        schema: dict[str, Any] = model.model_json_schema()
-        return schema
-
-    return TypeCodec.custom(model, validate, describe, check)
+def call_mode(*, is_async: bool, blocking: bool) -> CallMode:
+    """The mode of a method that is (or is not) async, of an env that is (or is not) blocking."""
+    if is_async:
+        return CallMode.TASK
+    return CallMode.POOL if blocking else CallMode.INLINE
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -286,6 +66,11 @@ class EnvSpec:
     async_close: bool
     has_close: bool
     blocking: bool
+    create_mode: CallMode
+    """How the env is built: on the pool when it is blocking and wholly sync, else inline."""
+    reset_mode: CallMode
+    step_mode: CallMode
+    close_mode: CallMode
     json_encoder: msgspec.json.Encoder
     msgpack_encoder: msgspec.msgpack.Encoder
     schema_extra: dict[str, Any]
@@ -327,6 +112,9 @@ class EnvSpec:
                 f"{env_cls.__name__}.schema_extra must be a dict of extra GET /schema keys",
                 target=env_cls.__name__,
             )
+        blocking = bool(env_cls.blocking)
+        async_reset, async_step = is_async(env_cls.reset), is_async(env_cls.step)
+        async_close = is_async(env_cls.close)
         return cls(
             env_cls=env_cls,
             factory=factory or env_cls,
@@ -338,14 +126,20 @@ class EnvSpec:
             state_type=state_type,
             observation=TypeCodec.of(env_cls.observation_type, required=False),
             state=TypeCodec.of(state_type, required=False),
-            async_reset=is_async(env_cls.reset),
+            async_reset=async_reset,
             reset_takes_episode_id="episode_id" in inspect.signature(env_cls.reset).parameters,
-            async_step=is_async(env_cls.step),
-            async_close=is_async(env_cls.close),
+            async_step=async_step,
+            async_close=async_close,
             has_close=env_cls.close is not Environment.close,
-            blocking=env_cls.blocking,
+            blocking=blocking,
+            create_mode=(
+                CallMode.POOL if blocking and not (async_reset or async_step) else CallMode.INLINE
+            ),
+            reset_mode=call_mode(is_async=async_reset, blocking=blocking),
+            step_mode=call_mode(is_async=async_step, blocking=blocking),
+            close_mode=call_mode(is_async=async_close, blocking=blocking),
             json_encoder=msgspec.json.Encoder(enc_hook=enc_hook or enc_hook_default),
-            msgpack_encoder=msgspec.msgpack.Encoder(enc_hook=enc_hook or _msgpack_enc_hook),
+            msgpack_encoder=msgspec.msgpack.Encoder(enc_hook=enc_hook or msgpack_enc_hook),
             schema_extra=dict(schema_extra),
             info_key=str(getattr(env_cls, "info_key", "info")),
         )

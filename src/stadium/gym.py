@@ -34,7 +34,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from stadium._client import AsyncClient, _LoopThread, ws_url
+from stadium._client import AsyncClient, run_sync, ws_url
 from stadium._env import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
 from stadium.integrations.gymnasium import (
@@ -81,18 +81,22 @@ def fetch_spaces(url: str, timeout: float = 10.0) -> dict[str, Any]:
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
-    return _LoopThread.run(coro)
+    return run_sync(coro)
 
 
 class _Session:
     """One remote session and the conversions between wire values and space values."""
 
     def __init__(self, url: str, info: dict[str, Any], msgpack: bool, kwargs: Any) -> None:
-        self.client: AsyncClient[Any] = AsyncClient(url, msgpack=msgpack, **kwargs)
+        # Actions go out as the space's wire form (arrays as binary extensions with
+        # MessagePack), which msgspec.to_builtins, the client's default, cannot carry.
+        encode = to_msgpack_wire if msgpack else to_wire
+        self.client: AsyncClient[Any] = AsyncClient(
+            url, msgpack=msgpack, action_encoder=encode, **kwargs
+        )
         self.obs_space = info["observation_space"]
         self.act_space = info["action_space"]
         self.msgpack = msgpack
-        self.encode = to_msgpack_wire if msgpack else to_wire
 
     async def reset(
         self, seed: int | None, options: dict[str, Any] | None
@@ -102,10 +106,7 @@ class _Session:
         return self._obs(result), self._info(result)
 
     async def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        # Sent as a raw frame: AsyncClient.step would pass the action through
-        # msgspec.to_builtins, which cannot carry binary array extensions.
-        reply = await self.client._request({"type": "step", "data": self.encode(action)})
-        result = self.client._result(reply)
+        result = await self.client.step(action)
         reward = float(result.reward) if result.reward is not None else 0.0
         return self._obs(result), reward, result.terminated, result.truncated, self._info(result)
 
@@ -216,7 +217,6 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
         self._obs: Any = create_empty_array(self.single_observation_space, num_envs)
         self._env_obs: list[Any] = [None] * num_envs
-        self._started = False
 
     def reset(
         self,
@@ -239,8 +239,6 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
             mask = np.asarray(options.pop("reset_mask"), dtype=np.bool_)
             if mask.shape != (n,) or not mask.any():
                 raise ValueError(f"options['reset_mask'] must be {n} booleans, at least one True")
-        elif not self._started:
-            self._started = True
         chosen = [i for i in range(n) if mask[i]]
         results = _run(_gather(self._sessions[i].reset(seeds[i], options or None) for i in chosen))
         infos: dict[str, Any] = {}

@@ -6,7 +6,8 @@ server's real per-session path (:class:`~stadium._session.Runtime`,
 :class:`~stadium._session.Session`, the protocol core, the environment) in an
 event loop, exactly as the picows transport does (``Session(...)``, ``start()``,
 ``feed(message)`` per message, a channel with ``send``/``close``), but with an
-in-memory channel instead of a WebSocket, and counts with :func:`sys.setprofile`:
+in-memory channel (:class:`stadium.testing.MemoryChannel`) instead of a WebSocket,
+and counts with :func:`sys.setprofile`:
 
 * **Python calls**: ``call`` events (function entries and coroutine/generator
   resumptions);
@@ -15,8 +16,9 @@ in-memory channel instead of a WebSocket, and counts with :func:`sys.setprofile`
 
 **The harness's own work is excluded by location:** an event is not counted
 when the function entered (``call``) or the calling function (``c_call``) is
-defined in this module. The driver loop, the fake channel and the futures it
-creates and resolves are therefore invisible; everything the session runs,
+defined in this module or in :mod:`stadium.testing`. The driver loop, the
+in-memory channel and the futures it creates and resolves are therefore
+invisible; everything the session runs,
 including the asyncio/uvloop machinery it triggers, is counted. A
 :class:`Session` stand-in that replies at once counts one call per step, its
 own ``feed`` (see the tests).
@@ -44,13 +46,17 @@ from typing import Any
 
 import msgspec
 
+from stadium import testing
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._loader import load_target
-from stadium._session import Channel, Runtime, Session
+from stadium._session import Runtime, Session
 from stadium._spec import EnvSpec
+from stadium._worker import Worker
+from stadium.testing import MemoryChannel
 
-_HERE = __file__
+_UNCOUNTED = frozenset({__file__, testing.__file__})
+"""Files whose calls are the harness's own: this module and the in-memory channel."""
 _BENCHMARK_ACTION: dict[str, Any] = {"wait_seconds": 0}
 _WARMUP_STEPS = 8
 
@@ -111,9 +117,9 @@ class _Counter:
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":
-            if frame.f_code.co_filename != _HERE:
+            if frame.f_code.co_filename not in _UNCOUNTED:
                 self.python_calls += 1
-        elif event == "c_call" and frame.f_code.co_filename != _HERE:
+        elif event == "c_call" and frame.f_code.co_filename not in _UNCOUNTED:
             self.c_calls += 1
 
     def start(self) -> None:
@@ -123,35 +129,7 @@ class _Counter:
         sys.setprofile(None)
 
 
-class _Channel:
-    """The transport side of a session: records replies, resolves the awaited one."""
-
-    __slots__ = ("bytes", "closed", "loop", "replies", "waiter")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.replies = 0
-        self.bytes = 0
-        self.closed: tuple[int, str] | None = None
-        self.waiter: asyncio.Future[None] | None = None
-
-    def expect(self) -> asyncio.Future[None]:
-        self.waiter = self.loop.create_future()
-        return self.waiter
-
-    def send(self, data: bytes) -> None:
-        self.replies += 1
-        self.bytes += len(data)
-        waiter = self.waiter
-        if waiter is not None:
-            self.waiter = None
-            waiter.set_result(None)
-
-    def close(self, code: int, reason: str) -> None:
-        self.closed = (code, reason)
-
-
-SessionFactory = Callable[[Runtime, Channel], Any]
+SessionFactory = Callable[[Runtime, MemoryChannel], Any]
 """Builds a session from the runtime and its channel: :class:`Session`, or a stand-in."""
 
 
@@ -166,13 +144,13 @@ class _Driver:
         self.new_session: SessionFactory = new_session or Session
         self.loop = asyncio.get_running_loop()
 
-    async def request(self, session: Any, channel: _Channel, frame: bytes) -> None:
-        reply = channel.expect()
+    async def request(self, session: Any, channel: MemoryChannel, frame: bytes) -> None:
+        reply = channel.sent()
         session.feed(frame)
         await reply
 
-    async def open(self) -> tuple[Any, _Channel]:
-        channel = _Channel(self.loop)
+    async def open(self) -> tuple[Any, MemoryChannel]:
+        channel = MemoryChannel(keep_frames=False)
         session = self.new_session(self.runtime, channel)
         session.start()
         await self.request(session, channel, b'{"type":"reset","data":{}}')
@@ -184,12 +162,12 @@ class _Driver:
         session.feed(b'{"type":"close"}')  # no reply; the server closes with 1000
         session.connection_lost()  # what the transport reports once the socket is gone
 
-    async def steps(self, opened: list[tuple[Any, _Channel]], steps: int) -> None:
+    async def steps(self, opened: list[tuple[Any, MemoryChannel]], steps: int) -> None:
         frame = self.step_frame
         n = len(opened)
         for i in range(steps):
             session, channel = opened[i % n]
-            reply = channel.expect()
+            reply = channel.sent()
             session.feed(frame)
             await reply
 
@@ -201,7 +179,8 @@ async def _measure(
     sessions: int,
     new_session: SessionFactory | None,
 ) -> OpCount:
-    runtime = Runtime.from_config(ServerConfig(target=spec.name, max_sessions=sessions + 2), spec)
+    config = ServerConfig(target=spec.name, max_sessions=sessions + 2)
+    runtime = Worker.build(config, spec.env_cls).runtime
     driver = _Driver(runtime, step_frame, new_session)
     counter = _Counter()
     try:

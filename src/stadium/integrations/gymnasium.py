@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import random
-import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -32,9 +31,9 @@ import msgspec
 import numpy as np
 from gymnasium import spaces
 
+from stadium._codecs import NDARRAY_EXT, TypeCodec, invalid, ndarray_ext, register_codec_factory
 from stadium._env import Environment, State, StepResult
 from stadium._errors import ConfigError, TargetError
-from stadium._spec import NDARRAY_EXT, TypeCodec, invalid, ndarray_ext
 
 # -- arrays on the wire -------------------------------------------------------
 
@@ -157,7 +156,7 @@ def _array(space: Any, value: Any, what: str, path: str) -> Any:
 
 
 def space_codec(space: spaces.Space[Any]) -> TypeCodec:
-    """The :class:`~stadium._spec.TypeCodec` of a space (used for actions and observations)."""
+    """The :class:`~stadium._codecs.TypeCodec` of a space (used for actions and observations)."""
 
     def validate(value: Any, what: str) -> Any:
         return from_wire(space, value, what)
@@ -167,6 +166,14 @@ def space_codec(space: spaces.Space[Any]) -> TypeCodec:
             raise invalid(what, "$", f"{_short(value)} is not in {space}")
 
     return TypeCodec.custom(space, validate, lambda: space_schema(space), check, ext_hook=ext_hook)
+
+
+def _space_codec_factory(declared: Any) -> TypeCodec | None:
+    """Compile Gymnasium space instances (registered with the codecs at import)."""
+    return space_codec(declared) if isinstance(declared, spaces.Space) else None
+
+
+register_codec_factory(_space_codec_factory)
 
 
 # -- spaces as JSON ---------------------------------------------------------------
@@ -443,19 +450,12 @@ def gymnasium_environment(
     return type(f"Gym_{cls_name}", (GymnasiumAdapter,), namespace)
 
 
-def is_gymnasium_env_class(obj: Any) -> bool:
-    """Whether ``obj`` is a ``gymnasium.Env`` subclass (never imports gymnasium)."""
-    gym = sys.modules.get("gymnasium")
-    return gym is not None and isinstance(obj, type) and issubclass(obj, gym.Env)
-
-
 __all__ = [
     "GymnasiumAdapter",
     "decode_arrays",
     "ext_hook",
     "from_wire",
     "gymnasium_environment",
-    "is_gymnasium_env_class",
     "space_codec",
     "space_from_dict",
     "space_schema",

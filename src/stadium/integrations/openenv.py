@@ -206,7 +206,7 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
         )
     from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
 
-    from stadium._spec import TypeCodec
+    from stadium._codecs import TypeCodec
 
     action, observation, state = _model_types(cls)
     async_reset = cls.reset_async is not OpenEnvEnvironment.reset_async

@@ -1,0 +1,65 @@
+"""One worker's serving parts, built once from a configuration, for every transport.
+
+``stadium serve`` (picows) and the ASGI app both serve through a :class:`Worker`:
+the target loaded, its class compiled to an :class:`~stadium._spec.EnvSpec`, the
+:class:`~stadium._session.Runtime` (admission, env calls, idle reaping) and the
+:class:`~stadium._http.HttpEndpoints`. Transports add only the bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from stadium._admission import Admission, LocalSlots, Slots
+from stadium._config import ServerConfig
+from stadium._env import Environment
+from stadium._http import HttpEndpoints
+from stadium._loader import load_target
+from stadium._session import Runtime
+from stadium._spec import EnvSpec
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Worker:
+    """What one worker process serves with (see the module docstring)."""
+
+    config: ServerConfig
+    spec: EnvSpec
+    runtime: Runtime
+    endpoints: HttpEndpoints
+
+    @classmethod
+    def build(
+        cls,
+        config: ServerConfig,
+        env_cls: type[Environment[Any, Any, Any]] | None = None,
+        *,
+        slots: Slots | None = None,
+    ) -> Worker:
+        """Load ``config.target`` (unless ``env_cls`` is given) and build the worker's parts.
+
+        Args:
+            config: the validated server configuration.
+            env_cls: the environment class, already loaded.
+            slots: the server-wide session slots (shared across forked workers);
+                default: this process's own, ``config.max_sessions`` of them.
+
+        Raises:
+            TargetError: the target cannot be loaded or breaks the env contract.
+        """
+        if env_cls is None:
+            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+        spec = EnvSpec.of(env_cls)
+        admission = Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout)
+        runtime = Runtime(
+            spec,
+            admission,
+            executor_threads=config.executor_threads,
+            env_kwargs=config.env_kwargs,
+        )
+        return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
+
+    def start(self) -> None:
+        """Start the worker's timers (idle reaping) on the running event loop."""
+        self.runtime.start_reaper(self.config.idle_timeout)
