@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
 
 from picows import WSListener, ws_connect
 
+from stadium import AsyncClient
 from tests.conftest import UNIT, serve
 
 
@@ -86,3 +93,115 @@ def test_the_seam_refuses_a_missing_or_unknown_argument() -> None:
 
     with pytest.raises(TypeError, match="missing"):
         picows_server_protocol(host_port=None)
+
+
+# -- hostile clients over raw sockets ------------------------------------------------------
+
+
+async def _raw_upgrade(port: int, rcvbuf: int = 4096) -> socket.socket:
+    """A WebSocket opened by hand on a socket with a tiny receive buffer, never read again."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    await loop.sock_sendall(
+        sock,
+        (
+            "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        ).encode(),
+    )
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += await asyncio.wait_for(loop.sock_recv(sock, 1), 5 * UNIT)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return sock
+
+
+def _frame(payload: bytes, *, opcode: int = 0x1, fin: bool = True) -> bytes:
+    """A masked client frame (RFC 6455) with a payload under 126 bytes."""
+    mask = os.urandom(4)
+    body = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return bytes([(0x80 if fin else 0) | opcode, 0x80 | len(payload)]) + mask + body
+
+
+_RESET = _frame(b'{"type":"reset"}')
+_STEP = _frame(b'{"type":"step","data":{"message":"' + b"x" * 60 + b'"}}')
+
+
+async def _flood(sock: socket.socket, data: bytes, limit_s: float) -> None:
+    """Send ``data`` until it is all out or the server stops reading (bounded in time)."""
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(TimeoutError, OSError):
+        await asyncio.wait_for(loop.sock_sendall(sock, data), limit_s)
+
+
+async def _until(predicate: Callable[[], bool], limit_s: float) -> bool:
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_a_client_that_never_reads_is_paused_and_others_are_served() -> None:
+    async with serve("echo") as server:
+        sock = await _raw_upgrade(server.port)
+        try:
+            # ~60k steps pipelined: far more replies than the socket buffers hold.
+            flood = asyncio.ensure_future(_flood(sock, _RESET + _STEP * 60_000, 10 * UNIT))
+            assert await _until(lambda: len(server.runtime.sessions) == 1, 5 * UNIT)
+            (session,) = server.runtime.sessions
+            listener: Any = session.channel
+            assert await _until(lambda: listener._paused, 10 * UNIT), "reading was never paused"
+            unsent = listener.transport.underlying_transport.get_write_buffer_size()
+            assert unsent <= server.transport.max_unsent_bytes
+            async with AsyncClient(server.url) as env:  # the worker still serves others
+                await env.reset()
+                assert (await env.step({"message": "ok"})).observation["echoed_message"] == "ok"
+            await flood
+        finally:
+            sock.close()
+        assert await _until(lambda: not server.runtime.sessions, 5 * UNIT)
+
+
+async def test_a_client_past_the_unsent_bound_is_closed_and_its_slot_freed() -> None:
+    async with serve("echo") as server:
+        server.transport.max_unsent_bytes = 1024
+        sock = await _raw_upgrade(server.port)
+        try:
+            flood = asyncio.ensure_future(_flood(sock, _RESET + _STEP * 60_000, 10 * UNIT))
+            assert await _until(lambda: server.runtime.sessions_total == 1, 5 * UNIT)
+            assert await _until(lambda: not server.runtime.sessions, 10 * UNIT)
+            assert server.runtime.admission.slots.active() == 0
+            await flood
+        finally:
+            sock.close()
+
+
+async def test_many_empty_fragments_are_cut_off_and_the_loop_stays_free() -> None:
+    async with serve("echo") as server:
+        sock = await _raw_upgrade(server.port, rcvbuf=65536)
+        try:
+            loop = asyncio.get_running_loop()
+            first = _frame(b'{"type":', fin=False)
+            empties = _frame(b"", opcode=0x0, fin=False) * 40_000
+            await _flood(sock, first + empties, 5 * UNIT)
+            reply = b""
+            with contextlib.suppress(TimeoutError, OSError):
+                while len(reply) < 4:
+                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 4096), 5 * UNIT)
+                    if not chunk:
+                        break
+                    reply += chunk
+            # A close frame (opcode 8) with 1009: too many fragments.
+            assert reply[:1] == b"\x88", reply[:40]
+            assert int.from_bytes(reply[2:4], "big") == 1009
+            assert b"fragments" in reply
+            async with AsyncClient(server.url) as env:
+                await env.reset()
+        finally:
+            sock.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 
 import msgspec
 import pytest
@@ -191,3 +193,125 @@ def test_receive_never_raises_on_arbitrary_objects(obj: dict[str, object]) -> No
     p = make()
     out = p.receive(msgspec.json.encode(obj))
     assert isinstance(out, Call | bytes)
+
+
+# -- hostile frames: each is answered with an error reply, and the session lives on ----------
+
+#: Longer fuzzing by hand: STADIUM_FUZZ_EXAMPLES=200000 pytest tests/test_protocol.py -k fuzz
+FUZZ_EXAMPLES = int(os.environ.get("STADIUM_FUZZ_EXAMPLES", "400"))
+
+_DEEP_JSON = b"[" * 5000 + b"]" * 5000
+_DEEP_MSGPACK = b"\x91" * 5000 + b"\x01"
+_MP_RESET_HEAD = b"\x83\xa4type\xa5reset\xa2id\x07\xa4data"
+_MP_STEP_HEAD = b"\x83\xa4type\xa4step\xa2id\x07\xa4data"
+
+HOSTILE = [
+    (Encoding.JSON, b'{"type":"step","id":7,"data":' + _DEEP_JSON + b"}", "INVALID_JSON"),
+    (
+        Encoding.JSON,
+        b'{"type":"reset","id":7,"data":{"options":' + _DEEP_JSON + b"}}",
+        "INVALID_JSON",
+    ),
+    (Encoding.JSON, b'{"type":"reset","id":7,"data":{"seed":1e999}}', "VALIDATION_ERROR"),
+    (Encoding.JSON, b'{"type":"reset","id":7,"data":{"x":"\xff\xfe"}}', "INVALID_JSON"),
+    (Encoding.JSON, b'{"type":"step","id":7,"data":{"message":"\xff"}}', "INVALID_JSON"),
+    (Encoding.MSGPACK, _MP_RESET_HEAD + _DEEP_MSGPACK, "INVALID_JSON"),
+    (Encoding.MSGPACK, _MP_STEP_HEAD + _DEEP_MSGPACK, "INVALID_JSON"),
+    # a map whose key is a map (unhashable in Python) as reset data and as an action
+    (Encoding.MSGPACK, _MP_RESET_HEAD + b"\x81\x81\x01\x01\x01", "INVALID_JSON"),
+    (Encoding.MSGPACK, _MP_STEP_HEAD + b"\x81\x81\x01\x01\x01", "VALIDATION_ERROR"),
+]
+
+
+def _decode(encoding: Encoding, reply: bytes) -> dict[str, object]:
+    if encoding is Encoding.JSON:
+        frame: dict[str, object] = msgspec.json.decode(reply)
+    else:
+        frame = msgspec.msgpack.decode(reply)
+    return frame
+
+
+@pytest.mark.parametrize(("encoding", "frame", "code"), HOSTILE)
+def test_hostile_frames_get_error_replies_and_the_session_lives_on(
+    encoding: Encoding, frame: bytes, code: str
+) -> None:
+    p = make(encoding)
+    enc = msgspec.json.encode if encoding is Encoding.JSON else msgspec.msgpack.encode
+    assert isinstance(p.receive(enc({"type": "reset"})), Call)
+    p.observation_reply(Call(Op.RESET, episode_id="e"), EchoObservation("hi"))
+    out = p.receive(frame)
+    assert isinstance(out, bytes), out
+    reply = _decode(encoding, out)
+    assert reply["type"] == "error"
+    data = reply["data"]
+    assert isinstance(data, dict)
+    assert data["code"] == code
+    assert "Traceback" not in str(data["message"])
+    if code == "VALIDATION_ERROR":
+        assert reply.get("id") == 7  # the id was readable: it is echoed
+    again = p.receive(enc({"type": "step", "data": {"message": "still here"}}))
+    assert isinstance(again, Call)
+    assert again.action == EchoEnv.action_type("still here")
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=6),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@st.composite
+def _frames(draw: st.DrawFn) -> bytes:
+    """A frame close to valid, then perhaps damaged: the inputs that reach deep code paths."""
+    obj: dict[str, object] = {
+        "type": draw(st.sampled_from(["reset", "step", "state", "close", "x"]))
+    }
+    if draw(st.booleans()):
+        obj["id"] = draw(st.integers(min_value=-(2**63), max_value=2**63 - 1) | st.text(max_size=4))
+    if draw(st.booleans()):
+        obj["data"] = draw(
+            _json_values
+            | st.fixed_dictionaries({"message": _json_values})
+            | st.fixed_dictionaries({"seed": _json_values, "options": _json_values})
+        )
+    raw = bytearray(msgspec.json.encode(obj))
+    for _ in range(draw(st.integers(0, 3))):  # damage: insert, overwrite or cut bytes
+        pos = draw(st.integers(0, len(raw)))
+        what = draw(st.sampled_from(["insert", "overwrite", "cut"]))
+        junk = draw(st.binary(min_size=1, max_size=4))
+        if what == "insert":
+            raw[pos:pos] = junk
+        elif what == "overwrite":
+            raw[pos : pos + len(junk)] = junk
+        else:
+            del raw[pos : pos + len(junk)]
+    return bytes(raw)
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None)
+@given(_frames(), st.sampled_from(list(Encoding)))
+def test_fuzz_near_valid_frames_always_get_a_call_or_an_error_frame(
+    frame: bytes, encoding: Encoding
+) -> None:
+    """Coverage-guided by hypothesis: frames near the valid ones, damaged; the allowed outcomes
+    are a Call or an error frame, whatever the encoding, and the session answers afterwards."""
+    p = make(encoding)
+    p.state = SessionState.READY
+    if encoding is Encoding.MSGPACK:  # the same value, re-encoded when it is still JSON
+        with contextlib.suppress(msgspec.DecodeError, RecursionError, ValueError, OverflowError):
+            frame = msgspec.msgpack.encode(msgspec.json.decode(frame))
+    out = p.receive(frame)
+    if isinstance(out, bytes):
+        assert _decode(encoding, out)["type"] == "error"
+    else:
+        assert isinstance(out, Call)
+    p.state = SessionState.READY
+    enc = msgspec.json.encode if encoding is Encoding.JSON else msgspec.msgpack.encode
+    assert isinstance(p.receive(enc({"type": "state"})), Call)

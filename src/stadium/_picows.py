@@ -31,7 +31,7 @@ from picows.picows import WSAutoPingStrategy
 
 from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import Runtime, Session
+from stadium._session import MAX_FRAGMENTS, MAX_UNSENT_BYTES, Runtime, Session
 
 log = logging.getLogger("stadium.transport")
 
@@ -88,14 +88,33 @@ _CLOSE = WSMsgType.CLOSE
 
 
 class _SessionListener(WSListener):
-    __slots__ = ("_frags", "_max", "_msg_type", "encoding", "runtime", "session", "transport")
+    """One WebSocket session: frames in (reassembled, bounded), the session's channel out.
 
-    def __init__(self, runtime: Runtime, encoding: Encoding, max_message_bytes: int) -> None:
-        self.runtime = runtime
+    Backpressure: when the socket's write buffer passes its high-water mark
+    (uvloop calls ``pause_writing``), the session stops reading requests, so a
+    client that does not read its replies cannot make the server buffer more of
+    them; past ``max_unsent_bytes`` still unsent, it is closed (1008) and its
+    buffers are dropped.
+    """
+
+    __slots__ = (
+        "_frag_size",
+        "_frags",
+        "_msg_type",
+        "_owner",
+        "_paused",
+        "encoding",
+        "session",
+        "transport",
+    )
+
+    def __init__(self, owner: PicowsTransport, encoding: Encoding) -> None:
+        self._owner = owner
         self.encoding = encoding
         self._msg_type = _TEXT if encoding is Encoding.JSON else _BINARY
-        self._max = max_message_bytes
         self._frags: list[bytes] | None = None
+        self._frag_size = 0
+        self._paused = False
         self.transport: WSTransport | None = None
         self.session: Session | None = None
 
@@ -103,7 +122,7 @@ class _SessionListener(WSListener):
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
-        self.session = Session(self.runtime, self, self.encoding)
+        self.session = Session(self._owner.runtime, self, self.encoding)
         self.session.start()
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
@@ -115,30 +134,56 @@ class _SessionListener(WSListener):
                     return
                 self.session.feed(frame.get_payload_as_bytes())  # type: ignore[union-attr]
             else:
-                self._frags = [frame.get_payload_as_bytes()]
+                payload = frame.get_payload_as_bytes()
+                self._frags = [payload]
+                self._frag_size = len(payload)
         elif mtype == _CONTINUATION:
-            frags = self._frags
-            if frags is None:
-                self._protocol_violation("continuation frame without a message to continue")
-                return
-            frags.append(frame.get_payload_as_bytes())
-            if sum(map(len, frags)) > self._max:
-                self._frags = None
-                transport.send_close(
-                    WSCloseCode.MESSAGE_TOO_BIG, f"message exceeds {self._max} bytes".encode()
-                )
-                transport.disconnect()
-                return
-            if frame.fin:
-                self._frags = None
-                self.session.feed(b"".join(frags))  # type: ignore[union-attr]
+            self._continuation(transport, frame)
         elif mtype == _CLOSE:
             transport.send_close(frame.get_close_code(), frame.get_close_message())
             transport.disconnect()
 
+    def _continuation(self, transport: WSTransport, frame: WSFrame) -> None:
+        """Add a fragment: linear in the message (a running size), bounded in bytes and count."""
+        frags = self._frags
+        if frags is None:
+            self._protocol_violation("continuation frame without a message to continue")
+            return
+        payload = frame.get_payload_as_bytes()
+        frags.append(payload)
+        self._frag_size += len(payload)
+        limit = self._owner.max_message_bytes
+        if self._frag_size > limit or len(frags) > MAX_FRAGMENTS:
+            self._frags = None
+            why = (
+                f"message exceeds {limit} bytes"
+                if self._frag_size > limit
+                else f"message split into more than {MAX_FRAGMENTS} fragments"
+            )
+            transport.send_close(WSCloseCode.MESSAGE_TOO_BIG, why.encode())
+            transport.disconnect()
+            return
+        if frame.fin:
+            self._frags = None
+            self.session.feed(b"".join(frags))  # type: ignore[union-attr]
+
     def on_ws_disconnected(self, transport: WSTransport) -> None:
+        self._frags = None
         if self.session is not None:
             self.session.connection_lost()
+
+    def pause_writing(self) -> None:
+        """The peer is not reading fast enough: stop reading its requests until it does."""
+        self._paused = True
+        transport = self.transport
+        if transport is not None and not transport.is_disconnected:
+            transport.underlying_transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        transport = self.transport
+        if transport is not None and not transport.is_disconnected:
+            transport.underlying_transport.resume_reading()
 
     def _protocol_violation(self, reason: str) -> None:
         assert self.transport is not None
@@ -152,6 +197,19 @@ class _SessionListener(WSListener):
         transport = self.transport
         if transport is not None and not transport.is_close_frame_sent:
             transport.send(self._msg_type, data)
+            if self._paused:
+                self._check_unsent(transport)
+
+    def _check_unsent(self, transport: WSTransport) -> None:
+        unsent = transport.underlying_transport.get_write_buffer_size()
+        limit = self._owner.max_unsent_bytes
+        if unsent > limit:
+            log.debug("closing a session whose client is not reading (%d bytes unsent)", unsent)
+            transport.send_close(
+                WSCloseCode.POLICY_VIOLATION,
+                f"client is not reading its replies ({unsent} bytes unsent > {limit})".encode(),
+            )
+            transport.disconnect(graceful=False)
 
     def close(self, code: int, reason: str) -> None:
         transport = self.transport
@@ -182,10 +240,12 @@ class PicowsTransport:
         max_message_bytes: int,
         ping_interval: float,
         ping_timeout: float,
+        max_unsent_bytes: int = MAX_UNSENT_BYTES,
     ) -> None:
         self.runtime = runtime
         self.endpoints = endpoints
         self.max_message_bytes = max_message_bytes
+        self.max_unsent_bytes = max(max_unsent_bytes, 2 * max_message_bytes)
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
         self.http_connections: set[_HttpProtocol] = set()
@@ -205,9 +265,9 @@ class PicowsTransport:
                     WSUpgradeResponse.create_101_response(
                         {"Sec-WebSocket-Protocol": MSGPACK_SUBPROTOCOL}
                     ),
-                    _SessionListener(self.runtime, Encoding.MSGPACK, self.max_message_bytes),
+                    _SessionListener(self, Encoding.MSGPACK),
                 )
-            return _SessionListener(self.runtime, Encoding.JSON, self.max_message_bytes)
+            return _SessionListener(self, Encoding.JSON)
         return _response(self.endpoints.get(path))
 
     def ws_protocol(self) -> asyncio.BufferedProtocol:

@@ -218,18 +218,22 @@ class SessionProtocol:
     # -- input ---------------------------------------------------------------
 
     def receive(self, message: bytes | str) -> Call | bytes:
-        """Decode one message: a :class:`Call` to carry out, or an error reply's bytes."""
+        """Decode one message: a :class:`Call` to carry out, or an error reply's bytes.
+
+        Never raises for what the peer sent: any message that cannot be read
+        (bad encoding, invalid UTF-8, nesting deeper than the decoder allows,
+        numbers out of range, values a validator rejects) gets an error reply
+        that says what was wrong, echoing the request id when it could be read,
+        and the session stays usable.
+        """
         if self.state is SessionState.CLOSED:
             return self.error_reply(None, SessionClosedError("the session is closed"))
         try:
             envelope = self._envelope_decoder.decode(message)
         except msgspec.ValidationError as exc:
             return self.error_reply(None, self._envelope_error(exc))
-        except msgspec.DecodeError as exc:
-            kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
-            return self.error_reply(
-                None, InvalidMessageError(f"Invalid {kind}: {exc}", encoding=self.encoding.value)
-            )
+        except Exception as exc:
+            return self.error_reply(None, self._unreadable(exc))
         op = _OPS.get(envelope.type)
         rid = envelope.id
         if op is None:
@@ -259,6 +263,23 @@ class SessionProtocol:
             return Call(op, rid)
         except StadiumError as exc:
             return self.error_reply(rid, exc)
+        except msgspec.ValidationError as exc:  # e.g. a number out of range in reset data
+            return self.error_reply(rid, validation_error(exc, f"{envelope.type} data"))
+        except Exception as exc:
+            return self.error_reply(rid, self._unreadable(exc))
+
+    def _unreadable(self, exc: Exception) -> StadiumError:
+        """The error for a message the decoders (or a validator) could not read."""
+        kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
+        if isinstance(exc, RecursionError):
+            detail = "values are nested more deeply than the decoder allows"
+        elif isinstance(exc, UnicodeDecodeError):
+            detail = f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        elif isinstance(exc, msgspec.DecodeError):
+            detail = str(exc)
+        else:
+            detail = f"{type(exc).__name__}: {exc}"
+        return InvalidMessageError(f"Invalid {kind}: {detail}", encoding=self.encoding.value)
 
     def _envelope_error(self, exc: msgspec.ValidationError) -> StadiumError:
         text = str(exc)

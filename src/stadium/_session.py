@@ -42,8 +42,13 @@ CLOSE_GOING_AWAY = 1001
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
 
-#: Requests queued behind a running one before the session refuses more.
+#: Requests queued behind a running one before the session refuses more (count, bytes).
 MAX_PENDING = 1024
+MAX_PENDING_BYTES = 32 * 1024 * 1024
+#: Replies a transport holds unsent for a client that does not read, before closing it (1008).
+MAX_UNSENT_BYTES = 16 * 1024 * 1024
+#: Fragments one WebSocket message may arrive in.
+MAX_FRAGMENTS = 1024
 
 
 class Channel(Protocol):
@@ -163,6 +168,7 @@ class Session:
         "_call",
         "_close_after",
         "_pending",
+        "_pending_bytes",
         "_task",
         "_waiter",
         "channel",
@@ -189,6 +195,7 @@ class Session:
         self.env: Any = None
         self.last_active = self.loop.time()
         self._pending: collections.deque[bytes | str] | None = None
+        self._pending_bytes = 0
         self._call: Call | None = None
         self._task: asyncio.Task[Any] | asyncio.Future[Any] | None = None
         self._waiter: Callable[[bool], None] | None = None
@@ -219,12 +226,19 @@ class Session:
             pending = self._pending
             if pending is None:
                 pending = self._pending = collections.deque()
-            if len(pending) >= MAX_PENDING:
+                self._pending_bytes = 0
+            size = len(message)
+            if len(pending) >= MAX_PENDING or self._pending_bytes + size > MAX_PENDING_BYTES:
                 self._send_error(
-                    None, SessionError(f"more than {MAX_PENDING} requests queued; wait for replies")
+                    None,
+                    SessionError(
+                        f"more than {MAX_PENDING} requests or {MAX_PENDING_BYTES} bytes queued "
+                        "behind the running one; wait for replies before sending more"
+                    ),
                 )
                 return
             pending.append(message)
+            self._pending_bytes += size
             return
         self._handle(message)
 
@@ -309,7 +323,9 @@ class Session:
     def _drain_pending(self) -> None:
         pending = self._pending
         while pending and self._call is None and self.phase is Phase.OPEN:
-            self._handle(pending.popleft())
+            message = pending.popleft()
+            self._pending_bytes -= len(message)
+            self._handle(message)
 
     def _handle(self, message: bytes | str) -> None:
         out = self.protocol.receive(message)
