@@ -21,7 +21,7 @@ from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._http import TOO_LARGE
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import Session
+from stadium._session import MAX_UNSENT_BYTES, Session
 from stadium._worker import Worker
 
 Scope = MutableMapping[str, Any]
@@ -35,18 +35,31 @@ _CLOSE = object()
 
 
 class _AsgiChannel:
-    """A session's channel: frames go through a queue to one writer task per connection."""
+    """A session's channel: frames go through a queue to one writer task per connection.
 
-    __slots__ = ("_binary", "_queue", "closed")
+    The queue is bounded in bytes: a client that does not read its replies (the
+    ASGI server's ``send`` does not return) is closed with 1008 once more than
+    ``MAX_UNSENT_BYTES`` wait, and its frames are dropped.
+    """
+
+    __slots__ = ("_binary", "_queue", "_unsent", "closed")
 
     def __init__(self, binary: bool) -> None:
         self._binary = binary
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._unsent = 0
         self.closed = False
 
     def send(self, data: bytes) -> None:
-        if not self.closed:
-            self._queue.put_nowait(data)
+        if self.closed:
+            return
+        self._unsent += len(data)
+        if self._unsent > MAX_UNSENT_BYTES:
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self.close(1008, f"client is not reading its replies (> {MAX_UNSENT_BYTES} bytes)")
+            return
+        self._queue.put_nowait(data)
 
     def close(self, code: int, reason: str) -> None:
         if not self.closed:
@@ -63,6 +76,7 @@ class _AsgiChannel:
                 await send({"type": "websocket.send", "bytes": item})
             else:
                 await send({"type": "websocket.send", "text": item.decode()})
+            self._unsent -= len(item)
 
 
 class AsgiApp:
