@@ -205,3 +205,40 @@ async def test_many_empty_fragments_are_cut_off_and_the_loop_stays_free() -> Non
                 await env.reset()
         finally:
             sock.close()
+
+
+async def _exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request)
+    await writer.drain()
+    data = b""
+    with contextlib.suppress(TimeoutError):
+        while chunk := await asyncio.wait_for(reader.read(65536), 2 * UNIT):
+            data += chunk
+    writer.close()
+    return data
+
+
+async def test_http_1_0_and_head_are_answered() -> None:
+    """HAProxy's and nginx's default health checks speak HTTP/1.0; HEAD must not hang up."""
+    async with serve("echo") as server:
+        old = await _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+        assert old.startswith(b"HTTP/1.1 200"), old
+        assert old.endswith(b'{"status":"healthy"}')
+        head = await _exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert b"content-length: 20" in head.lower()
+        assert head.endswith(b"\r\n\r\n")  # headers only
+
+
+async def test_content_length_with_transfer_encoding_is_refused_not_smuggled() -> None:
+    async with serve("echo") as server:
+        data = await _exchange(
+            server.port,
+            b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+        )
+        assert data.startswith(b"HTTP/1.1 400"), data
+        assert b"Transfer-Encoding" in data
+        assert data.count(b"HTTP/1.1") == 1  # the smuggled second request is not answered

@@ -294,8 +294,16 @@ class PicowsTransport:
         return _FrontProtocol(self)
 
 
+_MAX_REQUEST_LINE = 8192
+_AMBIGUOUS_LENGTH = error_response(
+    400,
+    "a request with both Content-Length and Transfer-Encoding is refused: send one of them",
+    "BAD_REQUEST",
+)
+
+
 class _FrontProtocol(asyncio.Protocol):
-    """Decides from the first bytes whether a connection is picows' or plain HTTP."""
+    """Decides from the request line whether a connection is picows' or plain HTTP."""
 
     __slots__ = ("_buf", "_owner", "_transport")
 
@@ -309,12 +317,15 @@ class _FrontProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
-        if len(buf) < 4:
+        end = buf.find(b"\r\n")
+        if end < 0 and len(buf) < _MAX_REQUEST_LINE:
             self._buf = buf
             return
         transport = self._transport
         assert transport is not None
-        if buf[:4] == b"GET ":
+        line = buf[:end] if end >= 0 else b""
+        if line.startswith(b"GET ") and line.endswith(b" HTTP/1.1"):
+            # picows: WebSocket upgrades and the GET endpoints (HTTP/1.1 only).
             ws = self._owner.ws_protocol()
             transport.set_protocol(ws)
             ws.connection_made(transport)
@@ -325,7 +336,7 @@ class _FrontProtocol(asyncio.Protocol):
                 target[:n] = view[:n]
                 ws.buffer_updated(n)
                 view = view[n:]
-        else:
+        else:  # h11: POST, HEAD, HTTP/1.0 (HAProxy's and nginx's defaults), and errors
             http = _HttpProtocol(self._owner)
             transport.set_protocol(http)
             http.connection_made(transport)
@@ -372,6 +383,12 @@ class _HttpProtocol(asyncio.Protocol):
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
             if isinstance(event, h11.Request):
+                names = {name for name, _ in event.headers}
+                if b"content-length" in names and b"transfer-encoding" in names:
+                    # Two framings: a proxy in front may read the other one (smuggling).
+                    self._send(_AMBIGUOUS_LENGTH)
+                    self._close()
+                    return
                 self._request = event
                 self._body = []
                 self._size = 0
@@ -392,13 +409,15 @@ class _HttpProtocol(asyncio.Protocol):
     async def _respond(self) -> None:
         request = self._request
         assert request is not None
+        method = request.method.decode("latin-1")
+        head = method == "HEAD"  # a GET answered without its body
         resp = await self._owner.endpoints.handle(
-            request.method.decode("latin-1"),
+            "GET" if head else method,
             request.target.decode("latin-1"),
             b"".join(self._body),
         )
         self._task = None
-        self._send(resp)
+        self._send(resp, body=not head)
         if self._conn.our_state is h11.MUST_CLOSE or self._owner.runtime.draining:
             self._close()
             return
@@ -409,7 +428,7 @@ class _HttpProtocol(asyncio.Protocol):
             return
         self._process()
 
-    def _send(self, resp: HttpResponse) -> None:
+    def _send(self, resp: HttpResponse, *, body: bool = True) -> None:
         transport = self._transport
         if transport is None:
             return
@@ -423,7 +442,9 @@ class _HttpProtocol(asyncio.Protocol):
                     ],
                 )
             )
-            out = (out or b"") + (self._conn.send(h11.Data(data=resp.body)) or b"")
+            out = out or b""
+            if body:
+                out += self._conn.send(h11.Data(data=resp.body)) or b""
             out += self._conn.send(h11.EndOfMessage()) or b""
         except h11.LocalProtocolError:
             self._close()
