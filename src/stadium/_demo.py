@@ -1,15 +1,15 @@
-"""``stadium demo``: a server with the benchmark env, concurrent sessions, a readable report."""
+"""``stadium demo``: a server with the benchmark env, concurrent sessions, a readable report.
+
+The server is started by :func:`stadium.bench.arms.spawn_server`, its CPU,
+RSS and threads read by :func:`stadium.bench.procstat.read_stat`, latencies
+summarized by :func:`stadium.bench.metrics.percentile` (nearest rank), as in
+``stadium bench``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import re
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,53 +17,12 @@ from rich.console import Console
 from rich.table import Table
 
 from stadium._client import AsyncClient
+from stadium.bench.arms import spawn_server as spawn_server
+from stadium.bench.metrics import percentile
+from stadium.bench.procstat import read_stat
 
-_LISTENING = re.compile(r"listening on (http://\S+)")
-
-
-@contextlib.contextmanager
-def spawn_server(*args: str, timeout: float = 30.0) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """Start ``stadium serve ARGS`` on a free port; yield (process, base URL); stop it after."""
-    cmd = [sys.executable, "-m", "stadium", "serve", *args]
-    if "--port" not in args:
-        cmd += ["--port", "0"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
-    )
-    try:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout
-        url = None
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            match = _LISTENING.search(line)
-            if match:
-                url = match.group(1)
-                break
-        if url is None:
-            raise RuntimeError(f"server did not start: {' '.join(cmd)} (exit {proc.poll()})")
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _proc_stats(pid: int) -> tuple[float, int, int]:
-    """CPU seconds (user+sys), RSS bytes and thread count of a process, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / ticks
-    threads = int(fields[17])
-    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    return cpu, rss, threads
+_proc_stats = read_stat
+"""(CPU seconds, RSS bytes, threads) of a process: the name the lifecycle tests import."""
 
 
 async def _drive(url: str, sessions: int, steps: int, wait: float) -> dict[str, Any]:
@@ -87,15 +46,14 @@ async def _drive(url: str, sessions: int, steps: int, wait: float) -> dict[str, 
     await asyncio.gather(*(one(i) for i in range(sessions)))
     return {
         "elapsed": time.perf_counter() - t0,
-        "latencies": sorted(latencies),
+        "latencies": latencies,
         "failures": failures,
     }
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return values[min(len(values) - 1, int(q * len(values)))]
+def _seconds(values: list[float], p: float) -> str:
+    q = percentile(values, p)
+    return "-" if q is None else f"{q:.3f}s"
 
 
 def run_demo(*, sessions: int, steps: int, wait: float, bench: bool) -> int:
@@ -106,9 +64,9 @@ def run_demo(*, sessions: int, steps: int, wait: float, bench: bool) -> int:
         "benchmark", "--max-sessions", str(max(sessions, 1)), "--log-level", "warning"
     ) as (proc, url):
         console.print(f"server pid {proc.pid} at {url}, benchmark env")
-        cpu0, _, threads0 = _proc_stats(proc.pid)
+        before = read_stat(proc.pid)
         res = asyncio.run(_drive(url, sessions, steps, wait))
-        cpu1, rss, threads1 = _proc_stats(proc.pid)
+        after = read_stat(proc.pid)
     lat = res["latencies"]
     ok = len(lat)
     total_steps = ok * steps
@@ -117,31 +75,29 @@ def run_demo(*, sessions: int, steps: int, wait: float, bench: bool) -> int:
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("sessions succeeded", f"{ok}/{sessions}")
-    table.add_row("session latency p50 / p99", f"{_pct(lat, 0.5):.3f}s / {_pct(lat, 0.99):.3f}s")
+    table.add_row("session latency p50 / p99", f"{_seconds(lat, 50)} / {_seconds(lat, 99)}")
     table.add_row("ideal session time (steps × wait)", f"{ideal:.3f}s")
     table.add_row("wall time", f"{res['elapsed']:.2f}s")
     table.add_row("steps per second", f"{total_steps / res['elapsed']:.0f}")
     table.add_row(
-        "server CPU per session (incl. steps)", f"{(cpu1 - cpu0) / max(ok, 1) * 1e3:.3f} ms"
+        "server CPU per session (incl. steps)",
+        f"{(after.cpu_s - before.cpu_s) / max(ok, 1) * 1e3:.3f} ms",
     )
-    table.add_row("server threads before / after", f"{threads0} / {threads1}")
-    table.add_row("server RSS after", f"{rss / 2**20:.1f} MiB")
+    table.add_row("server threads before / after", f"{before.threads} / {after.threads}")
+    table.add_row("server RSS after", f"{after.rss_bytes / 2**20:.1f} MiB")
     console.print(table)
     if res["failures"]:
         console.print(f"[red]failures: {sorted(set(res['failures']))}")
     if bench:
-        try:
-            from stadium.bench import run_ramp  # type: ignore[import-not-found,unused-ignore]
-        except ImportError:
-            console.print("[yellow]stadium.bench is not available: skipping the ramp")
-        else:
-            out = Path("bench-results") / time.strftime("demo-%Y%m%d-%H%M%S")
-            report = run_ramp(
-                arms=["stadium", "floor"],
-                requests_grid=[32, 128, 512, 2048],
-                wait_grid=[1.0],
-                reps=1,
-                output_dir=out,
-            )
-            console.print(f"[bold]Benchmark report:[/bold] {report}")
+        from stadium.bench import run_ramp
+
+        out = Path("bench-results") / time.strftime("demo-%Y%m%d-%H%M%S")
+        report = run_ramp(
+            arms=["stadium", "floor"],
+            requests_grid=[32, 128, 512, 2048],
+            wait_grid=[1.0],
+            reps=1,
+            output_dir=out,
+        )
+        console.print(f"[bold]Benchmark report:[/bold] {report}")
     return 0 if ok == sessions else 1

@@ -24,9 +24,7 @@ FIGURES = {
 
 def _fake_ramp(ramp: Ramp, out: Path) -> None:
     """Write the summary.csv the ramp would: one row per arm and N of its grid."""
-    args = list(ramp.args)
-    arms = [args[i + 1] for i, a in enumerate(args) if a == "--arm"]
-    grid = [int(x) for x in args[args.index("--requests-grid") + 1].split(",")]
+    arms, grid = ramp.options.arms, ramp.options.requests_grid
     out.mkdir(parents=True)
     with (out / "summary.csv").open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns())

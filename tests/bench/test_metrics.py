@@ -9,15 +9,9 @@ from collections import Counter
 import pytest
 
 from stadium._errors import ConfigError
-from stadium.bench import metrics
+from stadium.bench import metrics, report
 from stadium.bench.arms import Arm, parse_cpus, parse_size
-from stadium.bench.loadgen import (
-    PORTS_PER_SOURCE,
-    LoadSpec,
-    ThinkModel,
-    _bound_socket,
-    source_address,
-)
+from stadium.bench.loadspec import PORTS_PER_SOURCE, LoadSpec, ThinkModel, source_address
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import (
     PointKey,
@@ -25,8 +19,10 @@ from stadium.bench.results import (
     ServerStats,
     SessionRecord,
     columns,
+    error_column,
     summarize,
 )
+from stadium.bench.sessions import bound_socket
 
 
 @pytest.mark.parametrize(
@@ -124,7 +120,7 @@ def test_processes_and_source_addresses_respect_machine_limits() -> None:
 
 def test_bound_socket_connects_from_its_source_address() -> None:
     with socket.create_server(("127.0.0.1", 0)) as listener:
-        sock = _bound_socket("127.0.0.3")
+        sock = bound_socket("127.0.0.3")
         with sock:
             assert sock.getsockname() == ("127.0.0.3", 0)  # the port is picked at connect
             sock.setblocking(True)
@@ -195,3 +191,14 @@ def test_summarize_empty_point() -> None:
     assert s.collapsed
     assert s.total_p99_ms is None
     assert not math.isnan(s.effective_concurrency)
+
+
+def test_error_columns_are_the_error_kinds() -> None:
+    """ErrorKind is the one list of failure kinds: summary.csv and the report follow it."""
+    kinds = [k for k in ErrorKind if k is not ErrorKind.NONE]
+    assert list(metrics.ERROR_KINDS) == kinds
+    assert [c for c in columns() if c.startswith("err_")] == [f"err_{k.value}" for k in kinds]
+    records = [SessionRecord(index=i, error=k.value) for i, k in enumerate(kinds)]
+    row = summarize(PointKey("x", len(kinds), 0.0, 0), records, PointSettings()).as_row()
+    assert all(row[error_column(k)] == 1 for k in kinds)
+    assert report.errors_text([row, row]) == " ".join(f"{k.value}:2" for k in kinds)

@@ -24,8 +24,10 @@ from click.testing import CliRunner
 from stadium.bench import report, run_ramp
 from stadium.bench.arms import FLOOR_SCRIPT, free_port, wait_healthy
 from stadium.bench.compare import compare, compare_arms
-from stadium.bench.loadgen import LoadSpec, ThinkModel, run_load, run_sessions
+from stadium.bench.loadgen import run_load
+from stadium.bench.loadspec import LoadSpec, ThinkModel
 from stadium.bench.results import columns
+from stadium.bench.sessions import run_sessions
 
 WAIT = 0.05
 TINY = {"deadline_s": 120.0, "progress": False, "settle_s": 0.0}
@@ -102,18 +104,17 @@ def test_connect_window_bounds_connects_in_flight(
 
 
 async def test_http_mode_from_the_default_and_a_chosen_source_address() -> None:
-    from stadium.bench.loadgen import _http_session, _messages
+    from stadium.bench.arms import spawn_server
     from stadium.bench.results import SessionRecord
-    from tests.conftest import serve
+    from stadium.bench.sessions import HttpConnection, Plan, run_session
 
-    async with serve("benchmark") as server:
-        spec = LoadSpec(url=server.url.replace("http", "ws") + "/ws", sessions=2,
+    with spawn_server("benchmark", "--log-level", "warning") as (_, url):
+        spec = LoadSpec(url=url.replace("http", "ws") + "/ws", sessions=2,
                         wait_s=0.0, steps=2, mode="http")  # fmt: skip
-        reset_body, step_body = _messages(spec)
+        plan = Plan.of(spec, time.monotonic())
         records = [SessionRecord(index=0), SessionRecord(index=1, source="127.0.0.3")]
-        t0 = time.monotonic()
         for rec in records:
-            await _http_session(rec, spec, t0, reset_body, step_body)
+            await run_session(rec, HttpConnection(spec.url, rec.source), plan)
     assert all(r.ok for r in records), [r.detail for r in records]
     assert all(r.reset_s is not None and len(r.step_s) == 2 for r in records)
 
@@ -264,3 +265,12 @@ def test_openenv_arm(tmp_path: Path) -> None:
     logs = "\n".join(p.read_text() for p in (tmp_path / "logs").iterdir())
     assert row["success_rate"] == 1.0, logs[-2000:]
     assert row["unique_pids"] == 1
+
+
+def test_run_deadline_skips_the_remaining_points(tmp_path: Path) -> None:
+    md = run_ramp(["floor"], [2, 4], [WAIT], reps=1, output_dir=tmp_path,
+                  **{**TINY, "deadline_s": 1e-9})  # fmt: skip
+    text = md.read_text()
+    assert "the run's deadline passed; later points skipped" in text
+    assert not (tmp_path / "summary.csv").exists()  # no point was started
+    assert (tmp_path / "raw.jsonl").read_bytes() == b""

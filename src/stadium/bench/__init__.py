@@ -10,12 +10,17 @@ Public API (imported lazily, so ``import stadium.bench`` stays cheap)::
 * :func:`run` with a :class:`BenchConfig` — every knob of the command line;
 * :func:`compare` — two result directories side by side.
 
-Modules: ``metrics`` (pure arithmetic), ``results`` (records and summaries),
-``loadgen`` (the load generator), ``procstat`` (/proc sampling), ``arms``
-(servers and caps), ``report`` (files and figures), ``compare``, ``floor``
-(the floor server), ``openenv_server`` (the OpenEnv arm), ``opcount`` (calls
-per step counted in-process: the CI regression check), ``goals`` (every
-performance goal, one ramp each, in ``goals.md``).
+Modules: ``metrics`` (pure arithmetic, the error kinds), ``results`` (records
+and summaries), ``loadspec`` (what a point's load is), ``sessions`` (one
+session over WebSocket or HTTP, timed and classified), ``loadgen`` (the load
+generator's worker processes), ``procstat`` (/proc readings and sampling),
+``arms`` (servers, how they start, caps), ``runner`` (a run: every point, then
+the outputs), ``report`` (files and figures), ``compare``, ``options`` (the
+command line's options as typed values), ``floor`` (the floor server),
+``openenv_server`` (the OpenEnv arm), ``opcount`` (calls per step counted
+in-process: the CI regression check), ``goals`` (every performance goal, one
+ramp each, in ``goals.md``), ``_cli`` (``stadium bench``; nothing here
+imports it).
 """
 
 from __future__ import annotations

@@ -7,8 +7,13 @@
 * ``stadium bench compare DIR_A DIR_B`` — two result sets side by side;
   ``stadium bench compare --git-ref REF [grid options]`` benches Stadium at
   REF (a temporary worktree) against the working tree and compares them.
+* ``stadium bench goals [--only RAMP] [--arm ARM]`` — every performance goal,
+  one ramp each, tabled in ``goals.md`` (:mod:`stadium.bench.goals`).
 * ``stadium bench ops [--target benchmark] [--steps N]`` — calls per step and
   per session lifecycle, counted in-process (deterministic; the CI check).
+
+The options shared by the grid commands, and their defaults, are typed values
+of :mod:`stadium.bench.options`; each command builds one from what it parsed.
 """
 
 from __future__ import annotations
@@ -16,12 +21,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from stadium.bench.arms import Arm, parse_cpus, parse_size
-from stadium.bench.loadgen import ThinkModel
+from stadium.bench.arms import Arm
+from stadium.bench.goals import ARMS as GOAL_ARMS
+from stadium.bench.goals import RAMPS, Ramp, run_goals, run_in_process
+from stadium.bench.options import GridOptions, RampOptions
+
+if TYPE_CHECKING:
+    from stadium.bench.runner import BenchConfig
+
+_D = RampOptions()
+"""Every option's default (one home: :mod:`stadium.bench.options`)."""
 
 
 def _ints(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -47,21 +60,21 @@ def _floats(ctx: click.Context, param: click.Parameter, value: str) -> list[floa
 _OPTIONS: list[Callable[[Any], Any]] = [
     click.option(
         "--requests-grid",
-        default="32,128,512,2048",
+        default=",".join(map(str, _D.requests_grid)),
         show_default=True,
         callback=_ints,
         help="Batch sizes N (concurrent sessions per burst).",
     ),
     click.option(
         "--wait-grid",
-        default="1.0",
+        default=",".join(map(str, _D.wait_grid)),
         show_default=True,
         callback=_floats,
         help="Seconds each step waits on the server (W).",
     ),
     click.option(
         "--reps",
-        default=3,
+        default=_D.reps,
         show_default=True,
         type=click.IntRange(1, 100),
         help="Repetitions of each point.",
@@ -69,7 +82,7 @@ _OPTIONS: list[Callable[[Any], Any]] = [
     click.option(
         "--mode",
         type=click.Choice(["ws", "http"]),
-        default="ws",
+        default=_D.mode,
         show_default=True,
         help="WebSocket sessions, or HTTP POST /reset + /step.",
     ),
@@ -81,35 +94,35 @@ _OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--steps",
-        default=1,
+        default=_D.steps,
         show_default=True,
         type=click.IntRange(1, 100_000),
         help="Steps per session.",
     ),
     click.option(
         "--think-ms",
-        default=0.0,
+        default=_D.think_ms,
         show_default=True,
         type=click.FloatRange(0),
         help="Think time before each step (the LLM's time to first token), ms.",
     ),
     click.option(
         "--think-tokens",
-        default=0,
+        default=_D.think_tokens,
         show_default=True,
         type=click.IntRange(0),
         help="Tokens the agent generates before each step.",
     ),
     click.option(
         "--think-token-ms",
-        default=0.0,
+        default=_D.think_token_ms,
         show_default=True,
         type=click.FloatRange(0),
         help="Milliseconds per generated token.",
     ),
     click.option(
         "--state-kb",
-        default=0,
+        default=_D.state_kb,
         show_default=True,
         type=click.IntRange(0),
         help="Per-session state the benchmark env holds (reset option state_kb).",
@@ -122,14 +135,14 @@ _OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--mem", default=None, help="Server memory cap, e.g. 2G (cgroup, else rlimit)."),
     click.option(
         "--load-procs",
-        default=0,
+        default=_D.load_procs,
         show_default=True,
         type=click.IntRange(0),
         help="Load generator processes (0: automatic).",
     ),
     click.option(
         "--connect-window",
-        default=0,
+        default=_D.connect_window,
         show_default=True,
         type=click.IntRange(0),
         help="At most this many sessions connecting at once (0: all at the burst's "
@@ -137,27 +150,27 @@ _OPTIONS: list[Callable[[Any], Any]] = [
     ),
     click.option(
         "--server-workers",
-        default=1,
+        default=_D.server_workers,
         show_default=True,
         type=click.IntRange(1),
         help="Worker processes of each started server.",
     ),
     click.option(
         "--max-sessions",
-        default=0,
+        default=_D.max_sessions,
         type=click.IntRange(0),
         help="Server session cap (0: twice the largest N, at least 100,000).",
     ),
     click.option(
         "--timeout",
-        default=30.0,
+        default=_D.timeout,
         show_default=True,
         type=click.FloatRange(0.1),
         help="Timeout of each phase beyond the step's wait, seconds.",
     ),
     click.option(
         "--deadline",
-        default=3600.0,
+        default=_D.deadline,
         show_default=True,
         type=click.FloatRange(1),
         help="Hard deadline of the whole run, seconds.",
@@ -168,7 +181,7 @@ _OPTIONS: list[Callable[[Any], Any]] = [
         default=None,
         help="Cache for the openenv venv and worktrees [~/.cache/stadium-bench].",
     ),
-    click.option("--progress/--no-progress", default=True, help="Live progress and tables."),
+    click.option("--progress/--no-progress", default=_D.progress, help="Live progress and tables."),
 ]
 
 
@@ -178,41 +191,7 @@ def _grid_options(fn: Any) -> Any:
     return fn
 
 
-def _config(arms: list[Arm], stop: bool, **o: Any) -> Any:
-    from stadium.bench.runner import BenchConfig, pin_defaults
-
-    cpus = parse_cpus(o["cpus"]) if o["cpus"] else None
-    load_cpus = parse_cpus(o["load_cpus"]) if o["load_cpus"] else None
-    if o["pin"] and cpus is None and load_cpus is None:
-        cpus, load_cpus = pin_defaults()
-    out = o["output_dir"] or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")
-    return BenchConfig(
-        arms=arms,
-        requests_grid=o["requests_grid"],
-        wait_grid=o["wait_grid"],
-        output_dir=out,
-        reps=o["reps"],
-        steps=o["steps"],
-        think=ThinkModel(o["think_ms"], o["think_tokens"], o["think_token_ms"]),
-        state_kb=o["state_kb"],
-        mode=o["mode"],
-        stop_at_collapse=stop,
-        cpus=cpus,
-        load_cpus=load_cpus,
-        mem_bytes=parse_size(o["mem"]) if o["mem"] else None,
-        load_procs=o["load_procs"],
-        connect_window=o["connect_window"],
-        server_workers=o["server_workers"],
-        max_sessions=o["max_sessions"],
-        connect_timeout=o["timeout"],
-        request_timeout=o["timeout"],
-        deadline_s=o["deadline"],
-        cache_dir=o["cache_dir"],
-        progress=o["progress"],
-    )
-
-
-def _run(config: Any) -> Path:
+def _run(config: BenchConfig) -> Path:
     from stadium.bench.runner import run
 
     path = run(config)
@@ -242,35 +221,24 @@ def bench(
         click.echo(ctx.get_help())
         raise click.UsageError("give --url ws://HOST:PORT/ws, or a subcommand (ramp, compare)")
     arm = Arm("url", "url", url=url, server_pid=server_pid)
-    _run(_config([arm], stop_at_collapse, **o))
+    _run(GridOptions.from_cli(**o).bench_config([arm], stop_at_collapse))
 
 
 @bench.command()
-@click.option("--arm", "arm_names", multiple=True, default=("stadium", "floor"),
-              show_default=True,
+@click.option("--arm", "arms", multiple=True, default=_D.arms, show_default=True,
               help="stadium, stadium@REF, floor, openenv, url (repeatable).")  # fmt: skip
 @click.option("--url", default=None, help="For the url arm: ws://HOST:PORT/ws.")
 @click.option("--server-pid", default=None, type=int, help="For the url arm: its PID.")
 @click.option("--git-ref", default=None, help="Also bench Stadium at this git ref.")
 @click.option("--no-stop", is_flag=True, help="Run the whole grid even past a collapse.")
 @_grid_options
-def ramp(
-    arm_names: tuple[str, ...],
-    url: str | None,
-    server_pid: int | None,
-    git_ref: str | None,
-    no_stop: bool,
-    **o: Any,
-) -> None:
+def ramp(**o: Any) -> None:
     """Start each arm's server (fresh per point, capped) and ramp N until it collapses.
 
     Prints the knee (max batch) per arm and writes raw.jsonl, summary.csv,
     figures and report.md to --output-dir.
     """
-    arms = [Arm.parse(a, url=url, server_pid=server_pid) for a in arm_names]
-    if git_ref:
-        arms.insert(0, Arm.parse(f"stadium@{git_ref}"))
-    _run(_config(arms, not no_stop, **o))
+    _run(RampOptions.from_cli(**o).config())
 
 
 @bench.command(name="compare")
@@ -286,7 +254,7 @@ def compare_cmd(dirs: tuple[Path, ...], git_ref: str | None, **o: Any) -> None:
         if dirs:
             raise click.UsageError("give either DIR_A DIR_B or --git-ref, not both")
         arms = [Arm.parse(f"stadium@{git_ref}"), Arm.parse("stadium")]
-        path = _run(_config(arms, True, **o))
+        path = _run(GridOptions.from_cli(**o).bench_config(arms, True))
         md = compare_arms(path.parent, f"stadium@{git_ref}", "stadium")
     else:
         if len(dirs) != 2:
@@ -299,26 +267,27 @@ def compare_cmd(dirs: tuple[Path, ...], git_ref: str | None, **o: Any) -> None:
 @click.option("--output-dir", type=click.Path(path_type=Path), default=None,
               help="Where results go [default: bench-results/goals-<timestamp>].")  # fmt: skip
 @click.option("--only", multiple=True, metavar="RAMP",
-              help="Run only this ramp (repeatable): per_step, lifecycle, p99_8192, "
-              "idle_rss, burst_32768, burst_openenv.")  # fmt: skip
-@click.option("--arm", "arm_names", multiple=True, default=("stadium", "floor", "openenv"),
+              help=f"Run only this ramp (repeatable): {', '.join(RAMPS)}.")  # fmt: skip
+@click.option("--arm", "arm_names", multiple=True, default=GOAL_ARMS,
               show_default=True, help="Arms to keep in every ramp.")  # fmt: skip
 def goals(output_dir: Path | None, only: tuple[str, ...], arm_names: tuple[str, ...]) -> None:
-    """Measure every performance goal (issue 4's table) with stadium, floor and openenv.
+    """Measure every performance goal with stadium, floor and openenv side by side.
 
     Runs one `stadium bench ramp` per goal (~10 minutes on 2 cores), then
     writes goals.md: each goal, the three arms side by side, their ratios,
     met or not, and the command that reproduces each row.
     """
-    from stadium.bench.goals import RAMPS, run_goals
-
     unknown = [o for o in only if o not in RAMPS]
     if unknown:
         raise click.BadParameter(
             f"unknown ramp {unknown[0]!r}; choose from {', '.join(RAMPS)}", param_hint="--only"
         )
     out = output_dir or Path("bench-results") / time.strftime("goals-%Y%m%d-%H%M%S")
-    path = run_goals(out, only=only, arms=arm_names)
+
+    def run_ramp(ramp: Ramp, ramp_dir: Path) -> None:
+        click.echo(f"report: {run_in_process(ramp, ramp_dir)}")
+
+    path = run_goals(out, only=only, arms=arm_names, run_ramp=run_ramp)
     click.echo(path.read_text())
     click.echo(f"goals: {path}")
 

@@ -19,6 +19,10 @@ CPUs with ``sched_setaffinity``; memory with a cgroup (v1
 ``memory.limit_in_bytes`` or v2 ``memory.max``, a child of this process's own
 cgroup), falling back to ``RLIMIT_AS`` per process. :class:`CapReport` says
 which was used.
+
+:func:`spawn_server` starts ``stadium serve ARGS`` the same way (own process
+group, ready on ``GET /health``, stopped by :class:`RunningServer`) for the
+length of a ``with`` block: ``stadium demo`` and the tests use it.
 """
 
 from __future__ import annotations
@@ -27,15 +31,18 @@ import contextlib
 import http.client
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 from stadium._errors import ConfigError
 
@@ -44,6 +51,8 @@ FLOOR_SCRIPT = BENCH_DIR / "floor.py"
 OPENENV_SCRIPT = BENCH_DIR / "openenv_server.py"
 OPENENV_VERSION = "0.10.0"
 KINDS = ("stadium", "floor", "openenv", "url")
+STADIUM_SERVE = (sys.executable, "-m", "stadium", "serve")
+"""How every Stadium server is started: ``stadium serve`` under this interpreter."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +222,7 @@ def server_command(
     env: dict[str, str] = {}
     if arm.kind == "stadium":
         cmd = [
-            sys.executable, "-m", "stadium", "serve", "benchmark",
+            *STADIUM_SERVE, "benchmark",
             "--host", host, "--port", str(port),
             "--workers", str(settings.workers),
             "--max-sessions", str(settings.max_sessions),
@@ -299,12 +308,12 @@ class MemoryCap:
             except OSError:
                 with contextlib.suppress(OSError):
                     d.rmdir()
-        import psutil
+        import resource
 
         try:
-            psutil.Process(pid).rlimit(psutil.RLIMIT_AS, (self.limit, self.limit))
+            resource.prlimit(pid, resource.RLIMIT_AS, (self.limit, self.limit))
             self.method = f"RLIMIT_AS = {self.limit} bytes (address space, per process)"
-        except (psutil.Error, OSError, AttributeError) as exc:
+        except (OSError, ValueError, AttributeError) as exc:
             self.method = f"none (could not cap memory: {exc})"
         return self.method
 
@@ -423,12 +432,8 @@ def start_server(
     cmd, extra_env = server_command(arm, port, settings, openenv_py)
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{tag}.log"
-    env = {**os.environ, **extra_env, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True,
-        )  # fmt: skip
+        proc = _launch(cmd, fh, extra_env)
     server = RunningServer(url=f"ws://127.0.0.1:{port}/ws", pid=proc.pid, proc=proc, log=log)
     try:
         if caps.cpus is not None:
@@ -442,3 +447,48 @@ def start_server(
         server.stop(grace=2.0)
         raise
     return server, report
+
+
+def _launch(
+    cmd: Sequence[str], output: IO[bytes], extra_env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start a server process in its own process group, its output (and errors) to
+    ``output``; stop it with :meth:`RunningServer.stop`."""
+    env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        list(cmd), stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def spawn_server(
+    *args: str, timeout: float = 30.0
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """Run ``stadium serve ARGS`` on a free loopback port for the ``with`` block.
+
+    Yields (the process, its base URL ``http://127.0.0.1:PORT``) once ``GET
+    /health`` answers 200 (a ``--port`` in ARGS is used as given). Raises
+    :class:`ConfigError`, with the end of the server's output, if it exits or is
+    not healthy within ``timeout`` seconds. After the block, or on error: SIGTERM,
+    then SIGKILL to its process group after 15 s (:meth:`RunningServer.stop`).
+    """
+    cmd = [*STADIUM_SERVE, *args]
+    if "--port" in args:
+        port = int(args[args.index("--port") + 1])
+    else:
+        port = free_port()
+        cmd += ["--port", str(port)]
+    with tempfile.TemporaryFile() as output:
+        proc = _launch(cmd, output)
+        server = RunningServer(url=f"http://127.0.0.1:{port}", pid=proc.pid, proc=proc)
+        try:
+            try:
+                wait_healthy(port, proc, timeout)
+            except ConfigError as exc:
+                output.seek(0)
+                tail = output.read()[-2000:].decode(errors="replace")
+                raise ConfigError(f"{exc.message}: {shlex.join(cmd)}\n{tail}") from None
+            yield proc, server.url
+        finally:
+            server.stop(grace=15.0)

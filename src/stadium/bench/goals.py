@@ -1,10 +1,12 @@
 """``stadium bench goals``: the performance goals, each measured by one ramp, in one run.
 
-Every goal is a plain ``stadium bench ramp`` command (printed in the report,
-so one command reproduces each row) with the ``stadium``, ``floor`` and
-``openenv`` arms side by side; the goal is read off the ramp's
-``summary.csv``. Nothing here times anything itself: the ramps measure, this
-module only runs them in turn and tables what they wrote.
+Every goal is read off one ramp (:data:`RAMPS`): typed ``stadium bench ramp``
+options (:class:`~stadium.bench.options.RampOptions`) with the ``stadium``,
+``floor`` and ``openenv`` arms side by side. Each ramp runs in this process
+(:func:`stadium.bench.runner.run`); its command line, rendered from the same
+options, is printed in the report, so one command reproduces each row.
+Nothing here times anything itself: the ramps measure, this module only runs
+them in turn and tables what their ``summary.csv`` says.
 
 Output (``--output-dir``): one sub-directory per ramp (its full report and
 figures), ``goals.md`` (the table: each goal, its target, the three arms, the
@@ -14,15 +16,18 @@ stadium/floor and openenv/stadium ratios, met or not) and ``goals.json``.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import platform
-import shlex
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from stadium.bench import runner
+from stadium.bench.options import RampOptions
 
 ARMS = ("stadium", "floor", "openenv")
 
@@ -34,14 +39,25 @@ Row = dict[str, Any]
 
 @dataclass(frozen=True)
 class Ramp:
-    """One ``stadium bench ramp`` invocation (arguments after ``ramp``, without --output-dir)."""
+    """One ``stadium bench ramp``: its name (the sub-directory) and its options."""
 
     name: str
-    args: tuple[str, ...]
+    options: RampOptions
+
+    def into(self, out: Path) -> RampOptions:
+        """The options, writing into ``out``."""
+        return dataclasses.replace(self.options, output_dir=out)
 
     def command(self, out: Path) -> str:
-        """The shell command that reproduces this ramp."""
-        return "stadium bench ramp " + shlex.join([*self.args, "--output-dir", str(out)])
+        """The shell command that reproduces this ramp into ``out``."""
+        return self.into(out).command()
+
+    def keeping(self, arms: Sequence[str]) -> Ramp | None:
+        """This ramp with only the arms in ``arms`` (``None`` if none is left)."""
+        kept = tuple(a for a in self.options.arms if a in arms)
+        if not kept:
+            return None
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, arms=kept))
 
 
 @dataclass(frozen=True)
@@ -119,29 +135,27 @@ def _flat_met(v: Values, baseline: Values) -> bool | None:
     return None if big is None or small is None else big <= small
 
 
+def _ramp(name: str, *arms: str, **options: Any) -> Ramp:
+    return Ramp(name, RampOptions(arms=arms, reps=1, **options))
+
+
 RAMPS: dict[str, Ramp] = {
     r.name: r
     for r in (
-        Ramp("per_step", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
-                          "--requests-grid", "64", "--wait-grid", "0", "--steps", "500",
-                          "--reps", "1", "--pin")),
-        Ramp("lifecycle", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
-                           "--requests-grid", "2048", "--wait-grid", "0", "--steps", "1",
-                           "--reps", "1", "--pin")),
-        Ramp("p99_8192", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
-                          "--requests-grid", "512,8192", "--wait-grid", "1", "--reps", "1",
-                          "--pin")),
-        Ramp("idle_rss", ("--arm", "stadium", "--arm", "floor", "--arm", "openenv",
-                          "--requests-grid", "4096", "--wait-grid", "0", "--think-ms", "3000",
-                          "--reps", "1", "--pin")),
-        Ramp("burst_32768", ("--arm", "stadium", "--arm", "floor", "--server-workers", "2",
-                             "--requests-grid", "32768", "--wait-grid", "10", "--reps", "1")),
+        _ramp("per_step", *ARMS, requests_grid=(64,), wait_grid=(0.0,), steps=500, pin=True),
+        _ramp("lifecycle", *ARMS, requests_grid=(2048,), wait_grid=(0.0,), steps=1, pin=True),
+        _ramp("p99_8192", *ARMS, requests_grid=(512, 8192), wait_grid=(1.0,), pin=True),
+        _ramp("idle_rss", *ARMS, requests_grid=(4096,), wait_grid=(0.0,), think_ms=3000.0,
+              pin=True),
+        _ramp("burst_32768", "stadium", "floor", server_workers=2, requests_grid=(32768,),
+              wait_grid=(10.0,)),
         # A thread-per-session server cannot hold 32,768 sessions here: pid_max is
         # 32,768 for the whole machine. OpenEnv's burst row stops at 8,192.
-        Ramp("burst_openenv", ("--arm", "openenv", "--server-workers", "2",
-                               "--requests-grid", "8192", "--wait-grid", "10", "--reps", "1")),
+        _ramp("burst_openenv", "openenv", server_workers=2, requests_grid=(8192,),
+              wait_grid=(10.0,)),
     )
 }  # fmt: skip
+"""Every ramp the goals read, by name (each one ``stadium bench ramp``)."""
 
 GOALS: tuple[Goal, ...] = (
     Goal("per_step", "Server CPU per step, benchmark env, W = 0, 64 sessions, 1 worker on "
@@ -278,32 +292,42 @@ def goals_markdown(results: Sequence[GoalResult], commands: dict[str, str], head
     return "\n".join(lines) + "\n"
 
 
+RampRunner = Callable[[Ramp, Path], object]
+"""Runs one ramp into a directory (``summary.csv`` and the rest of its outputs there)."""
+
+
+def run_in_process(ramp: Ramp, out: Path) -> Path:
+    """Run ``ramp`` into ``out`` in this process (:func:`stadium.bench.runner.run`);
+    return its ``report.md``, which shows the command that reproduces it."""
+    options = ramp.into(out)
+    config = options.config()
+    config.command = options.command()
+    return runner.run(config)
+
+
 def run_goals(
     output_dir: Path,
     *,
     only: Sequence[str] = (),
     arms: Sequence[str] = ARMS,
-    run_ramp: Callable[[Ramp, Path], None] | None = None,
+    run_ramp: RampRunner = run_in_process,
 ) -> Path:
     """Run every ramp the goals need (or ``only`` those), then write ``goals.md``.
 
     ``arms`` drops arms from every ramp (e.g. without ``openenv`` on a machine
-    that cannot create its venv). ``run_ramp`` runs one ramp into a directory
-    (default: the ``stadium bench ramp`` command in this process).
+    that cannot create its venv); a ramp left without arms is not run.
+    ``run_ramp`` runs one ramp into a directory (default: :func:`run_in_process`).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
-    runner = run_ramp or _run_ramp_cli
     commands: dict[str, str] = {}
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     for name, ramp in RAMPS.items():
-        if only and name not in only:
-            continue
-        kept = _only_arms(ramp, arms)
+        kept = ramp.keeping(arms) if not only or name in only else None
         if kept is None:
             continue
         out = output_dir / name
         commands[name] = kept.command(out)
-        runner(kept, out)
+        run_ramp(kept, out)
     results = evaluate(output_dir)
     head = (
         f"Run {started} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs, "
@@ -319,27 +343,3 @@ def run_goals(
         json.dumps([r.as_json() for r in results], indent=2) + "\n"
     )
     return path
-
-
-def _only_arms(ramp: Ramp, arms: Sequence[str]) -> Ramp | None:
-    args = list(ramp.args)
-    kept: list[str] = []
-    any_arm = False
-    i = 0
-    while i < len(args):
-        if args[i] == "--arm":
-            if args[i + 1] in arms:
-                kept += args[i : i + 2]
-                any_arm = True
-            i += 2
-            continue
-        kept.append(args[i])
-        i += 1
-    return Ramp(ramp.name, tuple(kept)) if any_arm else None
-
-
-def _run_ramp_cli(ramp: Ramp, out: Path) -> None:
-    from stadium.bench._cli import ramp as ramp_cmd
-
-    args = [*ramp.args, "--output-dir", str(out)]
-    ramp_cmd.main(args=args, prog_name="stadium bench ramp", standalone_mode=False)

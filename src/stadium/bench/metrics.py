@@ -48,6 +48,10 @@ class ErrorKind(enum.StrEnum):
     """The point's deadline passed before the session finished."""
 
 
+ERROR_KINDS: tuple[ErrorKind, ...] = tuple(k for k in ErrorKind if k is not ErrorKind.NONE)
+"""Every way a session can fail (``ErrorKind`` but ``NONE``), in declaration order."""
+
+
 def percentile(values: Sequence[float], p: float) -> float | None:
     """Nearest-rank percentile of ``values`` (need not be sorted).
 

@@ -1,36 +1,100 @@
-"""Server-side figures from /proc: RSS, threads and CPU of a process tree.
+"""Server-side figures from /proc: CPU, RSS and threads of a process and of its tree.
 
-:class:`ServerSampler` samples the server process and all its descendants
-every ``interval`` seconds from a background thread (psutil reads /proc):
+Dependency-free (Linux /proc only; ``stadium demo`` uses it too):
 
-* **idle RSS** — the tree's resident memory just before the load starts;
-* **peak RSS** — the largest sum of the tree's RSS seen in one sample (a
-  sampled peak: a spike shorter than the interval can be missed);
-* **peak threads / processes** — the largest counts seen in one sample;
-* **CPU** — user + system time the tree spent during the point: for each
-  process, its last sampled CPU time minus its CPU time at the start (0 for
-  processes born during the point). A process that exits between samples
-  loses at most one interval of CPU.
+* :func:`read_stat` — one process's CPU seconds, RSS and threads, from
+  ``/proc/PID/stat``;
+* :func:`process_tree` — a process and all its descendants (from every
+  process's parent in /proc);
+* :class:`ServerSampler` — samples a server's tree every ``interval``
+  seconds from a background thread during one point:
+
+  * **idle RSS** — the tree's resident memory just before the load starts;
+  * **peak RSS** — the largest sum of the tree's RSS seen in one sample (a
+    sampled peak: a spike shorter than the interval can be missed);
+  * **peak threads / processes** — the largest counts seen in one sample;
+  * **CPU** — user + system time the tree spent during the point: for each
+    process, its last sampled CPU time minus its CPU time at the start (0 for
+    processes born during the point). A process that exits between samples
+    loses at most one interval of CPU.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from typing import Any
+from pathlib import Path
+from typing import NamedTuple
 
 from stadium.bench.results import ServerStats
 
 _MIB = 1024.0 * 1024.0
+_PROC = Path("/proc")
 
 
-def _tree(pid: int) -> list[Any]:
-    import psutil
+class ProcStat(NamedTuple):
+    """One process at one instant."""
 
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.Error:
+    cpu_s: float
+    """User + system CPU seconds since it started (10 ms ticks on most kernels)."""
+    rss_bytes: int
+    """Resident memory."""
+    threads: int
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (field 3, the state, first)."""
+    text = (_PROC / str(pid) / "stat").read_text()
+    return text.rsplit(")", 1)[1].split()
+
+
+def read_stat(pid: int) -> ProcStat:
+    """CPU seconds, RSS bytes and thread count of ``pid``; ``OSError`` if it is gone."""
+    fields = _stat_fields(pid)
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    rss = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+    return ProcStat(cpu, rss, int(fields[17]))
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants alive now (``[]`` if ``pid`` is gone), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int(_stat_fields(int(entry.name))[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited while we looked
+        children.setdefault(parent, []).append(int(entry.name))
+    if not (_PROC / str(pid)).exists():
         return []
+    tree = [pid]
+    for p in tree:  # grows while iterating: breadth first
+        tree.extend(children.get(p, ()))
+    return tree
+
+
+class _Sample(NamedTuple):
+    rss: float
+    threads: int
+    procs: int
+    cpu: dict[int, float]
+
+
+def _sample_tree(pid: int | None) -> _Sample:
+    rss = 0.0
+    threads = 0
+    cpu: dict[int, float] = {}
+    for p in process_tree(pid) if pid is not None else []:
+        try:
+            s = read_stat(p)
+        except (OSError, IndexError, ValueError):
+            continue
+        rss += s.rss_bytes
+        threads += s.threads
+        cpu[p] = s.cpu_s
+    return _Sample(rss, threads, len(cpu), cpu)
 
 
 class ServerSampler:
@@ -59,31 +123,13 @@ class ServerSampler:
         self._peak_procs = 0
         self._lock = threading.Lock()
 
-    def _sample(self) -> tuple[float, int, int, dict[int, float]]:
-        import psutil
-
-        rss = 0.0
-        threads = 0
-        cpu: dict[int, float] = {}
-        procs = _tree(self.pid) if self.pid is not None else []
-        for p in procs:
-            try:
-                with p.oneshot():
-                    rss += p.memory_info().rss
-                    threads += p.num_threads()
-                    t = p.cpu_times()
-                    cpu[p.pid] = t.user + t.system
-            except psutil.Error:
-                continue
-        return rss, threads, len(cpu), cpu
-
     def _record(self) -> None:
-        rss, threads, nprocs, cpu = self._sample()
+        s = _sample_tree(self.pid)
         with self._lock:
-            self._peak_rss = max(self._peak_rss, rss)
-            self._peak_threads = max(self._peak_threads, threads)
-            self._peak_procs = max(self._peak_procs, nprocs)
-            self._last_cpu.update(cpu)
+            self._peak_rss = max(self._peak_rss, s.rss)
+            self._peak_threads = max(self._peak_threads, s.threads)
+            self._peak_procs = max(self._peak_procs, s.procs)
+            self._last_cpu.update(s.cpu)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -93,11 +139,11 @@ class ServerSampler:
         """Take the idle baseline and start sampling."""
         if self.pid is None:
             return
-        rss, threads, nprocs, cpu = self._sample()
-        self._idle_rss = self._peak_rss = rss
-        self._peak_threads, self._peak_procs = threads, nprocs
-        self._base_cpu = dict(cpu)
-        self._last_cpu = dict(cpu)
+        s = _sample_tree(self.pid)
+        self._idle_rss = self._peak_rss = s.rss
+        self._peak_threads, self._peak_procs = s.threads, s.procs
+        self._base_cpu = dict(s.cpu)
+        self._last_cpu = dict(s.cpu)
         self._thread = threading.Thread(target=self._run, name="stadium-bench-sampler", daemon=True)
         self._thread.start()
 

@@ -22,7 +22,7 @@ import platform
 import socket
 import sys
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
@@ -30,16 +30,7 @@ from typing import IO, Any
 import msgspec
 
 from stadium.bench import metrics
-from stadium.bench.results import PointKey, PointSummary, SessionRecord, columns
-
-FIGURES = (
-    "scaling.png",
-    "max_batch.png",
-    "batch_per_core.png",
-    "p99_heatmap.png",
-    "latency_phases.png",
-    "server_cost.png",
-)
+from stadium.bench.results import PointKey, PointSummary, SessionRecord, columns, error_column
 
 Row = Mapping[str, Any]
 
@@ -100,6 +91,15 @@ def max_batches(rows: Iterable[Row]) -> dict[tuple[str, float], int]:
     return {k: metrics.max_batch(v) for k, v in rates.items()}
 
 
+def server_cores(rows: Iterable[Row]) -> dict[str, float]:
+    """The CPUs each arm's server could use (its ``server_cores``, else this machine's)."""
+    cores: dict[str, float] = {}
+    for r in rows:
+        c = r.get("server_cores")
+        cores[str(r["arm"])] = float(c) if c else float(os.cpu_count() or 1)
+    return cores
+
+
 def _mean(values: Iterable[Any]) -> float | None:
     vs = [float(v) for v in values if v is not None]
     vs = [v for v in vs if not math.isnan(v)]
@@ -139,118 +139,161 @@ def _n_axis(ax: Any, ns: Sequence[int]) -> None:
         ax.set_xticks(list(ns), [f"{n:,}" for n in ns], fontsize=7)
 
 
-def write_figures(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
-    """Write every figure of :data:`FIGURES` into ``out_dir``; return their paths."""
-    plt = _plt()
-    groups = by_point(rows)
-    arms = sorted({k[0] for k in groups})
-    waits = sorted({k[1] for k in groups})
-    paths: list[Path] = []
+class _Plot:
+    """The rows of a run grouped for the figures: arms, waits, batch sizes, series."""
 
-    def series(arm: str, wait: float, col: str) -> tuple[list[int], list[float | None]]:
-        ns = sorted(k[2] for k in groups if k[0] == arm and k[1] == wait)
-        return ns, [mean_of(groups[(arm, wait, n)], col) for n in ns]
+    def __init__(self, rows: Sequence[Row]) -> None:
+        self.rows = rows
+        self.groups = by_point(rows)
+        self.arms = sorted({k[0] for k in self.groups})
+        self.waits = sorted({k[1] for k in self.groups})
+        self.ns = sorted({k[2] for k in self.groups})
+        self.first_wait = self.waits[0] if self.waits else 0.0
 
-    def save(fig: Any, name: str) -> None:
-        path = out_dir / name
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+    def arm_ns(self, arm: str) -> list[int]:
+        """The batch sizes ``arm`` ran, ascending."""
+        return sorted({k[2] for k in self.groups if k[0] == arm})
 
-    styles = ["-", "--", ":", "-."]
-    # 1. scaling curves
+    def series(self, arm: str, wait: float, col: str) -> tuple[list[int], list[float | None]]:
+        """``col`` (mean over repetitions) against N, for one arm and wait."""
+        ns = sorted(k[2] for k in self.groups if k[0] == arm and k[1] == wait)
+        return ns, [mean_of(self.groups[(arm, wait, n)], col) for n in ns]
+
+    def points(self, arm: str, wait: float, col: str) -> list[tuple[int, float]]:
+        """The known values of :meth:`series`, as (N, value)."""
+        ns, ys = self.series(arm, wait, col)
+        return [(n, y) for n, y in zip(ns, ys, strict=True) if y is not None]
+
+
+_STYLES = ("-", "--", ":", "-.")
+
+
+def _scaling_figure(plt: Any, d: _Plot) -> Any:
+    """Success rate vs N, one line per arm and wait."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for arm in arms:
-        for j, w in enumerate(waits):
-            ns, ys = series(arm, w, "success_rate")
+    for arm in d.arms:
+        for j, w in enumerate(d.waits):
+            ns, ys = d.series(arm, w, "success_rate")
             if ns:
-                ax.plot(ns, [100 * (y or 0) for y in ys], styles[j % 4], marker="o",
+                ax.plot(ns, [100 * (y or 0) for y in ys], _STYLES[j % 4], marker="o",
                         label=f"{arm}, W={w:g}s")  # fmt: skip
     ax.axhline(95, color="grey", lw=0.8, ls=":")
     ax.set(xlabel="concurrent sessions N", ylabel="success rate (%)",
            title="Scaling: success rate vs batch", ylim=(0, 105))  # fmt: skip
-    _n_axis(ax, sorted({k[2] for k in groups}))
+    _n_axis(ax, d.ns)
     ax.legend(fontsize=8)
-    save(fig, "scaling.png")
+    return fig
 
-    # 2./3. max batch and batch per core
-    mb = max_batches(rows)
-    cores: dict[str, float] = {}
-    for r in rows:
-        c = r.get("server_cores")
-        cores[str(r["arm"])] = float(c) if c else float(os.cpu_count() or 1)
-    for name, per_core in (("max_batch.png", False), ("batch_per_core.png", True)):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        width = 0.8 / max(1, len(waits))
-        for j, w in enumerate(waits):
-            vals = [mb.get((a, w), 0) / (cores.get(a, 1.0) if per_core else 1.0) for a in arms]
-            xs = [i + j * width for i in range(len(arms))]
-            bars = ax.bar(xs, vals, width, label=f"W={w:g}s")
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_xticks([i + width * (len(waits) - 1) / 2 for i in range(len(arms))], arms)
-        ax.set(ylabel="sessions per core" if per_core else "sessions",
-               title=("Max batch per core" if per_core else "Max batch")
-               + " (largest N with >= 95% success in every rep)")  # fmt: skip
-        ax.legend(fontsize=8)
-        save(fig, name)
 
-    # 4. p99 heatmap (batch x wait), one panel per arm
-    ns_all = sorted({k[2] for k in groups})
-    fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(4.2 * max(1, len(arms)), 3.8),
-                             squeeze=False)  # fmt: skip
-    for ax, arm in zip(axes[0], arms, strict=False):
+def _knee_figure(plt: Any, d: _Plot, *, per_core: bool) -> Any:
+    """Max batch by arm and wait, absolute or per server core."""
+    mb = max_batches(d.rows)
+    cores = server_cores(d.rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    width = 0.8 / max(1, len(d.waits))
+    for j, w in enumerate(d.waits):
+        vals = [mb.get((a, w), 0) / (cores.get(a, 1.0) if per_core else 1.0) for a in d.arms]
+        xs = [i + j * width for i in range(len(d.arms))]
+        bars = ax.bar(xs, vals, width, label=f"W={w:g}s")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks([i + width * (len(d.waits) - 1) / 2 for i in range(len(d.arms))], d.arms)
+    ax.set(ylabel="sessions per core" if per_core else "sessions",
+           title=("Max batch per core" if per_core else "Max batch")
+           + " (largest N with >= 95% success in every rep)")  # fmt: skip
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _max_batch_figure(plt: Any, d: _Plot) -> Any:
+    return _knee_figure(plt, d, per_core=False)
+
+
+def _batch_per_core_figure(plt: Any, d: _Plot) -> Any:
+    return _knee_figure(plt, d, per_core=True)
+
+
+def _p99_heatmap_figure(plt: Any, d: _Plot) -> Any:
+    """Total p99 over N x wait, one panel per arm."""
+    panels = max(1, len(d.arms))
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
+    for ax, arm in zip(axes[0], d.arms, strict=False):
         grid = [
-            [mean_of(groups.get((arm, w, n), []), "total_p99_ms") for n in ns_all] for w in waits
+            [mean_of(d.groups.get((arm, w, n), []), "total_p99_ms") for n in d.ns] for w in d.waits
         ]
         data = [[(v / 1000.0 if v is not None else float("nan")) for v in row] for row in grid]
         im = ax.imshow(data, aspect="auto", cmap="viridis", origin="lower")
-        ax.set_xticks(range(len(ns_all)), [str(n) for n in ns_all], rotation=45, fontsize=7)
-        ax.set_yticks(range(len(waits)), [f"{w:g}" for w in waits])
+        ax.set_xticks(range(len(d.ns)), [str(n) for n in d.ns], rotation=45, fontsize=7)
+        ax.set_yticks(range(len(d.waits)), [f"{w:g}" for w in d.waits])
         ax.set(xlabel="N", ylabel="wait (s)", title=f"{arm}: total p99 (s)")
         for yi, row in enumerate(data):
             for xi, v in enumerate(row):
                 if not math.isnan(v):
                     ax.text(xi, yi, f"{v:.2f}", ha="center", va="center", fontsize=6, color="w")
         fig.colorbar(im, ax=ax)
-    save(fig, "p99_heatmap.png")
+    return fig
 
-    # 5. latency by phase
-    phases = ("connect", "reset", "step", "total")
-    fig, axes = plt.subplots(1, max(1, len(arms)), figsize=(4.5 * max(1, len(arms)), 4),
-                             squeeze=False, sharey=True)  # fmt: skip
-    w0 = waits[0] if waits else 0.0
-    for ax, arm in zip(axes[0], arms, strict=False):
-        for ph in phases:
+
+def _latency_phases_figure(plt: Any, d: _Plot) -> Any:
+    """p50 and p99 of connect, reset, step and total vs N at the first wait, per arm."""
+    panels = max(1, len(d.arms))
+    fig, axes = plt.subplots(1, panels, figsize=(4.5 * panels, 4), squeeze=False, sharey=True)
+    w0 = d.first_wait
+    for ax, arm in zip(axes[0], d.arms, strict=False):
+        for ph in ("connect", "reset", "step", "total"):
             for q, ls in (("p50", "--"), ("p99", "-")):
-                ns, ys = series(arm, w0, f"{ph}_{q}_ms")
-                pts = [(n, y) for n, y in zip(ns, ys, strict=True) if y is not None and y > 0]
+                pts = [(n, y) for n, y in d.points(arm, w0, f"{ph}_{q}_ms") if y > 0]
                 if pts:
                     ax.plot(*zip(*pts, strict=True), ls, marker=".", label=f"{ph} {q}")
         ax.set(yscale="log", xlabel="N", ylabel="latency (ms)",
                title=f"{arm}: latency by phase, W={w0:g}s")  # fmt: skip
-        _n_axis(ax, sorted({k[2] for k in groups if k[0] == arm}))
+        _n_axis(ax, d.arm_ns(arm))
         ax.legend(fontsize=6, ncol=2)
-    save(fig, "latency_phases.png")
+    return fig
 
-    # 6. server cost
+
+def _server_cost_figure(plt: Any, d: _Plot) -> Any:
+    """Server CPU per step and RSS per session vs N at the first wait."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for arm in arms:
-        ns, cpu = series(arm, w0, "server_cpu_us_per_step")
-        pts = [(n, y) for n, y in zip(ns, cpu, strict=True) if y is not None]
-        if pts:
-            ax1.plot(*zip(*pts, strict=True), marker="o", label=arm)
-        ns, rss = series(arm, w0, "rss_per_session_kb")
-        pts = [(n, y) for n, y in zip(ns, rss, strict=True) if y is not None]
-        if pts:
-            ax2.plot(*zip(*pts, strict=True), marker="o", label=arm)
+    for arm in d.arms:
+        for ax, col in ((ax1, "server_cpu_us_per_step"), (ax2, "rss_per_session_kb")):
+            pts = d.points(arm, d.first_wait, col)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=arm)
     ax1.set(xlabel="N", ylabel="µs", title="Server CPU per step")
     ax2.set(xlabel="N", ylabel="KiB", title="Server RSS per session")
     for ax in (ax1, ax2):
-        _n_axis(ax, sorted({k[2] for k in groups}))
+        _n_axis(ax, d.ns)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    save(fig, "server_cost.png")
+    return fig
+
+
+_FIGURE_MAKERS: dict[str, Callable[[Any, _Plot], Any]] = {
+    "scaling.png": _scaling_figure,
+    "max_batch.png": _max_batch_figure,
+    "batch_per_core.png": _batch_per_core_figure,
+    "p99_heatmap.png": _p99_heatmap_figure,
+    "latency_phases.png": _latency_phases_figure,
+    "server_cost.png": _server_cost_figure,
+}
+"""Each figure's file name and the function that draws it (``plt``, the grouped rows)."""
+
+FIGURES = tuple(_FIGURE_MAKERS)
+"""The figures every run writes, in order."""
+
+
+def write_figures(out_dir: Path, rows: Sequence[Row]) -> list[Path]:
+    """Write every figure of :data:`FIGURES` into ``out_dir``; return their paths."""
+    plt = _plt()
+    data = _Plot(rows)
+    paths: list[Path] = []
+    for name, draw in _FIGURE_MAKERS.items():
+        fig = draw(plt, data)
+        path = out_dir / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
     return paths
 
 
@@ -293,16 +336,15 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("unique_pids", "PIDs", 0),
 )
 
-_ERR = ("refused", "timeout", "capacity", "protocol", "disconnected", "client", "deadline")
-
 
 def errors_text(rows: Sequence[Row]) -> str:
-    """``timeout:3 capacity:1`` summed over repetitions ('' when none)."""
+    """``timeout:3 capacity:1`` summed over repetitions ('' when none), in
+    :data:`~stadium.bench.metrics.ERROR_KINDS` order."""
     parts = []
-    for kind in _ERR:
-        total = sum(int(r.get(f"err_{kind}") or 0) for r in rows)
+    for kind in metrics.ERROR_KINDS:
+        total = sum(int(r.get(error_column(kind)) or 0) for r in rows)
         if total:
-            parts.append(f"{kind}:{total}")
+            parts.append(f"{kind.value}:{total}")
     return " ".join(parts)
 
 
@@ -381,10 +423,7 @@ def write_report(
     lines += ["", "## Max batch (knee) per arm", ""]
     lines += ["Largest N with >= 95 % success in every repetition.", ""]
     lines += ["| arm | W (s) | max batch | batch per core |", "|---|---|---|---|"]
-    cores: dict[str, float] = {}
-    for r in rows:
-        c = r.get("server_cores")
-        cores[str(r["arm"])] = float(c) if c else float(os.cpu_count() or 1)
+    cores = server_cores(rows)
     for (arm, wait), mb in sorted(max_batches(rows).items()):
         per_core = metrics.batch_per_core(mb, cores.get(arm, 1.0))
         lines.append(f"| {arm} | {wait:g} | {mb:,} | {per_core:,.0f} |")

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from stadium.bench import metrics
-from stadium.bench.metrics import ErrorKind
+from stadium.bench.metrics import ERROR_KINDS, ErrorKind
 
 
 class SessionRecord(msgspec.Struct, kw_only=True):
@@ -74,7 +74,9 @@ class PointSummary:
 
     Latencies are in milliseconds, memory in MiB (``*_mb``) or KiB (``*_kb``),
     server CPU in ms per session and µs per step. Columns are the field names,
-    in this order (:func:`columns`).
+    in this order (:func:`columns`). The ``err_*`` fields are the
+    :data:`~stadium.bench.metrics.ERROR_KINDS`, in their order (checked at import:
+    add a kind there and here together).
     """
 
     arm: str
@@ -140,6 +142,22 @@ class PointSummary:
         return dataclasses.asdict(self)
 
 
+def error_column(kind: ErrorKind) -> str:
+    """The ``summary.csv`` column counting the sessions that failed with ``kind``."""
+    return f"err_{kind.value}"
+
+
+def _check_error_columns() -> None:
+    """``PointSummary``'s ``err_*`` fields are exactly :data:`ERROR_KINDS`, in order."""
+    have = [f.name for f in dataclasses.fields(PointSummary) if f.name.startswith("err_")]
+    want = [error_column(k) for k in ERROR_KINDS]
+    if have != want:
+        raise TypeError(f"PointSummary's error columns {have} are not ErrorKind's {want}")
+
+
+_check_error_columns()
+
+
 def columns() -> list[str]:
     """The columns of ``summary.csv``, in order."""
     return [f.name for f in dataclasses.fields(PointSummary)]
@@ -189,9 +207,8 @@ def summarize(
     s.ok = sum(1 for r in records if r.ok)
     s.success_rate = metrics.success_rate(s.ok, s.attempted)
     kinds = Counter(r.error for r in records if not r.ok)
-    for kind in ErrorKind:
-        if kind is not ErrorKind.NONE:
-            setattr(s, f"err_{kind.value}", kinds.get(kind.value, 0))
+    for kind in ERROR_KINDS:
+        setattr(s, error_column(kind), kinds.get(kind.value, 0))
 
     ok = [r for r in records if r.ok]
     phases: dict[str, list[float]] = {

@@ -14,6 +14,8 @@ are skipped, and a running point is cut at it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import os
 import shlex
 import sys
@@ -21,15 +23,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from stadium._errors import ConfigError
 from stadium.bench import arms as arms_mod
 from stadium.bench import report
-from stadium.bench.arms import Arm, Caps, ServerSettings
-from stadium.bench.loadgen import LoadSpec, ThinkModel, run_load
+from stadium.bench.arms import Arm, CapReport, Caps, RunningServer, ServerSettings
+from stadium.bench.loadgen import run_load
+from stadium.bench.loadspec import LoadSpec, ThinkModel
 from stadium.bench.procstat import ServerSampler
-from stadium.bench.results import PointKey, PointSettings, PointSummary, ServerStats, summarize
+from stadium.bench.results import (
+    PointKey,
+    PointSettings,
+    PointSummary,
+    ServerStats,
+    SessionRecord,
+    summarize,
+)
 
 
 @dataclass
@@ -128,6 +138,52 @@ class _Progress:
             self.bar.console.print(text)
 
 
+@dataclass
+class _Run:
+    """One run in progress: what every point needs, and what the points add up to."""
+
+    config: BenchConfig
+    settings: ServerSettings
+    openenv_py: str | None
+    deadline: float
+    """The run's hard deadline, on the monotonic clock."""
+    progress: _Progress
+    raw: IO[bytes]
+    """``raw.jsonl``, open for writing."""
+    rows: list[PointSummary] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    cap_methods: dict[str, str] = field(default_factory=dict)
+    """How each cap was applied (``CPU``, ``memory``), for the report's notes."""
+
+    @property
+    def caps(self) -> Caps:
+        return Caps(cpus=self.config.cpus, mem_bytes=self.config.mem_bytes)
+
+    @property
+    def server_cores(self) -> float:
+        """The CPUs a started server may use."""
+        cpus = self.config.cpus
+        return float(len(cpus)) if cpus else float(os.cpu_count() or 1)
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
+    def point(self, key: PointKey, arm: Arm) -> PointSummary:
+        """Run one point, record it (``summary.csv`` rewritten) and return its summary."""
+        self.progress.point(f"{key.arm} N={key.n} W={key.wait_s:g} rep {key.rep + 1}", key.n)
+        summary = _run_point(self, key, arm)
+        self.rows.append(summary)
+        report.write_summary(self.config.output_dir / "summary.csv", self.rows)
+        self.progress.advance()
+        return summary
+
+    def note_caps(self, applied: CapReport) -> None:
+        if applied.cpu != "none":
+            self.cap_methods["CPU"] = applied.cpu
+        if applied.mem != "none":
+            self.cap_methods["memory"] = applied.mem
+
+
 def run(config: BenchConfig) -> Path:
     """Run every point, write the outputs; return the path of ``report.md``.
 
@@ -135,77 +191,95 @@ def run(config: BenchConfig) -> Path:
     an arm that cannot start). Always returns by ``config.deadline_s`` plus
     the last point's shutdown.
     """
-    run_deadline = time.monotonic() + config.deadline_s
-    out = config.output_dir
-    out.mkdir(parents=True, exist_ok=True)
-    log_dir = out / "logs"
+    deadline = time.monotonic() + config.deadline_s
+    config.output_dir.mkdir(parents=True, exist_ok=True)
     arm_list = config.arm_list()
     names = [a.name for a in arm_list]
     if len(set(names)) != len(names):
         raise ConfigError(f"arms must be distinct: {names}")
-    cache_dir = config.cache_dir or Path.home() / ".cache" / "stadium-bench"
     grid = sorted(set(config.requests_grid))
     settings = ServerSettings(
         workers=config.server_workers,
         max_sessions=config.max_sessions or max(100_000, 2 * max(grid)),
-        cache_dir=cache_dir,
+        cache_dir=config.cache_dir or Path.home() / ".cache" / "stadium-bench",
     )
-    caps = Caps(cpus=config.cpus, mem_bytes=config.mem_bytes)
-    server_cores = float(len(config.cpus)) if config.cpus else float(os.cpu_count() or 1)
-    think_s = config.think.seconds
-    rows: list[PointSummary] = []
-    notes: list[str] = []
-    cap_methods: dict[str, str] = {}
-    openenv_py: str | None = None
+    openenv_py = None
     if any(a.kind == "openenv" for a in arm_list):
-        openenv_py = arms_mod.openenv_python(cache_dir)
-        notes.append(f"openenv arm served by {openenv_py}")
+        openenv_py = arms_mod.openenv_python(settings.cache_dir)
     total_points = len(grid) * len(config.wait_grid) * config.reps * len(arm_list)
-
     with contextlib.ExitStack() as stack:
         for ref in {a.git_ref for a in arm_list if a.git_ref is not None}:
             settings.worktrees[ref] = stack.enter_context(
-                arms_mod.git_worktree(ref, cache_dir / "worktrees")
+                arms_mod.git_worktree(ref, settings.cache_dir / "worktrees")
             )
-        raw = stack.enter_context((out / "raw.jsonl").open("wb"))
-        prog = stack.enter_context(_Progress(config.progress, total_points))
-        for wait in config.wait_grid:
-            alive = list(arm_list)
-            for n in grid:
-                for rep in range(config.reps):
-                    for arm in list(alive):
-                        if time.monotonic() >= run_deadline:
-                            if not any("deadline" in x for x in notes):
-                                notes.append("the run's deadline passed; later points skipped")
-                            break
-                        key = PointKey(arm.name, n, float(wait), rep)
-                        prog.point(f"{arm.name} N={n} W={wait:g} rep {rep + 1}", n)
-                        summary = _run_point(
-                            key, arm, config, settings, caps, log_dir, openenv_py,
-                            run_deadline, prog, raw, server_cores, think_s, cap_methods,
-                        )  # fmt: skip
-                        rows.append(summary)
-                        report.write_summary(out / "summary.csv", rows)
-                        prog.advance()
-                        if summary.collapsed and config.stop_at_collapse:
-                            alive.remove(arm)
-                            prog.log(
-                                f"[bold]{arm.name}[/] collapsed at N={n}, W={wait:g}s: "
-                                f"success {summary.success_rate:.1%}"
-                                + (" (OOM)" if summary.oom else "")
-                                + (" (deadline)" if summary.deadline_hit else "")
-                            )
-    if cap_methods:
-        notes.extend(f"{k} cap: {v}" for k, v in sorted(cap_methods.items()))
-    rowdicts = [r.as_row() for r in rows]
-    figures = report.write_figures(out, rowdicts) if rowdicts else []
-    settings_table = {
+        state = _Run(
+            config,
+            settings,
+            openenv_py,
+            deadline,
+            progress=stack.enter_context(_Progress(config.progress, total_points)),
+            raw=stack.enter_context((config.output_dir / "raw.jsonl").open("wb")),
+        )
+        if openenv_py is not None:
+            state.notes.append(f"openenv arm served by {openenv_py}")
+        _run_grid(state, arm_list, grid)
+    return _write_outputs(state, names, grid)
+
+
+def _run_grid(state: _Run, arms: Sequence[Arm], grid: Sequence[int]) -> None:
+    """Every point, in the order of the module docstring, until the run's deadline."""
+    config = state.config
+    for wait in config.wait_grid:
+        alive = list(arms)
+        for n, rep in itertools.product(grid, range(config.reps)):
+            for arm in list(alive):
+                if state.expired():
+                    state.notes.append("the run's deadline passed; later points skipped")
+                    return
+                summary = state.point(PointKey(arm.name, n, float(wait), rep), arm)
+                if summary.collapsed and config.stop_at_collapse:
+                    alive.remove(arm)
+                    state.progress.log(_collapse_text(summary))
+
+
+def _collapse_text(s: PointSummary) -> str:
+    return (
+        f"[bold]{s.arm}[/] collapsed at N={s.n}, W={s.wait_s:g}s: success {s.success_rate:.1%}"
+        + (" (OOM)" if s.oom else "")
+        + (" (deadline)" if s.deadline_hit else "")
+    )
+
+
+def _write_outputs(state: _Run, names: Sequence[str], grid: Sequence[int]) -> Path:
+    """Figures, ``report.md`` (and the terminal tables); the report's path."""
+    config = state.config
+    notes = [*state.notes, *(f"{k} cap: {v}" for k, v in sorted(state.cap_methods.items()))]
+    rowdicts = [r.as_row() for r in state.rows]
+    figures = report.write_figures(config.output_dir, rowdicts) if rowdicts else []
+    path = report.write_report(
+        config.output_dir,
+        rowdicts,
+        command=config.command or shlex.join(sys.argv),
+        settings=_settings_table(config, names, grid),
+        figures=figures,
+        notes=notes,
+    )
+    if config.progress:
+        report.print_table(rowdicts)
+    return path
+
+
+def _settings_table(
+    config: BenchConfig, names: Sequence[str], grid: Sequence[int]
+) -> dict[str, Any]:
+    """The report's settings table."""
+    return {
         "arms": ", ".join(names),
         "requests grid": ",".join(map(str, grid)),
         "wait grid (s)": ",".join(f"{w:g}" for w in config.wait_grid),
         "repetitions": config.reps,
         "steps per session": config.steps,
-        "think per step (ms)": f"{think_s * 1000:g}",
+        "think per step (ms)": f"{config.think.seconds * 1000:g}",
         "state per session (KB)": config.state_kb,
         "mode": config.mode,
         "server CPUs": ",".join(map(str, config.cpus)) if config.cpus else "all",
@@ -216,39 +290,42 @@ def run(config: BenchConfig) -> Path:
         "stop at collapse": config.stop_at_collapse,
         "run deadline (s)": config.deadline_s,
     }
-    command = config.command or shlex.join(sys.argv)
-    path = report.write_report(
-        out, rowdicts, command=command, settings=settings_table, figures=figures, notes=notes
-    )
-    if config.progress:
-        report.print_table(rowdicts)
-    return path
 
 
-def _run_point(
-    key: PointKey,
-    arm: Arm,
-    config: BenchConfig,
-    settings: ServerSettings,
-    caps: Caps,
-    log_dir: Path,
-    openenv_py: str | None,
-    run_deadline: float,
-    prog: _Progress,
-    raw: Any,
-    server_cores: float,
-    think_s: float,
-    cap_methods: dict[str, str],
-) -> PointSummary:
-    tag = f"{arm.name.replace('@', '_')}-n{key.n}-w{key.wait_s:g}-r{key.rep}"
-    point_settings = PointSettings(
+def _run_point(state: _Run, key: PointKey, arm: Arm) -> PointSummary:
+    """Start the arm's server, run the point's load against it, stop it; the summary."""
+    config = state.config
+    settings = PointSettings(
         steps=config.steps,
-        think_s=think_s,
+        think_s=config.think.seconds,
         state_kb=config.state_kb,
         mode=config.mode,
-        server_cores=server_cores if arm.kind != "url" else None,
+        server_cores=state.server_cores if arm.kind != "url" else None,
     )
-    spec = LoadSpec(
+    spec = _load_spec(config, key)
+    deadline = min(spec.deadline(), max(1.0, state.deadline - time.monotonic()))
+    tag = f"{arm.name.replace('@', '_')}-n{key.n}-w{key.wait_s:g}-r{key.rep}"
+    log_dir = config.output_dir / "logs"
+    try:
+        server, applied = arms_mod.start_server(
+            arm, state.settings, state.caps, log_dir, tag, openenv_py=state.openenv_py
+        )
+    except ConfigError as exc:
+        state.progress.log(f"[red]{arm.name}: could not start the server: {exc.message}[/]")
+        s = summarize(key, [], settings, note=f"server did not start: {exc.message}")
+        s.collapsed = True
+        return s
+    state.note_caps(applied)
+    spec = dataclasses.replace(spec, url=server.url, deadline_s=deadline)
+    records, stats, note = _measure(state, server, spec, settings)
+    report.append_raw(state.raw, key, records)
+    state.raw.flush()
+    return summarize(key, records, settings, stats, note=note)
+
+
+def _load_spec(config: BenchConfig, key: PointKey) -> LoadSpec:
+    """The point's load, without its server's URL yet."""
+    return LoadSpec(
         url="",
         sessions=key.n,
         wait_s=key.wait_s,
@@ -262,47 +339,30 @@ def _run_point(
         cpus=config.load_cpus,
         connect_window=config.connect_window,
     )
-    remaining = run_deadline - time.monotonic()
-    deadline = min(spec.deadline(), max(1.0, remaining))
-    try:
-        server, capr = arms_mod.start_server(
-            arm, settings, caps, log_dir, tag, openenv_py=openenv_py
-        )
-    except ConfigError as exc:
-        prog.log(f"[red]{arm.name}: could not start the server: {exc.message}[/]")
-        s = summarize(key, [], point_settings, note=f"server did not start: {exc.message}")
-        s.collapsed = True
-        return s
-    if capr.cpu != "none":
-        cap_methods["CPU"] = capr.cpu
-    if capr.mem != "none":
-        cap_methods["memory"] = capr.mem
+
+
+def _measure(
+    state: _Run, server: RunningServer, spec: LoadSpec, settings: PointSettings
+) -> tuple[list[SessionRecord], ServerStats | None, str]:
+    """Run the load while sampling the server, then stop the server (always).
+
+    Returns the records, the server's figures (``None`` when its PID is
+    unknown) and a note (a non-zero exit code). Sets ``settings.load_procs``.
+    """
     stats: ServerStats | None = None
-    note = ""
     try:
-        time.sleep(config.settle_s)
+        time.sleep(state.config.settle_s)
         sampler = ServerSampler(server.pid)
         sampler.start()
-        spec = LoadSpec(**{**_fields(spec), "url": server.url, "deadline_s": deadline})
-        records, nprocs = run_load(spec, progress=prog.sessions)
-        point_settings.load_procs = nprocs
-        stats = sampler.stop()
-        if server.pid is None:
-            stats = None
+        records, settings.load_procs = run_load(spec, progress=state.progress.sessions)
+        stats = sampler.stop() if server.pid is not None else None
     finally:
         code = server.stop()
-    if stats is not None:
-        stats.exit_code = code
-        stats.oom = server.oom()
-        if code not in (0, None):
-            note = f"server exit code {code}"
-    report.append_raw(raw, key, records)
-    raw.flush()
-    return summarize(key, records, point_settings, stats, note=note)
-
-
-def _fields(spec: LoadSpec) -> dict[str, Any]:
-    return {f: getattr(spec, f) for f in spec.__dataclass_fields__}
+    if stats is None:
+        return records, None, ""
+    stats.exit_code = code
+    stats.oom = server.oom()
+    return records, stats, f"server exit code {code}" if code not in (0, None) else ""
 
 
 def run_ramp(
