@@ -31,6 +31,9 @@ class ServerConfig:
         drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
         ping_interval, ping_timeout: keepalive pings that detect half-open peers (0: off).
         executor_threads: size of the shared pool for blocking sync environments.
+        restart_max_delay: with several workers, the longest wait before a worker
+            that keeps crashing is restarted (the wait doubles from 0.05 s with
+            each quick crash of that worker).
         env_kwargs: keyword arguments for the environment's constructor.
     """
 
@@ -46,6 +49,7 @@ class ServerConfig:
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
     executor_threads: int = min(32, (os.cpu_count() or 1) + 4)
+    restart_max_delay: float = 30.0
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_level: str = "info"
 
@@ -63,6 +67,11 @@ class ServerConfig:
             value=self.max_message_bytes,
         )
         _check(1 <= self.executor_threads <= 1024, "--executor-threads must be 1..1024")
+        _check(
+            0.05 <= self.restart_max_delay <= 3600,
+            "--restart-max-delay must be between 0.05 and 3600 seconds",
+            value=self.restart_max_delay,
+        )
         _check(
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
@@ -122,6 +131,11 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--executor-threads", type=int, help="Threads for blocking sync envs [cpus+4]."
+        ),
+        click.option(
+            "--restart-max-delay",
+            type=float,
+            help="Longest wait before restarting a worker that keeps crashing [30].",
         ),
         click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
         click.option(

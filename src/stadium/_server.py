@@ -10,23 +10,28 @@
 ``run_server(config)`` is what ``stadium serve`` calls: it binds the listening
 socket once (backlog at the kernel's maximum), then either serves in this
 process (``workers == 1``) or forks the workers, which share the socket and a
-server-wide session limit (:class:`~stadium._admission.SharedSlots`). SIGTERM or
-SIGINT stops accepting, lets sessions finish for up to ``drain_timeout``, closes
-the rest with 1001 after their in-flight request, and exits 0.
+server-wide session limit (:class:`~stadium._admission.SharedSlots`), under
+:class:`~stadium._supervisor.Supervisor`. SIGTERM or SIGINT stops accepting,
+lets sessions finish for up to ``drain_timeout``, closes the rest with 1001
+after their in-flight request, and exits 0. SIGHUP recycles the workers (see
+:func:`run_server`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
+import errno
 import gc
 import logging
+import math
 import os
+import resource
 import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from stadium._admission import SharedSlots, Slots
@@ -37,12 +42,22 @@ from stadium._loader import load_target
 from stadium._picows import PicowsTransport
 from stadium._session import CLOSE_GOING_AWAY
 from stadium._spec import EnvSpec
+from stadium._supervisor import Supervisor
 from stadium._worker import Worker
 
 log = logging.getLogger("stadium.server")
 
 #: After the drain timeout, how long in-flight requests still get before they are cancelled.
 FINAL_GRACE_S = 5.0
+#: After that, how long a worker told to stop may still take before the supervisor kills it.
+KILL_MARGIN_S = 5.0
+#: Descriptors a worker needs besides its sessions' sockets (loop, pipes, files, HTTP requests).
+FD_HEADROOM = 64
+#: A worker with fewer free descriptors than this is short of them (it logs so).
+FD_LOW_WATER = 16
+#: How often a worker checks that it has file descriptors left, and how often it says it has not.
+FD_CHECK_INTERVAL_S = 1.0
+FD_LOG_INTERVAL_S = 60.0
 
 
 class ServerState(enum.Enum):
@@ -77,6 +92,112 @@ def _max_backlog() -> int:
         return 4096
 
 
+def raise_nofile_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit; the new soft limit.
+
+    Every session is a socket, so the soft limit (often 1024) caps the sessions a
+    worker can hold. Forked workers inherit the raised limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel caps it at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as exc:
+            log.debug("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+    return soft
+
+
+def check_fd_budget(config: ServerConfig, soft_limit: int) -> bool:
+    """Warn when a worker's open-file limit cannot hold its share of the sessions.
+
+    A worker needs about ``max_sessions / workers`` sockets plus :data:`FD_HEADROOM`;
+    past its limit the kernel refuses new connections (EMFILE). Returns False after
+    warning.
+    """
+    if soft_limit == resource.RLIM_INFINITY:
+        return True
+    needed = math.ceil(config.max_sessions / config.workers) + FD_HEADROOM
+    if soft_limit >= needed:
+        return True
+    fits = (soft_limit - FD_HEADROOM) * config.workers
+    log.warning(
+        "the open-file limit (%d per process) is below the ~%d descriptors each of the "
+        "%d worker(s) needs for --max-sessions %d (a socket per session, plus %d): "
+        "connections past the limit will be dropped. Raise the hard limit (ulimit -Hn; "
+        "systemd LimitNOFILE=; docker --ulimit nofile=), add --workers, or lower "
+        "--max-sessions%s.",
+        soft_limit, needed, config.workers, config.max_sessions, FD_HEADROOM,
+        f" to {fits}" if fits > 0 else "",
+    )  # fmt: skip
+    return False
+
+
+class _FdWatch:
+    """Says (rate-limited) when this worker is out of file descriptors.
+
+    When ``accept`` fails with EMFILE or ENFILE, uvloop (libuv) accepts and closes
+    the waiting connections with a spare descriptor and reports nothing, so the
+    failure would go unseen. Every :data:`FD_CHECK_INTERVAL_S` the watch duplicates
+    the listening socket: the lowest free descriptor is a lower bound on those in
+    use, and the duplicate fails exactly when none is left. Near or at the limit,
+    it logs a WARNING, at most once per :data:`FD_LOG_INTERVAL_S`.
+    """
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self._fd = sock.fileno()
+        self._loop = loop
+        self._soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self._logged_at = -math.inf
+        self._unlogged = 0
+        self._timer: asyncio.TimerHandle | None = loop.call_later(FD_CHECK_INTERVAL_S, self._check)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        self._timer = self._loop.call_later(FD_CHECK_INTERVAL_S, self._check)
+        if self._soft == resource.RLIM_INFINITY:
+            return
+        try:
+            probe = os.dup(self._fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                return
+            self._short(f"none of the {self._soft} allowed is free", errno.errorcode[exc.errno])
+            return
+        os.close(probe)
+        if probe >= self._soft - FD_LOW_WATER:
+            self._short(f"at least {probe} of the {self._soft} allowed are in use", "EMFILE")
+
+    def _short(self, state: str, code: str) -> None:
+        now = time.monotonic()
+        if now - self._logged_at < FD_LOG_INTERVAL_S:
+            self._unlogged += 1
+            return
+        again = (
+            f" (short {self._unlogged} more time(s) since the last report)"
+            if self._unlogged
+            else ""
+        )
+        log.warning(
+            "worker out of file descriptors: %s; new connections are refused (%s) and "
+            "dropped unanswered. Raise ulimit -n, add --workers or lower --max-sessions%s",
+            state, code, again,
+        )  # fmt: skip
+        self._logged_at = now
+        self._unlogged = 0
+
+
 class Server:
     """One worker: the transport, the sessions and their drain."""
 
@@ -104,6 +225,7 @@ class Server:
         )
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
+        self._fd_watch: _FdWatch | None = None
 
     @property
     def port(self) -> int:
@@ -117,7 +239,8 @@ class Server:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> None:
-        """Bind (unless given a socket) and start accepting."""
+        """Raise the open-file limit, bind (unless given a socket) and start accepting."""
+        raise_nofile_limit()
         if self._sock is None:
             self._sock = listen_socket(self.config.host, self.config.port)
         loop = asyncio.get_running_loop()
@@ -126,6 +249,7 @@ class Server:
         )
         self.state = ServerState.SERVING
         self.worker.start()
+        self._fd_watch = _FdWatch(self._sock, loop)
 
     async def stop(self, drain_timeout: float | None = None) -> None:
         """Stop accepting, let sessions finish, close the rest with 1001."""
@@ -136,6 +260,8 @@ class Server:
         rt = self.runtime
         rt.draining = True
         rt.stop_reaper()
+        if self._fd_watch is not None:
+            self._fd_watch.stop()
         if self._server is not None:
             self._server.close()
         rt.admission.refuse_all()
@@ -197,13 +323,26 @@ def _tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-async def _serve_until_signal(server: Server) -> None:
+async def _serve_until_signal(
+    server: Server, *, on_serving: Callable[[], None] | None = None, alone: bool = False
+) -> None:
+    """Serve until SIGTERM/SIGINT, then drain. ``alone``: no supervisor, so SIGHUP is
+    logged and ignored here (a forked worker ignores it: it is the supervisor's)."""
     _tune_gc()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if alone:
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            log.warning,
+            "SIGHUP ignored: with one worker there is no supervisor to recycle it "
+            "(serve with --workers 2 or more for a rolling recycle on SIGHUP)",
+        )
     await server.start()
+    if on_serving is not None:
+        on_serving()
     await stop.wait()
     log.info("signal received: draining %d sessions", len(server.runtime.sessions))
     await server.stop()
@@ -221,95 +360,53 @@ def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None
 
 
 def run_server(config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; return the process exit code (0 after a clean drain)."""
+    """Serve until SIGTERM/SIGINT; return the process exit code.
+
+    The open-file soft limit is raised to the hard limit first, with a warning if
+    that cannot hold the sessions. With ``workers == 1`` the server runs in this
+    process; otherwise a :class:`~stadium._supervisor.Supervisor` forks the workers.
+
+    Signals:
+
+    * SIGTERM, SIGINT: stop accepting, let sessions finish for up to
+      ``drain_timeout``, close the rest with 1001 after their in-flight request,
+      exit 0. With workers, a worker still running ``drain_timeout`` + 10 s after
+      is killed, and the exit code is then 1.
+    * SIGHUP (workers >= 2): a rolling recycle, one worker at a time: a fresh
+      worker is forked and, once it accepts connections, the old one stops
+      accepting and drains its sessions as on SIGTERM (served for up to
+      ``drain_timeout``, then closed with 1001 after their in-flight request).
+      No connection is refused meanwhile (the listening socket stays open), the
+      session limit still holds across old and new workers, and the supervisor
+      keeps its pid. Code and configuration are not reloaded (the new workers
+      are forks of the supervisor). With ``workers == 1`` SIGHUP is logged and
+      ignored.
+    * A worker that crashes is restarted after a delay that doubles with each
+      quick crash of that worker (0.05 s up to ``restart_max_delay``); the others
+      keep serving.
+    """
     _setup_logging(config.log_level)
     env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
+    check_fd_budget(config, raise_nofile_limit())
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
     if config.workers == 1:
         server = Server(config, env_cls, sock=sock)
         with asyncio.Runner(loop_factory=_new_loop) as runner:
-            runner.run(_serve_until_signal(server))
+            runner.run(_serve_until_signal(server, alone=True))
         return 0
-    return _Supervisor(config, env_cls, sock).run()
 
+    def run_worker(slots: SharedSlots, on_serving: Callable[[], None]) -> None:
+        server = Server(config, env_cls, sock=sock, slots=slots)
+        with asyncio.Runner(loop_factory=_new_loop) as runner:
+            runner.run(_serve_until_signal(server, on_serving=on_serving))
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM this worker if the supervisor dies (no orphaned workers)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
-
-
-class _Supervisor:
-    """Forks the workers, restarts any that crash, forwards stop signals."""
-
-    def __init__(
-        self, config: ServerConfig, env_cls: type[Environment[Any, Any, Any]], sock: socket.socket
-    ) -> None:
-        self.config = config
-        self.env_cls = env_cls
-        self.sock = sock
-        self.slots = SharedSlots(config.max_sessions, config.workers)
-        self.children: dict[int, int] = {}  # pid -> worker index
-        self.stopping = False
-
-    def _spawn(self, index: int) -> None:
-        pid = os.fork()
-        if pid == 0:  # worker
-            code = 1
-            try:
-                _die_with_parent()
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                self.slots.bind(index)
-                server = Server(self.config, self.env_cls, sock=self.sock, slots=self.slots)
-                with asyncio.Runner(loop_factory=_new_loop) as runner:
-                    runner.run(_serve_until_signal(server))
-                code = 0
-            except BaseException:
-                log.exception("worker %d failed", index)
-            finally:
-                os._exit(code)
-        self.children[pid] = index
-
-    def _signal(self, signum: int, frame: Any) -> None:
-        self.stopping = True
-        for pid in list(self.children):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
-
-    def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._signal)
-        signal.signal(signal.SIGINT, self._signal)
-        for index in range(self.config.workers):
-            self._spawn(index)
-        failures = 0
-        while self.children:
-            try:
-                pid, status = os.wait()
-            except ChildProcessError:
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries
-                continue
-            if pid not in self.children:
-                continue
-            index = self.children.pop(pid)
-            self.slots.forget_worker(index)
-            code = os.waitstatus_to_exitcode(status)
-            if not self.stopping:
-                failures += 1
-                log.error("worker %d (pid %d) exited with %d; restarting", index, pid, code)
-                if failures > 10 * self.config.workers:
-                    log.error("workers keep failing; giving up")
-                    self._signal(signal.SIGTERM, None)
-                    return 1
-                time.sleep(min(1.0, 0.05 * failures))
-                self._spawn(index)
-        return 0
+    supervisor = Supervisor(
+        workers=config.workers,
+        max_sessions=config.max_sessions,
+        restart_max_delay=config.restart_max_delay,
+        stop_grace_s=config.drain_timeout + FINAL_GRACE_S + KILL_MARGIN_S,
+        run_worker=run_worker,
+    )
+    return supervisor.run()
