@@ -248,3 +248,18 @@ async def test_the_memory_channel_counts_without_keeping_frames() -> None:
     ch.send(b"abc")
     assert waiter.done()
     assert (ch.replies, ch.bytes, list(ch.frames)) == (1, 3, [])
+
+
+async def test_a_long_queue_of_steps_that_complete_at_once_is_drained_without_recursion() -> None:
+    """Steps that finish without waiting (eager tasks) are answered in a loop, not by recursion."""
+    async with memory_runtime(Gated) as rt:
+        session, ch = open_session(rt)
+        await ch.request(session, frame("reset"))
+        session.feed(frame("step", {"value": -1}, rid=0))  # waits for the gate
+        for i in range(1, MAX_PENDING + 1):
+            session.feed(frame("step", {"value": i}, rid=i))
+        Gated.gate.set()
+        ids = [reply(await ch.next_frame(5 * UNIT)).get("id") for _ in range(MAX_PENDING + 1)]
+        assert ids == list(range(MAX_PENDING + 1))
+        assert rt.errors_total == {"EXECUTION_ERROR": 1}  # step 13 raises, in its place
+        assert rt.steps_total == MAX_PENDING

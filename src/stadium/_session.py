@@ -362,6 +362,10 @@ class Session:
             self._task = pending
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
+        # A call that waited was registered in-flight; one that finished at once is
+        # being answered inside _handle, whose caller (feed, or _drain_pending's loop)
+        # goes on with the queue: draining here too would recurse once per message.
+        waited = self._call is not None
         self._call = None
         self._task = None
         if self.phase is Phase.CLOSED:
@@ -375,6 +379,8 @@ class Session:
             self._send_error(call, SessionError(f"{call.op.name.lower()} was cancelled"))
         else:
             self._fail(call, error)
+        if not waited:
+            return
         if self.phase is Phase.CLOSING:
             self._finish_close(*self._close_after)
         elif self._pending:
