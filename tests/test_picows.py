@@ -12,6 +12,7 @@ from typing import Any
 
 from picows import WSListener, ws_connect
 
+import stadium
 from stadium import AsyncClient
 from tests.conftest import UNIT, serve
 
@@ -242,3 +243,35 @@ async def test_content_length_with_transfer_encoding_is_refused_not_smuggled() -
         assert data.startswith(b"HTTP/1.1 400"), data
         assert b"Transfer-Encoding" in data
         assert data.count(b"HTTP/1.1") == 1  # the smuggled second request is not answered
+
+
+class _Big(stadium.Environment[dict[str, Any], dict[str, Any], stadium.State]):
+    """Replies with an observation of ``size`` bytes."""
+
+    blocking = False
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        return {"blob": ""}
+
+    def step(self, action: dict[str, Any]) -> Any:
+        return {"blob": "x" * int(action["size"])}
+
+
+def test_a_reply_larger_than_the_unsent_bound_reaches_a_client_that_reads() -> None:
+    """On uvloop, as `stadium serve` runs (CPython 3.12.1's own writelines, which picows
+    uses for replies over 8 KiB, never signals backpressure)."""
+    import uvloop
+
+    async def run() -> None:
+        async with serve(_Big, max_message_bytes=1024) as server:
+            server.transport.max_unsent_bytes = 64 * 1024
+            async with AsyncClient(server.url) as env:
+                await env.reset()
+                for _ in range(2):  # more than the kernel's socket buffers take at once
+                    result = await env.step({"size": 32 * 1024 * 1024})
+                    assert len(result.observation["blob"]) == 32 * 1024 * 1024
+            assert await _until(lambda: not server.runtime.sessions, 5 * UNIT)
+            assert server.runtime.sessions_total == 1
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())

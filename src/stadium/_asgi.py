@@ -38,8 +38,9 @@ class _AsgiChannel:
     """A session's channel: frames go through a queue to one writer task per connection.
 
     The queue is bounded in bytes: a client that does not read its replies (the
-    ASGI server's ``send`` does not return) is closed with 1008 once more than
-    ``MAX_UNSENT_BYTES`` wait, and its frames are dropped.
+    ASGI server's ``send`` does not return) is closed with 1008 when more than
+    ``MAX_UNSENT_BYTES`` still wait as another reply is due, and its frames are
+    dropped.
     """
 
     __slots__ = ("_binary", "_queue", "_unsent", "closed")
@@ -53,12 +54,12 @@ class _AsgiChannel:
     def send(self, data: bytes) -> None:
         if self.closed:
             return
-        self._unsent += len(data)
-        if self._unsent > MAX_UNSENT_BYTES:
+        if self._unsent > MAX_UNSENT_BYTES:  # checked first: one large reply still goes out
             while not self._queue.empty():
                 self._queue.get_nowait()
             self.close(1008, f"client is not reading its replies (> {MAX_UNSENT_BYTES} bytes)")
             return
+        self._unsent += len(data)
         self._queue.put_nowait(data)
 
     def close(self, code: int, reason: str) -> None:

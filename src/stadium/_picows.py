@@ -93,8 +93,8 @@ class _SessionListener(WSListener):
     Backpressure: when the socket's write buffer passes its high-water mark
     (uvloop calls ``pause_writing``), the session stops reading requests, so a
     client that does not read its replies cannot make the server buffer more of
-    them; past ``max_unsent_bytes`` still unsent, it is closed (1008) and its
-    buffers are dropped.
+    them; if more than ``max_unsent_bytes`` are still unsent when another reply
+    is due, it is closed (1008) and its buffers are dropped.
     """
 
     __slots__ = (
@@ -196,20 +196,27 @@ class _SessionListener(WSListener):
     def send(self, data: bytes) -> None:
         transport = self.transport
         if transport is not None and not transport.is_close_frame_sent:
+            if self._paused and self._not_reading(transport):
+                return
             transport.send(self._msg_type, data)
-            if self._paused:
-                self._check_unsent(transport)
 
-    def _check_unsent(self, transport: WSTransport) -> None:
+    def _not_reading(self, transport: WSTransport) -> bool:
+        """Close the session if more than the bound is still unsent when a reply is due.
+
+        Checked before the reply is queued, so one reply larger than the bound is
+        still delivered to a client that reads it.
+        """
         unsent = transport.underlying_transport.get_write_buffer_size()
         limit = self._owner.max_unsent_bytes
-        if unsent > limit:
-            log.debug("closing a session whose client is not reading (%d bytes unsent)", unsent)
-            transport.send_close(
-                WSCloseCode.POLICY_VIOLATION,
-                f"client is not reading its replies ({unsent} bytes unsent > {limit})".encode(),
-            )
-            transport.disconnect(graceful=False)
+        if unsent <= limit:
+            return False
+        log.debug("closing a session whose client is not reading (%d bytes unsent)", unsent)
+        transport.send_close(
+            WSCloseCode.POLICY_VIOLATION,
+            f"client is not reading its replies ({unsent} bytes unsent > {limit})".encode(),
+        )
+        transport.disconnect(graceful=False)
+        return True
 
     def close(self, code: int, reason: str) -> None:
         transport = self.transport
@@ -245,7 +252,7 @@ class PicowsTransport:
         self.runtime = runtime
         self.endpoints = endpoints
         self.max_message_bytes = max_message_bytes
-        self.max_unsent_bytes = max(max_unsent_bytes, 2 * max_message_bytes)
+        self.max_unsent_bytes = max_unsent_bytes
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
         self.http_connections: set[_HttpProtocol] = set()
