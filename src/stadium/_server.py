@@ -43,6 +43,7 @@ from stadium._picows import PicowsTransport
 from stadium._session import CLOSE_GOING_AWAY
 from stadium._spec import EnvSpec
 from stadium._supervisor import Supervisor
+from stadium._throttle import Throttle
 from stadium._worker import Worker
 
 log = logging.getLogger("stadium.server")
@@ -155,8 +156,7 @@ class _FdWatch:
         self._fd = sock.fileno()
         self._loop = loop
         self._soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self._logged_at = -math.inf
-        self._unlogged = 0
+        self._throttle = Throttle(FD_LOG_INTERVAL_S)
         self._timer: asyncio.TimerHandle | None = loop.call_later(FD_CHECK_INTERVAL_S, self._check)
 
     def stop(self) -> None:
@@ -180,22 +180,14 @@ class _FdWatch:
             self._short(f"at least {probe} of the {self._soft} allowed are in use", "EMFILE")
 
     def _short(self, state: str, code: str) -> None:
-        now = time.monotonic()
-        if now - self._logged_at < FD_LOG_INTERVAL_S:
-            self._unlogged += 1
+        held = self._throttle.report(time.monotonic())
+        if held is None:
             return
-        again = (
-            f" (short {self._unlogged} more time(s) since the last report)"
-            if self._unlogged
-            else ""
-        )
         log.warning(
             "worker out of file descriptors: %s; new connections are refused (%s) and "
             "dropped unanswered. Raise ulimit -n, add --workers or lower --max-sessions%s",
-            state, code, again,
+            state, code, f" (short {held} more time(s) since the last report)" if held else "",
         )  # fmt: skip
-        self._logged_at = now
-        self._unlogged = 0
 
 
 class Server:

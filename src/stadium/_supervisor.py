@@ -39,7 +39,6 @@ import contextlib
 import dataclasses
 import enum
 import logging
-import math
 import multiprocessing.sharedctypes
 import os
 import selectors
@@ -50,6 +49,7 @@ from types import FrameType
 from typing import NoReturn
 
 from stadium._admission import SharedSlots
+from stadium._throttle import Throttle
 
 log = logging.getLogger("stadium.supervisor")
 
@@ -109,8 +109,7 @@ class _Slot:
     crashes: int = 0
     """Consecutive quick crashes (reset by a worker that serves :data:`STABLE_AFTER_S`)."""
     restart_at: float | None = None
-    reported_at: float = -math.inf
-    unreported: int = 0
+    crash_log: Throttle = dataclasses.field(default_factory=lambda: Throttle(CRASH_LOG_INTERVAL_S))
 
 
 class Supervisor:
@@ -349,20 +348,14 @@ class Supervisor:
         delay = min(self.restart_max_delay, BACKOFF_BASE_S * 2.0 ** min(slot.crashes, 40))
         slot.crashes += 1
         slot.restart_at = now + delay
-        if now - slot.reported_at < CRASH_LOG_INTERVAL_S:
-            slot.unreported += 1
+        held = slot.crash_log.report(now)
+        if held is None:
             return
-        not_logged = (
-            f"; {slot.unreported} more crash(es) of this worker since the last report"
-            if slot.unreported
-            else ""
-        )
+        not_logged = f"; {held} more crash(es) of this worker since the last report" if held else ""
         log.error(
             "worker %d %s after %.1f s; restarting it in %.2f s (crash %d in a row%s)",
             slot.index, how, now - started, delay, slot.crashes, not_logged,
         )  # fmt: skip
-        slot.reported_at = now
-        slot.unreported = 0
 
     # -- SIGHUP ----------------------------------------------------------------------
 
