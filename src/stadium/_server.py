@@ -40,6 +40,7 @@ from stadium._env import Environment
 from stadium._errors import ConfigError
 from stadium._loader import load_target
 from stadium._picows import PicowsTransport
+from stadium._process import new_event_loop, raise_nofile_limit
 from stadium._session import CLOSE_GOING_AWAY
 from stadium._spec import EnvSpec
 from stadium._supervisor import Supervisor
@@ -91,29 +92,6 @@ def _max_backlog() -> int:
             return max(int(f.read().strip()), 128)
     except (OSError, ValueError):
         return 4096
-
-
-def raise_nofile_limit() -> int:
-    """Raise this process's soft limit on open files to its hard limit; the new soft limit.
-
-    Every session is a socket, so the soft limit (often 1024) caps the sessions a
-    worker can hold. Forked workers inherit the raised limit.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = hard
-    if hard == resource.RLIM_INFINITY:  # the kernel caps it at fs.nr_open
-        try:
-            with open("/proc/sys/fs/nr_open") as f:
-                target = int(f.read())
-        except (OSError, ValueError):
-            target = 1 << 20
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (OSError, ValueError) as exc:
-            log.debug("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
-    return soft
 
 
 def check_fd_budget(config: ServerConfig, soft_limit: int) -> bool:
@@ -290,15 +268,6 @@ def _setup_logging(level: str) -> None:
         logging.getLogger("stadium.picows").setLevel(logging.WARNING)
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.new_event_loop()
-    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    return loop
-
-
 GC_THRESHOLDS = (50_000, 50, 100)
 """The cyclic collector's thresholds in a serving process (CPython's default: 700, 10, 10).
 
@@ -385,13 +354,13 @@ def run_server(config: ServerConfig) -> int:
     _announce(config, sock, spec.name)
     if config.workers == 1:
         server = Server(config, env_cls, sock=sock)
-        with asyncio.Runner(loop_factory=_new_loop) as runner:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(_serve_until_signal(server, alone=True))
         return 0
 
     def run_worker(slots: SharedSlots, on_serving: Callable[[], None]) -> None:
         server = Server(config, env_cls, sock=sock, slots=slots)
-        with asyncio.Runner(loop_factory=_new_loop) as runner:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
             runner.run(_serve_until_signal(server, on_serving=on_serving))
 
     supervisor = Supervisor(

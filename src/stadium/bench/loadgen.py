@@ -38,6 +38,7 @@ from typing import IO, Any
 
 import msgspec
 
+from stadium._process import new_event_loop, raise_nofile_limit
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
@@ -119,25 +120,6 @@ class _Job(msgspec.Struct, array_like=True):
     worker: int
 
 
-def _raise_nofile() -> None:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _new_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    except ImportError:  # pragma: no cover
-        loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    return loop
-
-
 def worker_main() -> int:
     """A worker process (``python -m stadium.bench.loadgen``): job → ready → start → records.
 
@@ -150,8 +132,9 @@ def worker_main() -> int:
         spec = job.spec
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
-        _raise_nofile()
-        loop = _new_loop()
+        raise_nofile_limit()
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
         ws_connection_class()  # import picows before the start instant
         # A worker lives for one point and its sessions' objects die with it:
         # the cyclic collector would only re-scan them, ~40 % of the client's CPU

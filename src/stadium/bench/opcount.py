@@ -50,6 +50,7 @@ from stadium import testing
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._loader import load_target
+from stadium._process import new_event_loop
 from stadium._session import Runtime, Session
 from stadium._spec import EnvSpec
 from stadium._worker import Worker
@@ -240,11 +241,7 @@ async def _measure(
 
 
 def _run(coro: Coroutine[Any, Any, OpCount]) -> OpCount:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(coro)
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:  # the servers' loop
         return runner.run(coro)
 
 
