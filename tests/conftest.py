@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -85,3 +86,33 @@ TRANSPORTS = ["picows", "asgi"]
 @pytest.fixture
 def unit() -> float:
     return UNIT
+
+
+async def wait_until(predicate: Callable[[], bool], limit_s: float, what: str = "") -> None:
+    """Poll ``predicate`` until true; fail the test after ``limit_s`` seconds.
+
+    For states with no event to wait on (/proc, a log file, a server's counters).
+    """
+    deadline = time.monotonic() + limit_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not true after {limit_s:.1f} s: {what or predicate}")
+        await asyncio.sleep(0.02)
+
+
+def proc_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def proc_children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (e.g. a supervisor's workers)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []

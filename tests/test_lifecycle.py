@@ -6,14 +6,13 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 
 import pytest
 
 import stadium
 from stadium import AsyncClient
 from stadium._demo import _proc_stats, spawn_server
-from tests.conftest import UNIT
+from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
 
 async def _open(url: str, n: int) -> list[AsyncClient]:
@@ -30,8 +29,8 @@ async def test_session_limit_holds_across_two_workers() -> None:
     ) as (proc, url):  # fmt: skip
         admitted = await _open(url, m)
         pids = {(await c.step({"wait_seconds": 0})).observation["pid"] for c in admitted}
-        await _until(lambda: len(_children(proc.pid)) == 2, 10 * UNIT)
-        assert pids <= set(_children(proc.pid))  # served by the workers, not the supervisor
+        await wait_until(lambda: len(proc_children(proc.pid)) == 2, 10 * UNIT)
+        assert pids <= set(proc_children(proc.pid))  # served by the workers, not the supervisor
         # the next one is queued, then refused with the hint
         extra = AsyncClient(url, max_retries=0)
         t0 = time.monotonic()
@@ -82,25 +81,6 @@ async def test_sigterm_drains_in_flight_steps_and_exits_zero() -> None:
         assert await asyncio.to_thread(proc.wait, 30 * UNIT) == 0
 
 
-async def _until(predicate: Callable[[], bool], limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate() and time.monotonic() < deadline:  # noqa: ASYNC110 - /proc has no event
-        await asyncio.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
-
-
 async def test_a_crashed_worker_is_restarted_and_its_slots_freed() -> None:
     m = 4
     with spawn_server(
@@ -119,12 +99,12 @@ async def test_a_crashed_worker_is_restarted_and_its_slots_freed() -> None:
                 assert (await c.step({"wait_seconds": 0})).observation["pid"] == pid
         lost = pids.count(victim)
         # its slots are free again, and a replacement worker comes up
-        await _until(
-            lambda: victim not in _children(proc.pid) and len(_children(proc.pid)) == 2,
+        await wait_until(
+            lambda: victim not in proc_children(proc.pid) and len(proc_children(proc.pid)) == 2,
             10 * UNIT,
         )
-        assert len(_children(proc.pid)) == 2
-        assert victim not in _children(proc.pid)
+        assert len(proc_children(proc.pid)) == 2
+        assert victim not in proc_children(proc.pid)
         fresh = [AsyncClient(url, max_retries=20) for _ in range(lost)]
         await asyncio.gather(*(c.reset() for c in fresh))
         with pytest.raises(stadium.CapacityError):
@@ -136,9 +116,9 @@ async def test_sigterm_stops_every_worker_and_exits_zero() -> None:
     with spawn_server("echo", "--workers", "2", "--drain-timeout", "0") as (proc, url):
         async with AsyncClient(url) as env:
             await env.reset()
-        await _until(lambda: len(_children(proc.pid)) == 2, 10 * UNIT)
-        workers = _children(proc.pid)
+        await wait_until(lambda: len(proc_children(proc.pid)) == 2, 10 * UNIT)
+        workers = proc_children(proc.pid)
         assert len(workers) == 2
         os.kill(proc.pid, signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30 * UNIT) == 0
-    assert not any(_alive(pid) for pid in workers)
+    assert not any(proc_alive(pid) for pid in workers)

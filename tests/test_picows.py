@@ -7,14 +7,13 @@ import base64
 import contextlib
 import os
 import socket
-from collections.abc import Callable
 from typing import Any
 
 from picows import WSListener, ws_connect
 
 import stadium
 from stadium import AsyncClient
-from tests.conftest import UNIT, serve
+from tests.conftest import UNIT, serve, wait_until
 
 
 async def test_half_open_peer_is_dropped_by_keepalive() -> None:
@@ -139,25 +138,16 @@ async def _flood(sock: socket.socket, data: bytes, limit_s: float) -> None:
         await asyncio.wait_for(loop.sock_sendall(sock, data), limit_s)
 
 
-async def _until(predicate: Callable[[], bool], limit_s: float) -> bool:
-    deadline = asyncio.get_running_loop().time() + limit_s
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
-
-
 async def test_a_client_that_never_reads_is_paused_and_others_are_served() -> None:
     async with serve("echo") as server:
         sock = await _raw_upgrade(server.port)
         try:
             # ~60k steps pipelined: far more replies than the socket buffers hold.
             flood = asyncio.ensure_future(_flood(sock, _RESET + _STEP * 60_000, 10 * UNIT))
-            assert await _until(lambda: len(server.runtime.sessions) == 1, 5 * UNIT)
+            await wait_until(lambda: len(server.runtime.sessions) == 1, 5 * UNIT)
             (session,) = server.runtime.sessions
             listener: Any = session.channel
-            assert await _until(lambda: listener._paused, 10 * UNIT), "reading was never paused"
+            await wait_until(lambda: listener._paused, 10 * UNIT, "reading was never paused")
             unsent = listener.transport.underlying_transport.get_write_buffer_size()
             assert unsent <= server.transport.max_unsent_bytes
             async with AsyncClient(server.url) as env:  # the worker still serves others
@@ -166,7 +156,7 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served() -> No
             await flood
         finally:
             sock.close()
-        assert await _until(lambda: not server.runtime.sessions, 5 * UNIT)
+        await wait_until(lambda: not server.runtime.sessions, 5 * UNIT)
 
 
 async def test_a_client_past_the_unsent_bound_is_closed_and_its_slot_freed() -> None:
@@ -175,8 +165,8 @@ async def test_a_client_past_the_unsent_bound_is_closed_and_its_slot_freed() -> 
         sock = await _raw_upgrade(server.port)
         try:
             flood = asyncio.ensure_future(_flood(sock, _RESET + _STEP * 60_000, 10 * UNIT))
-            assert await _until(lambda: server.runtime.sessions_total == 1, 5 * UNIT)
-            assert await _until(lambda: not server.runtime.sessions, 10 * UNIT)
+            await wait_until(lambda: server.runtime.sessions_total == 1, 5 * UNIT)
+            await wait_until(lambda: not server.runtime.sessions, 10 * UNIT)
             assert server.runtime.admission.slots.active() == 0
             await flood
         finally:
@@ -270,7 +260,7 @@ def test_a_reply_larger_than_the_unsent_bound_reaches_a_client_that_reads() -> N
                 for _ in range(2):  # more than the kernel's socket buffers take at once
                     result = await env.step({"size": 32 * 1024 * 1024})
                     assert len(result.observation["blob"]) == 32 * 1024 * 1024
-            assert await _until(lambda: not server.runtime.sessions, 5 * UNIT)
+            await wait_until(lambda: not server.runtime.sessions, 5 * UNIT)
             assert server.runtime.sessions_total == 1
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:

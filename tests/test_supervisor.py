@@ -15,13 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import IO
 
 import pytest
 
 from stadium import AsyncClient
-from tests.conftest import UNIT
+from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
 
 @dataclasses.dataclass
@@ -40,15 +40,7 @@ class _Served:
         return self.out.read().decode(errors="replace")
 
     def workers(self) -> list[int]:
-        return _children(self.proc.pid)
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        return []
+        return proc_children(self.proc.pid)
 
 
 def _free_port() -> int:
@@ -97,7 +89,7 @@ def _serve(*args: str, nofile: tuple[int, int] | None = None) -> Iterator[_Serve
                 time.sleep(0.05)
             yield served
         finally:
-            workers = _children(proc.pid)
+            workers = proc_children(proc.pid)
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 try:
@@ -107,24 +99,8 @@ def _serve(*args: str, nofile: tuple[int, int] | None = None) -> Iterator[_Serve
                     proc.wait(10 * UNIT)
             for pid in workers:  # they get SIGTERM when the supervisor dies; in case not
                 with contextlib.suppress(ProcessLookupError):
-                    if _alive(pid):
+                    if proc_alive(pid):
                         os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def _until(predicate: Callable[[], bool], limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while not predicate():  # /proc and a log file have no event to wait on
-        if time.monotonic() > deadline:
-            pytest.fail(f"not true after {limit_s:.1f} s: {what}")
-        await asyncio.sleep(0.02)
 
 
 def _open_files_limit(pid: int) -> tuple[int, int]:
@@ -144,13 +120,13 @@ async def test_a_worker_killed_again_and_again_is_restarted_each_time() -> None:
         "benchmark", "--workers", "2", "--drain-timeout", "0",
         "--restart-max-delay", str(0.2 * UNIT),
     ) as srv:  # fmt: skip
-        await _until(lambda: len(srv.workers()) == 2, 10 * UNIT, "two workers")
+        await wait_until(lambda: len(srv.workers()) == 2, 10 * UNIT, "two workers")
         healthy, victim = srv.workers()
         killed: set[int] = set()
         for _ in range(kills):
             os.kill(victim, signal.SIGKILL)
             killed.add(victim)
-            await _until(
+            await wait_until(
                 lambda: len(set(srv.workers()) - killed - {healthy}) == 1,
                 10 * UNIT,
                 f"a worker replacing pid {victim}",
@@ -169,7 +145,7 @@ async def test_a_worker_killed_again_and_again_is_restarted_each_time() -> None:
 
 async def test_sighup_recycles_the_workers_and_drains_open_sessions() -> None:
     with _serve("benchmark", "--workers", "2", "--drain-timeout", str(20 * UNIT)) as srv:
-        await _until(lambda: len(srv.workers()) == 2, 10 * UNIT, "two workers")
+        await wait_until(lambda: len(srv.workers()) == 2, 10 * UNIT, "two workers")
         old = set(srv.workers())
         client = AsyncClient(srv.url, max_retries=0)
         await client.reset()
@@ -179,10 +155,10 @@ async def test_sighup_recycles_the_workers_and_drains_open_sessions() -> None:
         await asyncio.sleep(0.2 * UNIT)
         os.kill(srv.pid, signal.SIGHUP)
         # both old workers are told to drain, one at a time, once their replacement serves
-        await _until(
+        await wait_until(
             lambda: srv.output().count("recycled: pid") == 2, 15 * UNIT, "two recycled workers"
         )
-        await _until(
+        await wait_until(
             lambda: all(f"[{p}] stadium.server: signal received" in srv.output() for p in old),
             10 * UNIT,
             "the old workers draining",
@@ -200,7 +176,7 @@ async def test_sighup_recycles_the_workers_and_drains_open_sessions() -> None:
         assert pids <= new
         # the old worker exits once its last session closes; the supervisor stays
         await client.close()
-        await _until(lambda: set(srv.workers()) == new, 10 * UNIT, "the old workers gone")
+        await wait_until(lambda: set(srv.workers()) == new, 10 * UNIT, "the old workers gone")
         assert srv.proc.poll() is None
         await asyncio.gather(*(c.close() for c in fresh))
         # SIGTERM still stops everything cleanly
@@ -213,7 +189,7 @@ async def test_sighup_to_a_single_process_server_is_logged_and_ignored() -> None
         async with AsyncClient(srv.url, max_retries=0) as env:
             await env.reset()
             os.kill(srv.pid, signal.SIGHUP)
-            await _until(lambda: "SIGHUP ignored" in srv.output(), 10 * UNIT, "SIGHUP logged")
+            await wait_until(lambda: "SIGHUP ignored" in srv.output(), 10 * UNIT, "SIGHUP logged")
             await env.step({"message": "still here"})
         assert srv.proc.poll() is None
 
@@ -241,7 +217,7 @@ async def test_a_server_short_of_descriptors_says_so() -> None:
         try:
             for _ in range(100):
                 conns.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
-            await _until(
+            await wait_until(
                 lambda: "worker out of file descriptors" in srv.output(),
                 10 * UNIT,
                 "the out-of-descriptors warning",
