@@ -220,6 +220,8 @@ async def test_http_1_0_and_head_are_answered() -> None:
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"content-length: 20" in head.lower()
         assert head.endswith(b"\r\n\r\n")  # headers only
+        ws10 = await _exchange(server.port, b"GET /ws HTTP/1.0\r\n\r\n")
+        assert ws10.startswith(b"HTTP/1.1 426"), ws10  # a WebSocket needs HTTP/1.1
 
 
 async def test_content_length_with_transfer_encoding_is_refused_not_smuggled() -> None:

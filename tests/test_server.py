@@ -298,6 +298,9 @@ async def test_http_endpoints(transport: str) -> None:
         status, missing = await asyncio.to_thread(http, url, "/nowhere")
         assert status == 404
         assert "/health" in missing["detail"]
+        status, plain = await asyncio.to_thread(http, url, "/ws")  # no Upgrade header
+        assert (status, plain["code"]) == (426, "UPGRADE")
+        assert "Upgrade: websocket" in plain["detail"]
 
 
 RESET_BODIES = [

@@ -50,6 +50,12 @@ def error_response(status: int, message: str, code: str, **extra: Any) -> HttpRe
 _error = error_response
 
 TOO_LARGE = error_response(413, "request body too large", "TOO_LARGE")
+UPGRADE_REQUIRED = error_response(
+    426,
+    "/ws is a WebSocket endpoint: open it with an HTTP/1.1 GET carrying "
+    "'Upgrade: websocket' (a WebSocket client does this)",
+    "UPGRADE",
+)
 
 
 class HttpEndpoints:
@@ -101,6 +107,8 @@ class HttpEndpoints:
                 _close_env(rt, env)
         if path in self.POST_PATHS:
             return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
+        if path == "/ws":  # reached without an HTTP/1.1 WebSocket upgrade
+            return UPGRADE_REQUIRED
         return self.not_found(path)
 
     def not_found(self, path: str) -> HttpResponse:

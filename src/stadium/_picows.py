@@ -259,13 +259,10 @@ class PicowsTransport:
 
     def _route(self, request: WSUpgradeRequest) -> Any:
         path = request.path.decode("latin-1")
-        if path.split("?", 1)[0] == "/ws":
-            if request.headers.get("Upgrade", "").lower() != "websocket":
-                return _response(
-                    error_response(
-                        426, "/ws is a WebSocket endpoint: send an Upgrade request", "UPGRADE"
-                    )
-                )
+        if (
+            path.split("?", 1)[0] == "/ws"
+            and request.headers.get("Upgrade", "").lower() == "websocket"
+        ):
             offered = request.headers.get("Sec-WebSocket-Protocol", "")
             if MSGPACK_SUBPROTOCOL in (p.strip() for p in offered.split(",")):
                 return WSUpgradeResponseWithListener(
