@@ -248,8 +248,12 @@ async def test_capacity_queue_then_refusal_with_hint(transport: str) -> None:
         d = AsyncClient(server.url, max_retries=0)
         pending = asyncio.ensure_future(d.reset())
         await asyncio.sleep(0.05 * UNIT)
+        _, meta = await asyncio.to_thread(http, server.url, "/metadata")
+        assert meta["capacity"]["waiting_sessions"] == 1  # d waits for a slot
         await a.close()
         assert (await pending).observation["step_count"] == 0
+        _, meta = await asyncio.to_thread(http, server.url, "/metadata")
+        assert meta["capacity"]["waiting_sessions"] == 0
         await b.close()
         await d.close()
 
