@@ -15,6 +15,12 @@ import pytest
 from stadium._admission import LocalSlots, SharedSlots
 from tests.conftest import UNIT
 
+# The suite's process has threads (other tests' client loop, thread pools); the
+# children forked here only touch shared counters and os._exit, as workers do.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:This process .* is multi-threaded:DeprecationWarning"
+)
+
 
 def _fork(body: Callable[[], int]) -> int:
     """Run ``body`` in a forked child that exits with its return value (1 on an exception)."""
