@@ -18,7 +18,7 @@ import asyncio
 import concurrent.futures
 import functools
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 from stadium._spec import CallMode
@@ -26,17 +26,9 @@ from stadium._spec import CallMode
 OnDone = Callable[[Any, Any, "BaseException | None"], None]
 """``on_done(token, result, error)``: the outcome of one call (see :meth:`Invoker.run`)."""
 
-#: Keyword arguments of ``asyncio.Task`` for a task that runs synchronously up to its
-#: first suspension, so a call that never waits completes with no event-loop trip
-#: (Python >= 3.12; earlier versions schedule the task as usual).
-_EAGER: dict[str, Any] = {"eager_start": True} if sys.version_info >= (3, 12) else {}
-
-
-def start_task(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any]
-) -> asyncio.Task[Any]:
-    """Run ``coro`` as an eager task on ``loop`` (see :data:`_EAGER`)."""
-    return asyncio.Task(coro, loop=loop, **_EAGER)
+#: Tasks run synchronously up to their first suspension (``eager_start``), so a
+#: call that never waits completes with no event-loop trip (Python >= 3.12).
+EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 class Invoker:
@@ -87,8 +79,15 @@ class Invoker:
             on_done(token, result, None)
             return None
         try:
-            if mode is CallMode.TASK:  # start_task, inlined: this is every step's path
-                fut: asyncio.Future[Any] = asyncio.Task(fn(*args), loop=loop, **_EAGER)
+            if mode is CallMode.TASK:  # every async step: keywords spelled out, no **kwargs dict
+                if EAGER_TASKS:
+                    fut: asyncio.Future[Any] = asyncio.Task(
+                        fn(*args),
+                        loop=loop,
+                        eager_start=True,  # type: ignore[call-arg,unused-ignore]
+                    )
+                else:
+                    fut = loop.create_task(fn(*args))
             else:
                 fut = loop.run_in_executor(self.executor, fn, *args)
         except Exception as exc:  # e.g. a coroutine function that raised before its coroutine
