@@ -27,6 +27,7 @@ from stadium._client import AsyncClient, Client, SessionPool
 from stadium._config import ServerConfig
 from stadium._env import Environment, State, StepResult
 from stadium._errors import (
+    CallTimeoutError,
     CapacityError,
     ConfigError,
     ConnectError,
@@ -35,6 +36,7 @@ from stadium._errors import (
     ExecutionError,
     InvalidMessageError,
     ProtocolError,
+    RateLimitError,
     SessionClosedError,
     SessionError,
     StadiumError,
@@ -48,6 +50,7 @@ from stadium._version import __version__
 __all__ = [
     "AsgiApp",
     "AsyncClient",
+    "CallTimeoutError",
     "CapacityError",
     "Client",
     "ConfigError",
@@ -58,6 +61,7 @@ __all__ = [
     "ExecutionError",
     "InvalidMessageError",
     "ProtocolError",
+    "RateLimitError",
     "Server",
     "ServerConfig",
     "ServerState",

@@ -34,7 +34,34 @@ class ServerConfig:
         restart_max_delay: with several workers, the longest wait before a worker
             that keeps crashing is restarted (the wait doubles from 0.05 s with
             each quick crash of that worker).
-        env_kwargs: keyword arguments for the environment's constructor.
+        step_timeout: seconds an env call (create, reset, step, state) may run
+            before its request is answered ``TIMEOUT`` (0: no limit). OpenEnv's
+            per-request ``timeout_s`` may shorten it, never lengthen it.
+        stall_limit: seconds a worker's event loop may be stuck (an env that
+            never yields) before the worker is recycled; stalls over a second are
+            logged (0: no watchdog).
+        max_worker_memory: MiB of resident memory after which a worker stops
+            taking sessions, drains and is replaced (0: no cap).
+        header_timeout: seconds a new connection has to send its request line and
+            headers (HTTP and the WebSocket upgrade).
+        body_timeout: seconds an HTTP request has to send its body once its
+            headers are in.
+        keepalive_timeout: seconds an HTTP keep-alive connection may sit idle
+            between requests.
+        auth_token: a bearer token every WebSocket upgrade and HTTP request must
+            carry (``Authorization: Bearer ...``); ``None``: no authentication.
+            Never shown in logs or ``repr``.
+        allowed_origins: browser origins allowed to open WebSocket sessions
+            (exact ``scheme://host[:port]`` or ``*``); same-host origins are always
+            allowed, requests without ``Origin`` (non-browser clients) too.
+        max_sessions_per_client: concurrent sessions one client address may hold
+            (0: no per-client limit).
+        rate_limit: requests per second one client address may send, on average,
+            with bursts of ``rate_burst`` (0: no limit).
+        rate_burst: requests a client may send at once above ``rate_limit``.
+        tls_cert, tls_key: PEM files; with both, the server speaks TLS (wss://, https://).
+        debug_errors: error replies carry full exception text and tracebacks are
+            logged for client errors (may reveal server paths; for debugging only).
     """
 
     target: str
@@ -52,6 +79,23 @@ class ServerConfig:
     restart_max_delay: float = 30.0
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_level: str = "info"
+    # Envs that misbehave.
+    step_timeout: float = 0.0
+    stall_limit: float = 60.0
+    max_worker_memory: int = 0
+    # Sockets.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 15.0
+    # Access control.
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    max_sessions_per_client: int = 0
+    rate_limit: float = 0.0
+    rate_burst: int = 100
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    debug_errors: bool = False
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
@@ -76,6 +120,52 @@ class ServerConfig:
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
         )
+        _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
+        _check(
+            self.stall_limit == 0 or self.stall_limit >= 1,
+            "--stall-limit must be 0 (off) or at least 1 second",
+            value=self.stall_limit,
+        )
+        _check(
+            self.max_worker_memory == 0 or self.max_worker_memory >= 32,
+            "--max-worker-memory must be 0 (off) or at least 32 MiB",
+            value=self.max_worker_memory,
+        )
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            _check(
+                getattr(self, name) > 0,
+                f"--{name.replace('_', '-')} must be > 0",
+                value=getattr(self, name),
+            )
+        _check(
+            self.auth_token is None or len(self.auth_token) >= 16,
+            "the auth token must be at least 16 characters (try: "
+            "python -c 'import secrets; print(secrets.token_urlsafe())')",
+        )
+        _check(
+            self.auth_token is None
+            or (self.auth_token.isprintable() and " " not in self.auth_token),
+            "the auth token must be printable, without spaces",
+        )
+        for origin in self.allowed_origins:
+            _check(
+                origin == "*" or ("://" in origin and not origin.endswith("/")),
+                "--allow-origin takes 'scheme://host[:port]' (no path, no trailing /) or '*'",
+                value=origin,
+            )
+        _check(self.max_sessions_per_client >= 0, "--max-sessions-per-client must be >= 0")
+        _check(self.rate_limit >= 0, "--rate-limit must be >= 0 (0 disables it)")
+        _check(self.rate_burst >= 1, "--rate-burst must be at least 1")
+        _check(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "--tls-cert and --tls-key go together: give both or neither",
+        )
+        for path in (self.tls_cert, self.tls_key):
+            _check(
+                path is None or os.path.isfile(path),
+                "TLS file not found",
+                path=path,
+            )
 
     @classmethod
     def from_options(cls, **options: Any) -> ServerConfig:
@@ -90,7 +180,26 @@ class ServerConfig:
             if not isinstance(env_kwargs, dict):
                 raise ConfigError("--env-kwargs must be a JSON object, e.g. '{\"size\": 4}'")
             kwargs["env_kwargs"] = env_kwargs
+        token_file = kwargs.pop("auth_token_file", None)
+        if token_file is not None:
+            if "auth_token" in kwargs:
+                raise ConfigError("give --auth-token or --auth-token-file, not both")
+            kwargs["auth_token"] = read_token_file(token_file)
+        if "allowed_origins" in kwargs:
+            kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
         return cls(**kwargs)
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (its first line, stripped); ConfigError if unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --auth-token-file: {exc.strerror}", path=path) from None
+    if not token:
+        raise ConfigError("--auth-token-file is empty", path=path)
+    return token
 
 
 def _check(ok: bool, message: str, **context: Any) -> None:
@@ -142,6 +251,63 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--log-level",
             type=click.Choice(["debug", "info", "warning", "error"]),
             help="Logging level [info].",
+        ),
+        click.option(
+            "--step-timeout",
+            type=float,
+            help="Seconds an env call may run before it is answered TIMEOUT; 0 off [0].",
+        ),
+        click.option(
+            "--stall-limit",
+            type=float,
+            help="Recycle a worker whose event loop is stuck this long; 0 off [60].",
+        ),
+        click.option(
+            "--max-worker-memory",
+            type=int,
+            help="MiB of RSS after which a worker drains and is replaced; 0 off [0].",
+        ),
+        click.option("--header-timeout", type=float, help="Seconds to send request headers [10]."),
+        click.option("--body-timeout", type=float, help="Seconds to send a request body [30]."),
+        click.option(
+            "--keepalive-timeout",
+            type=float,
+            help="Seconds an idle HTTP keep-alive connection is kept [15].",
+        ),
+        click.option(
+            "--auth-token",
+            envvar="STADIUM_AUTH_TOKEN",
+            help="Bearer token clients must send [env STADIUM_AUTH_TOKEN; none].",
+        ),
+        click.option(
+            "--auth-token-file",
+            type=click.Path(dir_okay=False),
+            help="Read the bearer token from this file's first line.",
+        ),
+        click.option(
+            "--allow-origin",
+            "allowed_origins",
+            multiple=True,
+            help="Browser Origin allowed to open sessions (repeatable; '*' any) [same host].",
+        ),
+        click.option(
+            "--max-sessions-per-client",
+            type=int,
+            help="Concurrent sessions per client address; 0 off [0].",
+        ),
+        click.option(
+            "--rate-limit", type=float, help="Requests per second per client address; 0 off [0]."
+        ),
+        click.option("--rate-burst", type=int, help="Burst above --rate-limit [100]."),
+        click.option(
+            "--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate: serve TLS."
+        ),
+        click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key."),
+        click.option(
+            "--debug-errors",
+            is_flag=True,
+            default=None,
+            help="Full exception text in error replies and client-error tracebacks in logs.",
         ),
     ]
     for option in reversed(options):

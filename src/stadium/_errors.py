@@ -11,7 +11,9 @@ on the wire and a client can rebuild it on the other side::
     ├── ValidationError               VALIDATION_ERROR: an action or reset argument
     │                                 does not match the environment's schema
     ├── ExecutionError                EXECUTION_ERROR: the environment raised
+    │   └── CallTimeoutError          TIMEOUT: an env call ran past its time limit
     ├── CapacityError                 CAPACITY_REACHED: no free session slot
+    ├── RateLimitError                RATE_LIMITED: a client sent requests too fast
     ├── SessionError                  SESSION_ERROR: misuse of the session lifecycle
     │   └── SessionClosedError        the session or its connection is gone
     ├── ConnectError                  a client could not open a session
@@ -33,7 +35,8 @@ from typing import Any, ClassVar
 class ErrorCode(enum.StrEnum):
     """Error codes carried in ``{"type": "error", "data": {"code": ...}}`` frames.
 
-    The first seven are OpenEnv's (``WSErrorCode``); the rest are Stadium's own.
+    The first seven are OpenEnv's (``WSErrorCode``); the rest are Stadium's own
+    (an OpenEnv client shows them as they come).
     """
 
     INVALID_JSON = "INVALID_JSON"
@@ -43,6 +46,9 @@ class ErrorCode(enum.StrEnum):
     CAPACITY_REACHED = "CAPACITY_REACHED"
     FACTORY_ERROR = "FACTORY_ERROR"
     SESSION_ERROR = "SESSION_ERROR"
+    # Stadium's own codes sent on the wire.
+    TIMEOUT = "TIMEOUT"
+    RATE_LIMITED = "RATE_LIMITED"
     # Stadium-only codes: never sent on the wire by the server.
     CONNECT_ERROR = "CONNECT_ERROR"
     CONFIG_ERROR = "CONFIG_ERROR"
@@ -114,6 +120,30 @@ class ExecutionError(StadiumError):
     code = ErrorCode.EXECUTION_ERROR
 
 
+class CallTimeoutError(ExecutionError):
+    """An environment call ran longer than its limit (``--step-timeout`` or ``timeout_s``).
+
+    ``context`` holds ``operation`` and ``timeout_s``. The session stays usable
+    unless the env cannot be trusted any more (then it is closed after the reply).
+    """
+
+    code = ErrorCode.TIMEOUT
+
+
+class RateLimitError(StadiumError):
+    """A client sent requests faster than the server's ``--rate-limit``.
+
+    ``context`` holds ``retry_after_s``; the request was not carried out.
+    """
+
+    code = ErrorCode.RATE_LIMITED
+
+    @property
+    def retry_after_s(self) -> float:
+        value = self.context.get("retry_after_s", 1.0)
+        return float(value) if isinstance(value, int | float) else 1.0
+
+
 class CapacityError(StadiumError):
     """No session slot was free within the admission timeout.
 
@@ -169,6 +199,8 @@ _BY_CODE: dict[str, type[StadiumError]] = {
     ErrorCode.CAPACITY_REACHED: CapacityError,
     ErrorCode.FACTORY_ERROR: ExecutionError,
     ErrorCode.SESSION_ERROR: SessionError,
+    ErrorCode.TIMEOUT: CallTimeoutError,
+    ErrorCode.RATE_LIMITED: RateLimitError,
 }
 
 
