@@ -9,6 +9,8 @@
   REF (a temporary worktree) against the working tree and compares them.
 * ``stadium bench goals [--only RAMP] [--arm ARM]`` — every performance goal,
   one ramp each, tabled in ``goals.md`` (:mod:`stadium.bench.goals`).
+* ``stadium bench soak [TARGET] --sessions N --duration S`` — hold a load, watch
+  RSS, fds, threads and failed steps over time (:mod:`stadium.bench.soak`).
 * ``stadium bench ops [--target benchmark] [--steps N]`` — calls per step and
   per session lifecycle, counted in-process (deterministic; the CI check).
 
@@ -18,6 +20,7 @@ of :mod:`stadium.bench.options`; each command builds one from what it parsed.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -305,8 +308,6 @@ def ops(target: str, steps: int, sessions: int, action: str | None) -> None:
 
     Deterministic (no clocks): the regression check CI runs. See BENCHMARKS.md.
     """
-    import json
-
     from stadium.bench.opcount import count_ops
 
     try:
@@ -320,3 +321,58 @@ def ops(target: str, steps: int, sessions: int, action: str | None) -> None:
         click.echo(line)
     if result.errors or result.replies < steps:
         raise click.ClickException("some requests failed: the counts are not of the normal path")
+
+
+@bench.command()
+@click.argument("target", default="benchmark")
+@click.option("--url", default=None, help="Soak a running server instead: ws://HOST:PORT/ws.")
+@click.option("--server-pid", default=None, type=int,
+              help="PID of that server, for RSS/fds/threads from /proc.")  # fmt: skip
+@click.option("--server-workers", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="Worker processes of the server started for TARGET.")  # fmt: skip
+@click.option("--sessions", default=100, show_default=True, type=click.IntRange(1, 100_000),
+              help="Session slots kept busy (each opens sessions one after another).")  # fmt: skip
+@click.option("--duration", default=60.0, show_default=True, type=click.FloatRange(1),
+              help="Seconds to hold the load.")  # fmt: skip
+@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(0.2),
+              help="Seconds between two rows.")  # fmt: skip
+@click.option("--steps", default=100, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Steps per session.")  # fmt: skip
+@click.option("--wait", default=0.0, show_default=True, type=click.FloatRange(0),
+              help="Seconds each step waits on the server (benchmark env).")  # fmt: skip
+@click.option("--mode", type=click.Choice(["ws", "http"]), default="ws", show_default=True,
+              help="WebSocket sessions, or HTTP POST /reset + /step.")  # fmt: skip
+@click.option("--load-procs", default=0, show_default=True, type=click.IntRange(0),
+              help="Load generator processes (0: automatic).")  # fmt: skip
+@click.option("--output-dir", type=click.Path(path_type=Path), default=None,
+              help="Where results go [default: bench-results/soak-<timestamp>].")  # fmt: skip
+def soak(target: str, url: str | None, server_pid: int | None, server_workers: int,
+         sessions: int, duration: float, interval: float, steps: int, wait: float, mode: str,
+         load_procs: int, output_dir: Path | None) -> None:  # fmt: skip
+    """Hold a load for --duration seconds; report the server's RSS, open fds, threads
+    and the failed steps every --interval seconds (soak.csv, soak.json, soak.png).
+
+    Starts `stadium serve TARGET` (default: the benchmark env), or soaks --url.
+    Exits 1 if any step or session failed.
+    """
+    from stadium.bench.soak import SoakOptions, run_soak
+
+    opts = SoakOptions(
+        target=target,
+        url=url,
+        server_pid=server_pid,
+        server_workers=server_workers,
+        sessions=sessions,
+        duration_s=duration,
+        interval_s=interval,
+        steps=steps,
+        wait_s=wait,
+        mode=mode,
+        load_procs=load_procs,
+        output_dir=output_dir or Path("bench-results") / time.strftime("soak-%Y%m%d-%H%M%S"),
+    )
+    path, summary = run_soak(opts, echo=click.echo)
+    click.echo(json.dumps(summary))
+    click.echo(f"soak: {path}")
+    if summary.get("steps_failed") or summary.get("sessions_failed") or "load_errors" in summary:
+        raise click.ClickException("some steps or sessions failed during the soak (see above)")

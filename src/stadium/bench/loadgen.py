@@ -12,9 +12,10 @@ Parent and worker talk over the worker's stdin and stdout in frames: a
 4-byte big-endian length, then MessagePack of a list whose first item is the
 tag — ``["job", spec, indices, worker]`` and ``["start", t0]`` to the worker;
 ``["ready", None]``, ``["progress", done]``, ``["records", [...]]`` and
-``["error", text]`` back. :func:`frame` writes one; :class:`FrameDecoder`
-reads them, incrementally (the parent's non-blocking pipes) or blocking
-(:func:`read_frame`, the worker's stdin).
+``["error", text]`` back; a soak's workers (``spec.duration_s > 0``) send
+``["tally", SoakTally]`` instead of progress, and no records. :func:`frame`
+writes one; :class:`FrameDecoder` reads them, incrementally (the parent's
+non-blocking pipes) or blocking (:func:`read_frame`, the worker's stdin).
 
 Every phase of a session has a timeout and the point a deadline after which
 the sessions still running are cancelled and recorded as ``deadline``; the
@@ -42,7 +43,7 @@ from stadium._process import new_event_loop, raise_nofile_limit
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
-from stadium.bench.sessions import run_sessions, ws_connection_class
+from stadium.bench.sessions import SoakTally, run_sessions, soak_sessions, ws_connection_class
 
 _HEADER = 4
 """Bytes of a frame's length prefix (big-endian)."""
@@ -50,6 +51,10 @@ _HEADER = 4
 _ENC = msgspec.msgpack.Encoder()
 _TAGGED = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
 _RECORDS = msgspec.msgpack.Decoder(list[SessionRecord])
+_TALLY = msgspec.msgpack.Decoder(SoakTally)
+
+REPORT_S = 0.1
+"""How often a worker reports progress (a soak's worker: its tally, every 5 reports)."""
 
 
 # ----------------------------------------------------------------------- frames
@@ -155,6 +160,9 @@ def worker_main() -> int:
 
 async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionRecord]:
     """Run the job's sessions from ``t0``, reporting progress every 0.1 s."""
+    if job.spec.duration_s > 0:
+        await _soak(job, t0, out)
+        return []
     done = 0
 
     def tick() -> None:
@@ -163,7 +171,7 @@ async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionRecord]:
 
     async def report() -> None:
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(REPORT_S)
             _send(out, ["progress", done])
 
     reporter = asyncio.ensure_future(report())
@@ -173,7 +181,28 @@ async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionRecord]:
         reporter.cancel()
 
 
-class _Worker:
+async def _soak(job: _Job, t0: float, out: IO[bytes]) -> None:
+    """Run the job's soak from ``t0``, sending its tally (and latency sample) every 0.5 s."""
+    tally = SoakTally()
+
+    def report() -> None:
+        _send(out, ["tally", tally])
+        tally.take_sample()
+
+    async def reporter() -> None:
+        while True:
+            await asyncio.sleep(5 * REPORT_S)
+            report()
+
+    task = asyncio.ensure_future(reporter())
+    try:
+        await soak_sessions(job.spec, job.indices, t0, tally, worker=job.worker)
+    finally:
+        task.cancel()
+    report()
+
+
+class LoadWorker:
     """The parent's handle on one worker process: its pipes, frames and results."""
 
     def __init__(self, index: int, spec: LoadSpec, indices: list[int]) -> None:
@@ -194,6 +223,8 @@ class _Worker:
         self.done = 0
         self.ready = False
         self.records: list[SessionRecord] | None = None
+        self.tally = SoakTally()
+        self.samples: list[float] = []
         self.error = ""
         self.send(_Job("job", spec, indices, index))
 
@@ -224,6 +255,9 @@ class _Worker:
         elif tag == "records":
             self.records = _RECORDS.decode(payload)
             self.done = len(self.records)
+        elif tag == "tally":
+            self.tally = _TALLY.decode(payload)
+            self.samples.extend(self.tally.take_sample())
         elif tag == "error":
             self.error = msgspec.msgpack.decode(payload, type=str)
 
@@ -254,8 +288,11 @@ class _Worker:
             self.proc.stdout.close()
 
 
-def _pump_until(
-    workers: list[_Worker], done: Callable[[_Worker], bool], until: float, tick: Callable[[], None]
+def pump_until(
+    workers: list[LoadWorker],
+    done: Callable[[LoadWorker], bool],
+    until: float,
+    tick: Callable[[], None],
 ) -> None:
     """Handle the workers' frames until every worker is ``done`` or the clock passes ``until``."""
     while time.monotonic() < until and not all(done(w) for w in workers):
@@ -279,8 +316,7 @@ def run_load(
     ~30 s: workers that do not report are killed and their sessions recorded as
     ``deadline`` (or ``client`` if the worker failed).
     """
-    nprocs = spec.n_procs()
-    workers: list[_Worker] = []
+    workers: list[LoadWorker] = []
     last = [0.0]
 
     def report(final: bool = False) -> None:
@@ -290,26 +326,40 @@ def run_load(
             progress(sum(w.done for w in workers))
 
     try:
-        workers = [_Worker(w, spec, list(range(w, spec.sessions, nprocs))) for w in range(nprocs)]
-        _pump_until(workers, lambda w: w.ready or w.finished, time.monotonic() + 60.0, lambda: None)
-        t0 = time.monotonic() + start_delay
-        for w in workers:
-            if w.ready and not w.finished:
-                w.send(["start", t0])
-            elif not w.error:
-                w.error = "worker did not start"
-        _pump_until(workers, lambda w: w.finished, t0 + spec.deadline() + 30.0, report)
-        for w in workers:
-            if not w.finished:
-                w.error = "worker missed the deadline"
-                w.proc.kill()
+        t0 = start_workers(spec, workers, start_delay)
+        pump_until(workers, lambda w: w.finished, t0 + spec.deadline() + 30.0, report)
         report(final=True)
     finally:
-        for w in workers:
-            w.stop()
+        stop_workers(workers)
     records = [r for w in workers for r in w.results()]
     records.sort(key=lambda r: r.index)
-    return records, nprocs
+    return records, len(workers)
+
+
+def start_workers(spec: LoadSpec, workers: list[LoadWorker], start_delay: float) -> float:
+    """Start ``spec``'s worker processes (appended to ``workers``, for the caller to
+    stop), wait until they are ready and give them one start instant; return it."""
+    nprocs = spec.n_procs()
+    for i in range(nprocs):
+        workers.append(LoadWorker(i, spec, list(range(i, spec.sessions, nprocs))))
+    pump_until(workers, lambda w: w.ready or w.finished, time.monotonic() + 60.0, lambda: None)
+    t0 = time.monotonic() + start_delay
+    for w in workers:
+        if w.ready and not w.finished:
+            w.send(["start", t0])
+        elif not w.error:
+            w.error = "worker did not start"
+    return t0
+
+
+def stop_workers(workers: list[LoadWorker]) -> None:
+    """Kill the workers that have not finished (recording why), then reap them all."""
+    for w in workers:
+        if not w.finished:
+            w.error = w.error or "worker missed the deadline"
+            w.proc.kill()
+    for w in workers:
+        w.stop()
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ class LoadSpec:
     most K sessions of the point be connecting (TCP, and the WebSocket
     handshake) at once, split over the processes; the others wait their turn,
     and that wait counts in their connect and total latency (0: every session
-    connects at the burst's instant, as the OpenEnv study did).
+    connects at the burst's instant, as the OpenEnv study did). ``duration_s``
+    > 0 makes it a soak (``stadium bench soak``): each of the N session slots
+    opens sessions one after another until ``duration_s`` has passed.
     """
 
     url: str
@@ -81,6 +83,7 @@ class LoadSpec:
     cpus: tuple[int, ...] | None = None
     deadline_s: float = 0.0
     connect_window: int = 0
+    duration_s: float = 0.0
 
     def n_procs(self) -> int:
         """The number of worker processes this load uses."""
@@ -94,7 +97,8 @@ class LoadSpec:
             return self.deadline_s
         per_step = self.wait_s + self.think.seconds + self.request_timeout
         return (
-            self.connect_timeout
+            self.duration_s
+            + self.connect_timeout
             + self.request_timeout
             + per_step * self.steps
             + self.close_timeout

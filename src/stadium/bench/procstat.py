@@ -6,6 +6,8 @@ Dependency-free (Linux /proc only; ``stadium demo`` uses it too):
   ``/proc/PID/stat``;
 * :func:`process_tree` — a process and all its descendants (from every
   process's parent in /proc);
+* :func:`count_fds` — a process's open file descriptors;
+* :func:`tree_figures` — RSS, threads, processes, fds and CPU of a tree, now;
 * :class:`ServerSampler` — samples a server's tree every ``interval``
   seconds from a background thread during one point:
 
@@ -73,6 +75,41 @@ def process_tree(pid: int) -> list[int]:
     for p in tree:  # grows while iterating: breadth first
         tree.extend(children.get(p, ()))
     return tree
+
+
+def count_fds(pid: int) -> int:
+    """Open file descriptors of ``pid`` (entries of ``/proc/PID/fd``); ``OSError`` if
+    it is gone or not ours to read."""
+    return len(os.listdir(_PROC / str(pid) / "fd"))
+
+
+class TreeFigures(NamedTuple):
+    """A process tree at one instant (sums over its processes)."""
+
+    rss_bytes: int
+    threads: int
+    procs: int
+    fds: int
+    cpu_s: float
+
+
+def tree_figures(pid: int) -> TreeFigures:
+    """RSS, threads, processes, open fds and CPU seconds of ``pid``'s tree, now
+    (processes that exit while read are left out)."""
+    rss = threads = procs = fds = 0
+    cpu = 0.0
+    for p in process_tree(pid):
+        try:
+            s = read_stat(p)
+            n = count_fds(p)
+        except (OSError, IndexError, ValueError):
+            continue
+        rss += s.rss_bytes
+        threads += s.threads
+        procs += 1
+        fds += n
+        cpu += s.cpu_s
+    return TreeFigures(rss, threads, procs, fds, cpu)
 
 
 class _Sample(NamedTuple):

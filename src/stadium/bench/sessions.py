@@ -495,6 +495,77 @@ def connection_class(mode: str) -> Callable[[str, str | None], Connection]:
     raise ValueError(f"unknown mode {mode!r}: ws or http")
 
 
+# ------------------------------------------------------------------------- soak
+
+
+class SoakTally(msgspec.Struct, kw_only=True):
+    """What the sessions of a soak did: cumulative counts, and a sample of the step
+    latencies since the last report (seconds; at most :data:`SOAK_SAMPLE` of them)."""
+
+    sessions_ok: int = 0
+    sessions_failed: int = 0
+    steps_ok: int = 0
+    steps_failed: int = 0
+    errors: dict[str, int] = msgspec.field(default_factory=dict)
+    step_s: list[float] = msgspec.field(default_factory=list)
+
+    def add(self, rec: SessionRecord, steps: int) -> None:
+        """Fold in one finished session of ``steps`` steps."""
+        self.steps_ok += len(rec.step_s)
+        if len(self.step_s) < SOAK_SAMPLE:
+            self.step_s.extend(rec.step_s)
+        if rec.ok:
+            self.sessions_ok += 1
+            return
+        self.sessions_failed += 1
+        self.errors[rec.error] = self.errors.get(rec.error, 0) + 1
+        if rec.reset_s is not None and len(rec.step_s) < steps:
+            self.steps_failed += 1  # the step in flight when it failed
+
+    def take_sample(self) -> list[float]:
+        """The latencies sampled since the last call (then forgotten)."""
+        sample, self.step_s = self.step_s, []
+        return sample
+
+
+SOAK_SAMPLE = 20_000
+"""Most step latencies a soak worker keeps between two reports."""
+
+
+async def soak_sessions(
+    spec: LoadSpec, indices: Sequence[int], t0: float, tally: SoakTally, *, worker: int = 0
+) -> None:
+    """Keep ``len(indices)`` sessions going from ``t0`` for ``spec.duration_s``: each
+    slot opens a session, runs it (:func:`run_session`), folds it into ``tally``
+    and opens the next. A slot whose session failed waits 0.1 s before the next
+    (a server that refuses is not hammered). Sessions running at the end finish.
+    """
+    plan = Plan.of(spec, t0)
+    connection = connection_class(spec.mode)
+    end = t0 + spec.duration_s
+    delay = t0 - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+    async def slot(index: int) -> None:
+        source = source_address(index, spec.sessions)
+        while time.monotonic() < end:
+            rec = SessionRecord(index=index, worker=worker, source=source)
+            await run_session(rec, connection(spec.url, source), plan)
+            tally.add(rec, spec.steps)
+            if not rec.ok:
+                await asyncio.sleep(0.1)
+
+    tasks = [asyncio.ensure_future(slot(i)) for i in indices]
+    if tasks:
+        remaining = t0 + spec.deadline() - time.monotonic()
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+
+
 # ------------------------------------------------------------------ many at once
 
 
