@@ -33,8 +33,8 @@ async def test_a_post_then_get_on_one_keepalive_connection() -> None:
     """Plain HTTP that does not start with GET goes to the h11 path, with keep-alive."""
     async with serve("echo") as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        writer.write(b"POST /reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n\r\n{}")
+        writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         await writer.drain()
         data = b""
         while data.count(b"HTTP/1.1 200") < 2:
@@ -109,7 +109,7 @@ async def _raw_upgrade(port: int, rcvbuf: int = 4096) -> socket.socket:
     await loop.sock_sendall(
         sock,
         (
-            "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            "GET /ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
             f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
         ).encode(),
     )
@@ -216,7 +216,7 @@ async def test_http_1_0_and_head_are_answered() -> None:
         old = await _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
         assert old.startswith(b"HTTP/1.1 200"), old
         assert old.endswith(b'{"status":"healthy"}')
-        head = await _exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = await _exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
         assert b"content-length: 20" in head.lower()
         assert head.endswith(b"\r\n\r\n")  # headers only
@@ -228,9 +228,9 @@ async def test_content_length_with_transfer_encoding_is_refused_not_smuggled() -
     async with serve("echo") as server:
         data = await _exchange(
             server.port,
-            b"POST /reset HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+            b"POST /reset HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
-            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+            b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
         )
         assert data.startswith(b"HTTP/1.1 400"), data
         assert b"Transfer-Encoding" in data

@@ -7,7 +7,9 @@ number of workers, no process (alive, stopped or killed at any instruction) can
 make another wait, and the supervisor zeroes a dead worker's counter.
 :class:`Admission` adds the asyncio side: a FIFO of waiting connections, a
 hand-off of freed slots to local waiters, and a poll for slots freed by other
-workers, with a deadline per waiter.
+workers, with a deadline per waiter. WebSocket sessions (:meth:`Admission.admit`)
+and the HTTP requests that build an environment (:meth:`Admission.acquire`) share
+the one limit and the one queue.
 """
 
 from __future__ import annotations
@@ -183,6 +185,33 @@ class Admission:
         if self._poller is None:
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
         return Verdict.QUEUED
+
+    async def acquire(self) -> bool:
+        """Take a slot for one request/response caller (an HTTP request), as :meth:`admit`
+        does for a session: at once, after waiting in the same queue (up to ``timeout``),
+        or not at all (``False``). The caller :meth:`release` s a slot it got. Cancelling
+        the caller gives up its place in the queue, or the slot it was just handed.
+        """
+        granted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+
+        def waiter(ok: bool) -> None:
+            if granted.done():  # the caller was cancelled first
+                if ok:
+                    self.release()
+                return
+            granted.set_result(ok)
+
+        verdict = self.admit(waiter)
+        if verdict is not Verdict.QUEUED:
+            return verdict is Verdict.ADMITTED
+        try:
+            return await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled() and granted.result():
+                self.release()
+            else:
+                self.cancel(waiter)
+            raise
 
     def cancel(self, waiter: Waiter) -> None:
         """Forget a queued waiter (its connection went away)."""

@@ -7,7 +7,11 @@ Mount it in your own deployment::
 
 It speaks the same protocol as ``stadium serve`` (both pass one conformance
 suite); ``stadium serve`` is faster (picows), this path is for fitting into an
-existing ASGI stack. Graceful drain on SIGTERM is the hosting server's job here.
+existing ASGI stack. Graceful drain on SIGTERM is the hosting server's job here,
+and so are socket timeouts (``header_timeout``, ``body_timeout`` and
+``keepalive_timeout`` apply to ``stadium serve`` only; use e.g. uvicorn's
+``--timeout-keep-alive`` or a proxy's client header and body timeouts). HTTP
+requests that build an environment hold a session slot here too (``_http``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from stadium._access import AccessPolicy, Refusal, header_values
 from stadium._config import ServerConfig
 from stadium._env import Environment
-from stadium._http import TOO_LARGE
+from stadium._http import TOO_LARGE, HttpResponse
+from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
 from stadium._session import MAX_UNSENT_BYTES, Session
 from stadium._worker import Worker
@@ -91,6 +97,7 @@ class AsgiApp:
         self.spec = self.worker.spec
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
+        self.access = AccessPolicy.from_config(config)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -112,13 +119,25 @@ class AsgiApp:
         message = await receive()
         if message["type"] != "websocket.connect":
             return
+        refusal = self._refusal(scope, scope.get("path", "/ws"))
+        if refusal is not None:  # before any env or slot: see stadium._access
+            await _refuse_websocket(scope, send, refusal)
+            return
+        client = None
+        if self.runtime.limits is not None:  # per-client limits: the upgrade is a request too
+            client = client_address(scope.get("client"))
+            over = self.endpoints.over_rate(client)
+            if over is not None:
+                await _refuse_websocket(scope, send, _over_rate(over))
+                return
         msgpack = MSGPACK_SUBPROTOCOL in scope.get("subprotocols", ())
         await send(
             {"type": "websocket.accept", "subprotocol": MSGPACK_SUBPROTOCOL if msgpack else None}
         )
         channel = _AsgiChannel(binary=msgpack)
         writer = asyncio.get_running_loop().create_task(channel.writer(send))
-        session = Session(self.runtime, channel, Encoding.MSGPACK if msgpack else Encoding.JSON)
+        encoding = Encoding.MSGPACK if msgpack else Encoding.JSON
+        session = Session(self.runtime, channel, encoding, client=client)
         session.start()
         limit = self.config.max_message_bytes
         try:
@@ -152,18 +171,22 @@ class AsgiApp:
         if root and path.startswith(root):
             path = path[len(root) :] or "/"
         method = scope.get("method", "GET")
+        refusal = self._refusal(scope, path)
         body = b""
-        more = method == "POST"
+        more = method == "POST" and refusal is None
         while more:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.config.max_message_bytes:
                 break
-        if len(body) > self.config.max_message_bytes:
+        if refusal is not None:
+            resp = HttpResponse(refusal.status, refusal.body, headers=refusal.headers)
+        elif len(body) > self.config.max_message_bytes:
             resp = TOO_LARGE
         else:
-            resp = await self.endpoints.handle(method, path, body)
+            client = None if self.runtime.limits is None else client_address(scope.get("client"))
+            resp = await self.endpoints.handle(method, path, body, client)
         await send(
             {
                 "type": "http.response.start",
@@ -171,10 +194,20 @@ class AsgiApp:
                 "headers": [
                     (b"content-type", resp.content_type.encode()),
                     (b"content-length", str(len(resp.body)).encode()),
+                    *((k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers),
                 ],
             }
         )
         await send({"type": "http.response.body", "body": resp.body})
+
+    def _refusal(self, scope: Scope, path: str) -> Refusal | None:
+        """The access refusal of a request (see :mod:`stadium._access`), or ``None``."""
+        auth, origin, host = header_values(scope.get("headers") or ())
+        server = scope.get("server")  # the local address the connection arrived on
+        local = server[0] if server and server[1] is not None else None
+        return self.access.check(
+            path, authorization=auth, origin=origin, host=host, local_addr=local
+        )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -187,6 +220,27 @@ class AsgiApp:
                 self.runtime.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _over_rate(resp: HttpResponse) -> Refusal:
+    """A WebSocket upgrade over its client's ``--rate-limit``, as a refusal."""
+    message = "too many requests from this client (--rate-limit); retry later"
+    return Refusal(resp.status, "RATE_LIMITED", message, resp.headers)
+
+
+async def _refuse_websocket(scope: Scope, send: Send, refusal: Refusal) -> None:
+    """Answer a refused upgrade with the refusal's status and body when the server supports
+    the ASGI ``websocket.http.response`` extension (uvicorn, hypercorn); else close it
+    before accepting (the server answers 403)."""
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        headers = [(b"content-type", b"application/json")]
+        headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in refusal.headers]
+        await send(
+            {"type": "websocket.http.response.start", "status": refusal.status, "headers": headers}
+        )
+        await send({"type": "websocket.http.response.body", "body": refusal.body})
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": refusal.code})
 
 
 def asgi_app(target: str | type[Environment[Any, Any, Any]], **options: Any) -> AsgiApp:

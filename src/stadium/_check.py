@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import os
 import random
 import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
@@ -170,15 +171,21 @@ def _run_sync(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 
 def check_server(url: str) -> list[str]:
-    """Check a running server: HTTP endpoints, then a session's reset, state and close."""
-    from stadium._client import Client, ws_url
+    """Check a running server: HTTP endpoints, then a session's reset, state and close.
+
+    A server started with ``--auth-token`` is checked with ``$STADIUM_AUTH_TOKEN``.
+    """
+    from stadium._client import TOKEN_ENV, Client, ws_url
 
     base = ws_url(url).replace("ws://", "http://", 1).replace("wss://", "https://", 1)
     base = base.rsplit("/ws", 1)[0]
     log: list[str] = []
+    token = os.environ.get(TOKEN_ENV)  # the session client reads it too
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for path in ("/health", "/schema", "/metadata"):
         try:
-            with urllib.request.urlopen(base + path, timeout=10) as resp:
+            request = urllib.request.Request(base + path, headers=headers)
+            with urllib.request.urlopen(request, timeout=10) as resp:
                 body = msgspec.json.decode(resp.read())
         except Exception as exc:
             raise EnvCheckError(f"GET {base}{path} failed: {exc}", check=path) from None

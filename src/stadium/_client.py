@@ -14,19 +14,35 @@ protocol, so they work against OpenEnv servers too::
 Requests may be issued concurrently on one session: they are sent at once
 (pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
 before it did any work is retried with backoff, honouring ``retry_after_s``.
+
+Servers started with ``--auth-token`` want ``token=`` (sent as ``Authorization:
+Bearer``; by default the ``STADIUM_AUTH_TOKEN`` environment variable). TLS
+servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
+``ssl.SSLContext`` (e.g. one trusting a self-signed certificate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import random
+import ssl as ssl_module
 import threading
+import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
-from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport, ws_connect
+from picows import (
+    WSCloseCode,
+    WSFrame,
+    WSHandshakeError,
+    WSListener,
+    WSMsgType,
+    WSTransport,
+    ws_connect,
+)
 
 from stadium._env import StepResult
 from stadium._errors import (
@@ -41,19 +57,24 @@ from stadium._protocol import MSGPACK_SUBPROTOCOL
 T = TypeVar("T")
 ObsT = TypeVar("ObsT")
 
+#: The environment variable a client reads its bearer token from when given none
+#: (the same one ``stadium serve`` reads).
+TOKEN_ENV = "STADIUM_AUTH_TOKEN"
+
 
 def ws_url(url: str) -> str:
-    """Normalise a server address to its session endpoint: ``http://h:p`` → ``ws://h:p/ws``."""
-    url = url.strip().rstrip("/")
-    for plain, ws in (("http://", "ws://"), ("https://", "wss://")):
-        if url.startswith(plain):
-            url = ws + url[len(plain) :]
-    if not url.startswith(("ws://", "wss://")):
+    """Normalise a server address to its session endpoint: ``http://h:p`` → ``ws://h:p/ws``.
+
+    A query is kept (``http://router:8080?stadium_node=node2`` →
+    ``ws://router:8080/ws?stadium_node=node2``).
+    """
+    url = url.strip()
+    if "://" not in url:
         url = "ws://" + url
-    host_and_path = url.split("://", 1)[1]
-    if "/" not in host_and_path:
-        url += "/ws"
-    return url
+    parts = urllib.parse.urlsplit(url)
+    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
+    path = parts.path.rstrip("/") or "/ws"
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 class _Listener(WSListener):
@@ -93,6 +114,15 @@ class _Listener(WSListener):
                 fut.set_exception(err)
 
 
+def _answered_before_closing(listener: WSListener | None) -> bool:
+    """Whether a session closed at once still said why (e.g. a capacity refusal and 1013:
+    the frames are kept for the first request to read)."""
+    if not isinstance(listener, _Listener):
+        return False
+    closed = listener.closed
+    return bool(listener.early) or (closed is not None and "close_code" in closed.context)
+
+
 class AsyncClient(Generic[ObsT]):
     """One session against a Stadium (or OpenEnv) server, for asyncio code.
 
@@ -107,6 +137,11 @@ class AsyncClient(Generic[ObsT]):
         max_retries: attempts when the server is unreachable or at capacity.
         max_message_bytes: largest reply accepted.
         headers: extra HTTP headers of the WebSocket handshake.
+        token: bearer token for a server started with ``--auth-token``, sent as
+            ``Authorization: Bearer <token>`` (unless ``headers`` has an
+            ``Authorization``); default: ``$STADIUM_AUTH_TOKEN``; ``""``: none.
+        ssl: TLS context for ``wss://`` (``https://``) URLs; default: the
+            system's trusted certificates.
         action_encoder: turns an action into its wire value (default: dicts as
             they are; msgspec Structs, dataclasses and pydantic models to dicts).
     """
@@ -123,9 +158,12 @@ class AsyncClient(Generic[ObsT]):
         max_retries: int = 8,
         max_message_bytes: int = 64 * 1024 * 1024,
         headers: dict[str, str] | None = None,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
         action_encoder: Callable[[Any], Any] | None = None,
     ) -> None:
         self.url = ws_url(url)
+        self.ssl = ssl
         self.action_encoder = action_encoder or _to_builtins
         self.observation_type = observation_type
         self.state_type = state_type
@@ -135,6 +173,10 @@ class AsyncClient(Generic[ObsT]):
         self.max_retries = max_retries
         self.max_message_bytes = max_message_bytes
         self.headers = dict(headers or {})
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        if token and not any(k.lower() == "authorization" for k in self.headers):
+            self.headers["Authorization"] = f"Bearer {token}"
         if msgpack:
             self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
             self._encode: Callable[[Any], bytes] = msgspec.msgpack.encode
@@ -160,6 +202,7 @@ class AsyncClient(Generic[ObsT]):
                 transport, listener = await ws_connect(
                     _Listener,
                     self.url,
+                    ssl_context=self.ssl,
                     websocket_handshake_timeout=self.connect_timeout,
                     max_frame_size=self.max_message_bytes,
                     extra_headers=self.headers or None,
@@ -168,20 +211,36 @@ class AsyncClient(Generic[ObsT]):
                     # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
                     use_aiofastnet=False,
                 )
+                if transport.is_disconnected and not _answered_before_closing(listener):
+                    # picows returns a dead transport when the peer hangs up in the handshake
+                    raise ConnectionResetError("the server closed the connection in the handshake")
+            except ssl_module.SSLCertVerificationError as exc:  # not transient
+                raise ConnectError(
+                    f"cannot open a session at {self.url}: {exc.verify_message or exc}; for a "
+                    "private or self-signed certificate pass "
+                    "ssl=ssl.create_default_context(cafile='cert.pem')",
+                    url=self.url,
+                ) from exc
             except (TimeoutError, OSError) as exc:
                 last = exc
                 if attempt < self.max_retries:
                     await asyncio.sleep(_backoff(attempt))
                 continue
-            except Exception as exc:  # picows handshake errors (HTTP 404, 426, ...)
+            except WSHandshakeError as exc:  # an HTTP answer instead of 101: not transient
+                raise _refused(exc, self.url) from exc
+            except Exception as exc:  # other picows handshake errors
                 raise ConnectError(
                     f"cannot open a session at {self.url}: {exc}", url=self.url
                 ) from exc
             self._transport, self._listener = transport, cast(_Listener, listener)
             self._answered = 0
             return self
+        hint = ""
+        if isinstance(last, ConnectionResetError) and self.url.startswith("ws://"):
+            hint = " (a TLS server? use https:// or wss://)"
         raise ConnectError(
-            f"cannot reach {self.url} after {self.max_retries + 1} attempts: {last}", url=self.url
+            f"cannot reach {self.url} after {self.max_retries + 1} attempts: {last}{hint}",
+            url=self.url,
         ) from last
 
     async def close(self) -> None:
@@ -303,6 +362,30 @@ class AsyncClient(Generic[ObsT]):
             truncated=bool(data.get("truncated", False)),
             info=data.get("info") or data.get("metadata"),
         )
+
+
+def _refused(exc: WSHandshakeError, url: str) -> ConnectError:
+    """A :class:`ConnectError` for an upgrade answered with an HTTP error, saying what to do."""
+    response = exc.response
+    status = int(response.status) if response is not None else 0
+    detail = ""
+    try:
+        body = msgspec.json.decode(exc.raw_body or b"{}")
+        if isinstance(body, dict):
+            detail = str(body.get("message") or body.get("detail") or "")
+    except msgspec.DecodeError:
+        detail = (exc.raw_body or b"").decode(errors="replace")[:200]
+    if status == 401:
+        hint = (
+            "the server requires a bearer token: pass token=... (or set "
+            f"{TOKEN_ENV}) with the server's --auth-token"
+        )
+    elif status == 403:
+        hint = "the server refused this client's Origin or Host header"
+    else:
+        hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
+    message = f"cannot open a session at {url}: {hint}"
+    return ConnectError(f"{message} ({detail})" if detail else message, url=url, status=status)
 
 
 def _backoff(attempt: int) -> float:

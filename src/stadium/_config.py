@@ -34,14 +34,18 @@ class ServerConfig:
         restart_max_delay: with several workers, the longest wait before a worker
             that keeps crashing is restarted (the wait doubles from 0.05 s with
             each quick crash of that worker).
-        step_timeout: seconds an env call (create, reset, step, state) may run
-            before its request is answered ``TIMEOUT`` (0: no limit). OpenEnv's
-            per-request ``timeout_s`` may shorten it, never lengthen it.
+        step_timeout: seconds an env call that waits (create, reset, step; over
+            HTTP also ``GET /state``) may run before its request is answered
+            ``TIMEOUT`` and its session closed (1011) (0: no limit). OpenEnv's
+            per-request ``timeout_s`` may shorten it, never lengthen it. Calls
+            that never yield the event loop are the watchdog's (``stall_limit``).
         stall_limit: seconds a worker's event loop may be stuck (an env that
-            never yields) before the worker is recycled; stalls over a second are
-            logged (0: no watchdog).
+            never yields) before the worker is ended and replaced, its sessions
+            lost (exit code 75; one worker: for a process manager to restart);
+            stalls over a second are logged with the loop's stack (0: off).
         max_worker_memory: MiB of resident memory after which a worker stops
-            taking sessions, drains and is replaced (0: no cap).
+            taking sessions, drains and is replaced (0: no cap; sampled every
+            second; ignored, with an error, when a worker starts above it).
         header_timeout: seconds a new connection has to send its request line and
             headers (HTTP and the WebSocket upgrade).
         body_timeout: seconds an HTTP request has to send its body once its
@@ -53,15 +57,20 @@ class ServerConfig:
             Never shown in logs or ``repr``.
         allowed_origins: browser origins allowed to open WebSocket sessions
             (exact ``scheme://host[:port]`` or ``*``); same-host origins are always
-            allowed, requests without ``Origin`` (non-browser clients) too.
+            allowed, requests without ``Origin`` (non-browser clients) too. Their
+            hosts are also accepted as ``Host`` on loopback connections, which
+            otherwise only accept ``localhost`` and IP literals (DNS rebinding);
+            ``*`` turns both checks off. See :mod:`stadium._access`.
         max_sessions_per_client: concurrent sessions one client address may hold
             (0: no per-client limit).
         rate_limit: requests per second one client address may send, on average,
             with bursts of ``rate_burst`` (0: no limit).
         rate_burst: requests a client may send at once above ``rate_limit``.
         tls_cert, tls_key: PEM files; with both, the server speaks TLS (wss://, https://).
-        debug_errors: error replies carry full exception text and tracebacks are
-            logged for client errors (may reveal server paths; for debugging only).
+        debug_errors: error replies carry exceptions' full text (else absolute
+            paths are cut to their last part), and every exception an env raises
+            is logged at ERROR with its traceback (else at most one WARNING per
+            10 s); may reveal server paths: for debugging only.
     """
 
     target: str
@@ -255,12 +264,14 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--step-timeout",
             type=float,
-            help="Seconds an env call may run before it is answered TIMEOUT; 0 off [0].",
+            help="Seconds an env call may run before it is answered TIMEOUT and its "
+            "session closed; 0 off [0].",
         ),
         click.option(
             "--stall-limit",
             type=float,
-            help="Recycle a worker whose event loop is stuck this long; 0 off [60].",
+            help="Replace a worker whose event loop is stuck this long (its sessions are "
+            "lost); 0 off [60].",
         ),
         click.option(
             "--max-worker-memory",
@@ -307,7 +318,7 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--debug-errors",
             is_flag=True,
             default=None,
-            help="Full exception text in error replies and client-error tracebacks in logs.",
+            help="Full exception text (paths) in error replies; log every env traceback.",
         ),
     ]
     for option in reversed(options):

@@ -29,6 +29,7 @@ second does not.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, ClassVar
 
 
@@ -216,3 +217,36 @@ def error_from_wire(data: Any) -> StadiumError:
     if code not in _BY_CODE:
         err.context.setdefault("server_code", code)
     return err
+
+
+#: The longest exception message put in an error reply (the rest is cut, marked "...").
+MAX_EXCEPTION_TEXT = 1000
+
+# An absolute path: POSIX (/a/b, ~/a) or Windows (C:\a, \\host\share), starting a
+# word or a quoted string (so "http://host/x" and "a/b" are left alone).
+_ABSOLUTE_PATH = re.compile(r"""(?<![^\s'"(\[=,])(?:~?/|[A-Za-z]:[\\/]|\\\\)[^\s'"),\]]*""")
+
+
+def _path_tail(match: re.Match[str]) -> str:
+    tail = re.split(r"[\\/]", match.group(0).rstrip("/\\"))[-1]
+    return f"<path>/{tail}" if tail and tail != "~" else "<path>"
+
+
+def describe_exception(exc: BaseException, *, debug: bool = False) -> str:
+    """``"TypeName: message"`` of an exception raised by server-side code, fit for a client.
+
+    The one rule for what an error reply says about an exception (an environment
+    that raised, a failing endpoint): its type name and its message, never a
+    traceback; absolute file paths in the message are cut to their last part
+    (``/home/alice/data/x.csv`` → ``<path>/x.csv``), so that replies do not show
+    the server's directories, home or user name; the message is cut at
+    :data:`MAX_EXCEPTION_TEXT` characters. With ``debug`` (``--debug-errors``)
+    the message is kept whole.
+    """
+    text = str(exc)
+    if not debug:
+        if len(text) > MAX_EXCEPTION_TEXT:
+            text = text[:MAX_EXCEPTION_TEXT] + "..."
+        text = _ABSOLUTE_PATH.sub(_path_tail, text)
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name

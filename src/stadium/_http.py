@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import math
 import os
 import uuid
 from collections.abc import Callable, Mapping
@@ -20,10 +21,16 @@ from typing import Any
 import msgspec
 
 from stadium._env import StepResult
-from stadium._errors import StadiumError, ValidationError
+from stadium._errors import (
+    CallTimeoutError,
+    CapacityError,
+    StadiumError,
+    ValidationError,
+)
 from stadium._protocol import PROTOCOL_VERSION, reset_call
 from stadium._session import Runtime
 from stadium._spec import CallMode
+from stadium._throttle import ThrottledLog
 from stadium._version import __version__
 
 log = logging.getLogger("stadium.http")
@@ -36,6 +43,8 @@ class HttpResponse:
     status: int
     body: bytes
     content_type: str = _JSON
+    headers: tuple[tuple[str, str], ...] = ()
+    """Extra response headers (e.g. ``Retry-After``), beside Content-Type and -Length."""
 
 
 def _json(status: int, payload: Any) -> HttpResponse:
@@ -59,10 +68,19 @@ UPGRADE_REQUIRED = error_response(
 
 
 class HttpEndpoints:
-    """The HTTP surface of one worker."""
+    """The HTTP surface of one worker.
+
+    ``POST /reset``, ``POST /step`` and ``GET /state`` build (and close) an
+    environment per request, through the runtime's ``Invoker``, and each holds a
+    session slot for its duration: they count against ``--max-sessions`` with the
+    WebSocket sessions, wait in the same admission queue, and are answered ``503``
+    ``CAPACITY_REACHED`` (with ``Retry-After``) when no slot frees in time.
+    """
 
     GET_PATHS = ("/health", "/metadata", "/schema", "/state")
     POST_PATHS = ("/reset", "/step")
+    ENV_GET_PATHS = ("/state",)
+    """GET endpoints that build an environment: only :meth:`handle` (async) answers them."""
 
     def __init__(self, runtime: Runtime, *, workers: int = 1) -> None:
         self.runtime = runtime
@@ -70,23 +88,72 @@ class HttpEndpoints:
         spec = runtime.spec
         self._schema = msgspec.json.encode(spec.schemas())
 
-    async def handle(self, method: str, path: str, body: bytes) -> HttpResponse:
-        """Answer any request: GET and POST endpoints, 405 otherwise, 500 on a bug."""
+    async def handle(
+        self, method: str, path: str, body: bytes, client: str | None = None
+    ) -> HttpResponse:
+        """Answer any request: GET and POST endpoints, 405 otherwise, 500 on a bug.
+
+        ``client`` is the peer's address, for the per-client limits (when on): a
+        request over its client's ``--rate-limit`` is answered ``429 RATE_LIMITED``
+        with ``Retry-After``; one that builds an environment (``POST /reset``,
+        ``POST /step``, ``GET /state``) counts as a session of its client while it
+        runs, ``429 CAPACITY_REACHED`` over ``--max-sessions-per-client``.
+        """
+        limits = self.runtime.limits
+        if limits is None:
+            return await self._answer(method, path, body)
+        refused = self.over_rate(client)
+        if refused is not None:
+            return refused
+        if not limits.max_sessions or not (method == "POST" or self.builds_env(path)):
+            return await self._answer(method, path, body)
+        loop = asyncio.get_running_loop()
+        holder = limits.open_session(client, loop.time())
+        if holder is None:
+            return self._refusal(429, limits.quota_error())
+        try:
+            return await self._answer(method, path, body)
+        finally:
+            limits.close_session(holder, loop.time())
+
+    def over_rate(self, client: str | None) -> HttpResponse | None:
+        """``429 RATE_LIMITED`` if ``client``'s bucket is empty (a token is spent if not)."""
+        limits = self.runtime.limits
+        if limits is None or not limits.rate:
+            return None
+        wait = limits.take(client, asyncio.get_running_loop().time())
+        return self._refusal(429, limits.rate_error(wait)) if wait else None
+
+    def _refusal(self, status: int, err: StadiumError) -> HttpResponse:
+        """A request refused by a limit: ``err`` as JSON, with ``Retry-After`` (whole seconds)."""
+        self.runtime.errors_total[str(err.code)] += 1
+        retry = err.context.get("retry_after_s", 1.0)
+        body = msgspec.json.encode({"detail": err.message, **err.to_wire()})
+        return HttpResponse(status, body, headers=(("Retry-After", str(max(1, math.ceil(retry)))),))
+
+    async def _answer(self, method: str, path: str, body: bytes) -> HttpResponse:
         if method == "GET":
+            if self.builds_env(path):
+                return await self.state()
             return self.get(path)
         if method != "POST":
             return _error(405, f"{method} is not supported: use GET or POST", "METHOD_NOT_ALLOWED")
         try:
             return await self.post(path, body)
         except Exception as exc:
-            return _internal_error(method, path, exc)
+            return self._internal_error(method, path, exc)
+
+    @staticmethod
+    def builds_env(path: str) -> bool:
+        """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
+        return (path.split("?", 1)[0].rstrip("/") or "/") in HttpEndpoints.ENV_GET_PATHS
 
     def get(self, path: str) -> HttpResponse:
-        """Answer a GET (synchronously: these never wait on an environment); never raises."""
+        """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
         try:
             return self._get(path)
         except Exception as exc:
-            return _internal_error("GET", path, exc)
+            return self._internal_error("GET", path, exc)
 
     def _get(self, path: str) -> HttpResponse:
         path = path.split("?", 1)[0].rstrip("/") or "/"
@@ -99,12 +166,8 @@ class HttpEndpoints:
             return HttpResponse(200, self._schema)
         if path == "/metadata":
             return _json(200, self.metadata())
-        if path == "/state":
-            env = rt.new_env()
-            try:
-                return HttpResponse(200, rt.spec.json_encoder.encode(env.state))
-            finally:
-                _close_env(rt, env)
+        if path in self.ENV_GET_PATHS:  # a transport bug: these wait on an environment
+            return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         if path in self.POST_PATHS:
             return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
         if path == "/ws":  # reached without an HTTP/1.1 WebSocket upgrade
@@ -143,6 +206,7 @@ class HttpEndpoints:
                 "sessions_total": self.runtime.sessions_total,
                 "steps_total": self.runtime.steps_total,
                 "errors_total": dict(self.runtime.errors_total),
+                **_misbehaving(self.runtime),
             },
         }
 
@@ -171,17 +235,23 @@ class HttpEndpoints:
                     where="$",
                 )
                 reset = functools.partial(_reset, kwargs=call.reset_kwargs)
-                result = await self._run(spec.reset_mode, reset)
+                result = await self._run(spec.reset_mode, reset, what="reset")
             else:
                 if "action" not in data:
                     raise ValidationError('body needs an "action" object', field="$.action")
                 action = spec.action.convert(data["action"], "action")
-                result = await self._run(spec.step_mode, functools.partial(_step, action=action))
+                timeout_s = _timeout_s(data.get("timeout_s"))
+                if timeout_s is not None and rt.step_takes_timeout_s:  # OpenEnv's env.step takes it
+                    step = functools.partial(_step, action=action, timeout_s=timeout_s)
+                else:
+                    step = functools.partial(_step, action=action)
+                result = await self._run(
+                    spec.step_mode, step, limit=rt.invoke.bound(timeout_s), what="step"
+                )
         except StadiumError as exc:
-            status = 422 if isinstance(exc, ValidationError) else 500
-            return _json(status, {"detail": exc.message, **exc.to_wire()})
+            return self._stadium_error(exc)
         except Exception as exc:
-            return _error(500, f"{path[1:]} raised {type(exc).__name__}: {exc}", "EXECUTION_ERROR")
+            return self._env_error(path[1:], exc)
         if isinstance(result, StepResult):
             payload = {
                 "observation": result.observation,
@@ -192,44 +262,146 @@ class HttpEndpoints:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
 
-    async def _run(self, mode: CallMode, call: Callable[[Any], Any]) -> Any:
-        """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after."""
-        rt = self.runtime
-        spec = rt.spec
-        loop = asyncio.get_running_loop()
-        env = await rt.invoke.call(loop, spec.create_mode, rt.new_env)
+    async def state(self) -> HttpResponse:
+        """Answer ``GET /state``: a fresh env's state, built and read as its create mode says
+        (on the thread pool for a blocking env, never inline on the loop)."""
+        spec = self.runtime.spec
         try:
-            return await rt.invoke.call(loop, mode, call, env)
+            state = await self._run(spec.create_mode, _state, what="state")
+            return HttpResponse(200, spec.json_encoder.encode(state))
+        except StadiumError as exc:
+            return self._stadium_error(exc)
+        except Exception as exc:
+            return self._env_error("state", exc)
+
+    def _stadium_error(self, exc: StadiumError) -> HttpResponse:
+        body = msgspec.json.encode({"detail": exc.message, **exc.to_wire()})
+        if isinstance(exc, CapacityError):
+            self.runtime.errors_total[str(exc.code)] += 1
+            retry = str(max(1, math.ceil(exc.retry_after_s)))
+            return HttpResponse(503, body, headers=(("Retry-After", retry),))
+        if isinstance(exc, CallTimeoutError):
+            self.runtime.errors_total[str(exc.code)] += 1
+            return HttpResponse(504, body)
+        return HttpResponse(422 if isinstance(exc, ValidationError) else 500, body)
+
+    def _env_error(self, op: str, exc: Exception) -> HttpResponse:
+        """``500 EXECUTION_ERROR``: the environment raised (type and message, no paths)."""
+        rt = self.runtime
+        rt.env_raised(f"the environment's {op} raised (HTTP)", exc)
+        rt.errors_total["EXECUTION_ERROR"] += 1
+        return _error(
+            500,
+            f"{op} raised {rt.describe(exc)}",
+            "EXECUTION_ERROR",
+            exception=type(exc).__name__,
+            operation=op,
+        )
+
+    def _internal_error(self, method: str, path: str, exc: Exception) -> HttpResponse:
+        """``500 INTERNAL_ERROR``: a server bug (logged, throttled, with its traceback)."""
+        if self.runtime.debug_errors:
+            log.error("%s %s failed", method, path, exc_info=exc)
+        else:
+            _INTERNAL_ERRORS("%s %s failed: %r", method, path, exc, exc=exc)
+        text = self.runtime.describe(exc)
+        return _error(500, f"{method} {path} failed: {text}", "INTERNAL_ERROR")
+
+    async def _run(
+        self,
+        mode: CallMode,
+        call: Callable[[Any], Any],
+        *,
+        limit: float | None = None,
+        what: str = "call",
+    ) -> Any:
+        """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after.
+
+        Holds a session slot throughout (waiting for one as a WebSocket session
+        does); raises :class:`~stadium.CapacityError` when none frees in time, and
+        :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
+        runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
+        without waiting (the abandoned call may still be running on it).
+        """
+        rt = self.runtime
+        admission = rt.admission
+        if not await admission.acquire():
+            raise rt.capacity_error()
+        try:
+            spec = rt.spec
+            loop = asyncio.get_running_loop()
+            try:
+                env = await rt.invoke.call(loop, spec.create_mode, rt.new_env)
+            except CallTimeoutError as exc:
+                raise _timed_out("create", exc) from None
+            timed_out = False
+            try:
+                return await rt.invoke.call(loop, mode, call, env, limit=limit)
+            except CallTimeoutError as exc:
+                timed_out = True
+                raise _timed_out(what, exc) from None
+            finally:
+                if spec.has_close and timed_out:
+                    rt.invoke.run(loop, spec.close_mode, env.close, (), _ignore)
+                elif spec.has_close:
+                    await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            if spec.has_close:
-                await rt.invoke.call(loop, spec.close_mode, env.close)
+            admission.release()
 
 
 def _reset(env: Any, kwargs: Mapping[str, Any]) -> Any:
     return env.reset(**kwargs)
 
 
-def _step(env: Any, action: Any) -> Any:
-    return env.step(action)
+def _step(env: Any, action: Any, timeout_s: float | None = None) -> Any:
+    if timeout_s is None:
+        return env.step(action)
+    return env.step(action, timeout_s=timeout_s)
+
+
+def _timeout_s(value: Any) -> float | None:
+    """OpenEnv's ``timeout_s`` of ``POST /step``: ``None`` or seconds over 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+        raise ValidationError(
+            f"timeout_s must be a number of seconds over 0, got {value!r}", field="$.timeout_s"
+        )
+    return float(value)
+
+
+def _timed_out(what: str, exc: CallTimeoutError) -> CallTimeoutError:
+    limit = exc.context.get("timeout_s")
+    return CallTimeoutError(
+        f"{what} ran longer than {limit:g} s (the server's --step-timeout or the request's "
+        "timeout_s) and was abandoned",
+        operation=what,
+        timeout_s=limit,
+    )
+
+
+def _ignore(_token: Any, _result: Any, _error: BaseException | None) -> None:
+    """The outcome of closing an env whose call was abandoned: nobody to tell."""
+
+
+def _misbehaving(rt: Runtime) -> dict[str, Any]:
+    """``/metadata`` worker counters of envs that misbehave (timeouts, stuck threads, stalls)."""
+    invoke = rt.invoke
+    watchdog = rt.watchdog
+    return {
+        "timeouts_total": invoke.timeouts,
+        "stuck_threads": invoke.stuck,
+        "pools_replaced": invoke.pools_replaced,
+        "loop_stalls": watchdog.stalls if watchdog is not None else 0,
+    }
+
+
+def _state(env: Any) -> Any:
+    return env.state
 
 
 def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-def _internal_error(method: str, path: str, exc: Exception) -> HttpResponse:
-    log.exception("%s %s failed", method, path)
-    return _error(500, f"{method} {path} failed: {type(exc).__name__}: {exc}", "INTERNAL_ERROR")
-
-
-def _close_env(runtime: Runtime, env: Any) -> None:
-    """Close a request's env without waiting (as the env's close mode says); log a failure."""
-    if not runtime.spec.has_close:
-        return
-    loop = asyncio.get_running_loop()
-    runtime.invoke.run(loop, runtime.spec.close_mode, env.close, (), _log_close_error)
-
-
-def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:
-    if error is not None and not isinstance(error, asyncio.CancelledError):
-        log.warning("closing a request's environment raised: %r", error)
+_INTERNAL_ERRORS = ThrottledLog(log, logging.ERROR)

@@ -11,7 +11,11 @@ a :class:`~stadium._session.Session` and is that session's channel.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import functools
 import logging
+import sys
 from http import HTTPStatus
 from typing import Any
 
@@ -29,15 +33,51 @@ from picows import (
 from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
+from stadium._access import AccessPolicy, Refusal, header_values
 from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
+from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
 from stadium._session import MAX_FRAGMENTS, MAX_UNSENT_BYTES, Runtime, Session
+from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.transport")
 
+
+class _PicowsLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """picows' log, quiet about clients (a client must not be able to fill the disk).
+
+    picows logs every connection and disconnection at INFO, and a client's broken
+    frames ("WS parser error"), slow readers and handshake timeouts at
+    WARNING/ERROR, some with a traceback: all of that goes to DEBUG, without the
+    traceback. What it logs about exceptions from our listener (a Stadium bug) or
+    its own ping loop stays at ERROR, throttled: one line per 10 s with its
+    traceback, naming how many were held back.
+    """
+
+    _BUG_MARKERS = ("WSListener", "Auto-ping loop failed")
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__(logger, {})
+        self._bugs = ThrottledLog(logger, logging.ERROR)
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if level <= logging.DEBUG:
+            super().log(level, msg, *args, **kwargs)
+            return
+        text = str(msg)
+        if any(marker in text for marker in self._BUG_MARKERS):
+            exc = kwargs.get("exc_info")
+            if exc is True:
+                exc = sys.exc_info()[1]
+            self._bugs(text, *args, exc=exc if isinstance(exc, BaseException) else None)
+            return
+        kwargs.pop("exc_info", None)
+        super().log(logging.DEBUG, msg, *args, **kwargs)
+
+
 # picows makes a child logging.Logger per connection when given a Logger; an
 # adapter avoids that allocation (memory per session).
-_PICOWS_LOG = logging.LoggerAdapter(logging.getLogger("stadium.picows"), {})
+_PICOWS_LOG = _PicowsLog(logging.getLogger("stadium.picows"))
 _READ_BUFFER = 2048
 
 # -- the one private seam ---------------------------------------------------------
@@ -122,7 +162,11 @@ class _SessionListener(WSListener):
 
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
-        self.session = Session(self._owner.runtime, self, self.encoding)
+        runtime = self._owner.runtime
+        client = None
+        if runtime.limits is not None:  # per-client limits: the peer's address
+            client = client_address(transport.underlying_transport.get_extra_info("peername"))
+        self.session = Session(runtime, self, self.encoding, client=client)
         self.session.start()
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
@@ -227,7 +271,7 @@ class _SessionListener(WSListener):
 
 
 def _response(resp: HttpResponse) -> WSUpgradeResponseWithListener:
-    headers = {"Content-Type": resp.content_type}
+    headers = {"Content-Type": resp.content_type, **dict(resp.headers)}
     if resp.status < 400:
         r = WSUpgradeResponse.create_ok_response(resp.body, headers)
         r.status = HTTPStatus(resp.status)
@@ -237,7 +281,16 @@ def _response(resp: HttpResponse) -> WSUpgradeResponseWithListener:
 
 
 class PicowsTransport:
-    """Builds the per-connection protocols for one worker."""
+    """Builds the per-connection protocols for one worker.
+
+    Socket timeouts (each a timer per connection state change, none per message):
+    ``header_timeout`` from accept until the request line and headers are in
+    (picows' own handshake timeout for connections it takes), ``body_timeout``
+    for an HTTP request's body, ``keepalive_timeout`` for an HTTP keep-alive
+    connection idle between requests. ``timeouts`` counts the connections each
+    closed (``headers``, ``body``, ``keep-alive``; picows' handshake timeouts
+    are not counted here).
+    """
 
     def __init__(
         self,
@@ -248,17 +301,41 @@ class PicowsTransport:
         ping_interval: float,
         ping_timeout: float,
         max_unsent_bytes: int = MAX_UNSENT_BYTES,
+        header_timeout: float = 10.0,
+        body_timeout: float = 30.0,
+        keepalive_timeout: float = 15.0,
+        access: AccessPolicy | None = None,
     ) -> None:
+        self.access = access or AccessPolicy()
         self.runtime = runtime
         self.endpoints = endpoints
         self.max_message_bytes = max_message_bytes
         self.max_unsent_bytes = max_unsent_bytes
         self.ping_interval = ping_interval
         self.ping_timeout = ping_timeout
+        self.header_timeout = header_timeout
+        self.body_timeout = body_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.timeouts: collections.Counter[str] = collections.Counter()
         self.http_connections: set[_HttpProtocol] = set()
 
-    def _route(self, request: WSUpgradeRequest) -> Any:
+    def timed_out(self, what: str) -> None:
+        """Count (and log at debug) a connection closed by a socket timeout."""
+        self.timeouts[what] += 1
+        log.debug("closing a connection: %s timeout", what)
+
+    def _route(self, request: WSUpgradeRequest, local_addr: str | None = None) -> Any:
         path = request.path.decode("latin-1")
+        headers = request.headers
+        refusal = self.access.check(
+            path,
+            authorization=headers.get("Authorization"),
+            origin=headers.get("Origin"),
+            host=headers.get("Host"),
+            local_addr=local_addr,
+        )
+        if refusal is not None:  # before any env or slot: see stadium._access
+            return _response(_refused(refusal))
         if (
             path.split("?", 1)[0] == "/ws"
             and request.headers.get("Upgrade", "").lower() == "websocket"
@@ -274,15 +351,47 @@ class PicowsTransport:
             return _SessionListener(self, Encoding.JSON)
         return _response(self.endpoints.get(path))
 
-    def ws_protocol(self) -> asyncio.BufferedProtocol:
+    def http_refusal(
+        self, request: h11.Request, transport: asyncio.BaseTransport
+    ) -> HttpResponse | None:
+        """The access refusal of a plain-HTTP request, or ``None`` (see :mod:`stadium._access`)."""
+        auth, origin, host = header_values(request.headers)
+        refusal = self.access.check(
+            request.target.decode("latin-1"),
+            authorization=auth,
+            origin=origin,
+            host=host,
+            local_addr=_local_addr(transport),
+        )
+        return None if refusal is None else _refused(refusal)
+
+    def over_rate(self, transport: asyncio.Transport) -> bool:
+        """Answer ``429`` and close if the peer is over its ``--rate-limit`` (one request each)."""
+        if self.runtime.limits is None:
+            return False
+        resp = self.endpoints.over_rate(client_address(transport.get_extra_info("peername")))
+        if resp is None:
+            return False
+        transport.write(_encode(h11.Connection(h11.SERVER), resp))
+        transport.close()
+        return True
+
+    def ws_protocol(
+        self, handshake_timeout: float, transport: asyncio.BaseTransport | None = None
+    ) -> asyncio.BufferedProtocol:
+        """picows' protocol for a connection that has ``handshake_timeout`` seconds left
+        to complete its request headers; ``transport`` tells the address it arrived on."""
+        local = None if transport is None else _local_addr(transport)
         return picows_server_protocol(
             host_port=None,
             ws_path=None,
             is_client_side=False,
-            ws_listener_factory=self._route,
+            ws_listener_factory=self._route
+            if local is None
+            else functools.partial(self._route, local_addr=local),
             logger=_PICOWS_LOG,
             disconnect_on_exception=True,
-            websocket_handshake_timeout=10.0,
+            websocket_handshake_timeout=handshake_timeout,
             enable_auto_ping=self.ping_interval > 0,
             auto_ping_idle_timeout=self.ping_interval or 20.0,
             auto_ping_reply_timeout=self.ping_timeout or 20.0,
@@ -306,18 +415,75 @@ _AMBIGUOUS_LENGTH = error_response(
 )
 
 
-class _FrontProtocol(asyncio.Protocol):
-    """Decides from the request line whether a connection is picows' or plain HTTP."""
+def _refused(refusal: Refusal) -> HttpResponse:
+    return HttpResponse(refusal.status, refusal.body, headers=refusal.headers)
 
-    __slots__ = ("_buf", "_owner", "_transport")
+
+def _local_addr(transport: asyncio.BaseTransport) -> str | None:
+    """The local address a connection arrived on (``None`` if not an IP socket)."""
+    sockname = transport.get_extra_info("sockname")
+    return sockname[0] if isinstance(sockname, tuple) and sockname else None
+
+
+def _timeout_response(what: str, seconds: float) -> HttpResponse:
+    """``408 Request Timeout``, closing the connection."""
+    resp = error_response(
+        408,
+        f"the request's {what} did not arrive within {seconds:g}s; send each request whole",
+        "REQUEST_TIMEOUT",
+    )
+    return dataclasses.replace(resp, headers=(("Connection", "close"),))
+
+
+def _encode(conn: h11.Connection, resp: HttpResponse, *, body: bool = True) -> bytes:
+    """``resp`` as bytes on ``conn``; raises ``h11.LocalProtocolError`` out of turn."""
+    headers = [
+        ("Content-Type", resp.content_type),
+        ("Content-Length", str(len(resp.body))),
+        *resp.headers,
+    ]
+    out = conn.send(h11.Response(status_code=resp.status, headers=headers)) or b""
+    if body:
+        out += conn.send(h11.Data(data=resp.body)) or b""
+    return out + (conn.send(h11.EndOfMessage()) or b"")
+
+
+class _FrontProtocol(asyncio.Protocol):
+    """Decides from the request line whether a connection is picows' or plain HTTP.
+
+    From accept, the connection has ``header_timeout`` seconds to send its request
+    line and headers: a timer here until the request line is in (then ``408`` if
+    part of it came, else a plain close), then what is left of it goes with the
+    connection (picows' handshake timeout, or :class:`_HttpProtocol`'s timer).
+    ``GET /state`` goes to h11: it builds an environment, which picows' synchronous
+    handshake hook cannot wait for.
+    """
+
+    __slots__ = ("_buf", "_owner", "_timer", "_transport")
 
     def __init__(self, owner: PicowsTransport) -> None:
         self._owner = owner
         self._transport: asyncio.Transport | None = None
         self._buf = b""
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._timer = asyncio.get_running_loop().call_later(
+            self._owner.header_timeout, self._timed_out
+        )
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        transport = self._transport
+        if transport is None:
+            return
+        self._owner.timed_out("headers")
+        if self._buf:
+            conn = h11.Connection(h11.SERVER)
+            transport.write(_encode(conn, _timeout_response("headers", self._owner.header_timeout)))
+        transport.close()
+        self._transport = None
 
     def data_received(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
@@ -326,11 +492,24 @@ class _FrontProtocol(asyncio.Protocol):
             self._buf = buf
             return
         transport = self._transport
-        assert transport is not None
+        if transport is None:  # timed out
+            return
+        timer = self._timer
+        assert timer is not None
+        timer.cancel()
+        self._timer = None
+        deadline = timer.when()
         line = buf[:end] if end >= 0 else b""
-        if line.startswith(b"GET ") and line.endswith(b" HTTP/1.1"):
+        if (
+            line.startswith(b"GET ")
+            and line.endswith(b" HTTP/1.1")
+            and not self._owner.endpoints.builds_env(line[4:-9].decode("latin-1"))
+        ):
             # picows: WebSocket upgrades and the GET endpoints (HTTP/1.1 only).
-            ws = self._owner.ws_protocol()
+            if self._owner.over_rate(transport):
+                return
+            left = deadline - asyncio.get_running_loop().time()
+            ws = self._owner.ws_protocol(max(left, 0.001), transport)
             transport.set_protocol(ws)
             ws.connection_made(transport)
             view = memoryview(buf)
@@ -341,19 +520,35 @@ class _FrontProtocol(asyncio.Protocol):
                 ws.buffer_updated(n)
                 view = view[n:]
         else:  # h11: POST, HEAD, HTTP/1.0 (HAProxy's and nginx's defaults), and errors
-            http = _HttpProtocol(self._owner)
+            http = _HttpProtocol(self._owner, deadline)
             transport.set_protocol(http)
             http.connection_made(transport)
             http.data_received(buf)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+# What an HTTP connection waits for (which timeout runs).
+_HEADERS = "headers"
+_BODY = "body"
+_BUSY = "busy"  # answering: no socket timeout (the env call's own limits apply)
+_IDLE = "keep-alive"
 
 
 class _HttpProtocol(asyncio.Protocol):
-    """HTTP/1.1 with keep-alive for the non-GET endpoints (h11 does the parsing)."""
+    """HTTP/1.1 with keep-alive for the non-GET endpoints (h11 does the parsing).
 
-    def __init__(self, owner: PicowsTransport) -> None:
+    One timer at a time, re-armed as the connection changes state: the request's
+    headers by ``header_deadline`` (then ``header_timeout`` from a later request's
+    first byte), its body within ``body_timeout`` of its headers (``408`` and close
+    on either), and ``keepalive_timeout`` idle between requests (close).
+    """
+
+    def __init__(self, owner: PicowsTransport, header_deadline: float) -> None:
         self._owner = owner
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         self._transport: asyncio.Transport | None = None
@@ -361,18 +556,53 @@ class _HttpProtocol(asyncio.Protocol):
         self._body: list[bytes] = []
         self._size = 0
         self._task: asyncio.Task[None] | None = None
+        self._deadline = header_deadline
+        self._wait = _HEADERS
+        self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self._owner.http_connections.add(self)
+        self._timer = asyncio.get_running_loop().call_at(self._deadline, self._timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
         self._owner.http_connections.discard(self)
+        self._arm(_BUSY, 0.0)
         if self._task is not None:
             self._task.cancel()
 
+    def _client(self) -> str | None:
+        """The peer's address, for the per-client limits (``None`` when they are off)."""
+        transport = self._transport
+        if transport is None or self._owner.runtime.limits is None:
+            return None
+        return client_address(transport.get_extra_info("peername"))
+
+    def _arm(self, wait: str, seconds: float) -> None:
+        """Wait for ``wait`` for ``seconds`` (no timer for ``_BUSY``)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._wait = wait
+        if wait is not _BUSY:
+            self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._transport is None or self._task is not None:
+            return
+        wait = self._wait
+        self._owner.timed_out(wait)
+        if wait is not _IDLE:
+            owner = self._owner
+            limit = owner.header_timeout if wait is _HEADERS else owner.body_timeout
+            self._send(_timeout_response(wait, limit))
+        self._close()
+
     def data_received(self, data: bytes) -> None:
+        if self._wait is _IDLE:  # the next request begins
+            self._arm(_HEADERS, self._owner.header_timeout)
         self._conn.receive_data(data)
         self._process()
 
@@ -393,9 +623,15 @@ class _HttpProtocol(asyncio.Protocol):
                     self._send(_AMBIGUOUS_LENGTH)
                     self._close()
                     return
+                refusal = self._owner.http_refusal(event, self._transport)
+                if refusal is not None:
+                    self._send(refusal, body=event.method != b"HEAD")
+                    self._close()
+                    return
                 self._request = event
                 self._body = []
                 self._size = 0
+                self._arm(_BODY, self._owner.body_timeout)
             elif isinstance(event, h11.Data):
                 self._size += len(event.data)
                 if self._size > self._owner.max_message_bytes:
@@ -404,6 +640,7 @@ class _HttpProtocol(asyncio.Protocol):
                     return
                 self._body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
+                self._arm(_BUSY, 0.0)
                 self._task = asyncio.get_running_loop().create_task(self._respond())
                 return
             elif isinstance(event, h11.ConnectionClosed):
@@ -419,6 +656,7 @@ class _HttpProtocol(asyncio.Protocol):
             "GET" if head else method,
             request.target.decode("latin-1"),
             b"".join(self._body),
+            self._client(),
         )
         self._task = None
         self._send(resp, body=not head)
@@ -430,6 +668,10 @@ class _HttpProtocol(asyncio.Protocol):
         except h11.LocalProtocolError:
             self._close()
             return
+        if self._conn.trailing_data[0]:  # part of a pipelined request is already in
+            self._arm(_HEADERS, self._owner.header_timeout)
+        else:
+            self._arm(_IDLE, self._owner.keepalive_timeout)
         self._process()
 
     def _send(self, resp: HttpResponse, *, body: bool = True) -> None:
@@ -437,19 +679,7 @@ class _HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         try:
-            out = self._conn.send(
-                h11.Response(
-                    status_code=resp.status,
-                    headers=[
-                        ("Content-Type", resp.content_type),
-                        ("Content-Length", str(len(resp.body))),
-                    ],
-                )
-            )
-            out = out or b""
-            if body:
-                out += self._conn.send(h11.Data(data=resp.body)) or b""
-            out += self._conn.send(h11.EndOfMessage()) or b""
+            out = _encode(self._conn, resp, body=body)
         except h11.LocalProtocolError:
             self._close()
             return

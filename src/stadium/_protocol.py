@@ -10,6 +10,7 @@ Wire format (OpenEnv's, see docs/PROTOCOL.md)::
              {"type": "error", "data": {"message": ..., "code": ...}}
 
 ``id`` is Stadium's extension: when a request carries one, the reply echoes it.
+A step may carry ``"timeout_s": 30.0`` (OpenEnv's HTTP field): its own time limit.
 
 A transport feeds each complete WebSocket message to :meth:`SessionProtocol.receive`,
 which returns either a :class:`Call` to carry out on the environment or the bytes
@@ -25,7 +26,7 @@ import dataclasses
 import enum
 import types
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -37,6 +38,7 @@ from stadium._errors import (
     SessionError,
     StadiumError,
     UnknownTypeError,
+    describe_exception,
 )
 from stadium._errors import ValidationError as StadiumValidationError
 from stadium._spec import EnvSpec
@@ -79,10 +81,15 @@ class SessionState(enum.IntEnum):
 _OPS = {"reset": Op.RESET, "step": Op.STEP, "state": Op.STATE, "close": Op.CLOSE}
 
 
+#: ``timeout_s`` of a step frame: seconds, over 0 (under a billion: a finite timer).
+_TimeoutS = Annotated[float, msgspec.Meta(gt=0, lt=1e9)]
+
+
 class _Envelope(msgspec.Struct):
     type: str = ""
     data: msgspec.Raw = msgspec.Raw(b"")
     id: int | str | None = None
+    timeout_s: _TimeoutS | None = None
 
 
 _RESET_KEYS = frozenset({"seed", "episode_id", "options"})
@@ -101,6 +108,9 @@ class Call:
     episode_id: str | None = None
     client_episode_id: bool = False
     """Whether ``episode_id`` came from the client (else the server made it)."""
+    timeout_s: float | None = None
+    """A step's own time limit (OpenEnv's ``timeout_s``; the smaller of it and
+    ``--step-timeout`` applies)."""
     reset_kwargs: Mapping[str, Any] = _NO_KWARGS
     """A reset's keyword arguments for ``env.reset``: ``seed``, ``options`` and, when
     the client chose it and the env's ``reset`` accepts it, ``episode_id``."""
@@ -249,7 +259,9 @@ class SessionProtocol:
             if op is Op.STEP:
                 if self.state is not SessionState.READY:
                     raise SessionError("no episode is running: send reset before step")
-                return Call(op, rid, action=self._decode_action(envelope.data))
+                return Call(
+                    op, rid, action=self._decode_action(envelope.data), timeout_s=envelope.timeout_s
+                )
             if op is Op.RESET:
                 raw = envelope.data
                 return reset_call(
@@ -268,6 +280,14 @@ class SessionProtocol:
         except Exception as exc:
             return self.error_reply(rid, self._unreadable(exc))
 
+    def request_id(self, message: bytes | str) -> RequestId:
+        """The ``id`` of a request not carried out (e.g. refused by a rate limit), if readable."""
+        try:
+            rid: RequestId = self._envelope_decoder.decode(message).id
+        except Exception:
+            return None
+        return rid
+
     def _unreadable(self, exc: Exception) -> StadiumError:
         """The error for a message the decoders (or a validator) could not read."""
         kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
@@ -278,7 +298,7 @@ class SessionProtocol:
         elif isinstance(exc, msgspec.DecodeError):
             detail = str(exc)
         else:
-            detail = f"{type(exc).__name__}: {exc}"
+            detail = describe_exception(exc)  # e.g. a validator that raised: no server paths
         return InvalidMessageError(f"Invalid {kind}: {detail}", encoding=self.encoding.value)
 
     def _envelope_error(self, exc: msgspec.ValidationError) -> StadiumError:
@@ -287,6 +307,8 @@ class SessionProtocol:
             return UnknownTypeError(f"Invalid message type: {text}", field="$.type")
         if text.endswith("`$.id`"):
             return validation_error(exc, "request id")
+        if text.endswith("`$.timeout_s`"):
+            return validation_error(exc, "timeout_s")
         return InvalidMessageError(f"Invalid message: a frame must be an object ({text})")
 
     def _decode_action(self, raw: msgspec.Raw) -> Any:

@@ -29,18 +29,21 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+from stadium._access import AccessPolicy, exposure_warnings
 from stadium._admission import SharedSlots, Slots
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._errors import ConfigError
+from stadium._invoke import running_pool_threads
 from stadium._loader import load_target
 from stadium._picows import PicowsTransport
-from stadium._process import new_event_loop, raise_nofile_limit
+from stadium._process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
 from stadium._session import CLOSE_GOING_AWAY
 from stadium._spec import EnvSpec
 from stadium._supervisor import Supervisor
@@ -53,6 +56,8 @@ log = logging.getLogger("stadium.server")
 FINAL_GRACE_S = 5.0
 #: After that, how long a worker told to stop may still take before the supervisor kills it.
 KILL_MARGIN_S = 5.0
+#: At exit, how long env threads get to finish their calls before they count as stuck.
+STUCK_EXIT_WAIT_S = 0.5
 #: Descriptors a worker needs besides its sessions' sockets (loop, pipes, files, HTTP requests).
 FD_HEADROOM = 64
 #: A worker with fewer free descriptors than this is short of them (it logs so).
@@ -69,6 +74,29 @@ class ServerState(enum.Enum):
     SERVING = "serving"
     DRAINING = "draining"
     STOPPED = "stopped"
+
+
+def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """The TLS context of ``--tls-cert``/``--tls-key`` (``None`` without them).
+
+    TLS 1.2 or later (the default of ``PROTOCOL_TLS_SERVER``), ALPN ``http/1.1``
+    (WebSocket upgrades and the HTTP endpoints both speak HTTP/1.1). Raises
+    ConfigError when the files are not a matching PEM certificate and key.
+    """
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"cannot load --tls-cert/--tls-key: {exc}; give a PEM certificate (chain) "
+            "and its PEM private key, unencrypted",
+            cert=config.tls_cert,
+            key=config.tls_key,
+        ) from None
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -192,7 +220,12 @@ class Server:
             max_message_bytes=config.max_message_bytes,
             ping_interval=config.ping_interval,
             ping_timeout=config.ping_timeout,
+            header_timeout=config.header_timeout,
+            body_timeout=config.body_timeout,
+            keepalive_timeout=config.keepalive_timeout,
+            access=AccessPolicy.from_config(config),
         )
+        self._ssl = server_ssl_context(config)
         self._server: asyncio.Server | None = None
         self._stopped = asyncio.Event()
         self._fd_watch: _FdWatch | None = None
@@ -205,8 +238,9 @@ class Server:
     @property
     def url(self) -> str:
         host = self.config.host
-        host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        return f"http://{host}:{self.port}"
+        host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        host = f"[{host}]" if ":" in host else host
+        return f"{'https' if self._ssl else 'http'}://{host}:{self.port}"
 
     async def start(self) -> None:
         """Raise the open-file limit, bind (unless given a socket) and start accepting."""
@@ -215,7 +249,11 @@ class Server:
             self._sock = listen_socket(self.config.host, self.config.port)
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self.transport, sock=self._sock, backlog=_max_backlog()
+            self.transport,
+            sock=self._sock,
+            backlog=_max_backlog(),
+            ssl=self._ssl,
+            ssl_handshake_timeout=self.config.header_timeout if self._ssl else None,
         )
         self.state = ServerState.SERVING
         self.worker.start()
@@ -285,10 +323,19 @@ def _tune_gc() -> None:
 
 
 async def _serve_until_signal(
-    server: Server, *, on_serving: Callable[[], None] | None = None, alone: bool = False
-) -> None:
-    """Serve until SIGTERM/SIGINT, then drain. ``alone``: no supervisor, so SIGHUP is
-    logged and ignored here (a forked worker ignores it: it is the supervisor's)."""
+    server: Server,
+    *,
+    on_serving: Callable[[], None] | None = None,
+    on_retiring: Callable[[], None] | None = None,
+    alone: bool = False,
+) -> int:
+    """Serve until SIGTERM/SIGINT, or until the watchdog asks for a recycle, then drain.
+
+    ``alone``: no supervisor, so SIGHUP is logged and ignored here (a forked worker
+    ignores it: it is the supervisor's). ``on_retiring`` tells the supervisor that
+    this worker drains on its own (it forks the replacement at once). Returns the
+    exit code: 0, or :data:`~stadium._process.RECYCLE_EXIT_CODE` after a recycle.
+    """
     _tune_gc()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -302,22 +349,68 @@ async def _serve_until_signal(
             "(serve with --workers 2 or more for a rolling recycle on SIGHUP)",
         )
     await server.start()
+    recycle: list[str] = []
+
+    def on_recycle(why: str) -> None:  # memory cap, stuck threads (the watchdog logged why)
+        recycle.append(why)
+        if on_retiring is not None:
+            on_retiring()
+        stop.set()
+
+    watchdog = server.worker.watch(on_recycle)
     if on_serving is not None:
         on_serving()
-    await stop.wait()
-    log.info("signal received: draining %d sessions", len(server.runtime.sessions))
-    await server.stop()
+    try:
+        await stop.wait()
+        if recycle:
+            log.warning("recycling: draining %d sessions", len(server.runtime.sessions))
+        else:
+            log.info("signal received: draining %d sessions", len(server.runtime.sessions))
+        await server.stop()
+    finally:
+        watchdog.stop()
+    return RECYCLE_EXIT_CODE if recycle else 0
+
+
+def _exit_past_stuck_threads(code: int) -> None:
+    """End the process now when env threads are still running calls after a drain.
+
+    A thread stuck in an env call never returns, and Python joins the pool threads
+    at exit (``concurrent.futures`` registers that), so the process would never
+    exit: flush the logs and ``os._exit`` instead. Forked workers always end with
+    ``os._exit``.
+    """
+    stuck = running_pool_threads(STUCK_EXIT_WAIT_S)
+    if stuck:
+        log.warning(
+            "%d env thread(s) still running a call that never returned; exiting without "
+            "waiting for them",
+            stuck,
+        )
+        flush_logs()
+        os._exit(code)
 
 
 def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None:
+    """Print where the server listens; warn when it is exposed (see ``exposure_warnings``)."""
     host, port = sock.getsockname()[:2]
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    wildcard = host in ("0.0.0.0", "::")
+    shown = "127.0.0.1" if wildcard else f"[{host}]" if ":" in host else host
+    tls = config.tls_cert is not None
+    http, ws = ("https", "wss") if tls else ("http", "ws")
+    # The HOST env var (OpenEnv deployments set it) widens the bind silently otherwise.
+    from_env = os.environ.get("HOST") == config.host
+    source = " (from the HOST environment variable)" if from_env else ""
+    bound = f", bound to {config.host or 'all interfaces'}" if wildcard else ""
+    access = "bearer token required" if config.auth_token else "no authentication"
     print(
         f"stadium: serving {spec_name!r} with {config.workers} worker(s), "
-        f"max {config.max_sessions} sessions; listening on http://{shown}:{port} "
-        f"(WebSocket ws://{shown}:{port}/ws)",
+        f"max {config.max_sessions} sessions; listening on {http}://{shown}:{port} "
+        f"(WebSocket {ws}://{shown}:{port}/ws){bound}{source}; {access}",
         flush=True,
     )
+    for warning in exposure_warnings(config.host, token=config.auth_token is not None, tls=tls):
+        log.warning("%s%s", warning, source)
 
 
 def run_server(config: ServerConfig) -> int:
@@ -345,23 +438,47 @@ def run_server(config: ServerConfig) -> int:
     * A worker that crashes is restarted after a delay that doubles with each
       quick crash of that worker (0.05 s up to ``restart_max_delay``); the others
       keep serving.
+
+    Envs that misbehave (see :mod:`stadium._watchdog`):
+
+    * A worker whose event loop is stuck past ``stall_limit`` (an env call that
+      never yields) ends itself with exit code
+      :data:`~stadium._process.RECYCLE_EXIT_CODE` (75); its sessions are lost (a
+      stuck loop cannot drain them). A worker past ``max_worker_memory``, or with
+      more than 4 x ``executor_threads`` threads stuck in abandoned env calls,
+      stops accepting, drains its sessions as on SIGTERM and exits with the same
+      code. With workers >= 2 the supervisor replaces such a worker at once (no
+      crash counted, no backoff; the others keep serving). With ``workers == 1``
+      there is no supervisor: the process exits with code 75, for a process
+      manager to restart it (systemd ``Restart=on-failure``, Docker
+      ``--restart``, Kubernetes); serve with ``--workers 2`` or more to have
+      Stadium replace it while the other worker serves.
+    * Shutdown never waits for a thread stuck in an env call: once the drain is
+      over, a process whose env threads are still running calls ends with
+      ``os._exit`` (after flushing its logs) instead of joining them forever.
     """
     _setup_logging(config.log_level)
     env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
     check_fd_budget(config, raise_nofile_limit())
+    server_ssl_context(config)  # fail fast, before binding, on unusable TLS files
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
     if config.workers == 1:
         server = Server(config, env_cls, sock=sock)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(_serve_until_signal(server, alone=True))
-        return 0
+            code = runner.run(_serve_until_signal(server, alone=True))
+        _exit_past_stuck_threads(code)
+        return code
 
-    def run_worker(slots: SharedSlots, on_serving: Callable[[], None]) -> None:
+    def run_worker(
+        slots: SharedSlots, on_serving: Callable[[], None], on_retiring: Callable[[], None]
+    ) -> int:
         server = Server(config, env_cls, sock=sock, slots=slots)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
-            runner.run(_serve_until_signal(server, on_serving=on_serving))
+            return runner.run(
+                _serve_until_signal(server, on_serving=on_serving, on_retiring=on_retiring)
+            )
 
     supervisor = Supervisor(
         workers=config.workers,

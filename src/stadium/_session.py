@@ -18,6 +18,7 @@ import asyncio
 import collections
 import enum
 import functools
+import inspect
 import logging
 import uuid
 from collections.abc import Callable
@@ -25,14 +26,18 @@ from typing import Any, Protocol
 
 from stadium._admission import Admission, Verdict
 from stadium._errors import (
+    CallTimeoutError,
     CapacityError,
     ExecutionError,
     SessionError,
     StadiumError,
+    describe_exception,
 )
 from stadium._invoke import Invoker
+from stadium._limits import Client, ClientLimits, TokenBucket
 from stadium._protocol import Call, Encoding, Op, SessionProtocol
 from stadium._spec import EnvSpec
+from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
 
@@ -85,7 +90,13 @@ class Runtime:
         spec: the compiled environment class.
         admission: the session slots and their queue.
         executor_threads: size of the thread pool for blocking sync env calls.
+        step_timeout: seconds an env call that waits may run (0: no limit); past
+            it the request is answered ``TIMEOUT`` and the session closed (1011).
         env_kwargs: keyword arguments for every env instance.
+        limits: the per-client session quota and request rate (``None``: off).
+        debug_errors: error replies carry exceptions' full text, and every env
+            exception is logged with its traceback (else: paths cut from replies,
+            at most one env-exception report per 10 s, see :meth:`env_raised`).
     """
 
     def __init__(
@@ -94,11 +105,21 @@ class Runtime:
         admission: Admission,
         *,
         executor_threads: int = 8,
+        step_timeout: float = 0.0,
         env_kwargs: dict[str, Any] | None = None,
+        limits: ClientLimits | None = None,
+        debug_errors: bool = False,
     ) -> None:
+        self.limits = limits
+        self.debug_errors = debug_errors
+        self._env_errors = ThrottledLog(log, logging.WARNING)
         self.spec = spec
         self.admission = admission
-        self.invoke = Invoker(executor_threads)
+        self.invoke = Invoker(executor_threads, step_timeout)
+        self.step_takes_timeout_s = _takes_timeout_s(spec)
+        """Whether the env's ``step`` takes ``timeout_s`` (OpenEnv's), passed when sent."""
+        self.watchdog: Any = None
+        """The worker's :class:`~stadium._watchdog.Watchdog` when one runs (its counters)."""
         self.env_kwargs = env_kwargs or {}
         self.sessions: set[Session] = set()
         self.draining = False
@@ -119,6 +140,22 @@ class Runtime:
             max_sessions=slots.limit,
             retry_after_s=1.0,
         )
+
+    def describe(self, exc: BaseException) -> str:
+        """``"TypeName: message"`` for an error reply (paths cut unless ``debug_errors``)."""
+        return describe_exception(exc, debug=self.debug_errors)
+
+    def env_raised(self, what: str, exc: BaseException) -> None:
+        """Log an exception the environment raised (the env author's bug, not the client's).
+
+        A client can make an env raise at will, so the reports are throttled: at
+        most one WARNING per 10 s, with its traceback, naming how many were held
+        back. With ``debug_errors`` every one is logged at ERROR with its traceback.
+        """
+        if self.debug_errors:
+            log.error("%s: %r", what, exc, exc_info=exc)
+        else:
+            self._env_errors("%s: %r", what, exc, exc=exc)
 
     def reap_idle(self, idle_timeout: float) -> int:
         """Close sessions with no request for ``idle_timeout`` seconds; return how many."""
@@ -165,13 +202,16 @@ class Session:
     """One session: admission, environment, ordered request processing, replies."""
 
     __slots__ = (
+        "_bucket",
         "_call",
+        "_client",
         "_close_after",
         "_pending",
         "_pending_bytes",
         "_task",
         "_waiter",
         "channel",
+        "client",
         "env",
         "last_active",
         "loop",
@@ -186,8 +226,13 @@ class Session:
         channel: Channel,
         encoding: Encoding = Encoding.JSON,
         loop: asyncio.AbstractEventLoop | None = None,
+        client: str | None = None,
     ) -> None:
         self.runtime = runtime
+        self.client = client
+        """The peer's address (its IP), for the per-client limits."""
+        self._client: Client | None = None
+        self._bucket: TokenBucket | None = None
         self.channel = channel
         self.loop = loop or asyncio.get_running_loop()
         self.protocol = SessionProtocol(runtime.spec, encoding, _new_episode_id)
@@ -209,6 +254,13 @@ class Session:
         if rt.draining:
             self._refuse(rt.capacity_error(), "server is shutting down")
             return
+        if rt.limits is not None:
+            client = rt.limits.open_session(self.client, self.loop.time())
+            if client is None:
+                self._refuse(rt.limits.quota_error(), "too many sessions from this client")
+                return
+            self._client = client
+            self._bucket = client.bucket
         rt.sessions.add(self)
         waiter = self._on_admission
         verdict = rt.admission.admit(waiter)
@@ -288,7 +340,10 @@ class Session:
     def _created(self, _token: Any, env: Any, error: BaseException | None) -> None:
         self._task = None
         if error is not None:
-            if not isinstance(error, asyncio.CancelledError):
+            if isinstance(error, CallTimeoutError):
+                self._timed_out("create", None, error)
+                self._finish_close(*self._close_after)
+            elif not isinstance(error, asyncio.CancelledError):
                 self._fail_start(error)
             return
         self.env = env
@@ -300,9 +355,9 @@ class Session:
             self._drain_pending()
 
     def _fail_start(self, exc: BaseException) -> None:
-        log.error("creating the environment failed: %r", exc)
+        self.runtime.env_raised("creating the environment failed", exc)
         err = ExecutionError(
-            f"creating the environment failed: {type(exc).__name__}: {exc}",
+            f"creating the environment failed: {self.runtime.describe(exc)}",
             exception=type(exc).__name__,
             operation="create",
         )
@@ -311,6 +366,8 @@ class Session:
         self._finish_close(CLOSE_INTERNAL_ERROR, "environment could not be created")
 
     def _refuse(self, err: CapacityError, reason: str) -> None:
+        if self._client is not None:
+            self._release_client()
         self.runtime.errors_total[str(err.code)] += 1
         self.runtime.sessions.discard(self)
         self.phase = Phase.CLOSED
@@ -328,6 +385,10 @@ class Session:
             self._handle(message)
 
     def _handle(self, message: bytes | str) -> None:
+        bucket = self._bucket
+        if bucket is not None and (wait := bucket.take(self.last_active)):  # --rate-limit
+            self._rate_limited(message, wait)
+            return
         out = self.protocol.receive(message)
         if type(out) is bytes:
             self.runtime.errors_total[self.protocol.last_error or "protocol"] += 1
@@ -339,8 +400,11 @@ class Session:
         rt = self.runtime
         spec = rt.spec
         if op is Op.STEP:
-            pending = rt.invoke.run(self.loop, spec.step_mode, self.env.step, (call.action,),
-                                    self._on_done, call)  # fmt: skip
+            if call.timeout_s is None:
+                pending = rt.invoke.run(self.loop, spec.step_mode, self.env.step, (call.action,),
+                                        self._on_done, call)  # fmt: skip
+            else:
+                pending = self._step_limited(call)
         elif op is Op.RESET:
             reset = functools.partial(self.env.reset, **call.reset_kwargs)
             pending = rt.invoke.run(self.loop, spec.reset_mode, reset, (), self._on_done, call)
@@ -377,6 +441,8 @@ class Session:
                 self._fail(call, exc)
         elif isinstance(error, asyncio.CancelledError):
             self._send_error(call, SessionError(f"{call.op.name.lower()} was cancelled"))
+        elif isinstance(error, CallTimeoutError):
+            self._timed_out(call.op.name.lower(), call, error)
         else:
             self._fail(call, error)
         if not waited:
@@ -385,6 +451,37 @@ class Session:
             self._finish_close(*self._close_after)
         elif self._pending:
             self._drain_pending()
+
+    def _step_limited(self, call: Call) -> asyncio.Future[Any] | None:
+        """A step that brought its own ``timeout_s``: bounded by it (and ``--step-timeout``),
+        and given to an env whose ``step`` takes it (OpenEnv's)."""
+        rt = self.runtime
+        step = self.env.step
+        if rt.step_takes_timeout_s:
+            step = functools.partial(step, timeout_s=call.timeout_s)
+        return rt.invoke.run(
+            self.loop, rt.spec.step_mode, step, (call.action,), self._on_done, call,
+            rt.invoke.bound(call.timeout_s),
+        )  # fmt: skip
+
+    def _timed_out(self, op: str, call: Call | None, error: CallTimeoutError) -> None:
+        """Answer TIMEOUT, then close the session (1011) once the reply is out: the
+        abandoned call may still be running on the env (in a thread), so the env
+        cannot be trusted with another request."""
+        limit = error.context.get("timeout_s")
+        self._send_error(
+            call,
+            CallTimeoutError(
+                f"{op} ran longer than {limit:g} s (the server's --step-timeout or the "
+                "request's timeout_s) and was abandoned; the session is closed because the "
+                "environment may still be running it: open a new session",
+                operation=op,
+                timeout_s=limit,
+            ),
+        )
+        self.phase = Phase.CLOSING
+        self._pending = None
+        self._close_after = (CLOSE_INTERNAL_ERROR, f"{op} timed out after {limit:g} s")
 
     def _reply(self, call: Call, result: Any) -> None:
         protocol = self.protocol
@@ -401,13 +498,30 @@ class Session:
             err = exc
         else:
             op = call.op.name.lower()
+            rt = self.runtime
             err = ExecutionError(
-                f"{op} raised {type(exc).__name__}: {exc}",
+                f"{op} raised {rt.describe(exc)}",
                 exception=type(exc).__name__,
                 operation=op,
             )
-            log.debug("environment raised in %s", op, exc_info=exc)
+            rt.env_raised(f"the environment's {op} raised", exc)
         self._send_error(call, err)
+
+    def _rate_limited(self, message: bytes | str, wait: float) -> None:
+        """Refuse a request over the client's ``--rate-limit``: not run; the session stays open."""
+        limits = self.runtime.limits
+        assert limits is not None
+        err = limits.rate_error(wait)
+        self.runtime.errors_total[str(err.code)] += 1
+        self.channel.send(self.protocol.error_reply(self.protocol.request_id(message), err))
+
+    def _release_client(self) -> None:
+        """Give the client's session back to the per-client quota (once)."""
+        client, self._client = self._client, None
+        self._bucket = None
+        limits = self.runtime.limits
+        if client is not None and limits is not None:
+            limits.close_session(client, self.loop.time())
 
     def _send_error(self, call: Call | None, err: StadiumError) -> None:
         self.runtime.errors_total[str(err.code)] += 1
@@ -432,6 +546,8 @@ class Session:
         self._task = None
         if phase is not Phase.ADMITTING and phase is not Phase.CLOSED:
             rt.admission.release()
+        if self._client is not None:
+            self._release_client()
         self._release_env()
 
     def _release_env(self) -> None:
@@ -441,6 +557,16 @@ class Session:
             rt.invoke.run(self.loop, rt.spec.close_mode, env.close, (), _log_close_error)
 
 
+_CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
+
+
+def _takes_timeout_s(spec: EnvSpec) -> bool:
+    try:
+        return "timeout_s" in inspect.signature(spec.env_cls.step).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
 def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:
     if error is not None and not isinstance(error, asyncio.CancelledError):
-        log.error("closing the environment raised: %r", error)
+        _CLOSE_ERRORS("closing the environment raised: %r", error, exc=error)

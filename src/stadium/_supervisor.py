@@ -12,6 +12,15 @@ serves no connection and runs no environment code, so it has nothing to hang on.
   supervisor never gives up and never touches the other workers; it logs a
   crash at ERROR (exit code or signal, the next delay), at most once per
   :data:`CRASH_LOG_INTERVAL_S` per slot (the next line counts those not logged).
+* **Recycle** (not a crash: no backoff, nothing counted): a worker whose event
+  loop is stuck past ``--stall-limit`` ends itself with
+  :data:`~stadium._process.RECYCLE_EXIT_CODE` and is restarted at once (its
+  sessions are lost: a stuck loop cannot drain). A worker past
+  ``--max-worker-memory``, or with too many threads stuck in abandoned env
+  calls, marks itself retiring (its byte in the shared ready array), stops
+  accepting and drains; the supervisor sees the mark within
+  :data:`MAX_WAIT_S` and forks its replacement at once (SIGKILL if the drain
+  outlasts ``stop_grace_s``).
 * **SIGHUP**: a rolling recycle, one slot at a time: a replacement is forked;
   once it accepts connections, the old worker gets SIGTERM, stops accepting at
   once and drains its sessions as on shutdown (they keep being served for up to
@@ -49,6 +58,7 @@ from types import FrameType
 from typing import NoReturn
 
 from stadium._admission import SharedSlots
+from stadium._process import RECYCLE_EXIT_CODE
 from stadium._throttle import Throttle
 
 log = logging.getLogger("stadium.supervisor")
@@ -68,9 +78,15 @@ READY_POLL_S = 0.02
 
 WATCHED = (signal.SIGCHLD, signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
 
-WorkerMain = Callable[[SharedSlots, Callable[[], None]], None]
-"""Runs one worker in the forked process until it stops: its session slots, and a
-callback to call once it accepts connections."""
+WorkerMain = Callable[[SharedSlots, Callable[[], None], Callable[[], None]], int]
+"""Runs one worker in the forked process until it stops: its session slots, a
+callback to call once it accepts connections, and one to call when it starts
+draining on its own to be replaced (memory cap, stuck threads); returns the exit
+code (:data:`~stadium._process.RECYCLE_EXIT_CODE` after such a recycle)."""
+
+_SERVING = 1
+_RETIRING = 2
+"""Values of a worker's ready byte: accepting connections; draining to be replaced."""
 
 
 class SupervisorState(enum.Enum):
@@ -219,6 +235,9 @@ class Supervisor:
 
     def _tick(self, now: float) -> None:
         if self.state is SupervisorState.RUNNING:
+            for child in list(self.children.values()):
+                if child.role is WorkerRole.SERVING and self._ready[child.counter] == _RETIRING:
+                    self._replace_retiring(child, now)
             for slot in self._slots:
                 if slot.restart_at is not None and slot.restart_at <= now and self._free:
                     slot.restart_at = None
@@ -279,14 +298,28 @@ class Supervisor:
             ready = self._ready
 
             def serving() -> None:
-                ready[counter] = 1
+                ready[counter] = _SERVING
 
-            self._run_worker(self.session_slots, serving)
-            code = 0
+            def retiring() -> None:
+                ready[counter] = _RETIRING
+
+            code = self._run_worker(self.session_slots, serving, retiring)
         except BaseException:
             log.exception("worker (pid %d) failed", os.getpid())
         finally:
             os._exit(code)
+
+    def _replace_retiring(self, child: _Child, now: float) -> None:
+        """``child`` drains on its own to be replaced: fork its replacement now."""
+        child.role = WorkerRole.RETIRING
+        child.kill_at = now + self.stop_grace_s
+        slot = self._slots[child.slot]
+        slot.restart_at = now  # forked by this tick, or once a counter is free
+        log.warning(
+            "worker %d (pid %d) asked to be replaced (see its log); it drains its sessions "
+            "while a new worker takes its place",
+            child.slot, child.pid,
+        )  # fmt: skip
 
     def _terminate(self, child: _Child, now: float) -> None:
         """SIGTERM ``child``: it stops accepting and drains; SIGKILL after the grace."""
@@ -314,6 +347,9 @@ class Supervisor:
                 continue
             # Dead and reaped: no process writes its counter any more.
             self.session_slots.forget_worker(child.counter)
+            if self._ready[child.counter] == _RETIRING and child.role is WorkerRole.SERVING:
+                child.role = WorkerRole.RETIRING  # it drained to be replaced before we saw it
+                self._replace_retiring(child, time.monotonic())
             self._ready[child.counter] = 0
             self._free.append(child.counter)
             self._exited(child, status, time.monotonic())
@@ -339,6 +375,14 @@ class Supervisor:
             log.error("%s %s; its replacement (pid %d) takes over", name, how, successor.pid)
             return
         slot = self._slots[child.slot]
+        if os.WIFEXITED(status) and os.WEXITSTATUS(status) == RECYCLE_EXIT_CODE:
+            slot.restart_at = now  # not a crash: no backoff, nothing counted
+            log.warning(
+                "%s ended itself to be replaced (exit code %d: its event loop was stuck past "
+                "--stall-limit; see its log); starting a new worker now",
+                name, RECYCLE_EXIT_CODE,
+            )  # fmt: skip
+            return
         self._schedule_restart(slot, now, child.started, f"(pid {child.pid}) {how}")
 
     def _schedule_restart(self, slot: _Slot, now: float, started: float, how: str) -> None:

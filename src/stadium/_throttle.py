@@ -11,7 +11,10 @@ only when :meth:`Throttle.report` allows it, naming how many were held back::
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Callable
 
 
 class Throttle:
@@ -35,3 +38,38 @@ class Throttle:
             return None
         held, self._held, self._last = self._held, 0, now
         return held
+
+
+class ThrottledLog:
+    """One kind of log line that outside parties can cause: at most one per ``interval`` s.
+
+    The line logged names how many were held back since the last one, and carries
+    the traceback of the exception it is about (held-back ones carry nothing: they
+    are counted only). For errors a client can trigger at will (an env that raises
+    on some input, a failing endpoint), so that a flood of them cannot fill the disk.
+    ``clock`` is injectable for tests.
+    """
+
+    __slots__ = ("_clock", "_throttle", "level", "logger")
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        level: int = logging.WARNING,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.logger = logger
+        self.level = level
+        self._throttle = Throttle(interval)
+        self._clock = clock
+
+    def __call__(self, msg: str, *args: object, exc: BaseException | None = None) -> bool:
+        """Log ``msg % args`` (with ``exc``'s traceback) unless held back; whether it was logged."""
+        held = self._throttle.report(self._clock())
+        if held is None:
+            return False
+        if held:
+            msg += f" ({held} more since the last report, not logged)"
+        self.logger.log(self.level, msg, *args, exc_info=exc)
+        return True

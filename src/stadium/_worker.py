@@ -8,16 +8,20 @@ the target loaded, its class compiled to an :class:`~stadium._spec.EnvSpec`, the
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from stadium._admission import Admission, LocalSlots, Slots
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._http import HttpEndpoints
+from stadium._limits import ClientLimits
 from stadium._loader import load_target
 from stadium._session import Runtime
 from stadium._spec import EnvSpec
+from stadium._watchdog import Watchdog
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -56,10 +60,37 @@ class Worker:
             spec,
             admission,
             executor_threads=config.executor_threads,
+            step_timeout=config.step_timeout,
             env_kwargs=config.env_kwargs,
+            limits=ClientLimits.of(
+                config.max_sessions_per_client, config.rate_limit, config.rate_burst
+            ),
+            debug_errors=config.debug_errors,
         )
         return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
 
     def start(self) -> None:
         """Start the worker's timers (idle reaping) on the running event loop."""
         self.runtime.start_reaper(self.config.idle_timeout)
+
+    def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
+        """Start the worker's :class:`~stadium._watchdog.Watchdog` on the running loop.
+
+        For a process that owns its worker (``stadium serve``): past ``--stall-limit``
+        it ends the process; past ``--max-worker-memory``, or with too many stuck
+        threads, it calls ``on_recycle(reason)`` once (drain, then exit with
+        :data:`~stadium._process.RECYCLE_EXIT_CODE`). In-process servers and the
+        ASGI app do not start one: their process is not theirs to end.
+        """
+        config = self.config
+        invoke = self.runtime.invoke
+        watchdog = Watchdog(
+            asyncio.get_running_loop(),
+            stall_limit=config.stall_limit,
+            max_memory_mib=config.max_worker_memory,
+            stuck_threads=lambda: (invoke.stuck, invoke.stuck_limit),
+            on_recycle=on_recycle,
+        )
+        watchdog.start()
+        self.runtime.watchdog = watchdog
+        return watchdog

@@ -10,6 +10,7 @@ import itertools
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from stadium.bench._cli import bench
@@ -89,3 +90,19 @@ def test_soak_exits_nonzero_when_steps_fail(tmp_path: Path) -> None:
     assert summary["sessions_failed"] > 0
     assert summary["sessions_ok"] == 0
     assert summary["errors"].get("refused", 0) > 0
+
+
+def test_soak_of_a_server_that_requires_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The started server reads the token from the same variable the load generator sends.
+    monkeypatch.setenv("STADIUM_AUTH_TOKEN", "soak-token-0123456789abcdef")
+    result = CliRunner().invoke(
+        bench,
+        ["soak", "--sessions", "2", "--duration", "1", "--interval", "0.5", "--steps", "3",
+         "--mode", "http", "--output-dir", str(tmp_path)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "soak.json").read_text())["summary"]
+    assert summary["sessions_ok"] > 0
+    assert summary["sessions_failed"] == 0

@@ -24,6 +24,7 @@ import asyncio
 import collections
 import errno
 import functools
+import os
 import socket
 import time
 import urllib.parse
@@ -37,6 +38,13 @@ import msgspec
 from stadium.bench.loadspec import LoadSpec, source_address
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
+
+_AUTH: dict[str, str] = (
+    {"Authorization": f"Bearer {os.environ['STADIUM_AUTH_TOKEN']}"}
+    if os.environ.get("STADIUM_AUTH_TOKEN")
+    else {}
+)
+"""Sent with every connection when ``STADIUM_AUTH_TOKEN`` is set (a server run with a token)."""
 
 _CLIENT_ERRNOS = {errno.EADDRNOTAVAIL, errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _DECODER = msgspec.json.Decoder()
@@ -285,6 +293,8 @@ def ws_connection_class() -> Callable[[str, str | None], Connection]:
             source = self.source
             if source is not None:
                 kwargs["socket_factory"] = lambda _url: bound_socket(source)
+            if _AUTH:
+                kwargs["extra_headers"] = _AUTH
             try:
                 self.transport, listener = await asyncio.wait_for(
                     picows.ws_connect(
@@ -436,6 +446,7 @@ class HttpConnection:
             ("Host", self.netloc),
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(body))),
+            *_AUTH.items(),
         ]
         conn = self._h11
         parts = (

@@ -59,6 +59,9 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
     info_key: ClassVar[str] = "metadata"
     _reset_params: ClassVar[frozenset[str] | None]  # None: the env takes **kwargs
     _validate_action: ClassVar[Any]
+    _step_takes_timeout_s: ClassVar[bool]
+    """Whether the OpenEnv env's step takes ``timeout_s`` (a request's own time limit,
+    passed on as OpenEnv's server does; Stadium also bounds the call by it)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.env = self.openenv_class(**kwargs)
@@ -128,12 +131,22 @@ async def _async_reset(
     return serialize_observation(await self.env.reset_async(**kwargs))
 
 
-def _sync_step(self: OpenEnvAdapter, action: Any) -> StepResult[dict[str, Any]]:
+def _sync_step(
+    self: OpenEnvAdapter, action: Any, timeout_s: float | None = None
+) -> StepResult[dict[str, Any]]:
+    if timeout_s is not None and self._step_takes_timeout_s:
+        return serialize_observation(self.env.step(self._action(action), timeout_s=timeout_s))
     return serialize_observation(self.env.step(self._action(action)))
 
 
-async def _async_step(self: OpenEnvAdapter, action: Any) -> StepResult[dict[str, Any]]:
-    return serialize_observation(await self.env.step_async(self._action(action)))
+async def _async_step(
+    self: OpenEnvAdapter, action: Any, timeout_s: float | None = None
+) -> StepResult[dict[str, Any]]:
+    if timeout_s is not None and self._step_takes_timeout_s:
+        observation = await self.env.step_async(self._action(action), timeout_s=timeout_s)
+    else:
+        observation = await self.env.step_async(self._action(action))
+    return serialize_observation(observation)
 
 
 def _model_types(cls: type[Any]) -> tuple[Any, Any, Any]:
@@ -183,6 +196,11 @@ def _reset_params(cls: type[Any], method: str) -> frozenset[str] | None:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return None
     return frozenset(p.name for p in params if p.name != "self")
+
+
+def _takes(cls: type[Any], method: str, name: str) -> bool:
+    params = _reset_params(cls, method)
+    return params is None or name in params
 
 
 def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
@@ -239,6 +257,7 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
         "step": _async_step if async_step else _sync_step,
         "_reset_params": _reset_params(cls, "reset_async" if async_reset else "reset"),
         "_validate_action": staticmethod(TypeCodec.of(action).convert),
+        "_step_takes_timeout_s": _takes(cls, "step_async" if async_step else "step", "timeout_s"),
     }
     return type(cls.__name__, (OpenEnvAdapter,), namespace)
 
