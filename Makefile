@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals clean
+.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -33,7 +33,12 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-test: install lint typecheck
+# The emulated cluster's packages (SLURM, munge, HAProxy) for tests/cluster: installed when
+# root and missing, a no-op otherwise (the cluster tests then skip with the reason).
+cluster-deps:
+	@bash scripts/install-cluster-deps.sh
+
+test: install lint typecheck cluster-deps
 	$(PY) -m pytest -q -ra
 
 clean:
