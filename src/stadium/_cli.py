@@ -1,4 +1,4 @@
-"""The ``stadium`` command line: serve, check, init, demo, bench.
+"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm.
 
 Errors print one line (``error: ...``) and exit non-zero: 2 for a bad argument
 or configuration, 1 for anything else.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -111,6 +112,115 @@ def demo(sessions: int, steps: int, wait: float, bench: bool) -> None:
     from stadium._demo import run_demo
 
     sys.exit(run_demo(sessions=sessions, steps=steps, wait=wait, bench=bench))
+
+
+@cli.command()
+@click.argument("endpoints", nargs=-1, required=True)
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Address HAProxy listens on.")
+@click.option("--port", default=8080, show_default=True, type=int, help="Port HAProxy listens on.")
+@click.option("--max-sessions-per-node", type=click.IntRange(1), default=None,
+              help="Each node's session capacity (HAProxy queues past it) "
+              "[the deployment file's, else 8192].")  # fmt: skip
+@click.option("--queue-timeout", default=60.0, show_default=True, type=float,
+              help="Seconds a new session may queue while all nodes are full.")  # fmt: skip
+@click.option("--tunnel-timeout", default=3600.0, show_default=True, type=float,
+              help="Seconds an open session may be idle (no frame either way).")  # fmt: skip
+@click.option("--stats-socket", default=None, help="Path of HAProxy's admin socket.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Write the configuration here [stdout].")  # fmt: skip
+@click.option("--check", is_flag=True, help="Validate it with `haproxy -c` (needs haproxy).")
+def router(endpoints: tuple[str, ...], bind: str, port: int, max_sessions_per_node: int | None,
+           queue_timeout: float, tunnel_timeout: float, stats_socket: str | None,
+           output: str | None, check: bool) -> None:  # fmt: skip
+    """Render an haproxy.cfg that routes sessions to ENDPOINTS: node URLs
+    (http://HOST:PORT, ws://HOST:PORT/ws) or a deployment file (stadium slurm's).
+
+    Least-connections placement, per-node capacity (HAProxy queues past it),
+    health checks on /health (a draining node is taken out), long WebSocket
+    tunnels, ?stadium_node=NAME back to a given node. Run it with
+    `haproxy -f FILE`. For Stadium's own clients, give them the node URLs
+    instead: they balance themselves, with no hop in between.
+    """
+    from stadium.deploy.deployment import endpoints as read_endpoints
+    from stadium.deploy.haproxy import RouterOptions, check_config, render
+
+    options = RouterOptions(
+        bind=bind,
+        port=port,
+        max_sessions_per_node=max_sessions_per_node,
+        queue_timeout=queue_timeout,
+        tunnel_timeout=tunnel_timeout,
+        stats_socket=stats_socket,
+    )
+    text = render(read_endpoints(endpoints), options)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        with open(output, "w") as f:
+            f.write(text)
+    if check:
+        click.echo(check_config(text), err=True)
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--nodes", "-N", default=1, show_default=True, type=click.IntRange(1),
+              help="Nodes: one server each.")  # fmt: skip
+@click.option("--router", type=click.Choice(["haproxy", "none"]), default="none",
+              show_default=True, help="HAProxy on the first node, for clients that need "
+              "one URL.")  # fmt: skip
+@click.option("--port", default=8000, show_default=True, type=int, help="Servers' port.")
+@click.option("--router-port", default=8080, show_default=True, type=int, help="HAProxy's port.")
+@click.option("--workers", default="auto", show_default=True,
+              help="Worker processes per node; auto: the CPUs SLURM gave the node.")  # fmt: skip
+@click.option("--max-sessions-per-node", default=8192, show_default=True,
+              type=click.IntRange(1), help="Each server's --max-sessions.")  # fmt: skip
+@click.option("--deployment", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("stadium-deployment.json"), show_default=True,
+              help="Where the job writes its deployment file (logs go beside it).")  # fmt: skip
+@click.option("--serve-arg", "serve_args", multiple=True,
+              help="An extra argument for every `stadium serve` (repeatable).")  # fmt: skip
+@click.option("--sbatch-arg", "sbatch_args", multiple=True,
+              help="An extra #SBATCH line, e.g. --sbatch-arg=--partition=cpu.")  # fmt: skip
+@click.option("--timeout", default=300.0, show_default=True, type=float,
+              help="Seconds to wait for every node to be healthy.")  # fmt: skip
+@click.option(
+    "--dry-run", is_flag=True, help="Print the job script and router config; submit nothing."
+)
+def slurm(target: str, nodes: int, router: str, port: int, router_port: int, workers: str,
+          max_sessions_per_node: int, deployment: Path, serve_args: tuple[str, ...],
+          sbatch_args: tuple[str, ...], timeout: float, dry_run: bool) -> None:  # fmt: skip
+    """Serve TARGET on NODES SLURM nodes (one `stadium serve` each), optionally
+    behind HAProxy; wait until all are healthy, write the deployment file and
+    print the URL to use (last line).
+
+    Give Stadium's clients the deployment file (they balance over the nodes
+    themselves); give other clients the router's URL. `scancel JOB` drains.
+    """
+    from stadium.deploy.slurm import SlurmOptions, example_router_config, job_script, launch
+
+    if workers != "auto" and not workers.isdigit():
+        raise click.BadParameter("a number or auto", param_hint="--workers")
+    opts = SlurmOptions(
+        target=target,
+        nodes=nodes,
+        port=port,
+        router=router,
+        router_port=router_port,
+        workers=None if workers == "auto" else int(workers),
+        max_sessions_per_node=max_sessions_per_node,
+        deployment=deployment,
+        serve_args=serve_args,
+        sbatch_args=sbatch_args,
+    )
+    if dry_run:
+        click.echo(job_script(opts))
+        if router == "haproxy":
+            click.echo(example_router_config(opts))
+        return
+    d = launch(opts, timeout_s=timeout, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"deployment: {deployment} ({len(d.nodes)} nodes, job {d.job_id})", err=True)
+    click.echo(d.url)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,229 @@
+"""``stadium slurm``: one Stadium server per SLURM node, optionally HAProxy in front.
+
+:func:`job_script` renders the batch script; :func:`launch` submits it with
+``sbatch``, waits until every node (and the router) answers ``/health``, and
+returns the :class:`~stadium.deploy.deployment.Deployment` the job wrote.
+
+What the job does, on its first node:
+
+1. looks up each allocated node's address (``scontrol show node``:
+   ``NodeAddr``, so that clients reach nodes by address, not by a host name
+   they may not resolve);
+2. starts ``stadium serve`` on every node with one ``srun`` step (workers = the
+   CPUs SLURM gave that node, unless ``--workers`` says otherwise);
+3. with ``router="haproxy"``: renders ``haproxy.cfg`` (``stadium router``) and
+   runs HAProxy as a daemon on the first node;
+4. writes the deployment file (nodes, router, job id) atomically.
+
+Stopping: ``scancel JOB`` sends SIGTERM to the servers, which drain (in-flight
+steps finish, then sessions close with 1001; ``--drain-timeout`` should stay
+under the cluster's ``KillWait``). The batch shell traps the signal and
+soft-stops HAProxy (``SIGUSR1``: it stops accepting, open sessions finish).
+On clusters whose process tracking signals every process of the job at once
+(``ProctrackType=proctrack/cgroup``), HAProxy would be stopped hard with the
+rest; there, stop with ``scancel --batch --signal=TERM JOB``: the batch shell
+then stops the router softly and the servers in order itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from stadium._errors import ConfigError
+from stadium.deploy.deployment import Deployment
+from stadium.deploy.haproxy import RouterOptions, render
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SlurmOptions:
+    """What ``stadium slurm`` is told (see its ``--help``)."""
+
+    target: str
+    nodes: int = 1
+    port: int = 8000
+    router: str = "none"
+    router_port: int = 8080
+    workers: int | None = None  # None: the CPUs SLURM gave each node
+    max_sessions_per_node: int = 8192
+    deployment: Path = Path("stadium-deployment.json")
+    python: str = sys.executable
+    serve_args: tuple[str, ...] = ()
+    sbatch_args: tuple[str, ...] = ()
+    job_name: str = "stadium"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError("--nodes must be at least 1")
+        if self.router not in ("haproxy", "none"):
+            raise ConfigError("--router must be haproxy or none", router=self.router)
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError("--workers must be at least 1 (or auto)")
+        for port in (self.port, self.router_port):
+            if not 1 <= port <= 65535:
+                raise ConfigError("ports must be 1..65535", port=port)
+
+    @property
+    def files(self) -> Path:
+        """Where the job's logs and router files go: beside the deployment file."""
+        return self.deployment.resolve().parent
+
+
+def job_script(opts: SlurmOptions) -> str:
+    """The batch script of ``opts`` (see the module docstring)."""
+    q = shlex.quote
+    py = q(opts.python)
+    files = opts.files
+    workers = str(opts.workers) if opts.workers else '"${SLURM_CPUS_ON_NODE:-1}"'
+    serve = " ".join(
+        [
+            py, "-m", "stadium", "serve", q(opts.target), "--host", "0.0.0.0",
+            "--port", str(opts.port), "--workers", workers,
+            "--max-sessions", str(opts.max_sessions_per_node),
+            *map(q, opts.serve_args),
+        ]
+    )  # fmt: skip
+    sbatch = "\n".join(f"#SBATCH {a}" for a in opts.sbatch_args)
+    router = ""
+    if opts.router == "haproxy":
+        cfg = f"{files}/haproxy-$SLURM_JOB_ID.cfg"
+        pid = f"{files}/haproxy-$SLURM_JOB_ID.pid"
+        sock = f"{files}/haproxy-$SLURM_JOB_ID.sock"
+        router = f"""
+# The router, on this (the first) node: HAProxy in front of every server.
+{py} -m stadium router "${{NODES[@]}}" --port {opts.router_port} \\
+    --max-sessions-per-node {opts.max_sessions_per_node} \\
+    --stats-socket "{sock}" -o "{cfg}"
+haproxy -D -f "{cfg}" -p "{pid}"
+HAPROXY_PID=$(cat "{pid}")
+ROUTER="http://$(node_addr "${{HOSTS[0]}}"):{opts.router_port}"
+"""
+    return f"""#!/bin/bash
+# Rendered by `stadium slurm`: one Stadium server per node{
+        ", HAProxy on the first" if opts.router == "haproxy" else ""
+    }.
+#SBATCH --job-name={opts.job_name}
+#SBATCH --nodes={opts.nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --output={files}/stadium-%j.log
+{sbatch}
+set -u
+node_addr() {{  # the address SLURM reaches a node at (NodeAddr), else its name
+    local addr
+    addr=$(scontrol show node "$1" | tr ' ' '\\n' | sed -n 's/^NodeAddr=//p')
+    echo "${{addr:-$1}}"
+}}
+mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+NODES=()
+for h in "${{HOSTS[@]}}"; do NODES+=("http://$(node_addr "$h"):{opts.port}"); done
+ROUTER=""
+HAPROXY_PID=""
+
+# One server per node; they drain on SIGTERM.
+srun --nodes={opts.nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 {serve} &
+SERVERS=$!
+{router}
+stop() {{  # router first (no new sessions), then the servers drain
+    trap '' TERM INT
+    [ -n "$HAPROXY_PID" ] && kill -USR1 "$HAPROXY_PID" 2>/dev/null
+    kill -TERM "$SERVERS" 2>/dev/null
+    wait "$SERVERS"
+    exit 0
+}}
+trap stop TERM INT
+
+{py} -m stadium.deploy.deployment {q(str(opts.deployment.resolve()))} \\
+    --job-id "$SLURM_JOB_ID" --router "$ROUTER" \\
+    --max-sessions-per-node {opts.max_sessions_per_node} "${{NODES[@]}}"
+wait "$SERVERS"
+[ -n "$HAPROXY_PID" ] && kill -USR1 "$HAPROXY_PID" 2>/dev/null
+exit 0
+"""
+
+
+def example_router_config(opts: SlurmOptions) -> str:
+    """The router configuration the job renders, shown with placeholder node addresses."""
+    nodes = tuple(f"node{i}-address:{opts.port}" for i in range(1, opts.nodes + 1))
+    text = render(
+        Deployment(nodes=nodes, max_sessions_per_node=opts.max_sessions_per_node),
+        RouterOptions(port=opts.router_port, stats_socket=f"{opts.files}/haproxy-JOBID.sock"),
+    )
+    return "# Example: the job renders this with the real node addresses.\n" + text
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+
+
+def _job_state(job_id: str, env: dict[str, str] | None) -> str:
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T"],
+        capture_output=True, text=True, timeout=30, env=env, check=False,
+    )  # fmt: skip
+    return out.stdout.strip() or "GONE"
+
+
+def launch(
+    opts: SlurmOptions,
+    *,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> Deployment:
+    """Submit the job, wait until every node and the router are healthy; the deployment.
+
+    On a timeout or a job that ends first, the job is cancelled and a
+    :class:`ConfigError` says why (with the end of the job's log).
+    """
+    files = opts.files
+    files.mkdir(parents=True, exist_ok=True)
+    script = files / f"{opts.job_name}.sbatch"
+    script.write_text(job_script(opts))
+    opts.deployment.unlink(missing_ok=True)
+    sub = subprocess.run(
+        ["sbatch", "--parsable", str(script)],
+        capture_output=True, text=True, timeout=60, env=env, check=False,
+    )  # fmt: skip
+    if sub.returncode != 0:
+        raise ConfigError(f"sbatch refused the job: {sub.stderr.strip() or sub.stdout.strip()}")
+    job_id = sub.stdout.strip().split(";")[0]
+    echo(f"submitted job {job_id} ({opts.nodes} nodes); waiting for the servers")
+    deadline = time.monotonic() + timeout_s
+    why = "timed out"
+    while time.monotonic() < deadline:
+        state = _job_state(job_id, env)
+        if state in ("GONE", "FAILED", "CANCELLED", "COMPLETED", "TIMEOUT", "NODE_FAIL"):
+            why = f"the job ended ({state})"
+            break
+        deployment = _read_if_ours(opts.deployment, job_id)
+        if deployment is not None and _all_healthy(deployment):
+            return deployment
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env, timeout=30, check=False)
+    log = files / f"stadium-{job_id}.log"
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+    raise ConfigError(f"job {job_id} did not come up: {why}; its log ends with:\n{tail}")
+
+
+def _read_if_ours(path: Path, job_id: str) -> Deployment | None:
+    try:
+        d = Deployment.read(path)
+    except ConfigError:
+        return None  # not written yet
+    return d if d.job_id == job_id else None
+
+
+def _all_healthy(d: Deployment) -> bool:
+    urls = [*d.nodes, *([d.router] if d.router else [])]
+    return all(_healthy(u) for u in urls)
