@@ -45,12 +45,8 @@ async def _one_shot_server(reply: bytes | None) -> tuple[asyncio.Server, str]:
 
 
 async def test_a_refusal_sent_with_the_handshake_is_read_not_taken_for_a_failed_connect() -> None:
-    refusal = json.dumps(
-        {
-            "type": "error",
-            "data": {"code": "CAPACITY_REACHED", "message": "full", "retry_after_s": 1.0},
-        }  # fmt: skip
-    ).encode()
+    data = {"code": "CAPACITY_REACHED", "message": "full", "retry_after_s": 1.0}
+    refusal = json.dumps({"type": "error", "data": data}).encode()
     close = _frame(0x8, (1013).to_bytes(2, "big") + b"full")
     server, url = await _one_shot_server(_frame(0x1, refusal) + close)
     async with server:
