@@ -42,7 +42,7 @@ async def test_a_post_then_get_on_one_keepalive_connection() -> None:
             assert chunk, data
             data += chunk
         assert b'"echoed_message":"Echo environment ready!"' in data
-        assert data.endswith(b'{"status":"healthy"}')
+        assert b'{"status":"healthy",' in data
         writer.close()
 
 
@@ -215,10 +215,11 @@ async def test_http_1_0_and_head_are_answered() -> None:
     async with serve("echo") as server:
         old = await _exchange(server.port, b"GET /health HTTP/1.0\r\n\r\n")
         assert old.startswith(b"HTTP/1.1 200"), old
-        assert old.endswith(b'{"status":"healthy"}')
+        assert b'{"status":"healthy",' in old
         head = await _exchange(server.port, b"HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 200"), head
-        assert b"content-length: 20" in head.lower()
+        body = old.split(b"\r\n\r\n", 1)[1]  # HEAD: the length GET's body would have
+        assert f"content-length: {len(body)}".encode() in head.lower()
         assert head.endswith(b"\r\n\r\n")  # headers only
         ws10 = await _exchange(server.port, b"GET /ws HTTP/1.0\r\n\r\n")
         assert ws10.startswith(b"HTTP/1.1 426"), ws10  # a WebSocket needs HTTP/1.1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import urllib.error
 import urllib.request
 from typing import Any
@@ -274,7 +275,16 @@ async def test_idle_sessions_are_reaped(transport: str) -> None:
 async def test_http_endpoints(transport: str) -> None:
     async with serve("echo", transport=transport) as server:
         url = server.url
-        assert await asyncio.to_thread(http, url, "/health") == (200, {"status": "healthy"})
+        status, health = await asyncio.to_thread(http, url, "/health")
+        assert status == 200
+        assert health["status"] == "healthy"
+        assert health["max_sessions"] == server.config.max_sessions
+        assert health["active_sessions"] == 0
+        assert health["node"] == socket.gethostname()
+        async with AsyncClient(server.url) as env:  # the load counts the open session
+            await env.reset()
+            _, health = await asyncio.to_thread(http, url, "/health")
+            assert health["active_sessions"] == 1
         status, schema = await asyncio.to_thread(http, url, "/schema")
         assert status == 200
         assert set(schema) == {"action", "observation", "state"}
@@ -286,7 +296,7 @@ async def test_http_endpoints(transport: str) -> None:
         status, meta = await asyncio.to_thread(http, url, "/metadata")
         assert meta["name"] == "echo"
         assert meta["capacity"]["max_sessions"] == server.config.max_sessions
-        assert meta["worker"]["sessions_total"] == 1
+        assert meta["worker"]["sessions_total"] == 2  # the one above, and this one
         assert meta["worker"]["steps_total"] == 1
         assert meta["worker"]["errors_total"] == {"VALIDATION_ERROR": 1}
         status, state = await asyncio.to_thread(http, url, "/state")

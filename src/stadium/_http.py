@@ -14,6 +14,7 @@ import functools
 import logging
 import math
 import os
+import socket
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,6 +46,10 @@ class HttpResponse:
     content_type: str = _JSON
     headers: tuple[tuple[str, str], ...] = ()
     """Extra response headers (e.g. ``Retry-After``), beside Content-Type and -Length."""
+
+
+_NODE = socket.gethostname()
+"""This node's name, as ``/health`` reports it."""
 
 
 def _json(status: int, payload: Any) -> HttpResponse:
@@ -157,11 +162,8 @@ class HttpEndpoints:
 
     def _get(self, path: str) -> HttpResponse:
         path = path.split("?", 1)[0].rstrip("/") or "/"
-        rt = self.runtime
         if path == "/health":
-            if rt.draining:
-                return _json(503, {"status": "draining"})
-            return _json(200, {"status": "healthy"})
+            return self.health()
         if path == "/schema":
             return HttpResponse(200, self._schema)
         if path == "/metadata":
@@ -181,6 +183,23 @@ class HttpEndpoints:
             f"POST {', '.join(self.POST_PATHS)} or a WebSocket at /ws",
             "NOT_FOUND",
         )
+
+    def health(self) -> HttpResponse:
+        """``/health``: 200 ``healthy`` or, while draining, 503 ``draining`` (routers stop
+        placing sessions here), with the node's load for balancers: its sessions, capacity,
+        waiting sessions, workers and host name."""
+        rt = self.runtime
+        slots = rt.admission.slots
+        load = {
+            "active_sessions": slots.active(),
+            "max_sessions": slots.limit,
+            "waiting_sessions": rt.admission.waiting,
+            "workers": self.workers,
+            "node": _NODE,
+        }
+        if rt.draining:
+            return _json(503, {"status": "draining", **load})
+        return _json(200, {"status": "healthy", **load})
 
     def metadata(self) -> dict[str, Any]:
         spec = self.runtime.spec
