@@ -213,8 +213,13 @@ class _SessionListener(WSListener):
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         self._frags = None
-        if self.session is not None:
-            self.session.connection_lost()
+        session, self.session = self.session, None
+        if session is not None:
+            session.connection_lost()
+        # Break the reference cycles (listener <-> WSTransport, listener <-> Session) now:
+        # `stadium serve` runs the cyclic collector rarely (_server.GC_THRESHOLDS), so a
+        # connection's objects left in a cycle would pile up for many thousand sessions.
+        self.transport = None
 
     def pause_writing(self) -> None:
         """The peer is not reading fast enough: stop reading its requests until it does."""
