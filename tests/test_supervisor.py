@@ -229,3 +229,26 @@ async def test_a_server_short_of_descriptors_says_so() -> None:
         async with AsyncClient(srv.url, max_retries=5) as env:
             await env.reset()
         assert srv.proc.poll() is None
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_draining_server_refuses_new_connections_while_its_sessions_finish(
+    workers: str,
+) -> None:
+    # A router's health check (or a client) must be refused at once, not left in the
+    # listening socket's backlog that nobody accepts any more (the supervisor's copy).
+    with _serve("benchmark", "--workers", workers, "--drain-timeout", str(10 * UNIT)) as srv:
+        async with AsyncClient(srv.url) as env:
+            await env.reset()
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 5 * UNIT
+            while True:
+                try:
+                    with socket.create_connection(("127.0.0.1", srv.port), timeout=1.0):
+                        pass
+                except ConnectionRefusedError:
+                    break
+                assert time.monotonic() < deadline, "still accepting while draining"
+                await asyncio.sleep(0.05)
+            # Refused for newcomers, still served for the session already there.
+            assert (await env.step({"wait_seconds": 0})).reward == 1.0

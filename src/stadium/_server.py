@@ -486,5 +486,6 @@ def run_server(config: ServerConfig) -> int:
         restart_max_delay=config.restart_max_delay,
         stop_grace_s=config.drain_timeout + FINAL_GRACE_S + KILL_MARGIN_S,
         run_worker=run_worker,
+        listener=sock,
     )
     return supervisor.run()

@@ -52,6 +52,7 @@ import multiprocessing.sharedctypes
 import os
 import selectors
 import signal
+import socket
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -137,6 +138,10 @@ class Supervisor:
         restart_max_delay: the longest delay before a crashed worker is restarted.
         stop_grace_s: how long a worker sent SIGTERM may take to exit before SIGKILL.
         run_worker: runs one worker in the forked process.
+        listener: the listening socket the workers share; the supervisor closes its
+            own copy when it stops, so that once every draining worker has closed
+            theirs new connections are refused at once (not left in the backlog,
+            where a router's health check or a client would wait for a timeout).
     """
 
     def __init__(
@@ -147,8 +152,10 @@ class Supervisor:
         restart_max_delay: float,
         stop_grace_s: float,
         run_worker: WorkerMain,
+        listener: socket.socket | None = None,
     ) -> None:
         self.state = SupervisorState.RUNNING
+        self._listener = listener
         self.restart_max_delay = restart_max_delay
         self.stop_grace_s = stop_grace_s
         self._run_worker = run_worker
@@ -225,6 +232,8 @@ class Supervisor:
             return
         self.state = SupervisorState.STOPPING
         log.info("%s: stopping %d worker(s)", why, len(self.children))
+        if self._listener is not None:  # no restarts from now on: no forks need it
+            self._listener.close()
         self._recycle.clear()
         for slot in self._slots:
             slot.restart_at = None
