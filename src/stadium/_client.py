@@ -15,6 +15,18 @@ Requests may be issued concurrently on one session: they are sent at once
 (pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
 before it did any work is retried with backoff, honouring ``retry_after_s``.
 
+Several nodes: give a list of URLs, a deployment file (``stadium slurm`` writes one)
+or a URL whose host name resolves to several addresses (a Kubernetes headless
+Service) and each session opens on the node with the most room, one hop, no proxy
+(:mod:`stadium._balance`)::
+
+    async with stadium.SessionPool(["http://node1:8000", "http://node2:8000"], 512) as pool:
+        ...
+
+A refused or timed-out connect, or ``CAPACITY_REACHED``, moves the opening session to
+another node; ``client.url`` is the node it landed on. A session lost mid-episode is
+not moved (its episode lived on that node): it fails as with one server.
+
 Servers started with ``--auth-token`` want ``token=`` (sent as ``Authorization:
 Bearer``; by default the ``STADIUM_AUTH_TOKEN`` environment variable). TLS
 servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
@@ -31,6 +43,7 @@ import ssl as ssl_module
 import threading
 import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from functools import partial
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
@@ -44,6 +57,16 @@ from picows import (
     ws_connect,
 )
 
+from stadium._balance import (
+    Balancer,
+    Endpoint,
+    EndpointSpec,
+    Lease,
+    balancer_for,
+    is_plain,
+    is_url,
+    static_urls,
+)
 from stadium._env import StepResult
 from stadium._errors import (
     CapacityError,
@@ -80,10 +103,12 @@ def ws_url(url: str) -> str:
 class _Listener(WSListener):
     """Routes reply frames to the waiting futures, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease: Lease | None = None) -> None:
         self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self.early: collections.deque[bytes] = collections.deque()
         self.closed: SessionClosedError | None = None
+        self.lease = lease  # balanced sessions: the node's slot, released on disconnect
+        self.closing = False  # the client ended the session
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
@@ -106,6 +131,9 @@ class _Listener(WSListener):
             transport.disconnect()
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
+        if self.lease is not None:  # lost without a close frame, or the node going away
+            code = None if self.closed is None else self.closed.context.get("close_code")
+            self.lease.release(suspect=not self.closing and code in (None, 1001, 1011, 1012))
         err = self.closed or SessionClosedError("connection lost")
         self.closed = err
         while self.waiting:
@@ -127,14 +155,20 @@ class AsyncClient(Generic[ObsT]):
     """One session against a Stadium (or OpenEnv) server, for asyncio code.
 
     Args:
-        url: ``http://host:port``, ``ws://host:port`` or the full ``ws://…/ws``.
+        url: ``http://host:port``, ``ws://host:port`` or the full ``ws://…/ws``; or
+            several nodes: a list of URLs, a deployment file's path, or a URL whose
+            host name resolves to several addresses — the session opens on the node
+            with the most free capacity (see the module docstring). After
+            :meth:`connect`, :attr:`url` is the node's session URL and
+            :attr:`endpoint` its base URL.
         observation_type: convert observations to this type (msgspec/dataclass);
             by default they are plain dicts.
         state_type: likewise for ``state()``.
         msgpack: negotiate MessagePack frames (binary observations stay compact).
         connect_timeout: seconds for the TCP + WebSocket handshake.
         request_timeout: seconds to wait for each reply (``None``: no limit).
-        max_retries: attempts when the server is unreachable or at capacity.
+        max_retries: attempts when the server is unreachable or at capacity (with
+            several nodes: rounds over them, each trying every node once).
         max_message_bytes: largest reply accepted.
         headers: extra HTTP headers of the WebSocket handshake.
         token: bearer token for a server started with ``--auth-token``, sent as
@@ -148,7 +182,7 @@ class AsyncClient(Generic[ObsT]):
 
     def __init__(
         self,
-        url: str,
+        url: EndpointSpec,
         *,
         observation_type: type[ObsT] | None = None,
         state_type: Any = None,
@@ -162,7 +196,15 @@ class AsyncClient(Generic[ObsT]):
         ssl: ssl_module.SSLContext | None = None,
         action_encoder: Callable[[Any], Any] | None = None,
     ) -> None:
-        self.url = ws_url(url)
+        plain = is_plain(url)
+        #: the nodes to balance over; None for one plain URL (then nothing else happens)
+        self.endpoints: EndpointSpec | None = None if plain else url
+        #: the session's URL: the node it landed on once a balanced session is open
+        self.url = ws_url(url if isinstance(url, str) and is_url(url) else static_urls(url)[0])
+        self.endpoint: str | None = None  # the base URL of a balanced session's node
+        self._given_url = self.url
+        self._balancer: Balancer | None = None
+        self._lease: Lease | None = None
         self.ssl = ssl
         self.action_encoder = action_encoder or _to_builtins
         self.observation_type = observation_type
@@ -196,21 +238,30 @@ class AsyncClient(Generic[ObsT]):
         """Open the WebSocket (retrying with backoff while the server is unreachable)."""
         if self._transport is not None and not self._transport.is_disconnected:
             return self
+        if self.endpoints is not None:
+            balancer = self._balancer
+            if balancer is None:
+                balancer = self._balancer = balancer_for(self.endpoints, ssl=self.ssl)
+            if not await balancer.direct():
+                return await self._connect_balanced(balancer)
+            self._lease = self.endpoint = None  # one node after all: the URL as given
+            self.url = self._given_url
         last: Exception | None = None
         for attempt in range(self.max_retries + 1):
             try:
-                transport, listener = await ws_connect(
-                    _Listener,
-                    self.url,
-                    ssl_context=self.ssl,
-                    websocket_handshake_timeout=self.connect_timeout,
-                    max_frame_size=self.max_message_bytes,
-                    extra_headers=self.headers or None,
-                    enable_auto_ping=False,
-                    # uvloop's own connect: ~15 % less client CPU per session than
-                    # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
-                    use_aiofastnet=False,
-                )
+                async with asyncio.timeout(self.connect_timeout):  # picows' covers no TCP connect
+                    transport, listener = await ws_connect(
+                        _Listener,
+                        self.url,
+                        ssl_context=self.ssl,
+                        websocket_handshake_timeout=self.connect_timeout,
+                        max_frame_size=self.max_message_bytes,
+                        extra_headers=self.headers or None,
+                        enable_auto_ping=False,
+                        # uvloop's own connect: ~15 % less client CPU per session than
+                        # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
+                        use_aiofastnet=False,
+                    )
                 if transport.is_disconnected and not _answered_before_closing(listener):
                     # picows returns a dead transport when the peer hangs up in the handshake
                     raise ConnectionResetError("the server closed the connection in the handshake")
@@ -243,11 +294,86 @@ class AsyncClient(Generic[ObsT]):
             url=self.url,
         ) from last
 
+    async def _connect_balanced(self, balancer: Balancer) -> AsyncClient[ObsT]:
+        """Open the session on the best node; a node that refuses, times out or hangs up
+        is marked down and the next one tried; rounds over all nodes, with backoff between
+        them, up to ``max_retries`` + 1 rounds."""
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            tried: list[Endpoint] = []
+            while (lease := await balancer.acquire(tried)) is not None:
+                ep = lease.endpoint
+                tried.append(ep)
+                headers = self.headers
+                kwargs: dict[str, Any] = {}
+                if ep.host is not None:  # an address of a DNS name: keep the name for Host/SNI
+                    headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}", **headers}
+                    if ep.url.startswith("https"):
+                        kwargs["server_hostname"] = ep.host
+                try:
+                    async with asyncio.timeout(self.connect_timeout):
+                        transport, listener = await ws_connect(
+                            partial(_Listener, lease),
+                            ep.ws_url,
+                            ssl_context=self.ssl,
+                            websocket_handshake_timeout=self.connect_timeout,
+                            max_frame_size=self.max_message_bytes,
+                            extra_headers=headers or None,
+                            enable_auto_ping=False,
+                            use_aiofastnet=False,
+                            **kwargs,
+                        )
+                    if transport.is_disconnected and not _answered_before_closing(listener):
+                        raise ConnectionResetError(
+                            "the server closed the connection in the handshake"
+                        )
+                except ssl_module.SSLCertVerificationError as exc:  # not transient
+                    lease.release()
+                    raise ConnectError(
+                        f"cannot open a session at {ep.ws_url}: {exc.verify_message or exc}; "
+                        "for a private or self-signed certificate pass "
+                        "ssl=ssl.create_default_context(cafile='cert.pem')",
+                        url=ep.ws_url,
+                    ) from exc
+                except (TimeoutError, OSError) as exc:
+                    lease.failed(repr(exc))
+                    last = exc
+                    continue
+                except WSHandshakeError as exc:
+                    refused = _refused(exc, ep.ws_url)
+                    if refused.context.get("status", 0) < 500:  # 401, 403...: not transient
+                        lease.release()
+                        raise refused from exc
+                    lease.failed(str(refused))  # 502/503 (e.g. draining): another node
+                    last = refused
+                    continue
+                except BaseException as exc:
+                    lease.release()
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise ConnectError(
+                        f"cannot open a session at {ep.ws_url}: {exc}", url=ep.ws_url
+                    ) from exc
+                self._transport, self._listener = transport, cast(_Listener, listener)
+                self._lease, self.url, self.endpoint = lease, ep.ws_url, ep.url
+                self._answered = 0
+                return self
+            if attempt < self.max_retries:
+                await asyncio.sleep(_backoff(attempt))
+        raise ConnectError(
+            f"cannot open a session on any of {len(balancer.endpoints)} nodes after "
+            f"{self.max_retries + 1} rounds ({balancer.describe()}): {last}",
+            url=self.url,
+            endpoints=[e.url for e in balancer.endpoints],
+        ) from last
+
     async def close(self) -> None:
         """Send ``close`` and end the session (idempotent)."""
         transport, self._transport = self._transport, None
         if transport is None or transport.is_disconnected:
             return
+        if self._listener is not None:
+            self._listener.closing = True
         try:
             transport.send(self._msg_type, self._encode({"type": "close"}))
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
@@ -306,9 +432,14 @@ class AsyncClient(Generic[ObsT]):
                 reply = await self._roundtrip(payload)
             except CapacityError as exc:
                 fresh = self._answered == 0
+                lease = self._lease
                 await self._drop()
                 if not (retry_capacity and fresh) or attempt >= self.max_retries:
                     raise
+                if lease is not None:  # balanced: that node is full, another may have room
+                    lease.refused(exc.retry_after_s)
+                    if lease.balancer.any_available():
+                        continue
                 await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
                 continue
             self._answered += 1
@@ -346,6 +477,8 @@ class AsyncClient(Generic[ObsT]):
 
     async def _drop(self) -> None:
         transport, self._transport = self._transport, None
+        if self._listener is not None:
+            self._listener.closing = True
         if transport is not None and not transport.is_disconnected:
             transport.send_close(WSCloseCode.OK)
             transport.disconnect()
@@ -429,15 +562,22 @@ class _LoopThread:
 class Client(Generic[ObsT]):
     """A blocking session client; same arguments and methods as :class:`AsyncClient`.
 
-    All sync clients of a process share one background event loop thread.
+    All sync clients of a process share one background event loop thread. ``url`` may
+    name several nodes (a list, a deployment file, a DNS name for many addresses).
     """
 
-    def __init__(self, url: str, **kwargs: Any) -> None:
+    def __init__(self, url: EndpointSpec, **kwargs: Any) -> None:
         self._client: AsyncClient[ObsT] = AsyncClient(url, **kwargs)
 
     @property
     def url(self) -> str:
+        """The session's URL (the node it landed on, once open)."""
         return self._client.url
+
+    @property
+    def endpoint(self) -> str | None:
+        """The base URL of a balanced session's node (None for one plain URL)."""
+        return self._client.endpoint
 
     def connect(self) -> Client[ObsT]:
         _LoopThread.run(self._client.connect())
@@ -474,6 +614,10 @@ class SessionPool(Generic[ObsT]):
     queue is finite (``somaxconn``, 4,096 by default on Linux), and a burst
     beyond it loses SYNs that the kernel retries only after 1 s, then 3 s.
 
+    ``url`` may name several nodes (a list of URLs, a deployment file, a DNS name for
+    many addresses): the sessions spread over them by free capacity, all the pool's
+    clients sharing one balancer.
+
     Example::
 
         async with SessionPool(url, size=256) as pool:
@@ -482,7 +626,12 @@ class SessionPool(Generic[ObsT]):
     """
 
     def __init__(
-        self, url: str, size: int, *, connect_concurrency: int = 1024, **client_kwargs: Any
+        self,
+        url: EndpointSpec,
+        size: int,
+        *,
+        connect_concurrency: int = 1024,
+        **client_kwargs: Any,
     ) -> None:
         if size < 1:
             raise ValueError("a SessionPool needs at least one session")

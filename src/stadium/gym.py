@@ -13,6 +13,10 @@ For trainers written against Gymnasium's API::
     obs, infos = envs.reset(seed=0)                # seeds 0..63, like Gymnasium's vector envs
     obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
 
+Where a URL goes, several nodes may go too — a list of URLs, a deployment file, or a
+DNS name for many addresses (see :class:`stadium.AsyncClient`): ``make_vec``'s
+sessions then spread over the nodes by free capacity.
+
 The server must serve a Gymnasium env (``stadium serve gymnasium:CartPole-v1``):
 its ``GET /schema`` carries the spaces, which are rebuilt here, so observations
 come back with the same dtypes and shapes as the local env's. With
@@ -34,6 +38,7 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
+from stadium._balance import EndpointSpec, is_url, static_urls
 from stadium._client import AsyncClient, run_sync, ws_url
 from stadium._env import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
@@ -53,19 +58,29 @@ def _http_base(url: str) -> str:
     return base.rsplit("/ws", 1)[0]
 
 
-def fetch_spaces(url: str, timeout: float = 10.0) -> dict[str, Any]:
+def fetch_spaces(url: EndpointSpec, timeout: float = 10.0) -> dict[str, Any]:
     """The server's Gymnasium description from ``GET /schema``: id and rebuilt spaces.
 
+    With several nodes, the first that answers tells (they serve the same env).
+
     Raises:
-        ConnectError: the server cannot be reached.
+        ConnectError: no server can be reached.
         ConfigError: the server does not serve a Gymnasium env.
     """
-    schema_url = _http_base(url) + "/schema"
-    try:
-        with urllib.request.urlopen(schema_url, timeout=timeout) as resp:
-            schema = msgspec.json.decode(resp.read())
-    except OSError as exc:
-        raise ConnectError(f"cannot read {schema_url}: {exc}", url=schema_url) from exc
+    urls = [url] if isinstance(url, str) and is_url(url) else static_urls(url)
+    failure: ConnectError | None = None
+    for node in urls:
+        schema_url = _http_base(node) + "/schema"
+        try:
+            with urllib.request.urlopen(schema_url, timeout=timeout) as resp:
+                schema = msgspec.json.decode(resp.read())
+            break
+        except OSError as exc:
+            failure = ConnectError(f"cannot read {schema_url}: {exc}", url=schema_url)
+            failure.__cause__ = exc
+    else:
+        assert failure is not None
+        raise failure
     info = schema.get("gymnasium") if isinstance(schema, dict) else None
     if not isinstance(info, dict):
         raise ConfigError(
@@ -87,7 +102,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 class _Session:
     """One remote session and the conversions between wire values and space values."""
 
-    def __init__(self, url: str, info: dict[str, Any], msgpack: bool, kwargs: Any) -> None:
+    def __init__(self, url: EndpointSpec, info: dict[str, Any], msgpack: bool, kwargs: Any) -> None:
         # Actions go out as the space's wire form (arrays as binary extensions with
         # MessagePack), which msgspec.to_builtins, the client's default, cannot carry.
         encode = to_msgpack_wire if msgpack else to_wire
@@ -152,14 +167,16 @@ class RemoteEnv(gymnasium.Env[Any, Any]):
     as the local env's for the same seed and actions. ``render`` is not supported.
 
     Args:
-        url: the server (``http://host:port``).
+        url: the server (``http://host:port``), or several nodes (a list of URLs, a
+            deployment file, a DNS name for many addresses): the session opens on the
+            one with the most room.
         msgpack: MessagePack frames, arrays as binary (recommended for images).
         **client_kwargs: passed to :class:`stadium.AsyncClient` (timeouts, retries).
     """
 
     metadata: dict[str, Any] = {"render_modes": []}
 
-    def __init__(self, url: str, *, msgpack: bool = False, **client_kwargs: Any) -> None:
+    def __init__(self, url: EndpointSpec, *, msgpack: bool = False, **client_kwargs: Any) -> None:
         info = fetch_spaces(url)
         self.url = url
         self.gym_id: str = str(info.get("id"))
@@ -196,11 +213,13 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
     ignored, reward 0, not terminated) and returns the new episode's first
     observation. ``reset(seed=s)`` seeds the sub-envs ``s, s+1, …``, as
     ``SyncVectorEnv`` does; ``options={"reset_mask": mask}`` resets some of them.
-    All sessions' requests go out at once on the client's shared event loop.
+    All sessions' requests go out at once on the client's shared event loop. ``url``
+    may name several nodes (a list of URLs, a deployment file, a DNS name for many
+    addresses): the sessions spread over them by free capacity.
     """
 
     def __init__(
-        self, url: str, num_envs: int, *, msgpack: bool = False, **client_kwargs: Any
+        self, url: EndpointSpec, num_envs: int, *, msgpack: bool = False, **client_kwargs: Any
     ) -> None:
         if num_envs < 1:
             raise ConfigError(f"num_envs must be at least 1, got {num_envs}")
@@ -299,7 +318,7 @@ def _copy(obs: Any) -> Any:
     return obs
 
 
-def make(url: str, *, msgpack: bool = False, **client_kwargs: Any) -> RemoteEnv:
+def make(url: EndpointSpec, *, msgpack: bool = False, **client_kwargs: Any) -> RemoteEnv:
     """A ``gymnasium.Env`` backed by one session of the Gymnasium env served at ``url``.
 
     Raises:
@@ -310,7 +329,7 @@ def make(url: str, *, msgpack: bool = False, **client_kwargs: Any) -> RemoteEnv:
 
 
 def make_vec(
-    url: str, num_envs: int, *, msgpack: bool = False, **client_kwargs: Any
+    url: EndpointSpec, num_envs: int, *, msgpack: bool = False, **client_kwargs: Any
 ) -> RemoteVectorEnv:
     """A ``gymnasium.vector.VectorEnv`` over ``num_envs`` sessions at ``url``.
 
