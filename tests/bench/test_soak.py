@@ -82,7 +82,7 @@ def test_soak_exits_nonzero_when_steps_fail(tmp_path: Path) -> None:
     # Nothing listens there: every session fails to connect.
     result = CliRunner().invoke(
         bench,
-        ["soak", "--url", "ws://127.0.0.1:9/ws", "--sessions", "2", "--duration", "1",
+        ["soak", "--url", "http://127.0.0.1:9", "--sessions", "2", "--duration", "1",
          "--interval", "0.5", "--output-dir", str(tmp_path)],
     )  # fmt: skip
     assert result.exit_code != 0

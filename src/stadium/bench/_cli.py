@@ -1,7 +1,9 @@
 """``stadium bench``: the command line of the benchmark harness.
 
-* ``stadium bench --url ws://HOST:PORT/ws [grid options]`` — the OpenEnv
-  scaling study against a running server: every point of the grid.
+* ``stadium bench --url http://HOST:PORT [--url ...] [grid options]`` — the
+  OpenEnv scaling study against a running server (or several endpoints, the
+  sessions spread over them): every point of the grid. A bad URL is a usage
+  error before any point runs; a run where no point held exits non-zero.
 * ``stadium bench ramp --arm stadium --arm floor [--arm openenv ...]`` — start
   each arm's server per point, ramp N until each arm collapses.
 * ``stadium bench compare DIR_A DIR_B`` — two result sets side by side;
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from stadium._errors import ConfigError
 from stadium.bench.arms import Arm
 from stadium.bench.goals import ARMS as GOAL_ARMS
 from stadium.bench.goals import RAMPS, Ramp, run_goals, run_in_process
@@ -195,42 +198,69 @@ def _grid_options(fn: Any) -> Any:
 
 
 def _run(config: BenchConfig) -> Path:
+    """Run ``config``; print the report's path. Exits non-zero (after writing the
+    report) when every arm's max batch is 0: the run served nothing."""
+    from stadium.bench import report
     from stadium.bench.runner import run
 
     path = run(config)
     click.echo(f"report: {path}")
+    summary = path.parent / "summary.csv"
+    rows = report.read_summary(summary) if summary.exists() else []
+    if rows and not any(report.max_batches(rows).values()):
+        raise click.ClickException(
+            "no arm held any batch (max batch 0 everywhere): "
+            + "; ".join(report.failure_lines(rows))
+            + f" — see {summary.parent / 'raw.jsonl'}"
+        )
     return path
 
 
 @click.group(invoke_without_command=True)
-@click.option("--url", default=None, help="A running server, ws://HOST:PORT/ws.")
-@click.option("--server-pid", default=None, type=int,
-              help="PID of that server, for server-side figures from /proc.")  # fmt: skip
+@click.option("--url", "urls", multiple=True, metavar="URL",
+              help="A running server: http://HOST:PORT, ws://HOST:PORT[/ws], HOST:PORT, "
+              "https/wss. Repeat it (or separate by commas), or give a deployment file, "
+              "to spread each point's sessions over several endpoints.")  # fmt: skip
+@click.option("--server-pid", "server_pids", multiple=True, type=int,
+              help="PID of that server, for server-side figures from /proc "
+              "(repeatable: one per endpoint).")  # fmt: skip
 @click.option("--stop-at-collapse", is_flag=True, help="Stop at the first N below 95 %.")
 @_grid_options
 @click.pass_context
 def bench(
-    ctx: click.Context, /, url: str | None, server_pid: int | None, stop_at_collapse: bool, **o: Any
+    ctx: click.Context,
+    /,
+    urls: tuple[str, ...],
+    server_pids: tuple[int, ...],
+    stop_at_collapse: bool,
+    **o: Any,
 ) -> None:
     """Benchmark an environment server: bursts of N sessions (connect, reset,
     steps that wait W seconds, close) over a grid of N and W.
 
-    Without a subcommand, runs the grid against --url. See `ramp` to start and
-    compare servers (stadium, floor, openenv), `compare` for two result sets.
+    Without a subcommand, runs the grid against --url (several: the sessions
+    are spread over them by their free capacity). Exits non-zero when no point
+    held (max batch 0). See `ramp` to start and compare servers (stadium,
+    floor, openenv), `compare` for two result sets.
     """
     if ctx.invoked_subcommand is not None:
         return
-    if not url:
+    if not urls:
         click.echo(ctx.get_help())
-        raise click.UsageError("give --url ws://HOST:PORT/ws, or a subcommand (ramp, compare)")
-    arm = Arm("url", "url", url=url, server_pid=server_pid)
+        raise click.UsageError("give --url http://HOST:PORT, or a subcommand (ramp, compare)")
+    try:
+        arm = Arm.remote(urls, server_pids)
+    except ConfigError as exc:
+        raise click.BadParameter(exc.message, param_hint="--url") from None
     _run(GridOptions.from_cli(**o).bench_config([arm], stop_at_collapse))
 
 
 @bench.command()
 @click.option("--arm", "arms", multiple=True, default=_D.arms, show_default=True,
               help="stadium, stadium@REF, floor, openenv, url (repeatable).")  # fmt: skip
-@click.option("--url", default=None, help="For the url arm: ws://HOST:PORT/ws.")
+@click.option("--url", default=None,
+              help="For the url arm: http://HOST:PORT or ws://HOST:PORT/ws "
+              "(commas: several).")  # fmt: skip
 @click.option("--server-pid", default=None, type=int, help="For the url arm: its PID.")
 @click.option("--git-ref", default=None, help="Also bench Stadium at this git ref.")
 @click.option("--no-stop", is_flag=True, help="Run the whole grid even past a collapse.")

@@ -10,7 +10,12 @@ An arm is one of:
   a Python that has ``openenv`` (the project's venv if it imports there, else
   a venv under the cache directory, created on demand);
 * ``url`` — a server already running at ``--url`` (optionally ``--server-pid``
-  for server-side figures); never started or stopped.
+  for server-side figures); never started or stopped. ``--url`` takes any
+  form of a server's address (``http://H:P``, ``ws://H:P/ws``, ``H:P``, ...:
+  :func:`~stadium.bench.loadspec.ws_url`), and several endpoints (repeated,
+  comma-separated, or a deployment file): each point's sessions are then
+  spread over them, weighted by the free capacity each reports on ``GET
+  /health`` at the point's start (:func:`endpoint_weights`).
 
 Started arms run in a fresh process group per point and are stopped with
 SIGTERM, then SIGKILL to the group after a grace period. Resource caps are
@@ -45,6 +50,7 @@ from pathlib import Path
 from typing import IO
 
 from stadium._errors import ConfigError
+from stadium.bench.loadspec import ws_url, ws_urls
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SCRIPT = BENCH_DIR / "floor.py"
@@ -57,17 +63,47 @@ STADIUM_SERVE = (sys.executable, "-m", "stadium", "serve")
 
 @dataclass(frozen=True, slots=True)
 class Arm:
-    """One arm of a comparison. ``name`` labels it in every output."""
+    """One arm of a comparison. ``name`` labels it in every output.
+
+    A ``url`` arm's ``urls`` are its endpoints as WebSocket URLs (normalised
+    from ``url`` when not given; ``url`` is then the first); its
+    ``server_pids`` are the processes whose trees make its server-side
+    figures (``server_pid`` alone is one), normally one per endpoint.
+    Raises :class:`ConfigError` for a URL that is not a server's.
+    """
 
     name: str
     kind: str
     url: str | None = None
     server_pid: int | None = None
     git_ref: str | None = None
+    urls: tuple[str, ...] = ()
+    server_pids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind != "url":
+            return
+        urls = tuple(ws_url(u) for u in self.urls) or (ws_urls([self.url]) if self.url else ())
+        if not urls:
+            raise ConfigError("the url arm needs --url http://HOST:PORT (or ws://HOST:PORT/ws)")
+        pids = self.server_pids or (() if self.server_pid is None else (self.server_pid,))
+        object.__setattr__(self, "urls", urls)
+        object.__setattr__(self, "url", urls[0])
+        object.__setattr__(self, "server_pids", pids)
+        object.__setattr__(self, "server_pid", pids[0] if pids else None)
+
+    @classmethod
+    def remote(
+        cls, specs: Sequence[str], server_pids: Sequence[int] = (), name: str = "url"
+    ) -> Arm:
+        """The ``url`` arm of ``specs`` (URLs, comma lists, deployment files: every
+        endpoint) and the server processes to sample."""
+        return cls(name, "url", urls=ws_urls(specs), server_pids=tuple(server_pids))
 
     @classmethod
     def parse(cls, text: str, *, url: str | None = None, server_pid: int | None = None) -> Arm:
-        """``stadium``, ``stadium@REF``, ``floor``, ``openenv``, ``url`` or ``url=ws://...``."""
+        """``stadium``, ``stadium@REF``, ``floor``, ``openenv``, ``url`` or ``url=URL``
+        (``url`` takes ``url``: one URL or several separated by commas)."""
         if text.startswith("stadium@"):
             return cls(text, "stadium", git_ref=text.partition("@")[2])
         if text.startswith("url="):
@@ -76,7 +112,7 @@ class Arm:
             raise ConfigError(f"unknown arm {text!r}; choose from {', '.join(KINDS)}, stadium@REF")
         if text == "url":
             if not url:
-                raise ConfigError("the url arm needs --url ws://HOST:PORT/ws")
+                raise ConfigError("the url arm needs --url http://HOST:PORT (or ws://HOST:PORT/ws)")
             return cls("url", "url", url=url, server_pid=server_pid)
         return cls(text, text)
 
@@ -254,25 +290,136 @@ def server_command(
 _CGROUP_SEQ = itertools.count()
 
 
-def _own_cgroup_dir() -> tuple[Path, str] | None:
-    """This process's memory cgroup directory and its version, if writable."""
+def _own_cgroup_dir(
+    controller: str = "memory", v1_knob: str = "memory.limit_in_bytes"
+) -> tuple[Path, str] | None:
+    """This process's cgroup directory for ``controller`` and its version, if writable
+    (v1: the controller's own hierarchy, where ``v1_knob`` exists; v2: the unified
+    one, with ``controller`` enabled for children)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            d = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-            if (d / "memory.limit_in_bytes").exists() and os.access(d, os.W_OK):
+        names = controllers.split(",")
+        if controller in names:
+            d = Path("/sys/fs/cgroup") / ",".join(names) / path.lstrip("/")
+            if (d / v1_knob).exists() and os.access(d, os.W_OK):
                 return d, "v1"
     for line in lines:
         if line.startswith("0::"):
             d = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
             ctl = d / "cgroup.subtree_control"
-            if ctl.exists() and "memory" in ctl.read_text() and os.access(d, os.W_OK):
+            if ctl.exists() and controller in ctl.read_text().split() and os.access(d, os.W_OK):
                 return d, "v2"
     return None
+
+
+class CpuCap:
+    """A CPU cap shared by a set of processes: a child cgroup with a CFS quota of
+    ``cpus`` CPUs (v1 ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, v2 ``cpu.max``;
+    ``None``: no quota) and, optionally, a scheduling weight ``shares`` (v1
+    ``cpu.shares``, 1024 the default; v2 ``cpu.weight``, scaled from it) that
+    favours these processes over the machine's others when a core is contended.
+
+    :meth:`create` makes it (:class:`ConfigError` where no writable cpu cgroup
+    exists); :meth:`add` moves a process in (children it forks later inherit;
+    ``procs_file`` lets a wrapper move itself before it execs the server:
+    ``sh -c 'echo $$ > FILE && exec "$@"'``); :meth:`stat` reads ``cpu.stat``
+    (``nr_throttled``, ...); :meth:`remove` deletes it once its processes are gone.
+    The emulated cluster's scale-out measurement caps each node with one.
+    """
+
+    def __init__(
+        self,
+        cpus: float | None,
+        name: str = "",
+        period_us: int = 100_000,
+        shares: int | None = None,
+    ) -> None:
+        if cpus is not None and cpus <= 0:
+            raise ConfigError(f"a CPU cap must be > 0 CPUs, got {cpus}")
+        self.cpus = cpus
+        self.shares = shares
+        self.period_us = period_us
+        self.name = name or f"stadium-bench-cpu-{os.getpid()}-{next(_CGROUP_SEQ)}"
+        self.cgroup: Path | None = None
+        self.version = ""
+
+    @property
+    def procs_file(self) -> Path:
+        """The cgroup's ``cgroup.procs`` (after :meth:`create`)."""
+        if self.cgroup is None:
+            raise ConfigError("the CPU cap's cgroup is not created")
+        return self.cgroup / "cgroup.procs"
+
+    def create(self) -> str:
+        """Make the cgroup and set its quota; return how (for a report)."""
+        own = _own_cgroup_dir("cpu", "cpu.cfs_quota_us")
+        if own is None:
+            raise ConfigError("no writable cpu cgroup (needs root, cgroup v1 cpu or v2 +cpu)")
+        base, version = own
+        d = base / self.name
+        quota = max(1000, round(self.cpus * self.period_us)) if self.cpus is not None else 0
+        try:
+            d.mkdir()
+            if version == "v1":
+                if quota:
+                    (d / "cpu.cfs_period_us").write_text(str(self.period_us))
+                    (d / "cpu.cfs_quota_us").write_text(str(quota))
+                if self.shares is not None:
+                    (d / "cpu.shares").write_text(str(self.shares))
+            else:
+                if quota:
+                    (d / "cpu.max").write_text(f"{quota} {self.period_us}")
+                if self.shares is not None:
+                    weight = max(1, min(10_000, self.shares * 100 // 1024))
+                    (d / "cpu.weight").write_text(str(weight))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+            raise ConfigError(f"cannot make the CPU cap's cgroup {d}: {exc}") from None
+        self.cgroup, self.version = d, version
+        knob = "cpu.cfs_quota_us" if version == "v1" else "cpu.max"
+        parts = [f"{knob}: {quota} µs per {self.period_us} µs = {self.cpus:g} CPU"] if quota else []
+        if self.shares is not None:
+            parts.append(f"{'cpu.shares' if version == 'v1' else 'cpu.weight'} from {self.shares}")
+        return f"cgroup {version} ({', '.join(parts) or 'no limit'})"
+
+    def add(self, pid: int) -> None:
+        """Move ``pid`` into the cgroup."""
+        self.procs_file.write_text(str(pid))
+
+    def stat(self) -> dict[str, int]:
+        """``cpu.stat`` as a dict (``nr_periods``, ``nr_throttled``, ...); {} if unknown."""
+        if self.cgroup is None:
+            return {}
+        out: dict[str, int] = {}
+        with contextlib.suppress(OSError, ValueError):
+            for line in (self.cgroup / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                out[key] = int(value)
+        return out
+
+    def remove(self) -> None:
+        """Move the processes still in the cgroup back to its parent, then remove it
+        (bounded retries)."""
+        if self.cgroup is None:
+            return
+        with contextlib.suppress(OSError):
+            for pid in self.procs_file.read_text().split():
+                with contextlib.suppress(OSError):
+                    (self.cgroup.parent / "cgroup.procs").write_text(pid)
+        for _ in range(50):
+            try:
+                self.cgroup.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
+        self.cgroup = None
 
 
 class MemoryCap:
@@ -346,6 +493,50 @@ class MemoryCap:
         self.cgroup = None
 
 
+def _health(url: str, timeout: float) -> dict[str, object] | None:
+    """``GET /health`` of the server of WebSocket URL ``url`` (its base path), parsed;
+    ``None`` when it does not answer 200 with a JSON object."""
+    import json
+    import ssl
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    base = parts.path.rstrip("/").removesuffix("/ws")
+    conn: http.client.HTTPConnection
+    if parts.scheme == "wss":
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only reads a count
+        conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ctx)
+    else:
+        conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
+    try:
+        conn.request("GET", base + "/health")
+        resp = conn.getresponse()
+        body = resp.read()
+        data = json.loads(body) if resp.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    finally:
+        conn.close()
+    return data if isinstance(data, dict) else None
+
+
+def endpoint_weights(urls: Sequence[str], timeout: float = 2.0) -> tuple[int, ...]:
+    """Each endpoint's free session capacity (``max_sessions - active_sessions`` from
+    ``GET /health``), read once; all equal (1 each) when any endpoint does not say.
+
+    The weights of :func:`~stadium.bench.loadspec.spread`.
+    """
+    free: list[int] = []
+    for url in urls:
+        h = _health(url, timeout) or {}
+        cap, active = h.get("max_sessions"), h.get("active_sessions")
+        if not isinstance(cap, int) or not isinstance(active, int) or cap <= 0:
+            return (1,) * len(urls)
+        free.append(max(0, cap - active))
+    return tuple(free) if any(free) else (1,) * len(urls)
+
+
 def wait_healthy(port: int, proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) -> None:
     """Poll ``GET /health`` until 200; raise :class:`ConfigError` on exit or timeout."""
     deadline = time.monotonic() + timeout
@@ -367,10 +558,13 @@ def wait_healthy(port: int, proc: subprocess.Popen[bytes] | None, timeout: float
 
 @dataclass
 class RunningServer:
-    """A server for one point. ``pid`` is what to sample (``None``: unknown)."""
+    """A server for one point. ``pid`` is what to sample (``None``: unknown); a url
+    arm's several endpoints and server processes are ``urls`` and ``pids``."""
 
     url: str
     pid: int | None
+    urls: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
     proc: subprocess.Popen[bytes] | None = None
     mem: MemoryCap | None = None
     log: Path | None = None
@@ -427,7 +621,8 @@ def start_server(
     report = CapReport()
     if arm.kind == "url":
         assert arm.url is not None
-        return RunningServer(url=arm.url, pid=arm.server_pid), report
+        pids = arm.server_pids
+        return RunningServer(arm.url, pids[0] if pids else None, arm.urls, pids), report
     port = free_port()
     cmd, extra_env = server_command(arm, port, settings, openenv_py)
     log_dir.mkdir(parents=True, exist_ok=True)

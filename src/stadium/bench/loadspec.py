@@ -4,7 +4,19 @@
   next action);
 * :class:`LoadSpec` — the point: sessions, wait, steps, timeouts, processes,
   CPUs, deadline, connect window;
-* :func:`source_address` — which loopback address each session connects from.
+* :func:`source_address` — which loopback address each session connects from;
+* :func:`ws_url` — a server URL as users give it (``http://H:P``, ``ws://H:P/ws``,
+  ``H:P`` ...) as the WebSocket URL the sessions open;
+* :func:`spread` — which endpoint each session of a point goes to, when the
+  load has several (:attr:`LoadSpec.urls`, weighted by :attr:`LoadSpec.weights`).
+
+Several endpoints (nodes of a deployment) are spread over *statically*: the
+point's sessions are assigned to endpoints by index, in proportion to the
+weights (the free capacity each endpoint reported on ``GET /health`` at the
+point's start), interleaved as smoothly as the weights allow. The same N and
+weights always give the same assignment, so a burst is reproducible. A
+session refused by its endpoint is a failure: the benchmark does not retry
+it on another node (as the OpenEnv study counts it).
 
 Limits the load respects by construction:
 
@@ -22,8 +34,15 @@ worker processes (:mod:`stadium.bench.loadgen`) read them.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import urllib.parse
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from stadium._errors import ConfigError
+from stadium.deploy.deployment import Deployment
 
 MAX_SESSIONS_PER_PROC = 15_000
 """Sessions per worker process: under the 20,000 open-file limit with margin."""
@@ -67,6 +86,10 @@ class LoadSpec:
     connects at the burst's instant, as the OpenEnv study did). ``duration_s``
     > 0 makes it a soak (``stadium bench soak``): each of the N session slots
     opens sessions one after another until ``duration_s`` has passed.
+
+    ``urls`` (several endpoints, WebSocket URLs) overrides ``url``: session
+    ``i`` goes to :meth:`endpoint` ``(i)``, by :func:`spread` over ``weights``
+    (one per URL; empty: equal).
     """
 
     url: str
@@ -84,6 +107,23 @@ class LoadSpec:
     deadline_s: float = 0.0
     connect_window: int = 0
     duration_s: float = 0.0
+    urls: tuple[str, ...] = ()
+    weights: tuple[int, ...] = ()
+
+    def endpoint(self, index: int) -> str:
+        """The URL session ``index`` connects to (``url`` when there is one endpoint)."""
+        if len(self.urls) < 2:
+            return self.urls[0] if self.urls else self.url
+        weights = self.weights or (1,) * len(self.urls)
+        return self.urls[spread(weights, self.sessions)[index % self.sessions]]
+
+    def source(self, index: int) -> str | None:
+        """The source address of session ``index`` (:func:`source_address`); ``None``
+        (the kernel's choice) when its endpoint is not on loopback."""
+        host = urllib.parse.urlsplit(self.endpoint(index)).hostname or ""
+        if not host.startswith("127.") and host != "localhost":
+            return None
+        return source_address(index, self.sessions)
 
     def n_procs(self) -> int:
         """The number of worker processes this load uses."""
@@ -124,3 +164,96 @@ def source_address(index: int, sessions: int) -> str | None:
     if k > 250:
         raise ValueError("too many sessions for 127.0.0.0/24 source addresses")
     return f"127.0.0.{2 + index % k}"
+
+
+@functools.lru_cache(maxsize=16)
+def spread(weights: tuple[int, ...], sessions: int) -> tuple[int, ...]:
+    """The endpoint (an index into ``weights``) of each of ``sessions`` sessions.
+
+    Each endpoint gets its share of the sessions in proportion to its weight
+    (largest remainders; ties to the earlier endpoint), and the shares are
+    interleaved by smooth weighted round-robin, so that any prefix of the
+    sessions is split about as the whole is. All weights 0 (or negative) count
+    as equal. Deterministic.
+
+    >>> spread((1, 1), 4)
+    (0, 1, 0, 1)
+    >>> spread((1, 3), 4)
+    (1, 0, 1, 1)
+    >>> spread((0, 5), 3)
+    (1, 1, 1)
+    """
+    w = [max(0, x) for x in weights]
+    if not w:
+        raise ValueError("spread needs at least one endpoint")
+    if sum(w) == 0:
+        w = [1] * len(w)
+    total = sum(w)
+    exact = [sessions * x / total for x in w]
+    quota = [math.floor(e) for e in exact]
+    order = sorted(range(len(w)), key=lambda k: (-(exact[k] - quota[k]), k))
+    for k in order[: sessions - sum(quota)]:
+        quota[k] += 1
+    current = [0] * len(w)
+    out: list[int] = []
+    for _ in range(sessions):
+        for k, q in enumerate(quota):
+            current[k] += q
+        best = max(range(len(w)), key=lambda k: (current[k], -k))
+        current[best] -= sessions
+        out.append(best)
+    return tuple(out)
+
+
+def ws_url(text: str) -> str:
+    """``text`` as the WebSocket URL of a server's sessions; ``ConfigError`` if it is not one.
+
+    Accepted: ``http://H:P``, ``https://H:P``, ``ws://H:P``, ``ws://H:P/ws``,
+    ``wss://H:P/ws`` and ``H:P``; ``http`` becomes ``ws``, ``https`` ``wss``, and
+    a path that does not end in ``/ws`` is taken as the server's base path
+    (``/ws`` appended). A query (``?stadium_node=node2``) is kept.
+
+    >>> ws_url("http://127.0.0.1:8000")
+    'ws://127.0.0.1:8000/ws'
+    >>> ws_url("10.0.0.1:8000")
+    'ws://10.0.0.1:8000/ws'
+    >>> ws_url("https://example.org/env/")
+    'wss://example.org/env/ws'
+    """
+    raw = text.strip()
+    if "://" not in raw:
+        raw = "ws://" + raw
+    parts = urllib.parse.urlsplit(raw)
+    scheme = {"http": "ws", "ws": "ws", "https": "wss", "wss": "wss"}.get(parts.scheme.lower())
+    hint = "expected http://HOST:PORT, ws://HOST:PORT/ws, wss://... or HOST:PORT"
+    if scheme is None:
+        raise ConfigError(f"not a server URL: {text!r} ({hint})")
+    if not parts.hostname:
+        raise ConfigError(f"no host in {text!r} ({hint})")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ConfigError(f"bad port in {text!r} ({hint})") from None
+    if parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"unexpected credentials or fragment in {text!r} ({hint})")
+    path = parts.path.rstrip("/")
+    if not path.endswith("/ws"):
+        path += "/ws"
+    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
+
+
+def ws_urls(specs: Sequence[str]) -> tuple[str, ...]:
+    """Every endpoint of ``specs`` as a WebSocket URL (:func:`ws_url`): each spec is a
+    URL, several separated by commas, or a deployment file's path (its nodes)."""
+    out: list[str] = []
+    for spec in specs:
+        for item in (x.strip() for x in spec.split(",")):
+            if not item:
+                continue
+            if "://" not in item and (item.endswith(".json") or os.path.isfile(item)):
+                out.extend(ws_url(n) for n in Deployment.read(item).nodes)
+            else:
+                out.append(ws_url(item))
+    if not out:
+        raise ConfigError("no server URL given (--url http://HOST:PORT, repeatable)")
+    return tuple(out)

@@ -5,7 +5,8 @@ Dependency-free (Linux /proc only; ``stadium demo`` uses it too):
 * :func:`read_stat` — one process's CPU seconds, RSS and threads, from
   ``/proc/PID/stat``;
 * :func:`process_tree` — a process and all its descendants (from every
-  process's parent in /proc);
+  process's parent in /proc); :func:`process_trees` — those of several;
+* :func:`run_time_s` — CPU seconds of trees to the nanosecond (schedstat);
 * :func:`count_fds` — a process's open file descriptors;
 * :func:`tree_figures` — RSS, threads, processes, fds and CPU of a tree, now;
 * :class:`ServerSampler` — samples a server's tree every ``interval``
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,6 +62,11 @@ def read_stat(pid: int) -> ProcStat:
 
 def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants alive now (``[]`` if ``pid`` is gone), parents first."""
+    return process_trees([pid])
+
+
+def process_trees(pids: Sequence[int]) -> list[int]:
+    """Every process of the trees rooted at ``pids`` (each once), from one scan of /proc."""
     children: dict[int, list[int]] = {}
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
@@ -69,12 +76,39 @@ def process_tree(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
         children.setdefault(parent, []).append(int(entry.name))
-    if not (_PROC / str(pid)).exists():
-        return []
-    tree = [pid]
-    for p in tree:  # grows while iterating: breadth first
-        tree.extend(children.get(p, ()))
+    tree: list[int] = []
+    seen: set[int] = set()
+    for root in pids:
+        if root in seen or not (_PROC / str(root)).exists():
+            continue
+        start = len(tree)
+        tree.append(root)
+        seen.add(root)
+        for p in tree[start:]:  # grows while iterating: breadth first
+            for c in children.get(p, ()):
+                if c not in seen:
+                    seen.add(c)
+                    tree.append(c)
     return tree
+
+
+def run_time_s(pids: Sequence[int]) -> float:
+    """CPU seconds the trees rooted at ``pids`` have run, to the nanosecond: the sum
+    of ``/proc/PID/task/TID/schedstat``'s run time over every live thread (threads
+    that already exited are not counted; ``/proc/PID/stat`` counts them, in 10 ms
+    ticks). For CPU per step of small points, where ticks are too coarse."""
+    total = 0
+    for pid in process_trees(pids):
+        try:
+            tids = os.listdir(_PROC / str(pid) / "task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int((_PROC / str(pid) / "task" / tid / "schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
 
 
 def count_fds(pid: int) -> int:
@@ -119,11 +153,11 @@ class _Sample(NamedTuple):
     cpu: dict[int, float]
 
 
-def _sample_tree(pid: int | None) -> _Sample:
+def _sample_tree(pids: Sequence[int]) -> _Sample:
     rss = 0.0
     threads = 0
     cpu: dict[int, float] = {}
-    for p in process_tree(pid) if pid is not None else []:
+    for p in process_trees(pids) if pids else []:
         try:
             s = read_stat(p)
         except (OSError, IndexError, ValueError):
@@ -144,11 +178,16 @@ class ServerSampler:
         ...                    # run the load
         stats = sampler.stop() # peak RSS, threads, CPU seconds
 
-    ``pid`` ``None`` (a remote server) yields empty :class:`ServerStats`.
+    ``pid`` ``None`` (a remote server) yields empty :class:`ServerStats`; several
+    pids (the nodes of a url arm with several endpoints) are sampled together,
+    their trees' figures summed.
     """
 
-    def __init__(self, pid: int | None, interval: float = 0.1) -> None:
-        self.pid = pid
+    def __init__(self, pid: int | Sequence[int] | None, interval: float = 0.1) -> None:
+        self.pids: tuple[int, ...] = (
+            () if pid is None else (pid,) if isinstance(pid, int) else tuple(pid)
+        )
+        self.pid = self.pids[0] if self.pids else None
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -161,7 +200,7 @@ class ServerSampler:
         self._lock = threading.Lock()
 
     def _record(self) -> None:
-        s = _sample_tree(self.pid)
+        s = _sample_tree(self.pids)
         with self._lock:
             self._peak_rss = max(self._peak_rss, s.rss)
             self._peak_threads = max(self._peak_threads, s.threads)
@@ -176,7 +215,7 @@ class ServerSampler:
         """Take the idle baseline and start sampling."""
         if self.pid is None:
             return
-        s = _sample_tree(self.pid)
+        s = _sample_tree(self.pids)
         self._idle_rss = self._peak_rss = s.rss
         self._peak_threads, self._peak_procs = s.threads, s.procs
         self._base_cpu = dict(s.cpu)

@@ -247,7 +247,8 @@ def _latency_phases_figure(plt: Any, d: _Plot) -> Any:
         ax.set(yscale="log", xlabel="N", ylabel="latency (ms)",
                title=f"{arm}: latency by phase, W={w0:g}s")  # fmt: skip
         _n_axis(ax, d.arm_ns(arm))
-        ax.legend(fontsize=6, ncol=2)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6, ncol=2)
     return fig
 
 
@@ -334,6 +335,7 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("server_cpu_ms_per_session", "CPU ms/session", 3),
     ("server_cpu_us_per_step", "CPU µs/step", 1),
     ("unique_pids", "PIDs", 0),
+    ("unique_hosts", "hosts", 0),
 )
 
 
@@ -351,7 +353,7 @@ def errors_text(rows: Sequence[Row]) -> str:
 TERMINAL_COLUMNS = (
     "arm", "wait_s", "n", "success_rate", "errors", "total_p50_ms", "total_p99_ms",
     "inflation_p99", "rps", "rss_per_session_kb", "server_peak_threads",
-    "server_cpu_us_per_step",
+    "server_cpu_us_per_step", "unique_hosts",
 )  # fmt: skip
 """The columns of the terminal table (the report has all of :data:`TABLE_COLUMNS`)."""
 
@@ -375,6 +377,25 @@ def table_rows(rows: Sequence[Row], columns: Sequence[str] | None = None) -> lis
                 cells.append(_fmt(mean_of(reps, col), digits))
         out.append(cells)
     return out
+
+
+def failure_lines(rows: Iterable[Row]) -> list[str]:
+    """``arm N=64 W=1 rep 1: 100 % failed: refused (64): ...`` for each point with failures."""
+    return [
+        f"{r['arm']} N={r['n']} W={float(r['wait_s']):g} rep {int(r['rep']) + 1}: {r['failures']}"
+        for r in rows
+        if r.get("failures")
+    ]
+
+
+def host_lines(rows: Iterable[Row]) -> list[str]:
+    """``| arm | W | N | rep | hosts | split |`` rows: the sessions per host of each point."""
+    return [
+        f"| {r['arm']} | {float(r['wait_s']):g} | {int(r['n']):,} | {int(r['rep']) + 1} "
+        f"| {r.get('unique_hosts') or 0} | {r.get('sessions_per_host') or '-'} |"
+        for r in rows
+        if r.get("sessions_per_host")
+    ]
 
 
 def machine_info() -> dict[str, str]:
@@ -431,6 +452,17 @@ def write_report(
     lines.append("| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |")
     lines.append("|" + "---|" * len(TABLE_COLUMNS))
     lines += ["| " + " | ".join(cells) + " |" for cells in table_rows(rows)]
+    hosts = host_lines(rows)
+    if hosts:
+        lines += ["", "## Sessions per host", ""]
+        lines += ["From each session's observation (`host`): how the load spread over nodes.", ""]
+        lines += ["| arm | W (s) | N | rep | hosts | sessions per host |", "|---" * 6 + "|"]
+        lines += hosts
+    failures = failure_lines(rows)
+    if failures:
+        lines += ["", "## Failures", ""]
+        lines += ["The most common error kinds of each point, with the first session's detail.", ""]
+        lines += [f"- {f}" for f in failures]
     if notes:
         lines += ["", "## Notes", ""]
         lines += [f"- {n}" for n in notes]

@@ -8,6 +8,7 @@ each connect → reset → ``steps`` x (think, step) → close.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -123,6 +124,8 @@ class PointSummary:
     peak_open: int = 0
     unique_pids: int = 0
     unique_hosts: int = 0
+    sessions_per_host: str = ""
+    """JSON object ``{host: sessions}`` over the sessions whose host is known."""
     server_idle_rss_mb: float | None = None
     server_peak_rss_mb: float | None = None
     rss_per_session_kb: float | None = None
@@ -135,6 +138,8 @@ class PointSummary:
     deadline_hit: bool = False
     collapsed: bool = False
     load_procs: int = 1
+    failures: str = ""
+    """The most common failures with an example detail (:func:`failure_text`); '' if none."""
     note: str = ""
 
     def as_row(self) -> dict[str, Any]:
@@ -156,6 +161,28 @@ def _check_error_columns() -> None:
 
 
 _check_error_columns()
+
+
+def failure_text(records: Sequence[SessionRecord], top: int = 3) -> str:
+    """The share of failed sessions and the ``top`` most common error kinds, each
+    with its count and the detail of its first session: ``"100 % failed:
+    refused (64): ConnectionRefusedError; ..."``; '' when none failed.
+    """
+    failed = [r for r in records if not r.ok]
+    if not failed:
+        return ""
+    kinds = Counter(r.error or "unknown" for r in failed)
+    first: dict[str, str] = {}
+    for r in failed:
+        first.setdefault(r.error or "unknown", r.detail)
+    share = 100.0 * len(failed) / len(records)
+    parts = [
+        f"{kind} ({count}): {first[kind] or 'no detail'}"[:240]
+        for kind, count in kinds.most_common(top)
+    ]
+    more = len(kinds) - top
+    tail = f"; {more} more kind(s)" if more > 0 else ""
+    return f"{share:.3g} % failed: " + "; ".join(parts) + tail
 
 
 def columns() -> list[str]:
@@ -239,7 +266,10 @@ def summarize(
         s.sessions_per_s = s.ok / s.makespan_s
         s.rps = requests / s.makespan_s
     s.unique_pids = len({r.pid for r in records if r.pid is not None})
-    s.unique_hosts = len({r.host for r in records if r.host is not None})
+    hosts = Counter(r.host for r in records if r.host is not None)
+    s.unique_hosts = len(hosts)
+    s.sessions_per_host = json.dumps(dict(sorted(hosts.items()))) if hosts else ""
+    s.failures = failure_text(records)
 
     if server is not None:
         s.server_idle_rss_mb = server.idle_rss_mb

@@ -172,10 +172,21 @@ class _Run:
         """Run one point, record it (``summary.csv`` rewritten) and return its summary."""
         self.progress.point(f"{key.arm} N={key.n} W={key.wait_s:g} rep {key.rep + 1}", key.n)
         summary = _run_point(self, key, arm)
+        if summary.failures and summary.collapsed:
+            self.say(f"{key.arm} N={key.n} W={key.wait_s:g} rep {key.rep + 1}: {summary.failures}")
         self.rows.append(summary)
         report.write_summary(self.config.output_dir / "summary.csv", self.rows)
         self.progress.advance()
         return summary
+
+    def say(self, text: str) -> None:
+        """Print ``text`` whatever the progress setting (the progress console, else stderr)."""
+        if self.progress.bar is not None:
+            from rich.markup import escape
+
+            self.progress.log(f"[red]{escape(text)}[/]")
+        else:
+            print(text, file=sys.stderr, flush=True)
 
     def note_caps(self, applied: CapReport) -> None:
         if applied.cpu != "none":
@@ -317,6 +328,13 @@ def _run_point(state: _Run, key: PointKey, arm: Arm) -> PointSummary:
         return s
     state.note_caps(applied)
     spec = dataclasses.replace(spec, url=server.url, deadline_s=deadline)
+    if len(server.urls) > 1:
+        weights = arms_mod.endpoint_weights(server.urls)
+        spec = dataclasses.replace(spec, urls=server.urls, weights=weights)
+        spread = ", ".join(f"{u} ×{w}" for u, w in zip(server.urls, weights, strict=True))
+        note = f"{key.arm}: sessions spread statically over {spread} (weights: free capacity)"
+        if note not in state.notes:
+            state.notes.append(note)
     records, stats, note = _measure(state, server, spec, settings)
     report.append_raw(state.raw, key, records)
     state.raw.flush()
@@ -352,10 +370,10 @@ def _measure(
     stats: ServerStats | None = None
     try:
         time.sleep(state.config.settle_s)
-        sampler = ServerSampler(server.pid)
+        sampler = ServerSampler(server.pids or server.pid)
         sampler.start()
         records, settings.load_procs = run_load(spec, progress=state.progress.sessions)
-        stats = sampler.stop() if server.pid is not None else None
+        stats = sampler.stop() if server.pid is not None or server.pids else None
     finally:
         code = server.stop()
     if stats is None:

@@ -182,7 +182,7 @@ def _classify_oserror(exc: OSError) -> Fail:
     if isinstance(exc, TimeoutError):
         return Fail(ErrorKind.TIMEOUT, f"{type(exc).__name__}: {exc}")
     if isinstance(exc, ConnectionRefusedError | ConnectionResetError):
-        return Fail(ErrorKind.REFUSED, type(exc).__name__)
+        return Fail(ErrorKind.REFUSED, f"{type(exc).__name__}: {exc}"[:200])
     if exc.errno in _CLIENT_ERRNOS:
         return Fail(ErrorKind.CLIENT, f"{type(exc).__name__}: {exc.strerror}")
     return Fail(ErrorKind.REFUSED, f"{type(exc).__name__}: {exc}")
@@ -590,15 +590,13 @@ async def run_sessions(
 ) -> list[SessionRecord]:
     """Run the sessions ``indices`` of ``spec`` starting at monotonic time ``t0``.
 
-    Returns one record per index, in order. Sessions still running at
+    Session ``i`` connects to ``spec.endpoint(i)`` (several endpoints: a static,
+    weighted spread). Returns one record per index, in order. Sessions still running at
     ``t0 + spec.deadline()`` are cancelled and recorded as ``deadline``.
     ``on_done()`` is called as each session ends. Runs on the current event
     loop; :func:`stadium.bench.loadgen.run_load` calls it in each worker.
     """
-    records = [
-        SessionRecord(index=i, worker=worker, source=source_address(i, spec.sessions))
-        for i in indices
-    ]
+    records = [SessionRecord(index=i, worker=worker, source=spec.source(i)) for i in indices]
     plan = Plan.of(spec, t0)
     connection = connection_class(spec.mode)
     delay = t0 - time.monotonic()
@@ -606,7 +604,7 @@ async def run_sessions(
         await asyncio.sleep(delay)
 
     async def one(rec: SessionRecord) -> None:
-        await run_session(rec, connection(spec.url, rec.source), plan)
+        await run_session(rec, connection(spec.endpoint(rec.index), rec.source), plan)
         if on_done is not None:
             on_done()
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from stadium.bench.arms import spawn_server
 from stadium.bench.loadgen import LoadWorker, pump_until, start_workers, stop_workers
-from stadium.bench.loadspec import LoadSpec
+from stadium.bench.loadspec import LoadSpec, ws_url
 from stadium.bench.metrics import percentile
 from stadium.bench.procstat import TreeFigures, tree_figures
 
@@ -169,7 +169,7 @@ def summarize(rows: list[SoakRow]) -> dict[str, object]:
 @contextmanager
 def _server(opts: SoakOptions) -> Iterator[tuple[str, int | None]]:
     if opts.url is not None:
-        yield opts.url, opts.server_pid
+        yield ws_url(opts.url), opts.server_pid
         return
     args = [
         opts.target,
