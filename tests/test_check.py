@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import pytest
@@ -78,6 +78,18 @@ class NeedsActions(Environment[Required, O, State]):
         return StepResult(O(len(action.needed)), 1.0, True)
 
 
+class Patterned(msgspec.Struct):
+    code: Annotated[str, msgspec.Meta(pattern="^[0-9]{4}$")]
+
+
+class NeedsPatterned(Environment[Patterned, O, State]):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> O:
+        return O(0)
+
+    def step(self, action: Patterned) -> StepResult[O]:
+        return StepResult(O(0), 0.0, True)
+
+
 def test_a_good_env_passes() -> None:
     assert len(check_env(Good)) >= 4
 
@@ -90,7 +102,7 @@ def test_a_good_env_passes() -> None:
         (BadReward, "reward must be a number"),
         (NoStep, "does not implement step()"),
         (Untyped, "does not declare action_type and observation_type"),
-        (NeedsActions, "Pass actions=[...]"),
+        (NeedsPatterned, "Pass actions=[...]"),
     ],
 )
 def test_violations_are_named(cls: type[Environment[Any, Any, Any]], needle: str) -> None:

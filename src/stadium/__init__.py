@@ -41,10 +41,12 @@ from stadium._errors import (
     SessionError,
     StadiumError,
     TargetError,
+    ToolCallError,
     UnknownTypeError,
     ValidationError,
 )
 from stadium._server import Server, ServerState, run_server
+from stadium._tools import ToolEnvironment, tool
 from stadium._version import __version__
 
 __all__ = [
@@ -72,10 +74,13 @@ __all__ = [
     "State",
     "StepResult",
     "TargetError",
+    "ToolCallError",
+    "ToolEnvironment",
     "UnknownTypeError",
     "ValidationError",
     "__version__",
     "asgi_app",
     "check_env",
     "run_server",
+    "tool",
 ]

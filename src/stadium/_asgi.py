@@ -27,7 +27,7 @@ from stadium._env import Environment
 from stadium._http import TOO_LARGE, HttpResponse
 from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import MAX_UNSENT_BYTES, Session
+from stadium._session import MAX_UNSENT_BYTES, Session, attach_id
 from stadium._worker import Worker
 
 Scope = MutableMapping[str, Any]
@@ -137,7 +137,8 @@ class AsgiApp:
         channel = _AsgiChannel(binary=msgpack)
         writer = asyncio.get_running_loop().create_task(channel.writer(send))
         encoding = Encoding.MSGPACK if msgpack else Encoding.JSON
-        session = Session(self.runtime, channel, encoding, client=client)
+        query = scope.get("query_string", b"").decode("latin-1")
+        session = Session(self.runtime, channel, encoding, client=client, attach=attach_id(query))
         session.start()
         limit = self.config.max_message_bytes
         try:

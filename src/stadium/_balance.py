@@ -27,8 +27,9 @@ state and a clock in, a choice out); :class:`Balancer` adds the thin I/O around 
   draining node (503) is skipped until a probe finds it healthy again.
 
 One :class:`Balancer` per endpoint spec per process (:func:`balancer_for`): the
-1,000 clients of a trainer share its state. ``stadium bench`` uses the same module
-for its spread.
+1,000 clients of a trainer share its state. (``stadium bench`` spreads its bursts
+statically instead, by free capacity read once per point: a benchmark must be
+reproducible; see :mod:`stadium.bench.loadspec`.)
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import math
 import os
 import random
 import urllib.request
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -33,23 +35,128 @@ def _sample_actions(
     env: Any, spec: EnvSpec, steps: int, seed: int, actions: Sequence[Any] | None
 ) -> list[Any]:
     if actions is not None:
-        return [
-            spec.action.convert(msgspec.to_builtins(a, enc_hook=enc_hook_default), "action")
-            for a in actions
-        ]
+        out = []
+        for i, given in enumerate(actions, 1):
+            try:
+                builtins = msgspec.to_builtins(given, enc_hook=enc_hook_default)
+                out.append(spec.action.convert(builtins, "action"))
+            except (StadiumError, TypeError, NotImplementedError) as exc:
+                raise EnvCheckError(
+                    f"action #{i} given is not a valid {spec.action.name}: {exc}",
+                    check="actions",
+                ) from None
+        return out
     rng = random.Random(f"stadium-check-actions-{seed}")  # not the env's own stream
     sampler = getattr(env, "sample_action", None)
     if callable(sampler):
         return [sampler(rng) for _ in range(steps)]
+    return [schema_action(spec)] * steps
+
+
+def schema_action(spec: EnvSpec) -> Any:
+    """A valid action derived from the action type's JSON Schema (see :func:`sample_value`).
+
+    Raises:
+        EnvCheckError: the schema admits no value this can build (a ``pattern``,
+            a custom validator); the message says how to pass actions instead.
+    """
+    schema = spec.action.schema()
     try:
-        default = spec.action.convert({}, "action")
-    except StadiumError:
+        return spec.action.convert(sample_value(schema, schema), "action")
+    except (StadiumError, ValueError, TypeError, RecursionError) as exc:
         raise EnvCheckError(
-            f"cannot make an action for {spec.name}: its action type has required fields. "
-            "Pass actions=[...] to check_env, or define sample_action(self, rng) on the env",
+            f"cannot make an action for {spec.name} from its JSON Schema ({exc}). Pass "
+            "actions=[...] to check_env (stadium check TARGET --action JSON), or define "
+            "sample_action(self, rng) on the env",
             check="sample_action",
         ) from None
-    return [default] * steps
+
+
+_JSON_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def sample_value(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """A small JSON value valid under ``schema`` (a JSON Schema), for trying an env.
+
+    A schema walker, not a generator of test cases: it takes ``const``, the
+    ``default``, an enum's first value, the first branch of ``anyOf``/``oneOf``
+    that is not null, and for the rest the least value its keywords allow (numbers
+    at their lower bound, strings and arrays of their minimum length, objects with
+    only their required properties). ``$ref``s resolve against ``root``. It does
+    not satisfy ``pattern`` or ``format`` (the conversion that follows says so).
+    """
+    if depth > 32:
+        raise ValueError("the schema nests more than 32 levels deep")
+    if not isinstance(schema, dict):
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        return sample_value(_resolve(ref, root), root, depth + 1)
+    for key in ("const", "default"):
+        if key in schema:
+            return schema[key]
+    if schema.get("enum"):
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(key)
+        if branches:
+            usable = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
+            return sample_value((usable or branches)[0], root, depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind is None:
+        kind = "object" if "properties" in schema else "null"
+    if kind == "object":
+        props = schema.get("properties") or {}
+        return {
+            name: sample_value(props.get(name, {}), root, depth + 1)
+            for name in schema.get("required", ())
+        }
+    if kind == "array":
+        prefix = list(schema.get("prefixItems") or ())
+        count = max(int(schema.get("minItems", 0)), len(prefix))
+        items = schema.get("items", {})
+        return [
+            sample_value(prefix[i] if i < len(prefix) else items, root, depth + 1)
+            for i in range(count)
+        ]
+    if kind == "string":
+        return "a" * int(schema.get("minLength", 0))
+    if kind in ("integer", "number"):
+        return _sample_number(schema, integer=kind == "integer")
+    if kind == "boolean":
+        return False
+    if kind in _JSON_TYPES:
+        return None
+    raise ValueError(f"unknown JSON Schema type {kind!r}")
+
+
+def _resolve(ref: str, root: dict[str, Any]) -> Any:
+    if not ref.startswith("#/"):
+        raise ValueError(f"cannot resolve $ref {ref!r} (only local references)")
+    node: Any = root
+    for part in ref[2:].split("/"):
+        node = node[part.replace("~1", "/").replace("~0", "~")]
+    return node
+
+
+def _sample_number(schema: dict[str, Any], *, integer: bool) -> int | float:
+    """The least number the bounds allow (0 when 0 is allowed), a multiple of multipleOf."""
+    low: float | None = None
+    if "minimum" in schema:
+        low = schema["minimum"]
+    if "exclusiveMinimum" in schema:
+        bound = schema["exclusiveMinimum"]
+        low = math.floor(bound) + 1 if integer else bound + (abs(bound) or 1) * 1e-6
+    high = schema.get("maximum", schema.get("exclusiveMaximum"))
+    value: float = 0 if low is None or low <= 0 else low
+    if high is not None and value >= high:
+        value = low if low is not None else high - 1
+    step = schema.get("multipleOf")
+    if step:
+        value = math.ceil(value / step) * step
+    return math.ceil(value) if integer else float(value)
 
 
 def _check_obs(spec: EnvSpec, obs: Any, where: str) -> None:
@@ -170,9 +277,11 @@ def _run_sync(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
         pool.submit(asyncio.run, fn()).result()
 
 
-def check_server(url: str) -> list[str]:
-    """Check a running server: HTTP endpoints, then a session's reset, state and close.
+def check_server(url: str, *, actions: Sequence[Any] | None = None) -> list[str]:
+    """Check a running server: HTTP endpoints, then a session's reset, steps, state and close.
 
+    The session steps with each of ``actions`` (JSON values), if given, until one ends
+    the episode.
     A server started with ``--auth-token`` is checked with ``$STADIUM_AUTH_TOKEN``.
     """
     from stadium._client import TOKEN_ENV, Client, ws_url
@@ -196,6 +305,19 @@ def check_server(url: str) -> list[str]:
     with session as client:
         client.reset(seed=0)
         log.append("a WebSocket session answers reset")
+        for i, action in enumerate(actions or ()):
+            try:
+                result = client.step(action)
+            except StadiumError as exc:
+                raise EnvCheckError(
+                    f"step with action #{i + 1} failed: {exc}", check="step"
+                ) from exc
+            if not isinstance(result.done, bool):
+                raise EnvCheckError(f"step reply's done is not a bool: {result.done!r}")
+            if i == 0:
+                log.append("step answers an observation with reward and done")
+            if result.done:
+                break
         state = client.state()
         if not isinstance(state, dict) or "step_count" not in state:
             raise EnvCheckError(f"state reply lacks step_count: {state!r}", check="state")
@@ -204,10 +326,59 @@ def check_server(url: str) -> list[str]:
     return log
 
 
-def check_target(target: str, *, steps: int = 5, seed: int = 0) -> list[str]:
-    """``stadium check``: a URL is checked as a server, anything else as an env class."""
+def check_target(
+    target: str, *, steps: int = 5, seed: int = 0, actions: Sequence[Any] | None = None
+) -> list[str]:
+    """``stadium check``: a URL is checked as a server, anything else as an env class.
+
+    ``actions`` (decoded JSON values, e.g. from ``--action``) are the actions to
+    step with; without them an env class is tried with its ``sample_action`` or
+    an action derived from its schema, and a server is not stepped.
+    """
     if target.startswith(("ws://", "wss://", "http://", "https://")):
-        return check_server(target)
+        return check_server(target, actions=actions)
     from stadium._loader import load_target
 
-    return check_env(load_target(target), steps=steps, seed=seed)
+    return check_env(load_target(target), steps=steps, seed=seed, actions=actions)
+
+
+def load_actions(texts: Sequence[str], files: Sequence[str]) -> list[Any] | None:
+    """The actions ``stadium check`` was given: ``--action JSON`` values, then each
+    ``--actions-file`` (a JSON array of actions, or JSON Lines: one action a line).
+    ``None`` when none were given.
+
+    Raises:
+        ConfigError: a value or file is not valid JSON, or a file cannot be read.
+    """
+    from stadium._errors import ConfigError
+
+    if not texts and not files:
+        return None
+    out: list[Any] = []
+    for text in texts:
+        try:
+            out.append(msgspec.json.decode(text))
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"--action {text!r} is not valid JSON: {exc}") from None
+    for name in files:
+        try:
+            data = Path(name).read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --actions-file {name}: {exc.strerror}") from None
+        try:
+            whole = msgspec.json.decode(data)
+            out.extend(whole if isinstance(whole, list) else [whole])
+            continue
+        except msgspec.DecodeError:
+            pass
+        for number, line in enumerate(data.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(msgspec.json.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ConfigError(
+                    f"--actions-file {name} line {number} is not valid JSON: {exc} (give a "
+                    "JSON array of actions, or one JSON action a line)"
+                ) from None
+    return out

@@ -69,11 +69,36 @@ def serve(target: str, **options: Any) -> None:
 @click.argument("target")
 @click.option("--steps", default=5, show_default=True, help="Steps per episode to try.")
 @click.option("--seed", default=0, show_default=True, help="Seed for the determinism check.")
-def check(target: str, steps: int, seed: int) -> None:
-    """Check that TARGET honours the environment contract (an env class or a ws:// URL)."""
-    from stadium._check import check_target
+@click.option(
+    "--action",
+    "action_texts",
+    multiple=True,
+    metavar="JSON",
+    help="An action to step with, as JSON (repeatable; used in order).",
+)
+@click.option(
+    "--actions-file",
+    "action_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="A file of actions: a JSON array, or one JSON action a line (repeatable).",
+)
+def check(
+    target: str,
+    steps: int,
+    seed: int,
+    action_texts: tuple[str, ...],
+    action_files: tuple[str, ...],
+) -> None:
+    """Check that TARGET honours the environment contract (an env class or a ws:// URL).
 
-    report = check_target(target, steps=steps, seed=seed)
+    Without --action, an env class is stepped with its sample_action(rng), else with
+    an action built from its action schema; a server is then only reset.
+    """
+    from stadium._check import check_target, load_actions
+
+    actions = load_actions(action_texts, action_files)
+    report = check_target(target, steps=steps, seed=seed, actions=actions)
     for line in report:
         click.echo(f"ok  {line}")
     click.echo(f"{target}: all {len(report)} checks passed")

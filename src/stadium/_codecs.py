@@ -10,6 +10,7 @@ spaces when it is imported). Nothing here imports an integration or does I/O.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 import sys
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from stadium._errors import TargetError
 from stadium._errors import ValidationError as StadiumValidationError
 
 _PATH = re.compile(r" - at `(\$[^`]*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`$")
 
 EncHook = Callable[[Any], Any]
 
@@ -31,6 +33,10 @@ def validation_error(err: msgspec.ValidationError, what: str) -> StadiumValidati
     match = _PATH.search(text)
     field = match.group(1) if match else "$"
     detail = text[: match.start()] if match else text
+    unknown = _UNKNOWN.match(detail)
+    if unknown:  # name the field itself: ``$.extra``, as pydantic's errors do
+        field = f"{field}.{unknown.group(1)}"
+        detail = f"unknown field {unknown.group(1)!r} (the env does not accept extra fields)"
     return invalid(what, field, detail)
 
 
@@ -164,8 +170,14 @@ class TypeCodec:
     checker: Callable[[Any, str], None] | None = None
 
     @classmethod
-    def of(cls, tp: Any, *, required: bool = True) -> TypeCodec:
+    def of(cls, tp: Any, *, required: bool = True, strict: bool = False) -> TypeCodec:
         """The codec of ``tp``.
+
+        ``strict``: a ``msgspec.Struct`` decodes into its :func:`strict_twin`, so that
+        an unknown field is a validation error (checked by msgspec, in C, at no
+        cost). Other types follow their own configuration: pydantic models their
+        ``extra`` setting (OpenEnv's forbid extras), dataclasses and TypedDicts
+        accept unknown fields.
 
         Raises:
             TargetError: ``tp`` cannot be validated (only when ``required``;
@@ -183,8 +195,11 @@ class TypeCodec:
                 "serve the env as gymnasium:ENV_ID) so that spaces can be validated",
                 type=repr(tp),
             )
+        declared = tp
+        if strict:
+            tp = strict_twin(tp)
         try:
-            return cls(tp, msgspec.json.Decoder(tp), msgspec.msgpack.Decoder(tp), tp)
+            return cls(tp, msgspec.json.Decoder(tp), msgspec.msgpack.Decoder(tp), declared)
         except TypeError as exc:
             if not required:
                 return cls(Any, msgspec.json.Decoder(), msgspec.msgpack.Decoder(), tp)
@@ -248,6 +263,81 @@ class TypeCodec:
         declared = self.declared if self.declared is not None else self.tp
         name = getattr(declared, "__name__", None)
         return str(name) if name else type(declared).__name__
+
+
+def strict_twin(tp: Any) -> Any:
+    """A subclass of the Struct ``tp`` that forbids unknown fields; ``tp`` itself otherwise.
+
+    ``tp`` is returned as is when it is not a ``msgspec.Struct`` or already forbids
+    unknown fields. The twin (built once per class) has the same name, fields and
+    configuration, and its instances are instances of ``tp``: ``isinstance`` works,
+    they compare (``==``, and ``<`` with ``order=True``) and hash equal to ``tp``'s
+    instances with the same fields (by identity with ``eq=False``, as ``tp``'s do),
+    and pickle as ``tp``; only ``type(action) is tp`` tells them apart. Struct types
+    nested inside follow their own ``forbid_unknown_fields``.
+    """
+    if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+        return tp
+    if tp.__struct_config__.forbid_unknown_fields:
+        return tp
+    twin = _TWINS.get(tp)
+    if twin is not None:
+        return twin
+    astuple = msgspec.structs.astuple
+
+    def __eq__(self: Any, other: Any) -> Any:
+        if type(other) is tp or type(other) is type(self):
+            return astuple(self) == astuple(other)
+        return NotImplemented
+
+    def __ne__(self: Any, other: Any) -> Any:
+        equal = __eq__(self, other)
+        return equal if equal is NotImplemented else not equal
+
+    def __reduce__(self: Any) -> Any:
+        reduced: Any = tp.__reduce__(self)  # (tp, fields) or (rebuild, (tp, fields))
+        fn, args, *rest = reduced
+        swap = type(self)
+        fn = tp if fn is swap else fn
+        return (fn, tuple(tp if arg is swap else arg for arg in args), *rest)
+
+    def __hash__(self: Any) -> int:
+        fn, args, *_ = __reduce__(self)
+        return hash(fn(*args))  # as the same value of tp hashes
+
+    config = tp.__struct_config__
+    namespace: dict[str, Any] = {
+        "__module__": tp.__module__,
+        "__qualname__": tp.__qualname__,
+        "__doc__": tp.__doc__,
+        "__reduce__": __reduce__,
+    }
+    if config.eq:  # else instances compare by identity, as tp's do
+        namespace.update(__eq__=__eq__, __ne__=__ne__)
+        namespace["__hash__"] = None if tp.__hash__ is None else __hash__
+    if config.order:
+        for name, op in (("__lt__", "lt"), ("__le__", "le"), ("__gt__", "gt"), ("__ge__", "ge")):
+            namespace[name] = _ordering(tp, getattr(operator, op))
+    meta: Any = type(tp)  # msgspec's StructMeta
+    twin = meta(tp.__name__, (tp,), namespace, forbid_unknown_fields=True)
+    _TWINS[tp] = twin
+    return twin
+
+
+_TWINS: dict[Any, Any] = {}
+"""Struct class -> its strict twin (a twin keeps its class alive anyway: it is a subclass)."""
+
+
+def _ordering(tp: Any, op: Callable[[Any, Any], bool]) -> Callable[[Any, Any], Any]:
+    """An ordering method of a strict twin: by fields, against ``tp``'s instances too."""
+    astuple = msgspec.structs.astuple
+
+    def compare(self: Any, other: Any) -> Any:
+        if type(other) is tp or type(other) is type(self):
+            return op(astuple(self), astuple(other))
+        return NotImplemented
+
+    return compare
 
 
 def _loc_path(loc: Any) -> str:

@@ -109,6 +109,9 @@ class Environment(Generic[ActT, ObsT, StateT]):
     * ``action_type``, ``observation_type``, ``state_type``: normally taken from
       the generic parameters ``Environment[Act, Obs, State]``; set them when the
       class is not parametrised that way.
+    * ``allow_extra_fields`` (default ``False``): a ``msgspec.Struct`` action with a
+      field the type does not declare is a ``VALIDATION_ERROR`` naming it; set
+      ``True`` to accept (and drop) unknown fields.
 
     An environment may also define ``sample_action(self, rng: random.Random) -> Act``,
     which :func:`stadium.check_env` uses to try actions.
@@ -121,6 +124,7 @@ class Environment(Generic[ActT, ObsT, StateT]):
     version: ClassVar[str] = "0.0.0"
     description: ClassVar[str] = ""
     blocking: ClassVar[bool] = True
+    allow_extra_fields: ClassVar[bool] = False
     action_type: ClassVar[Any]
     observation_type: ClassVar[Any]
     state_type: ClassVar[Any] = State

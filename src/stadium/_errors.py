@@ -7,9 +7,10 @@ on the wire and a client can rebuild it on the other side::
     StadiumError                      base; .code, .context, .to_wire()
     ├── ProtocolError                 a frame the protocol cannot accept
     │   ├── InvalidMessageError       INVALID_JSON: not JSON / MessagePack
-    │   └── UnknownTypeError          UNKNOWN_TYPE: "type" not reset/step/state/close
+    │   └── UnknownTypeError          UNKNOWN_TYPE: "type" not reset/step/state/close/mcp
     ├── ValidationError               VALIDATION_ERROR: an action or reset argument
-    │                                 does not match the environment's schema
+    │   │                             does not match the environment's schema
+    │   └── ToolCallError             an unknown tool, or arguments that do not fit it
     ├── ExecutionError                EXECUTION_ERROR: the environment raised
     │   └── CallTimeoutError          TIMEOUT: an env call ran past its time limit
     ├── CapacityError                 CAPACITY_REACHED: no free session slot
@@ -98,7 +99,7 @@ class InvalidMessageError(ProtocolError):
 
 
 class UnknownTypeError(ProtocolError):
-    """The frame's ``type`` is not one of reset, step, state, close."""
+    """The frame's ``type`` is not one of reset, step, state, close, mcp."""
 
     code = ErrorCode.UNKNOWN_TYPE
 
@@ -110,6 +111,11 @@ class ValidationError(StadiumError):
     """
 
     code = ErrorCode.VALIDATION_ERROR
+
+
+class ToolCallError(ValidationError):
+    """A tool call that cannot be made: no tool of that name, or arguments that do not
+    fit its input schema (JSON-RPC ``-32602`` on ``/mcp``). ``context["tool"]`` names it."""
 
 
 class ExecutionError(StadiumError):

@@ -1,8 +1,10 @@
 """Plain-HTTP endpoints, shared by every transport.
 
-``GET /health``, ``/metadata``, ``/schema``, ``/state`` and OpenEnv's stateless
-``POST /reset`` and ``POST /step`` (each on a fresh environment instance, as
-OpenEnv does). Handlers take the method, path and body and return an
+``GET /health``, ``/metadata``, ``/schema``, ``/openapi.json``, ``/state`` and
+OpenEnv's stateless ``POST /reset`` and ``POST /step`` (each on a fresh environment
+instance, as OpenEnv does), and ``POST /mcp`` (MCP JSON-RPC, ``_mcp``). In OpenEnv's
+``production`` mode (``OPENENV_MODE=production``) ``/reset``, ``/step`` and
+``/state`` are absent. Handlers take the method, path and body and return an
 :class:`HttpResponse`; transports only move bytes.
 """
 
@@ -21,15 +23,18 @@ from typing import Any
 
 import msgspec
 
+from stadium import _mcp
 from stadium._env import StepResult
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
+    ConfigError,
     StadiumError,
     ValidationError,
 )
+from stadium._openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._protocol import PROTOCOL_VERSION, reset_call
-from stadium._session import Runtime
+from stadium._session import CLOSE_GOING_AWAY, Runtime
 from stadium._spec import CallMode
 from stadium._throttle import ThrottledLog
 from stadium._version import __version__
@@ -82,16 +87,29 @@ class HttpEndpoints:
     ``CAPACITY_REACHED`` (with ``Retry-After``) when no slot frees in time.
     """
 
-    GET_PATHS = ("/health", "/metadata", "/schema", "/state")
-    POST_PATHS = ("/reset", "/step")
+    GET_PATHS = ("/health", "/metadata", "/schema", "/openapi.json", "/state")
+    POST_PATHS = ("/reset", "/step", "/mcp")
+    SIMULATION_PATHS = ("/reset", "/step", "/state")
+    """Absent in OpenEnv's production mode."""
     ENV_GET_PATHS = ("/state",)
     """GET endpoints that build an environment: only :meth:`handle` (async) answers them."""
 
-    def __init__(self, runtime: Runtime, *, workers: int = 1) -> None:
+    def __init__(self, runtime: Runtime, *, workers: int = 1, mode: str | None = None) -> None:
         self.runtime = runtime
         self.workers = workers
         spec = runtime.spec
         self._schema = msgspec.json.encode(spec.schemas())
+        mode = (mode or os.environ.get(MODE_ENV) or SIMULATION).strip().lower()
+        if mode not in MODES:
+            raise ConfigError(
+                f"{MODE_ENV}={mode!r} is not a mode: use {' or '.join(MODES)}", mode=mode
+            )
+        self.mode = mode
+        """OpenEnv's server mode: ``simulation`` (default) or ``production`` (no
+        ``/reset``, ``/step``, ``/state``); from ``OPENENV_MODE`` unless given."""
+        self.production = mode != SIMULATION
+        self._openapi = msgspec.json.encode(openapi(spec, mode=mode, server_version=__version__))
+        self.mcp_sessions = McpSessions(runtime)
 
     async def handle(
         self, method: str, path: str, body: bytes, client: str | None = None
@@ -148,10 +166,11 @@ class HttpEndpoints:
         except Exception as exc:
             return self._internal_error(method, path, exc)
 
-    @staticmethod
-    def builds_env(path: str) -> bool:
+    def builds_env(self, path: str) -> bool:
         """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
-        return (path.split("?", 1)[0].rstrip("/") or "/") in HttpEndpoints.ENV_GET_PATHS
+        return not self.production and (
+            (path.split("?", 1)[0].rstrip("/") or "/") in HttpEndpoints.ENV_GET_PATHS
+        )
 
     def get(self, path: str) -> HttpResponse:
         """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
@@ -164,6 +183,10 @@ class HttpEndpoints:
         path = path.split("?", 1)[0].rstrip("/") or "/"
         if path == "/health":
             return self.health()
+        if path == "/openapi.json":
+            return HttpResponse(200, self._openapi)
+        if self.production and path in self.SIMULATION_PATHS:
+            return self.not_found(path)
         if path == "/schema":
             return HttpResponse(200, self._schema)
         if path == "/metadata":
@@ -232,7 +255,9 @@ class HttpEndpoints:
     async def post(self, path: str, body: bytes) -> HttpResponse:
         """Answer a POST: OpenEnv's stateless reset and step."""
         path = path.split("?", 1)[0].rstrip("/")
-        if path not in self.POST_PATHS:
+        if path == "/mcp":
+            return await self.mcp(body)
+        if path not in self.POST_PATHS or (self.production and path in self.SIMULATION_PATHS):
             if path in self.GET_PATHS:
                 return _error(405, f"{path} takes GET", "METHOD_NOT_ALLOWED")
             return self.not_found(path)
@@ -280,6 +305,56 @@ class HttpEndpoints:
         else:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
+
+    async def mcp(self, body: bytes) -> HttpResponse:
+        """Answer ``POST /mcp`` (always 200 with a JSON-RPC response, as OpenEnv does).
+
+        ``tools/list`` / ``tools/call`` run on the OpenEnv MCP session named by
+        ``params.session_id``, else on a fresh env built for the request (holding a
+        session slot, as ``POST /step`` does). ``openenv/session/create`` and
+        ``openenv/session/close`` open and close such sessions (OpenEnv's
+        ``MCPToolClient`` does so); each holds a slot while it lives.
+        """
+        req = _mcp.parse(body)
+        if isinstance(req, dict):
+            return _json(200, req)
+        rt = self.runtime
+        sessions = self.mcp_sessions
+        dispatch = functools.partial(
+            _mcp.dispatch, req=req, server=(rt.spec.name, rt.spec.version), describe=rt.describe
+        )
+        try:
+            if req.method == "openenv/session/create":
+                return _json(200, _mcp.success(req.id, {"session_id": await sessions.create()}))
+            sid = req.params.get("session_id")
+            if sid is not None and not isinstance(sid, str):
+                return _rpc_error(req.id, _mcp.INVALID_PARAMS, "session_id must be a string")
+            if req.method == "openenv/session/close":
+                if not isinstance(sid, str) or not await sessions.close(sid):
+                    return _rpc_error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid!r}")
+                return _json(200, _mcp.success(req.id, {"session_id": sid, "closed": True}))
+            if sid is not None:
+                response = await sessions.run(sid, dispatch)
+                if response is None:
+                    response = _mcp.error(
+                        req.id, _mcp.INVALID_PARAMS,
+                        f"Unknown session_id: {sid!r}; open one with openenv/session/create",
+                    )  # fmt: skip
+                return HttpResponse(200, rt.spec.json_encoder.encode(response))
+            if req.method in _MCP_ENV_METHODS:  # a fresh env for the request (OpenEnv's)
+                response = await self._run(CallMode.TASK, dispatch, what="mcp")
+            else:  # initialize, ping, unknown methods: no env needed
+                response = await dispatch(None)
+            return HttpResponse(200, rt.spec.json_encoder.encode(response))
+        except StadiumError as exc:
+            if isinstance(exc, CapacityError | CallTimeoutError):
+                rt.errors_total[str(exc.code)] += 1
+            return _rpc_error(req.id, _mcp.SERVER_ERROR, exc.message, exc.to_wire())
+        except Exception as exc:  # building or closing the env raised
+            rt.env_raised("the environment raised (POST /mcp)", exc)
+            rt.errors_total["EXECUTION_ERROR"] += 1
+            data = {"exception": type(exc).__name__}
+            return _rpc_error(req.id, _mcp.INTERNAL_ERROR, rt.describe(exc), data)
 
     async def state(self) -> HttpResponse:
         """Answer ``GET /state``: a fresh env's state, built and read as its create mode says
@@ -366,6 +441,98 @@ class HttpEndpoints:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
             admission.release()
+
+
+def _rpc_error(rid: Any, code: int, message: str, data: Any = None) -> HttpResponse:
+    """A ``POST /mcp`` answer carrying a JSON-RPC error (HTTP 200, as OpenEnv answers)."""
+    return _json(200, _mcp.error(rid, code, message, data))
+
+
+_MCP_ENV_METHODS = frozenset({"tools/list", "tools/call"})
+"""The ``POST /mcp`` methods that run on an env (a fresh one without ``session_id``)."""
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _McpSession:
+    env: Any
+    lock: asyncio.Lock
+    last_used: float
+
+
+class McpSessions:
+    """OpenEnv's HTTP MCP sessions (``openenv/session/create``): an env per session id,
+    each holding a session slot until ``openenv/session/close`` or until unused for
+    :attr:`IDLE_S` seconds (checked at each create). A WebSocket opened at
+    ``/ws?session_id=ID`` drives the same env (``Session(attach=ID)``), as OpenEnv's
+    ``MCPToolClient`` does. Per worker process.
+    """
+
+    IDLE_S = 300.0
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._sessions: dict[str, _McpSession] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def create(self) -> str:
+        """Open a session: its id. Raises :class:`~stadium.CapacityError` when no slot frees."""
+        rt = self.runtime
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for sid, idle in list(self._sessions.items()):
+            if (
+                now - idle.last_used > self.IDLE_S
+                and not idle.lock.locked()
+                and sid not in rt.attached
+            ):
+                await self.close(sid)
+        if not await rt.admission.acquire():
+            raise rt.capacity_error()
+        try:
+            env = await rt.invoke.call(loop, rt.spec.create_mode, rt.new_env)
+        except BaseException:
+            rt.admission.release()
+            raise
+        rt.sessions_total += 1
+        sid = uuid.uuid4().hex
+        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now)
+        rt.attachable[sid] = env
+        return sid
+
+    async def run(self, sid: str, call: Callable[[Any], Any]) -> Any:
+        """``await call(env)`` on session ``sid``'s env, one call at a time; ``None`` if
+        there is no such session. Raises :class:`~stadium.CallTimeoutError` past
+        ``--step-timeout``."""
+        session = self._sessions.get(sid)
+        if session is None:
+            return None
+        async with session.lock:
+            loop = asyncio.get_running_loop()
+            session.last_used = loop.time()  # bounded by --step-timeout, as on /ws
+            return await self.runtime.invoke.call(loop, CallMode.TASK, call, session.env)
+
+    async def close(self, sid: str) -> bool:
+        """Close session ``sid`` (its env closed, its slot freed); whether it existed."""
+        session = self._sessions.pop(sid, None)
+        if session is None:
+            return False
+        rt = self.runtime
+        rt.attachable.pop(sid, None)
+        attached = rt.attached.get(sid)
+        if attached is not None:  # its WebSocket goes with it
+            attached.close(CLOSE_GOING_AWAY, "the MCP session was closed")
+        try:
+            if rt.spec.has_close:
+                async with session.lock:
+                    loop = asyncio.get_running_loop()
+                    await rt.invoke.call(loop, rt.spec.close_mode, session.env.close)
+        except Exception as exc:
+            rt.env_raised("closing an MCP session's environment raised", exc)
+        finally:
+            rt.admission.release()
+        return True
 
 
 def _reset(env: Any, kwargs: Mapping[str, Any]) -> Any:

@@ -4,12 +4,27 @@ TARGET is a built-in name (``echo``), ``package.module:Class``, ``path/to/file.p
 or ``gymnasium:ENV_ID``. The class may be a Stadium ``Environment``, an OpenEnv
 ``Environment`` (wrapped by :mod:`stadium.integrations.openenv`) or a
 ``gymnasium.Env`` (wrapped by :mod:`stadium.integrations.gymnasium`).
+
+Where imports look (as uvicorn and ``python`` do, so projects serve as laid out):
+
+* ``package.module:Class``: the working directory is put first on ``sys.path``.
+* ``path/to/file.py:Class`` in a package (its directory has an ``__init__.py``):
+  imported by its dotted name (``pkg.sub.file``), the directory above the
+  outermost package first on ``sys.path``, so its relative imports work
+  (``openenv init my_env``, then ``stadium serve
+  my_env/server/my_env_environment.py:MyEnvironment``: ``from ..models import``).
+  The outermost package is the last directory upward with an ``__init__.py`` and
+  an identifier for a name: in a project directory named ``my-env``, ``server`` is
+  the package and ``my-env`` goes on the path, so OpenEnv's fallback
+  ``from models import ...`` works.
+* any other ``file.py``: imported as a script runs, its directory first on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,41 +106,94 @@ def _gymnasium(target: str) -> Any:
         from stadium.integrations import gymnasium
     except ModuleNotFoundError as exc:
         raise TargetError(
-            f"serving {target!r} needs {exc.name}: pip install 'stadium[gym]'", target=target
+            f"serving {target!r} needs {exc.name}: pip install 'stadium-rl[gym]'", target=target
         ) from exc
     return gymnasium
 
 
 def _import(module_part: str, target: str) -> Any:
     if module_part.endswith(".py") or "/" in module_part:
-        path = Path(module_part).expanduser().resolve()
-        if not path.is_file():
-            raise TargetError(f"no such file: {path} (target {target!r})", target=target)
-        name = f"_stadium_target_{path.stem}"
-        if name in sys.modules:
-            return sys.modules[name]
-        mod_spec = importlib.util.spec_from_file_location(name, path)
-        if mod_spec is None or mod_spec.loader is None:
-            raise TargetError(f"cannot import {path} (target {target!r})", target=target)
-        module = importlib.util.module_from_spec(mod_spec)
-        sys.modules[name] = module
-        try:
-            mod_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[name]
-            raise TargetError(
-                f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
-            ) from exc
-        return module
+        return _import_file(Path(module_part).expanduser().resolve(), target)
+    add_to_path(os.getcwd())  # as uvicorn and ``python -m`` do
     try:
         return importlib.import_module(module_part)
     except ModuleNotFoundError as exc:
         raise TargetError(
             f"no module named {exc.name!r} while importing {module_part!r} (target {target!r}); "
-            "is it installed, or on PYTHONPATH?",
+            "is it installed, or on PYTHONPATH? (the working directory is searched too)",
             target=target,
         ) from exc
     except Exception as exc:
         raise TargetError(
             f"importing {module_part!r} failed: {type(exc).__name__}: {exc}", target=target
         ) from exc
+
+
+def add_to_path(directory: str) -> None:
+    """Put ``directory`` first on ``sys.path`` unless it is already there."""
+    if directory not in sys.path and not (directory == os.getcwd() and "" in sys.path):
+        sys.path.insert(0, directory)
+
+
+def package_module(path: Path) -> tuple[Path, str] | None:
+    """Where a file inside a package is imported from: ``(root, "pkg.sub.module")``.
+
+    The package is every directory upward that holds an ``__init__.py`` and whose
+    name is an identifier; ``root`` is the directory above the outermost one.
+    ``None`` when the file's own directory is not a package.
+    """
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file() and folder.name.isidentifier():
+        parts.append(folder.name)
+        folder = folder.parent
+    if len(parts) == 1 or not path.stem.isidentifier():
+        return None
+    return folder, ".".join(reversed(parts))
+
+
+def _import_file(path: Path, target: str) -> Any:
+    """Import ``path`` so that its sibling imports work.
+
+    A file in a package (see :func:`package_module`) is imported by its dotted
+    name with the package's parent first on ``sys.path``, so relative imports
+    work. Any other file is imported as a script runs: its directory first on the path.
+    """
+    if not path.is_file():
+        raise TargetError(f"no such file: {path} (target {target!r})", target=target)
+    found = package_module(path)
+    if found is not None:
+        root, dotted = found
+        add_to_path(str(root))
+        try:
+            module = importlib.import_module(dotted)
+        except Exception as exc:
+            raise TargetError(
+                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}",
+                target=target,
+            ) from exc
+        where = getattr(module, "__file__", None)
+        if where is None or Path(where).resolve() != path:
+            raise TargetError(
+                f"importing {path} as {dotted} found {where} instead: another {dotted!r} comes "
+                "first on sys.path; serve it as a module target from its project directory",
+                target=target,
+            )
+        return module
+    add_to_path(str(path.parent))
+    name = f"_stadium_target_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise TargetError(f"cannot import {path} (target {target!r})", target=target)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise TargetError(
+            f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
+        ) from exc
+    return module

@@ -37,7 +37,7 @@ from stadium._access import AccessPolicy, Refusal, header_values
 from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
 from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import MAX_FRAGMENTS, MAX_UNSENT_BYTES, Runtime, Session
+from stadium._session import MAX_FRAGMENTS, MAX_UNSENT_BYTES, Runtime, Session, attach_id
 from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.transport")
@@ -138,6 +138,7 @@ class _SessionListener(WSListener):
     """
 
     __slots__ = (
+        "_attach",
         "_frag_size",
         "_frags",
         "_msg_type",
@@ -148,8 +149,11 @@ class _SessionListener(WSListener):
         "transport",
     )
 
-    def __init__(self, owner: PicowsTransport, encoding: Encoding) -> None:
+    def __init__(
+        self, owner: PicowsTransport, encoding: Encoding, attach: str | None = None
+    ) -> None:
         self._owner = owner
+        self._attach = attach
         self.encoding = encoding
         self._msg_type = _TEXT if encoding is Encoding.JSON else _BINARY
         self._frags: list[bytes] | None = None
@@ -166,7 +170,7 @@ class _SessionListener(WSListener):
         client = None
         if runtime.limits is not None:  # per-client limits: the peer's address
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
-        self.session = Session(runtime, self, self.encoding, client=client)
+        self.session = Session(runtime, self, self.encoding, client=client, attach=self._attach)
         self.session.start()
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
@@ -345,15 +349,16 @@ class PicowsTransport:
             path.split("?", 1)[0] == "/ws"
             and request.headers.get("Upgrade", "").lower() == "websocket"
         ):
+            attach = attach_id(path.partition("?")[2])  # OpenEnv's MCP session, if named
             offered = request.headers.get("Sec-WebSocket-Protocol", "")
             if MSGPACK_SUBPROTOCOL in (p.strip() for p in offered.split(",")):
                 return WSUpgradeResponseWithListener(
                     WSUpgradeResponse.create_101_response(
                         {"Sec-WebSocket-Protocol": MSGPACK_SUBPROTOCOL}
                     ),
-                    _SessionListener(self, Encoding.MSGPACK),
+                    _SessionListener(self, Encoding.MSGPACK, attach),
                 )
-            return _SessionListener(self, Encoding.JSON)
+            return _SessionListener(self, Encoding.JSON, attach)
         return _response(self.endpoints.get(path))
 
     def http_refusal(

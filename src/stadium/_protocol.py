@@ -5,9 +5,11 @@ Wire format (OpenEnv's, see docs/PROTOCOL.md)::
     client → {"type": "reset", "data": {"seed": 1, ...}, "id": 7}
              {"type": "step",  "data": {<action>}}
              {"type": "state"} | {"type": "close"}
+             {"type": "mcp", "data": {<JSON-RPC request>}}    (tools: see _mcp)
     server → {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
              {"type": "state", "data": {"episode_id": ..., "step_count": ..., ...}}
              {"type": "error", "data": {"message": ..., "code": ...}}
+             {"type": "mcp", "data": {<JSON-RPC response>}}
 
 ``id`` is Stadium's extension: when a request carries one, the reply echoes it.
 A step may carry ``"timeout_s": 30.0`` (OpenEnv's HTTP field): its own time limit.
@@ -59,12 +61,14 @@ class Encoding(enum.Enum):
 
 
 class Op(enum.IntEnum):
-    """The four requests a client can make."""
+    """The requests a client can make."""
 
     RESET = 1
     STEP = 2
     STATE = 3
     CLOSE = 4
+    MCP = 5
+    """A JSON-RPC request for the env's tools (``_mcp``), in ``data``."""
 
 
 class SessionState(enum.IntEnum):
@@ -78,7 +82,7 @@ class SessionState(enum.IntEnum):
     """``close`` was received or the session was ended; no more requests."""
 
 
-_OPS = {"reset": Op.RESET, "step": Op.STEP, "state": Op.STATE, "close": Op.CLOSE}
+_OPS = {"reset": Op.RESET, "step": Op.STEP, "state": Op.STATE, "close": Op.CLOSE, "mcp": Op.MCP}
 
 
 #: ``timeout_s`` of a step frame: seconds, over 0 (under a billion: a finite timer).
@@ -251,7 +255,7 @@ class SessionProtocol:
                 rid,
                 UnknownTypeError(
                     f"Unknown message type: {envelope.type!r}; expected one of "
-                    "reset, step, state, close",
+                    "reset, step, state, close, mcp",
                     type=envelope.type,
                 ),
             )
@@ -272,6 +276,9 @@ class SessionProtocol:
                 )
             if op is Op.CLOSE:
                 self.state = SessionState.CLOSED
+            elif op is Op.MCP:  # the JSON-RPC request, decoded; _mcp validates it
+                raw = envelope.data
+                return Call(op, rid, action=self._raw_decode(raw) if raw else None)
             return Call(op, rid)
         except StadiumError as exc:
             return self.error_reply(rid, exc)
@@ -373,6 +380,10 @@ class SessionProtocol:
         if not data.get("step_count"):
             data["step_count"] = self.step_count
         return self._frame("state", data, call.id)
+
+    def mcp_reply(self, call: Call, response: Any) -> bytes:
+        """The reply to an ``mcp`` request: ``{"type": "mcp", "data": <JSON-RPC response>}``."""
+        return self._frame("mcp", response, call.id)
 
     def error_reply(self, rid: RequestId | Call, error: StadiumError) -> bytes:
         """An error frame carrying ``error``'s code, message and context."""

@@ -1,6 +1,7 @@
 """``stadium init NAME``: create a ready-to-run environment package from the templates.
 
-The project it writes (``NAME/``) has a ``pyproject.toml`` depending on stadium,
+The project it writes (``NAME/``) has a ``pyproject.toml`` depending on
+``stadium-rl`` (Stadium's distribution name; it installs the ``stadium`` package),
 the environment in ``src/<module>/env.py`` (typed action and observation, a
 seeded ``reset``), ``tests/test_env.py`` calling :func:`stadium.check_env`, a
 README and a Dockerfile that runs ``stadium serve <module>.env:Env``. It passes
@@ -24,6 +25,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 
 from stadium._errors import ConfigError
+from stadium._version import __version__
 
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 _TEMPLATE = "env"
@@ -83,6 +85,7 @@ def create_project(name: str, parent: Path | str = ".") -> Path:
         "project": name.lower().replace("_", "-"),
         "module": module,
         "title": " ".join(part.capitalize() for part in re.split(r"[_-]+", name) if part),
+        "stadium_version": ".".join(__version__.split(".")[:2]),
     }
     templates = resources.files("stadium") / "templates" / _TEMPLATE
     rendered: list[tuple[Path, str]] = []

@@ -20,10 +20,12 @@ import enum
 import functools
 import inspect
 import logging
+import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from stadium import _mcp
 from stadium._admission import Admission, Verdict
 from stadium._errors import (
     CallTimeoutError,
@@ -36,8 +38,8 @@ from stadium._errors import (
 from stadium._invoke import Invoker
 from stadium._limits import Client, ClientLimits, TokenBucket
 from stadium._protocol import Call, Encoding, Op, SessionProtocol
-from stadium._spec import EnvSpec
-from stadium._throttle import ThrottledLog
+from stadium._spec import CallMode, EnvSpec
+from stadium._throttle import DistinctErrorLog, ThrottledLog
 
 log = logging.getLogger("stadium.session")
 
@@ -46,6 +48,7 @@ CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_INTERNAL_ERROR = 1011
 CLOSE_TRY_AGAIN_LATER = 1013
+CLOSE_POLICY = 1008
 
 #: Requests queued behind a running one before the session refuses more (count, bytes).
 MAX_PENDING = 1024
@@ -79,6 +82,15 @@ class Phase(enum.IntEnum):
     """Slot and environment released."""
 
 
+def attach_id(query: str) -> str | None:
+    """The ``session_id`` of a ``/ws`` URL's query string (OpenEnv's attach to an HTTP MCP
+    session), or ``None``."""
+    if "session_id=" not in query:
+        return None
+    values = urllib.parse.parse_qs(query).get("session_id")
+    return values[0] if values else None
+
+
 def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
@@ -96,7 +108,7 @@ class Runtime:
         limits: the per-client session quota and request rate (``None``: off).
         debug_errors: error replies carry exceptions' full text, and every env
             exception is logged with its traceback (else: paths cut from replies,
-            at most one env-exception report per 10 s, see :meth:`env_raised`).
+            one traceback per distinct env error, repeats counted, see :meth:`env_raised`).
     """
 
     def __init__(
@@ -112,7 +124,7 @@ class Runtime:
     ) -> None:
         self.limits = limits
         self.debug_errors = debug_errors
-        self._env_errors = ThrottledLog(log, logging.WARNING)
+        self._env_errors = DistinctErrorLog(log, logging.WARNING)
         self.spec = spec
         self.admission = admission
         self.invoke = Invoker(executor_threads, step_timeout)
@@ -121,6 +133,11 @@ class Runtime:
         self.watchdog: Any = None
         """The worker's :class:`~stadium._watchdog.Watchdog` when one runs (its counters)."""
         self.env_kwargs = env_kwargs or {}
+        self.attachable: dict[str, Any] = {}
+        """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP
+        sessions (``_http.McpSessions``), which hold their slot and close their env."""
+        self.attached: dict[str, Session] = {}
+        """The session attached to each of :attr:`attachable` (one at a time)."""
         self.sessions: set[Session] = set()
         self.draining = False
         self.sessions_total = 0
@@ -148,9 +165,11 @@ class Runtime:
     def env_raised(self, what: str, exc: BaseException) -> None:
         """Log an exception the environment raised (the env author's bug, not the client's).
 
-        A client can make an env raise at will, so the reports are throttled: at
-        most one WARNING per 10 s, with its traceback, naming how many were held
-        back. With ``debug_errors`` every one is logged at ERROR with its traceback.
+        A client can make an env raise at will, so the reports are bounded: each
+        distinct error (type and innermost frame) is logged at WARNING with its
+        traceback once, then at most once per 10 s with how often it recurred (see
+        :class:`~stadium._throttle.DistinctErrorLog`). With ``debug_errors`` every
+        one is logged at ERROR with its traceback.
         """
         if self.debug_errors:
             log.error("%s: %r", what, exc, exc_info=exc)
@@ -202,6 +221,7 @@ class Session:
     """One session: admission, environment, ordered request processing, replies."""
 
     __slots__ = (
+        "_attach",
         "_bucket",
         "_call",
         "_client",
@@ -227,10 +247,14 @@ class Session:
         encoding: Encoding = Encoding.JSON,
         loop: asyncio.AbstractEventLoop | None = None,
         client: str | None = None,
+        attach: str | None = None,
     ) -> None:
         self.runtime = runtime
         self.client = client
         """The peer's address (its IP), for the per-client limits."""
+        self._attach = attach
+        """The id of an HTTP MCP session whose env this session drives (OpenEnv's
+        ``/ws?session_id=``): no slot of its own, the env not created nor closed here."""
         self._client: Client | None = None
         self._bucket: TokenBucket | None = None
         self.channel = channel
@@ -253,6 +277,9 @@ class Session:
         rt = self.runtime
         if rt.draining:
             self._refuse(rt.capacity_error(), "server is shutting down")
+            return
+        if self._attach is not None:
+            self._start_attached(self._attach)
             return
         if rt.limits is not None:
             client = rt.limits.open_session(self.client, self.loop.time())
@@ -337,6 +364,31 @@ class Session:
         rt.sessions_total += 1
         self._task = rt.invoke.run(self.loop, rt.spec.create_mode, rt.new_env, (), self._created)
 
+    def _start_attached(self, sid: str) -> None:
+        """Open on the env of HTTP MCP session ``sid`` (OpenEnv's ``MCPToolClient`` attaches
+        its WebSocket so): refused, and closed (1008), if there is none or it is attached."""
+        rt = self.runtime
+        env = rt.attachable.get(sid)
+        if env is None or sid in rt.attached:
+            why = "has a WebSocket attached already" if env is not None else "is not open"
+            self.phase = Phase.CLOSED
+            self._send_error(
+                None,
+                SessionError(
+                    f"session_id {sid!r} {why}: open one with POST /mcp "
+                    "openenv/session/create, or connect to /ws without session_id",
+                    session_id=sid,
+                ),
+            )
+            self.channel.close(CLOSE_POLICY, "unknown session_id")
+            return
+        rt.attached[sid] = self
+        rt.sessions.add(self)
+        self.env = env
+        self.phase = Phase.OPEN
+        if self._pending:
+            self._drain_pending()
+
     def _created(self, _token: Any, env: Any, error: BaseException | None) -> None:
         self._task = None
         if error is not None:
@@ -416,6 +468,8 @@ class Session:
                 return
             self._reply(call, state)
             return
+        elif op is Op.MCP:  # after the common ops: nothing added to their path
+            pending = self._mcp(call)
         else:  # CLOSE
             self.phase = Phase.CLOSING
             self._pending = None
@@ -443,6 +497,46 @@ class Session:
             self._send_error(call, SessionError(f"{call.op.name.lower()} was cancelled"))
         elif isinstance(error, CallTimeoutError):
             self._timed_out(call.op.name.lower(), call, error)
+        else:
+            self._fail(call, error)
+        if not waited:
+            return
+        if self.phase is Phase.CLOSING:
+            self._finish_close(*self._close_after)
+        elif self._pending:
+            self._drain_pending()
+
+    def _mcp(self, call: Call) -> asyncio.Future[Any] | None:
+        """An ``mcp`` request: JSON-RPC on this session's env (``_mcp``), an eager task;
+        the reply is ``{"type": "mcp", ...}``, the JSON-RPC error object when it fails."""
+        req = _mcp.request(call.action)
+        if isinstance(req, dict):  # not a JSON-RPC request: the error response
+            self.channel.send(self.protocol.mcp_reply(call, req))
+            return None
+        rt = self.runtime
+        dispatch = functools.partial(
+            _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe
+        )
+        return rt.invoke.run(
+            self.loop, CallMode.TASK, dispatch, (self.env, req), self._on_mcp_done, call
+        )
+
+    def _on_mcp_done(self, call: Call, result: Any, error: BaseException | None) -> None:
+        """As :meth:`_on_done`, for an ``mcp`` request (its reply is an ``mcp`` frame)."""
+        waited = self._call is not None
+        self._call = None
+        self._task = None
+        if self.phase is Phase.CLOSED:
+            return
+        if error is None:
+            try:
+                self.channel.send(self.protocol.mcp_reply(call, result))
+            except Exception as exc:  # a tool result that cannot be encoded
+                self._fail(call, exc)
+        elif isinstance(error, asyncio.CancelledError):
+            self._send_error(call, SessionError("mcp was cancelled"))
+        elif isinstance(error, CallTimeoutError):
+            self._timed_out("mcp", call, error)
         else:
             self._fail(call, error)
         if not waited:
@@ -544,6 +638,11 @@ class Session:
         if task is not None and not task.done():
             task.cancel()
         self._task = None
+        if self._attach is not None:  # the env and slot belong to the HTTP MCP session
+            if rt.attached.get(self._attach) is self:
+                del rt.attached[self._attach]
+            self.env = None
+            return
         if phase is not Phase.ADMITTING and phase is not Phase.CLOSED:
             rt.admission.release()
         if self._client is not None:

@@ -48,6 +48,10 @@ class EnvSpec:
     (class attribute, default ``"info"``) is the reply key under which an
     observation's info travels (OpenEnv adapters set ``"metadata"``; the
     protocol honours it once ``_protocol.observation_reply`` reads it).
+
+    An action with a field its Struct type does not declare is a
+    ``VALIDATION_ERROR`` naming the field (``$.extra``), unless the class sets
+    ``allow_extra_fields = True`` (see :meth:`TypeCodec.of`'s ``strict``).
     """
 
     env_cls: type[Environment[Any, Any, Any]]
@@ -121,7 +125,9 @@ class EnvSpec:
             name=env_cls.name or env_cls.__name__,
             version=env_cls.version,
             description=env_cls.description or (env_cls.__doc__ or "").strip().split("\n")[0],
-            action=TypeCodec.of(env_cls.action_type),
+            action=TypeCodec.of(
+                env_cls.action_type, strict=not getattr(env_cls, "allow_extra_fields", False)
+            ),
             observation_type=env_cls.observation_type,
             state_type=state_type,
             observation=TypeCodec.of(env_cls.observation_type, required=False),

@@ -22,7 +22,7 @@ its ``GET /schema`` carries the spaces, which are rebuilt here, so observations
 come back with the same dtypes and shapes as the local env's. With
 ``msgpack=True`` arrays travel as binary (image frames); the default is JSON.
 
-Requires ``pip install 'stadium[gym]'``.
+Requires ``pip install 'stadium-rl[gym]'``.
 """
 
 from __future__ import annotations

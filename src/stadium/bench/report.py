@@ -417,7 +417,7 @@ def machine_info() -> dict[str, str]:
                 break
     except OSError:
         pass
-    for pkg in ("stadium", "picows", "uvloop", "msgspec", "openenv", "uvicorn", "websockets"):
+    for pkg in ("stadium-rl", "picows", "uvloop", "msgspec", "openenv", "uvicorn", "websockets"):
         with contextlib.suppress(metadata.PackageNotFoundError):
             info[pkg] = metadata.version(pkg)
     return info

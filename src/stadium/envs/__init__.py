@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from stadium.envs.benchmark import BenchmarkEnv
 from stadium.envs.echo import EchoEnv
+from stadium.envs.tools import NotesEnv
 from stadium.envs.wordguess import WordGuessEnv
 
 BUILTIN: dict[str, str] = {
     "echo": "stadium.envs.echo:EchoEnv",
     "benchmark": "stadium.envs.benchmark:BenchmarkEnv",
     "wordguess": "stadium.envs.wordguess:WordGuessEnv",
+    "tools": "stadium.envs.tools:NotesEnv",
 }
 
-__all__ = ["BUILTIN", "BenchmarkEnv", "EchoEnv", "WordGuessEnv"]
+__all__ = ["BUILTIN", "BenchmarkEnv", "EchoEnv", "NotesEnv", "WordGuessEnv"]

@@ -16,7 +16,7 @@ pkg.mod:MyGymEnv`` (a ``gymnasium.Env`` subclass) wraps the env with
 * numpy observations go out as nested lists on JSON sessions and as binary
   array extensions on MessagePack sessions (docs/PROTOCOL.md, "Arrays").
 
-Requires ``pip install 'stadium[gym]'``.
+Requires ``pip install 'stadium-rl[gym]'``.
 """
 
 from __future__ import annotations

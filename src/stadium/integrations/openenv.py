@@ -13,27 +13,120 @@ wraps it with :func:`openenv_environment`:
 * a sync ``reset``/``step`` runs on Stadium's bounded thread pool; an env that
   overrides ``reset_async``/``step_async`` has those awaited on the event loop.
 
+An ``MCPEnvironment`` subclass (OpenEnv's tool environments, FastMCP tools) is
+served with its tools: ``step`` takes OpenEnv's ``{"type": "list_tools"}`` and
+``{"type": "call_tool", ...}`` actions (whatever the env's own action model), and
+``POST /mcp`` and the ``"mcp"`` WebSocket message reach the session's own tools
+through ``mcp_list_tools`` / ``mcp_call_tool``, which run the env's
+``step_async`` with those actions (FastMCP underneath, mode-specific tools
+included) and map OpenEnv's ``ToolError`` kinds to JSON-RPC errors.
+
 Sessions get Stadium's runtime: no thread per session, the server-wide session
 limit and the admission queue. OpenEnv's own clients (``GenericEnvClient`` and
 the typed ``EnvClient`` subclasses) see no difference.
 
-Requires ``pip install 'stadium[openenv]'``.
+Requires ``pip install 'stadium-rl[openenv]'``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
+import random
 import sys
 import typing
 from typing import Any, ClassVar
 
+from stadium._codecs import TypeCodec, register_codec_factory
 from stadium._env import Environment, StepResult
-from stadium._errors import TargetError
+from stadium._errors import ExecutionError, TargetError, ToolCallError
+from stadium._tools import sample_arguments
 
 log = logging.getLogger("stadium.openenv")
 
 _INTERFACES = "openenv.core.env_server.interfaces"
+_MCP_ENVIRONMENT = "openenv.core.env_server.mcp_environment"
+
+
+def is_mcp_environment(cls: Any) -> bool:
+    """Whether ``cls`` is an OpenEnv ``MCPEnvironment`` subclass (never imports openenv)."""
+    module = sys.modules.get(_MCP_ENVIRONMENT)
+    return module is not None and isinstance(cls, type) and issubclass(cls, module.MCPEnvironment)
+
+
+class McpActions:
+    """The declared action type of an ``MCPEnvironment``: its own action model, or
+    OpenEnv's ``ListToolsAction`` / ``CallToolAction`` (told apart by ``"type"``)."""
+
+    def __init__(self, action_cls: type[Any]) -> None:
+        self.action_cls = action_cls
+        self.__name__ = action_cls.__name__
+
+    def codec(self) -> TypeCodec:
+        from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+
+        own = TypeCodec.of(self.action_cls)
+        kinds = {
+            "list_tools": TypeCodec.of(ListToolsAction),
+            "call_tool": TypeCodec.of(CallToolAction),
+        }
+
+        def validate(value: Any, what: str) -> Any:
+            if isinstance(value, ListToolsAction | CallToolAction):
+                return value
+            kind = kinds.get(str(value.get("type"))) if isinstance(value, dict) else None
+            return (kind or own).convert(value, what)
+
+        def describe() -> dict[str, Any]:
+            return {"anyOf": [own.schema(), *(codec.schema() for codec in kinds.values())]}
+
+        def check(value: Any, what: str) -> None:
+            validate(value, what)
+
+        return TypeCodec.custom(self, validate, describe, check)
+
+
+class McpObservations:
+    """The declared observation type of an ``MCPEnvironment``: its own observation model,
+    or OpenEnv's ``ListToolsObservation`` / ``CallToolObservation`` (what its ``step``
+    returns for tool actions)."""
+
+    def __init__(self, observation_cls: type[Any]) -> None:
+        self.observation_cls = observation_cls
+        self.__name__ = observation_cls.__name__
+
+    def codec(self) -> TypeCodec:
+        from openenv.core.env_server.mcp_types import CallToolObservation, ListToolsObservation
+
+        codecs = [TypeCodec.of(tp) for tp in (self.observation_cls, ListToolsObservation,
+                                               CallToolObservation)]  # fmt: skip
+
+        def validate(value: Any, what: str) -> Any:
+            first: Exception | None = None
+            for codec in codecs:
+                try:
+                    return codec.convert(value, what)
+                except Exception as exc:
+                    first = first or exc
+            assert first is not None
+            raise first
+
+        def describe() -> dict[str, Any]:
+            return {"anyOf": [codec.schema() for codec in codecs]}
+
+        def check(value: Any, what: str) -> None:
+            validate(value, what)
+
+        return TypeCodec.custom(self, validate, describe, check)
+
+
+def _mcp_actions_codec(tp: Any) -> TypeCodec | None:
+    return tp.codec() if isinstance(tp, McpActions | McpObservations) else None
+
+
+register_codec_factory(_mcp_actions_codec)
 
 
 def is_openenv_environment(obj: Any) -> bool:
@@ -93,6 +186,89 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
             close()
 
 
+class McpToolsAdapter(OpenEnvAdapter):
+    """Base of the adapters of ``MCPEnvironment`` subclasses: the env's tools for ``_mcp``.
+
+    The env's FastMCP client session (``env.mcp_session()``) is opened at the first
+    tool request and held until the session closes, as OpenEnv's server holds it (a
+    session per call costs milliseconds; FastMCP's client is reentrant, so the env's
+    own ``async with self.mcp_session()`` then costs nothing).
+    """
+
+    _mcp_stack: contextlib.AsyncExitStack | None = None
+
+    async def _mcp_open(self) -> None:
+        if self._mcp_stack is not None:
+            return
+        session = getattr(self.env, "mcp_session", None)
+        if not callable(session):
+            return
+        stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(session())
+        self._mcp_stack = stack
+
+    async def close(self) -> None:  # type: ignore[override]
+        stack, self._mcp_stack = self._mcp_stack, None
+        try:
+            if stack is not None:
+                await stack.aclose()
+        finally:
+            close = getattr(self.env, "close", None)
+            if callable(close):
+                await asyncio.to_thread(close)  # may block, as the sync adapters' close
+
+    def sample_action(self, rng: random.Random) -> Any:
+        """``list_tools``, or a call of one of the env's FastMCP tools with random arguments
+        of simple types (so ``stadium check`` exercises the tools)."""
+        from openenv.core.env_server.mcp_environment import get_server_tools
+        from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+
+        calls = []
+        try:
+            tools = get_server_tools(self.env.mcp_server)
+        except Exception:  # no tools to read: listing them is still a valid action
+            tools = {}
+        for name, server_tool in sorted(tools.items()):
+            arguments = sample_arguments(getattr(server_tool, "parameters", None) or {}, rng)
+            if arguments is not None:
+                calls.append(CallToolAction(tool_name=name, arguments=arguments))
+        if not calls or rng.random() < 1 / (len(calls) + 1):
+            return ListToolsAction()
+        return calls[rng.randrange(len(calls))]
+
+    async def mcp_list_tools(self) -> list[dict[str, Any]]:
+        from openenv.core.env_server.mcp_types import ListToolsAction
+
+        await self._mcp_open()
+        obs = await self.env.step_async(ListToolsAction())
+        error = (getattr(obs, "metadata", None) or {}).get("error")
+        if error:
+            raise ExecutionError(f"listing the tools failed: {error}", operation="tools/list")
+        return [
+            {"name": t.name, "description": t.description, "inputSchema": t.input_schema}
+            for t in getattr(obs, "tools", [])
+        ]
+
+    async def mcp_call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        from openenv.core.env_server.mcp_types import CallToolAction, ToolErrorType
+
+        await self._mcp_open()
+        obs = await self.env.step_async(CallToolAction(tool_name=name, arguments=arguments))
+        error = getattr(obs, "error", None)
+        if error is not None:
+            kind = error.error_type
+            if kind in (ToolErrorType.TOOL_NOT_FOUND, ToolErrorType.INVALID_ARGS) or (
+                "validation error for call[" in error.message  # FastMCP's bad arguments
+            ):
+                raise ToolCallError(error.message, tool=name, error_type=str(kind.value))
+            raise ExecutionError(
+                f"tool {name!r} failed: {error.message}",
+                operation="tools/call",
+                error_type=str(kind.value),
+            )
+        return obs.model_dump(mode="json").get("result")
+
+
 def serialize_observation(observation: Any) -> StepResult[dict[str, Any]]:
     """An OpenEnv observation as a :class:`~stadium.StepResult`, the way OpenEnv sends it."""
     reward = getattr(observation, "reward", None)
@@ -137,6 +313,13 @@ def _sync_step(
     if timeout_s is not None and self._step_takes_timeout_s:
         return serialize_observation(self.env.step(self._action(action), timeout_s=timeout_s))
     return serialize_observation(self.env.step(self._action(action)))
+
+
+async def _mcp_async_step(
+    self: McpToolsAdapter, action: Any, timeout_s: float | None = None
+) -> StepResult[dict[str, Any]]:
+    await self._mcp_open()
+    return await _async_step(self, action, timeout_s)
 
 
 async def _async_step(
@@ -224,9 +407,9 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
         )
     from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
 
-    from stadium._codecs import TypeCodec
-
     action, observation, state = _model_types(cls)
+    mcp = is_mcp_environment(cls)
+    declared_action: Any = McpActions(action) if mcp else action
     async_reset = cls.reset_async is not OpenEnvEnvironment.reset_async
     async_step = cls.step_async is not OpenEnvEnvironment.step_async
     if not getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False):
@@ -248,18 +431,26 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
         "__doc__": cls.__doc__,
         "name": cls.__name__,
         "description": doc or f"{cls.__name__} (OpenEnv environment)",
-        "action_type": action,
-        "observation_type": observation,
+        "action_type": declared_action,
+        "observation_type": McpObservations(observation) if mcp else observation,
         "state_type": state,
         "openenv_class": cls,
         "blocking": True,
         "reset": _async_reset if async_reset else _sync_reset,
-        "step": _async_step if async_step else _sync_step,
+        "step": (_mcp_async_step if mcp else _async_step) if async_step else _sync_step,
         "_reset_params": _reset_params(cls, "reset_async" if async_reset else "reset"),
-        "_validate_action": staticmethod(TypeCodec.of(action).convert),
+        "_validate_action": staticmethod(TypeCodec.of(declared_action).convert),
         "_step_takes_timeout_s": _takes(cls, "step_async" if async_step else "step", "timeout_s"),
     }
-    return type(cls.__name__, (OpenEnvAdapter,), namespace)
+    return type(cls.__name__, (McpToolsAdapter if mcp else OpenEnvAdapter,), namespace)
 
 
-__all__ = ["OpenEnvAdapter", "is_openenv_environment", "openenv_environment"]
+__all__ = [
+    "McpActions",
+    "McpObservations",
+    "McpToolsAdapter",
+    "OpenEnvAdapter",
+    "is_mcp_environment",
+    "is_openenv_environment",
+    "openenv_environment",
+]

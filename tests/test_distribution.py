@@ -1,0 +1,136 @@
+"""Stadium's distribution is "stadium-rl": a `stadium init` package installs from a locally
+built wheel into a fresh virtualenv and serves.
+
+Builds the wheel with uv (hatchling comes from PyPI) and installs Stadium's dependencies
+from PyPI (uv's cache makes reruns fast); skipped when uv or the index is unreachable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stadium._scaffold import create_project
+from tests.conftest import UNIT
+
+ROOT = Path(__file__).resolve().parents[1]
+DIST = "stadium-rl"
+UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+
+
+def test_the_distribution_name_is_ours_everywhere() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == DIST
+    assert project["scripts"] == {"stadium": "stadium._cli:main"}
+    assert all(not dep.startswith("stadium[") for dep in project["optional-dependencies"]["dev"])
+    assert f"{DIST}[bench,openenv,gym]" in project["optional-dependencies"]["dev"]
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install 'stadium[" not in readme
+    assert f"pip install '{DIST}[openenv]'" in readme
+
+
+def test_a_generated_project_depends_on_our_distribution(tmp_path: Path) -> None:
+    project = create_project("quest", tmp_path)
+    deps = tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [d.split(">=")[0] for d in deps] == [DIST]
+    assert DIST in (project / "README.md").read_text()
+
+
+def _run(cmd: list[str], cwd: Path | None = None, limit: float = 240) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    out = subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=limit * UNIT
+    )
+    if out.returncode != 0:
+        text = out.stdout + out.stderr
+        if any(s in text for s in ("Failed to fetch", "dns error", "Could not connect")):
+            pytest.skip(f"the package index is unreachable: {text[-300:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
+    return out.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def _serving(cmd: list[str], cwd: Path, log: Path) -> Iterator[None]:
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10 * UNIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _get(url: str, limit_s: float) -> dict[str, object]:
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2 * UNIT) as resp:
+                body: dict[str, object] = json.loads(resp.read())
+                return body
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+@pytest.mark.skipif(UV is None, reason="needs uv")
+def test_a_generated_env_installs_from_a_local_wheel_into_a_fresh_venv_and_serves(
+    tmp_path: Path,
+) -> None:
+    assert UV is not None
+    wheels = tmp_path / "wheels"
+    _run([UV, "build", "--wheel", "--out-dir", str(wheels), str(ROOT)])
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name.startswith("stadium_rl-")
+    venv = tmp_path / "venv"
+    _run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)])
+    python = venv / "bin" / "python"
+    project = create_project("number-quest", tmp_path)
+    # The project depends on "stadium-rl": found as the local wheel, not PyPI's "stadium".
+    _run([UV, "pip", "install", "--python", str(python), "--find-links", str(wheels), str(project)])
+    freeze = _run([UV, "pip", "freeze", "--python", str(python)])
+    assert any(line.startswith("stadium-rl") for line in freeze.splitlines()), freeze
+    assert not any(line.split("==")[0] == "stadium" for line in freeze.splitlines()), freeze
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [str(venv / "bin" / "stadium"), "serve", "number_quest.env:Env", "--port", str(port)]
+    with _serving(cmd, tmp_path, log):
+        try:
+            health = _get(f"http://127.0.0.1:{port}/health", 30 * UNIT)
+        except OSError:
+            pytest.fail(f"the server did not answer /health:\n{log.read_text()[-3000:]}")
+        assert health.get("status") == "healthy", health
+        # One session, driven by the fresh venv's own client.
+        script = (
+            "import stadium, sys\n"
+            "with stadium.Client(sys.argv[1]) as env:\n"
+            "    first = env.reset(seed=1).observation\n"
+            "    result = env.step({'number': first['low']})\n"
+            "    print(result.observation['guesses_left'])\n"
+        )
+        out = _run([str(python), "-c", script, f"http://127.0.0.1:{port}"], limit=60)
+        assert out.strip() == "6"
