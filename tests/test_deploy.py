@@ -15,8 +15,9 @@ import pytest
 
 from stadium import Client, ConfigError
 from stadium._cli import main
+from stadium._urls import base_url
 from stadium.bench.arms import free_port, spawn_server, wait_healthy
-from stadium.deploy.deployment import Deployment, base_url, endpoints
+from stadium.deploy.deployment import Deployment, endpoints
 from stadium.deploy.haproxy import RouterOptions, check_config, render
 from tests.conftest import UNIT
 

@@ -50,7 +50,8 @@ from typing import Any
 
 import h11
 
-from stadium.deploy.deployment import base_url, endpoints
+from stadium._urls import base_url
+from stadium.deploy.deployment import endpoints
 
 #: What clients accept where they take a URL: one URL, a deployment file, or several.
 EndpointSpec = str | os.PathLike[str] | Sequence[str]

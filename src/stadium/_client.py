@@ -41,7 +41,6 @@ import os
 import random
 import ssl as ssl_module
 import threading
-import urllib.parse
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from functools import partial
 from typing import Any, Generic, TypeVar, cast
@@ -76,6 +75,7 @@ from stadium._errors import (
     error_from_wire,
 )
 from stadium._protocol import MSGPACK_SUBPROTOCOL
+from stadium._urls import ws_url
 
 T = TypeVar("T")
 ObsT = TypeVar("ObsT")
@@ -83,21 +83,6 @@ ObsT = TypeVar("ObsT")
 #: The environment variable a client reads its bearer token from when given none
 #: (the same one ``stadium serve`` reads).
 TOKEN_ENV = "STADIUM_AUTH_TOKEN"
-
-
-def ws_url(url: str) -> str:
-    """Normalise a server address to its session endpoint: ``http://h:p`` → ``ws://h:p/ws``.
-
-    A query is kept (``http://router:8080?stadium_node=node2`` →
-    ``ws://router:8080/ws?stadium_node=node2``).
-    """
-    url = url.strip()
-    if "://" not in url:
-        url = "ws://" + url
-    parts = urllib.parse.urlsplit(url)
-    scheme = {"http": "ws", "https": "wss"}.get(parts.scheme, parts.scheme)
-    path = parts.path.rstrip("/") or "/ws"
-    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 class _Listener(WSListener):

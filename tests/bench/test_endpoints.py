@@ -19,10 +19,11 @@ import pytest
 from click.testing import CliRunner
 
 from stadium._errors import ConfigError
+from stadium._urls import ws_url
 from stadium.bench import report
 from stadium.bench._cli import bench
 from stadium.bench.arms import Arm, CpuCap, endpoint_weights, spawn_server
-from stadium.bench.loadspec import LoadSpec, spread, ws_url, ws_urls
+from stadium.bench.loadspec import LoadSpec, spread, ws_urls
 from stadium.bench.results import PointKey, PointSettings, SessionRecord, summarize
 from stadium.bench.runner import BenchConfig, run
 from stadium.deploy.deployment import Deployment

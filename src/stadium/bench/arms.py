@@ -50,7 +50,8 @@ from pathlib import Path
 from typing import IO
 
 from stadium._errors import ConfigError
-from stadium.bench.loadspec import ws_url, ws_urls
+from stadium._urls import ws_url
+from stadium.bench.loadspec import ws_urls
 
 BENCH_DIR = Path(__file__).resolve().parent
 FLOOR_SCRIPT = BENCH_DIR / "floor.py"

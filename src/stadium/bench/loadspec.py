@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from stadium._errors import ConfigError
+from stadium._urls import ws_url
 from stadium.deploy.deployment import Deployment
 
 MAX_SESSIONS_PER_PROC = 15_000
@@ -203,43 +204,6 @@ def spread(weights: tuple[int, ...], sessions: int) -> tuple[int, ...]:
         current[best] -= sessions
         out.append(best)
     return tuple(out)
-
-
-def ws_url(text: str) -> str:
-    """``text`` as the WebSocket URL of a server's sessions; ``ConfigError`` if it is not one.
-
-    Accepted: ``http://H:P``, ``https://H:P``, ``ws://H:P``, ``ws://H:P/ws``,
-    ``wss://H:P/ws`` and ``H:P``; ``http`` becomes ``ws``, ``https`` ``wss``, and
-    a path that does not end in ``/ws`` is taken as the server's base path
-    (``/ws`` appended). A query (``?stadium_node=node2``) is kept.
-
-    >>> ws_url("http://127.0.0.1:8000")
-    'ws://127.0.0.1:8000/ws'
-    >>> ws_url("10.0.0.1:8000")
-    'ws://10.0.0.1:8000/ws'
-    >>> ws_url("https://example.org/env/")
-    'wss://example.org/env/ws'
-    """
-    raw = text.strip()
-    if "://" not in raw:
-        raw = "ws://" + raw
-    parts = urllib.parse.urlsplit(raw)
-    scheme = {"http": "ws", "ws": "ws", "https": "wss", "wss": "wss"}.get(parts.scheme.lower())
-    hint = "expected http://HOST:PORT, ws://HOST:PORT/ws, wss://... or HOST:PORT"
-    if scheme is None:
-        raise ConfigError(f"not a server URL: {text!r} ({hint})")
-    if not parts.hostname:
-        raise ConfigError(f"no host in {text!r} ({hint})")
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError:
-        raise ConfigError(f"bad port in {text!r} ({hint})") from None
-    if parts.fragment or parts.username or parts.password:
-        raise ConfigError(f"unexpected credentials or fragment in {text!r} ({hint})")
-    path = parts.path.rstrip("/")
-    if not path.endswith("/ws"):
-        path += "/ws"
-    return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 def ws_urls(specs: Sequence[str]) -> tuple[str, ...]:

@@ -20,46 +20,12 @@ import json
 import os
 import sys
 import tempfile
-import urllib.parse
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from stadium._errors import ConfigError
-
-
-def base_url(text: str) -> str:
-    """``text`` (``http://H:P``, ``ws://H:P/ws``, ``H:P``, ...) as a base URL ``http[s]://H:P``.
-
-    >>> base_url("ws://10.0.0.1:8000/ws")
-    'http://10.0.0.1:8000'
-    >>> base_url("10.0.0.1:8000")
-    'http://10.0.0.1:8000'
-    >>> base_url("wss://example.org")
-    'https://example.org:443'
-    """
-    raw = text.strip()
-    if "://" not in raw:
-        raw = "http://" + raw
-    parts = urllib.parse.urlsplit(raw)
-    scheme = {"http": "http", "ws": "http", "https": "https", "wss": "https"}.get(parts.scheme)
-    if scheme is None:
-        raise ConfigError(
-            f"not a server URL: {text!r} (expected http://HOST:PORT, ws://HOST:PORT/ws or "
-            "HOST:PORT)"
-        )
-    if not parts.hostname:
-        raise ConfigError(f"no host in {text!r}")
-    if parts.path not in ("", "/", "/ws"):
-        raise ConfigError(f"unexpected path in {text!r}: give the server's base URL")
-    try:
-        port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError:
-        raise ConfigError(f"bad port in {text!r}") from None
-    host = parts.hostname
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
+from stadium._urls import base_url
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
