@@ -413,3 +413,22 @@ def test_bind_warning_from_the_real_command(tmp_path: Any) -> None:
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30 * UNIT)
     assert "without authentication" in err.decode(), err
+
+
+def test_the_local_address_is_read_only_when_the_host_is_a_name() -> None:
+    # Reading a socket's address costs a system call and objects on every connection:
+    # a Host that is an IP literal or localhost never needs it.
+    policy = AccessPolicy()
+    calls: list[int] = []
+
+    def local() -> str:
+        calls.append(1)
+        return "127.0.0.1"
+
+    assert policy.check_host("127.0.0.1:8000", local) is None
+    assert policy.check_host("localhost:8000", local) is None
+    assert calls == []
+    refusal = policy.check_host("evil.example:8000", local)
+    assert refusal is not None
+    assert refusal.code == "FORBIDDEN_HOST"
+    assert calls == [1]

@@ -40,12 +40,16 @@ nothing but liveness.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import msgspec
+
+LocalAddr = str | Callable[[], str | None] | None
+"""The address a connection arrived on, or a function reading it (:meth:`AccessPolicy.check`)."""
 
 #: Paths every client may call without a token (liveness probes).
 OPEN_PATHS = frozenset({"/health"})
@@ -123,7 +127,7 @@ class AccessPolicy:
         authorization: str | None,
         origin: str | None,
         host: str | None,
-        local_addr: str | None,
+        local_addr: LocalAddr,
     ) -> Refusal | None:
         """The refusal of a request, or ``None`` when it may go on.
 
@@ -131,7 +135,9 @@ class AccessPolicy:
             path: the request target (query string allowed).
             authorization, origin, host: the request's headers (``None``: absent).
             local_addr: the address the connection arrived on (``None``: unknown,
-                e.g. a Unix socket), which decides the Host check.
+                e.g. a Unix socket), which decides the Host check; or a function
+                returning it, called only when the Host is a DNS name (reading a
+                socket's address costs a system call and objects per connection).
         """
         if (path.split("?", 1)[0].rstrip("/") or "/") in OPEN_PATHS:
             return None
@@ -172,14 +178,15 @@ class AccessPolicy:
             f"--allow-origin {origin} (or --allow-origin '*' for any)",
         )
 
-    def check_host(self, host: str | None, local_addr: str | None) -> Refusal | None:
+    def check_host(self, host: str | None, local_addr: LocalAddr) -> Refusal | None:
         """403 for a DNS name in ``Host`` on a loopback connection (DNS rebinding)."""
-        if host is None or self._any_origin or local_addr is None:
-            return None
-        if not is_loopback_host(local_addr):
+        if host is None or self._any_origin:
             return None
         name = _split_host(host.strip().lower())[0]
         if name in LOOPBACK_NAMES or name in self._hosts or _is_ip(name):
+            return None
+        local = local_addr() if callable(local_addr) else local_addr
+        if local is None or not is_loopback_host(local):
             return None
         return Refusal(
             403,
@@ -209,6 +216,7 @@ def header_values(
     return auth, origin, host
 
 
+@functools.lru_cache(maxsize=4096)  # asked on every connection, of a few distinct strings
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` (an address, maybe ``[v6]`` or with a port; or ``localhost``) is
     a loopback address."""
@@ -257,6 +265,7 @@ def _split_host(netloc: str, default_port: str = "") -> tuple[str, str]:
     return netloc, default_port
 
 
+@functools.lru_cache(maxsize=4096)
 def _is_ip(name: str) -> bool:
     try:
         ipaddress.ip_address(name.strip("[]"))

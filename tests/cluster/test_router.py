@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,20 +20,12 @@ import pytest
 from stadium import AsyncClient, SessionClosedError
 from stadium.deploy.deployment import Deployment
 from stadium.deploy.haproxy import RouterOptions, render
-from tests.cluster.harness import Cluster, free_port, haproxy_servers, stop_process
+from tests.cluster.harness import Cluster, free_port, haproxy_servers, stop_process, wait_for
 from tests.conftest import UNIT
 
 pytestmark = pytest.mark.cluster
 
 PORT = 8800
-
-
-def _wait(pred: Callable[[], bool], limit_s: float, what: str) -> None:
-    deadline = time.monotonic() + limit_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not true after {limit_s:.1f} s: {what}")
-        time.sleep(0.05)
 
 
 def _health(url: str) -> bool:
@@ -57,12 +49,12 @@ def _nodes_and_router(cluster: Cluster, drain_s: float) -> Iterator[tuple[list[A
     options = RouterOptions(bind="127.0.0.1", port=port, stats_socket=str(stats))
     try:
         for node in cluster.nodes:
-            _wait(functools.partial(_health, node.url(PORT)), 20 * UNIT, f"{node} healthy")
+            wait_for(functools.partial(_health, node.url(PORT)), 20 * UNIT, f"{node} healthy")
         cfg = render(Deployment.of([n.url(PORT) for n in cluster.nodes]), options)
         proxy = cluster.haproxy(cfg)
         try:
             up = {f"node{i}": "UP" for i in (1, 2, 3)}
-            _wait(lambda: haproxy_servers(stats, "stadium") == up, 15 * UNIT, "3 nodes UP")
+            wait_for(lambda: haproxy_servers(stats, "stadium") == up, 15 * UNIT, "3 nodes UP")
             yield procs, f"http://127.0.0.1:{port}", stats
         finally:
             stop_process(proxy)

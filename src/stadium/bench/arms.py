@@ -412,14 +412,7 @@ class CpuCap:
             for pid in self.procs_file.read_text().split():
                 with contextlib.suppress(OSError):
                     (self.cgroup.parent / "cgroup.procs").write_text(pid)
-        for _ in range(50):
-            try:
-                self.cgroup.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(self.cgroup)
         self.cgroup = None
 
 
@@ -483,15 +476,20 @@ class MemoryCap:
         """Remove the cgroup (after its processes are gone); bounded retries."""
         if self.cgroup is None:
             return
-        for _ in range(50):
-            try:
-                self.cgroup.rmdir()
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                time.sleep(0.1)
+        _remove_cgroup(self.cgroup)
         self.cgroup = None
+
+
+def _remove_cgroup(cgroup: Path) -> None:
+    """``rmdir`` a cgroup, retried for up to 5 s while its last processes exit."""
+    for _ in range(50):
+        try:
+            cgroup.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 def _health(url: str, timeout: float) -> dict[str, object] | None:
