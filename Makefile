@@ -6,13 +6,13 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps
+.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip uv
-	VIRTUAL_ENV=$(VENV) $(VENV)/bin/uv pip install --quiet -e '.[dev]'
+	PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 VIRTUAL_ENV=$(VENV) $(VENV)/bin/uv pip install --quiet -e '.[dev]'
 	@touch $@
 
 install: $(VENV)/.installed
@@ -38,7 +38,12 @@ typecheck: install
 cluster-deps:
 	@bash scripts/install-cluster-deps.sh
 
-test: install lint typecheck cluster-deps
+# Headless Chromium for the page tests (tests/test_pages.py): Debian's chromium, driven by
+# Playwright (dev extra); installed when root and missing, a no-op otherwise (they then skip).
+browser-deps:
+	@bash scripts/install-browser-deps.sh
+
+test: install lint typecheck cluster-deps browser-deps
 	$(PY) -m pytest -q -ra
 
 clean:

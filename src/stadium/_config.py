@@ -88,6 +88,8 @@ class ServerConfig:
     restart_max_delay: float = 30.0
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_level: str = "info"
+    log_format: str = "text"
+    """``text`` or ``json`` (one JSON object per line; ``_server._setup_logging``)."""
     # Envs that misbehave.
     step_timeout: float = 0.0
     stall_limit: float = 60.0
@@ -129,6 +131,7 @@ class ServerConfig:
             self.log_level in ("debug", "info", "warning", "error"),
             "--log-level must be debug, info, warning or error",
         )
+        _check(self.log_format in ("text", "json"), "--log-format must be text or json")
         _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
         _check(
             self.stall_limit == 0 or self.stall_limit >= 1,
@@ -260,6 +263,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--log-level",
             type=click.Choice(["debug", "info", "warning", "error"]),
             help="Logging level [info].",
+        ),
+        click.option(
+            "--log-format",
+            type=click.Choice(["text", "json"]),
+            help="Log lines as text, or as one JSON object per line (time, level, logger, "
+            "message, pid, session) [text].",
         ),
         click.option(
             "--step-timeout",

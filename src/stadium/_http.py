@@ -1,10 +1,13 @@
 """Plain-HTTP endpoints, shared by every transport.
 
-``GET /health``, ``/metadata``, ``/schema``, ``/openapi.json``, ``/state`` and
+``GET /health``, ``/metadata``, ``/metrics`` (Prometheus, ``_metrics``), ``/schema``,
+``/openapi.json``, ``/state`` and
 OpenEnv's stateless ``POST /reset`` and ``POST /step`` (each on a fresh environment
 instance, as OpenEnv does), and ``POST /mcp`` (MCP JSON-RPC, ``_mcp``). In OpenEnv's
 ``production`` mode (``OPENENV_MODE=production``) ``/reset``, ``/step`` and
-``/state`` are absent. Handlers take the method, path and body and return an
+``/state`` are absent. ``GET /dashboard`` and ``GET /web`` serve the browser pages of
+``stadium/web/`` (self-contained HTML; ``/web`` off when ``ENABLE_WEB_INTERFACE`` is
+false). Handlers take the method, path and body and return an
 :class:`HttpResponse`; transports only move bytes.
 """
 
@@ -32,6 +35,7 @@ from stadium._errors import (
     StadiumError,
     ValidationError,
 )
+from stadium._metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._protocol import PROTOCOL_VERSION, reset_call
 from stadium._session import CLOSE_GOING_AWAY, Runtime
@@ -87,7 +91,7 @@ class HttpEndpoints:
     ``CAPACITY_REACHED`` (with ``Retry-After``) when no slot frees in time.
     """
 
-    GET_PATHS = ("/health", "/metadata", "/schema", "/openapi.json", "/state")
+    GET_PATHS = ("/health", "/metadata", "/metrics", "/schema", "/openapi.json", "/state")
     POST_PATHS = ("/reset", "/step", "/mcp")
     SIMULATION_PATHS = ("/reset", "/step", "/state")
     """Absent in OpenEnv's production mode."""
@@ -110,6 +114,10 @@ class HttpEndpoints:
         self.production = mode != SIMULATION
         self._openapi = msgspec.json.encode(openapi(spec, mode=mode, server_version=__version__))
         self.mcp_sessions = McpSessions(runtime)
+        self._metrics = registry_for(StadiumCollector(runtime.board, runtime.publish_metrics))
+        """``GET /metrics``: the server's metrics, summed over its workers (``_metrics``)."""
+        self.web = web_enabled()
+        """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
 
     async def handle(
         self, method: str, path: str, body: bytes, client: str | None = None
@@ -191,12 +199,16 @@ class HttpEndpoints:
             return HttpResponse(200, self._schema)
         if path == "/metadata":
             return _json(200, self.metadata())
+        if path == "/metrics":
+            return HttpResponse(200, exposition(self._metrics), CONTENT_TYPE_LATEST)
         if path in self.ENV_GET_PATHS:  # a transport bug: these wait on an environment
             return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         if path in self.POST_PATHS:
             return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
         if path == "/ws":  # reached without an HTTP/1.1 WebSocket upgrade
             return UPGRADE_REQUIRED
+        if path in PAGES and (self.web or path != "/web"):
+            return page(PAGES[path])
         return self.not_found(path)
 
     def not_found(self, path: str) -> HttpResponse:
@@ -441,6 +453,38 @@ class HttpEndpoints:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
             admission.release()
+
+
+PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
+"""The browser pages: path -> file of ``stadium/web/`` (package data)."""
+WEB_ENV = "ENABLE_WEB_INTERFACE"
+_PAGE_HEADERS = (
+    # Self-contained pages: nothing but this server may be fetched, framed or connected to.
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
+    ("Cache-Control", "no-cache"),
+)
+
+
+def web_enabled() -> bool:
+    """``GET /web`` is served unless ``ENABLE_WEB_INTERFACE`` is false (``0``, ``false``,
+    ``no``, ``off``): OpenEnv mounts its web UI only when the variable is true; Stadium's
+    page holds no state of its own and passes the same access checks as ``/ws``, so it is on
+    by default."""
+    value = os.environ.get(WEB_ENV, "").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+@functools.cache
+def page(name: str) -> HttpResponse:
+    """A page of ``stadium/web/`` as ``text/html`` (read once per process)."""
+    from importlib import resources
+
+    body = resources.files("stadium").joinpath("web", name).read_bytes()
+    return HttpResponse(200, body, "text/html; charset=utf-8", _PAGE_HEADERS)
 
 
 def _rpc_error(rid: Any, code: int, message: str, data: Any = None) -> HttpResponse:

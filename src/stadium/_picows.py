@@ -33,7 +33,7 @@ from picows import (
 from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
-from stadium._access import AccessPolicy, Refusal, header_values
+from stadium._access import AccessPolicy, LocalAddr, Refusal, header_values
 from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
 from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
@@ -61,8 +61,10 @@ class _PicowsLog(logging.LoggerAdapter):  # type: ignore[type-arg]
         self._bugs = ThrottledLog(logger, logging.ERROR)
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        if level <= logging.DEBUG:
-            super().log(level, msg, *args, **kwargs)
+        if level < logging.WARNING:  # every connection logs at INFO: keep it cheap
+            if self.logger.isEnabledFor(logging.DEBUG):
+                kwargs.pop("exc_info", None)
+                self.logger.log(logging.DEBUG, msg, *args, **kwargs)
             return
         text = str(msg)
         if any(marker in text for marker in self._BUG_MARKERS):
@@ -240,6 +242,8 @@ class _SessionListener(WSListener):
 
     def _protocol_violation(self, reason: str) -> None:
         assert self.transport is not None
+        if self.session is not None:
+            self.session.outcome = "errored"
         self._frags = None
         self.transport.send_close(WSCloseCode.PROTOCOL_ERROR, reason.encode())
         self.transport.disconnect()
@@ -327,13 +331,15 @@ class PicowsTransport:
         self.keepalive_timeout = keepalive_timeout
         self.timeouts: collections.Counter[str] = collections.Counter()
         self.http_connections: set[_HttpProtocol] = set()
+        # stadium_worker_open_connections: WebSocket sessions and HTTP connections.
+        runtime.open_connections = lambda: len(runtime.sessions) + len(self.http_connections)
 
     def timed_out(self, what: str) -> None:
         """Count (and log at debug) a connection closed by a socket timeout."""
         self.timeouts[what] += 1
         log.debug("closing a connection: %s timeout", what)
 
-    def _route(self, request: WSUpgradeRequest, local_addr: str | None = None) -> Any:
+    def _route(self, request: WSUpgradeRequest, local_addr: LocalAddr = None) -> Any:
         path = request.path.decode("latin-1")
         headers = request.headers
         refusal = self.access.check(
@@ -371,7 +377,7 @@ class PicowsTransport:
             authorization=auth,
             origin=origin,
             host=host,
-            local_addr=_local_addr(transport),
+            local_addr=functools.partial(_local_addr, transport),
         )
         return None if refusal is None else _refused(refusal)
 
@@ -391,14 +397,15 @@ class PicowsTransport:
     ) -> asyncio.BufferedProtocol:
         """picows' protocol for a connection that has ``handshake_timeout`` seconds left
         to complete its request headers; ``transport`` tells the address it arrived on."""
-        local = None if transport is None else _local_addr(transport)
         return picows_server_protocol(
             host_port=None,
             ws_path=None,
             is_client_side=False,
             ws_listener_factory=self._route
-            if local is None
-            else functools.partial(self._route, local_addr=local),
+            if transport is None
+            else functools.partial(
+                self._route, local_addr=functools.partial(_local_addr, transport)
+            ),
             logger=_PICOWS_LOG,
             disconnect_on_exception=True,
             websocket_handshake_timeout=handshake_timeout,

@@ -20,9 +20,11 @@ after their in-flight request, and exits 0. SIGHUP recycles the workers (see
 from __future__ import annotations
 
 import asyncio
+import datetime
 import enum
 import errno
 import gc
+import json
 import logging
 import math
 import os
@@ -42,9 +44,10 @@ from stadium._env import Environment
 from stadium._errors import ConfigError
 from stadium._invoke import running_pool_threads
 from stadium._loader import load_target
+from stadium._metrics import MetricsBoard
 from stadium._picows import PicowsTransport
 from stadium._process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
-from stadium._session import CLOSE_GOING_AWAY
+from stadium._session import CLOSE_GOING_AWAY, SESSION_ID
 from stadium._spec import EnvSpec
 from stadium._supervisor import Supervisor
 from stadium._throttle import Throttle
@@ -206,9 +209,10 @@ class Server:
         *,
         sock: socket.socket | None = None,
         slots: Slots | None = None,
+        board: MetricsBoard | None = None,
     ) -> None:
         self.config = config
-        self.worker = Worker.build(config, env_cls, slots=slots)
+        self.worker = Worker.build(config, env_cls, slots=slots, board=board)
         self.spec = self.worker.spec
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
@@ -295,12 +299,39 @@ class Server:
             await asyncio.sleep(0.02)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+class JsonLogFormatter(logging.Formatter):
+    """``--log-format json``: one JSON object per line: ``time`` (ISO 8601, UTC), ``level``,
+    ``logger``, ``message``, ``pid`` (the worker), ``session`` (the short id of the session
+    the line is about, when there is one: :data:`~stadium._session.SESSION_ID` or a
+    record's ``session`` extra), ``exception`` (the traceback, when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        session = getattr(record, "session", None) or SESSION_ID.get()
+        if session is not None:
+            entry["session"] = session
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def _setup_logging(level: str, log_format: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonLogFormatter())
+    else:
+        handler.setFormatter(
+            logging.Formatter("%(asctime)s %(levelname)s [%(process)d] %(name)s: %(message)s")
+        )
+    logging.basicConfig(level=level.upper(), handlers=[handler])
     if level != "debug":
         # picows logs every connect and disconnect at INFO: per-session noise at scale.
         logging.getLogger("stadium.picows").setLevel(logging.WARNING)
@@ -457,7 +488,7 @@ def run_server(config: ServerConfig) -> int:
       over, a process whose env threads are still running calls ends with
       ``os._exit`` (after flushing its logs) instead of joining them forever.
     """
-    _setup_logging(config.log_level)
+    _setup_logging(config.log_level, config.log_format)
     env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
     check_fd_budget(config, raise_nofile_limit())
@@ -471,10 +502,12 @@ def run_server(config: ServerConfig) -> int:
         _exit_past_stuck_threads(code)
         return code
 
+    board = MetricsBoard(Supervisor.counters_for(config.workers))
+
     def run_worker(
         slots: SharedSlots, on_serving: Callable[[], None], on_retiring: Callable[[], None]
     ) -> int:
-        server = Server(config, env_cls, sock=sock, slots=slots)
+        server = Server(config, env_cls, sock=sock, slots=slots, board=board)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             return runner.run(
                 _serve_until_signal(server, on_serving=on_serving, on_retiring=on_retiring)
@@ -487,5 +520,6 @@ def run_server(config: ServerConfig) -> int:
         stop_grace_s=config.drain_timeout + FINAL_GRACE_S + KILL_MARGIN_S,
         run_worker=run_worker,
         listener=sock,
+        metrics=board,
     )
     return supervisor.run()

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import enum
 import functools
 import inspect
+import itertools
 import logging
+import os
 import urllib.parse
 import uuid
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -37,11 +41,24 @@ from stadium._errors import (
 )
 from stadium._invoke import Invoker
 from stadium._limits import Client, ClientLimits, TokenBucket
+from stadium._metrics import FLUSH_INTERVAL_S, MetricsBoard, WorkerCounts
 from stadium._protocol import Call, Encoding, Op, SessionProtocol
 from stadium._spec import CallMode, EnvSpec
 from stadium._throttle import DistinctErrorLog, ThrottledLog
 
 log = logging.getLogger("stadium.session")
+
+# Module constants: an enum member looked up on its class costs ~20 ns, per step.
+_STATE = Op.STATE
+_STEP = Op.STEP
+_MCP = Op.MCP
+
+SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "stadium_session", default=None
+)
+"""The short id of the session a log record is about, while the server logs for it
+(``--log-format json`` puts it in the ``session`` field)."""
+_SESSION_NUMBERS = itertools.count(1)
 
 # WebSocket close codes used by the server.
 CLOSE_NORMAL = 1000
@@ -109,6 +126,8 @@ class Runtime:
         debug_errors: error replies carry exceptions' full text, and every env
             exception is logged with its traceback (else: paths cut from replies,
             one traceback per distinct env error, repeats counted, see :meth:`env_raised`).
+        board: where the worker publishes its metrics (``_metrics``; shared across
+            forked workers); default: a board of its own.
     """
 
     def __init__(
@@ -121,6 +140,7 @@ class Runtime:
         env_kwargs: dict[str, Any] | None = None,
         limits: ClientLimits | None = None,
         debug_errors: bool = False,
+        board: MetricsBoard | None = None,
     ) -> None:
         self.limits = limits
         self.debug_errors = debug_errors
@@ -141,8 +161,19 @@ class Runtime:
         self.sessions: set[Session] = set()
         self.draining = False
         self.sessions_total = 0
-        self.steps_total = 0
-        self.errors_total: collections.Counter[str] = collections.Counter()
+        # Metrics (``_metrics``): counted straight into this worker's row of the board.
+        self.board = board or MetricsBoard(1)
+        self.counts = counts = WorkerCounts(self.board)
+        self.errors_total: collections.Counter[str] = counts.errors
+        """Error replies by code."""
+        self.outcomes: collections.Counter[str] = counts.outcomes
+        """Sessions ended, by ``stadium_sessions_total`` outcome."""
+        self.step_seconds = counts.step_seconds
+        self.reset_seconds = counts.reset_seconds
+        self.admission_wait = counts.admission_wait
+        self.open_connections: Callable[[], int] = lambda: len(self.sessions)
+        """The worker's open connections (the transport sets it: it knows its HTTP ones)."""
+        self._flusher: asyncio.TimerHandle | None = None
         self._reaper: asyncio.TimerHandle | None = None
 
     def new_env(self) -> Any:
@@ -162,19 +193,25 @@ class Runtime:
         """``"TypeName: message"`` for an error reply (paths cut unless ``debug_errors``)."""
         return describe_exception(exc, debug=self.debug_errors)
 
-    def env_raised(self, what: str, exc: BaseException) -> None:
+    def env_raised(self, what: str, exc: BaseException, session: Session | None = None) -> None:
         """Log an exception the environment raised (the env author's bug, not the client's).
 
         A client can make an env raise at will, so the reports are bounded: each
         distinct error (type and innermost frame) is logged at WARNING with its
         traceback once, then at most once per 10 s with how often it recurred (see
         :class:`~stadium._throttle.DistinctErrorLog`). With ``debug_errors`` every
-        one is logged at ERROR with its traceback.
+        one is logged at ERROR with its traceback. The record carries ``session``'s
+        short id (:data:`SESSION_ID`).
         """
-        if self.debug_errors:
-            log.error("%s: %r", what, exc, exc_info=exc)
-        else:
-            self._env_errors("%s: %r", what, exc, exc=exc)
+        token = SESSION_ID.set(session.sid) if session is not None else None
+        try:
+            if self.debug_errors:
+                log.error("%s: %r", what, exc, exc_info=exc)
+            else:
+                self._env_errors("%s: %r", what, exc, exc=exc)
+        finally:
+            if token is not None:
+                SESSION_ID.reset(token)
 
     def reap_idle(self, idle_timeout: float) -> int:
         """Close sessions with no request for ``idle_timeout`` seconds; return how many."""
@@ -186,6 +223,7 @@ class Runtime:
                 and not session.busy
                 and now - session.last_active > idle_timeout
             ):
+                session.outcome = "reaped"
                 session.close(CLOSE_GOING_AWAY, f"idle for more than {idle_timeout:g}s")
                 reaped += 1
         return reaped
@@ -211,9 +249,40 @@ class Runtime:
             self._reaper.cancel()
             self._reaper = None
 
+    @property
+    def steps_total(self) -> int:
+        """Steps answered with an observation by this worker."""
+        return self.counts.steps
+
+    def publish_metrics(self) -> None:
+        """Copy this worker's gauges into its row of :attr:`board` (see ``_metrics``)."""
+        waiting = self.admission.waiting
+        self.counts.publish(
+            active=len(self.sessions) - waiting,
+            queue=waiting,
+            connections=self.open_connections(),
+        )
+
+    def start_metrics(self) -> None:
+        """Publish the metrics every :data:`~stadium._metrics.FLUSH_INTERVAL_S` (idempotent)."""
+        if self._flusher is not None:
+            return
+        loop = asyncio.get_running_loop()
+
+        def flush() -> None:
+            self.publish_metrics()
+            self._flusher = loop.call_later(FLUSH_INTERVAL_S, flush)
+
+        flush()
+
     def shutdown(self) -> None:
-        """Stop the reaper and the thread pool (running calls are not waited for)."""
+        """Stop the reaper and the thread pool (running calls are not waited for);
+        publish the metrics a last time."""
         self.stop_reaper()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            self._flusher = None
+            self.publish_metrics()
         self.invoke.shutdown()
 
 
@@ -228,6 +297,8 @@ class Session:
         "_close_after",
         "_pending",
         "_pending_bytes",
+        "_queued_at",
+        "_sid",
         "_task",
         "_waiter",
         "channel",
@@ -235,6 +306,7 @@ class Session:
         "env",
         "last_active",
         "loop",
+        "outcome",
         "phase",
         "protocol",
         "runtime",
@@ -269,6 +341,10 @@ class Session:
         self._task: asyncio.Task[Any] | asyncio.Future[Any] | None = None
         self._waiter: Callable[[bool], None] | None = None
         self._close_after = (CLOSE_GOING_AWAY, "server closing session")
+        self._queued_at = 0.0
+        self._sid: str | None = None
+        self.outcome = "completed"
+        """How it ends, for ``stadium_sessions_total`` (``errored``, ``reaped`` set on the way)."""
 
     # -- transport-facing ------------------------------------------------------
 
@@ -293,6 +369,7 @@ class Session:
         verdict = rt.admission.admit(waiter)
         if verdict is Verdict.QUEUED:
             self._waiter = waiter
+            self._queued_at = self.loop.time()
         else:
             self._on_admission(verdict is Verdict.ADMITTED)
 
@@ -345,12 +422,20 @@ class Session:
             self._close_after = (code, reason)
 
     @property
+    def sid(self) -> str:
+        """A short id for the logs (``pid.n``, made on first use: nothing per session else)."""
+        if self._sid is None:
+            self._sid = f"{os.getpid()}.{next(_SESSION_NUMBERS)}"
+        return self._sid
+
+    @property
     def busy(self) -> bool:
         return self._call is not None
 
     # -- admission and start-up -------------------------------------------------
 
     def _on_admission(self, granted: bool) -> None:
+        queued = self._waiter is not None
         self._waiter = None
         if self.phase is not Phase.ADMITTING:
             if granted:  # the peer left while we waited: give the slot back
@@ -362,6 +447,13 @@ class Session:
         self.phase = Phase.STARTING
         rt = self.runtime
         rt.sessions_total += 1
+        wait = rt.admission_wait
+        if queued:
+            waited = self.loop.time() - self._queued_at
+            wait.counts[bisect_left(wait.bounds, waited)] += 1
+            wait.counts[-1] += waited
+        else:
+            wait.counts[0] += 1
         self._task = rt.invoke.run(self.loop, rt.spec.create_mode, rt.new_env, (), self._created)
 
     def _start_attached(self, sid: str) -> None:
@@ -372,6 +464,7 @@ class Session:
         if env is None or sid in rt.attached:
             why = "has a WebSocket attached already" if env is not None else "is not open"
             self.phase = Phase.CLOSED
+            rt.outcomes["refused"] += 1
             self._send_error(
                 None,
                 SessionError(
@@ -407,7 +500,8 @@ class Session:
             self._drain_pending()
 
     def _fail_start(self, exc: BaseException) -> None:
-        self.runtime.env_raised("creating the environment failed", exc)
+        self.outcome = "errored"
+        self.runtime.env_raised("creating the environment failed", exc, self)
         err = ExecutionError(
             f"creating the environment failed: {self.runtime.describe(exc)}",
             exception=type(exc).__name__,
@@ -421,6 +515,7 @@ class Session:
         if self._client is not None:
             self._release_client()
         self.runtime.errors_total[str(err.code)] += 1
+        self.runtime.outcomes["refused"] += 1
         self.runtime.sessions.discard(self)
         self.phase = Phase.CLOSED
         self._pending = None
@@ -451,7 +546,7 @@ class Session:
         op = call.op
         rt = self.runtime
         spec = rt.spec
-        if op is Op.STEP:
+        if op is _STEP:
             if call.timeout_s is None:
                 pending = rt.invoke.run(self.loop, spec.step_mode, self.env.step, (call.action,),
                                         self._on_done, call)  # fmt: skip
@@ -460,7 +555,7 @@ class Session:
         elif op is Op.RESET:
             reset = functools.partial(self.env.reset, **call.reset_kwargs)
             pending = rt.invoke.run(self.loop, spec.reset_mode, reset, (), self._on_done, call)
-        elif op is Op.STATE:
+        elif op is _STATE:
             try:
                 state = self.env.state
             except Exception as exc:
@@ -468,7 +563,7 @@ class Session:
                 return
             self._reply(call, state)
             return
-        elif op is Op.MCP:  # after the common ops: nothing added to their path
+        elif op is _MCP:  # after the common ops: nothing added to their path
             pending = self._mcp(call)
         else:  # CLOSE
             self.phase = Phase.CLOSING
@@ -518,33 +613,8 @@ class Session:
             _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe
         )
         return rt.invoke.run(
-            self.loop, CallMode.TASK, dispatch, (self.env, req), self._on_mcp_done, call
+            self.loop, CallMode.TASK, dispatch, (self.env, req), self._on_done, call
         )
-
-    def _on_mcp_done(self, call: Call, result: Any, error: BaseException | None) -> None:
-        """As :meth:`_on_done`, for an ``mcp`` request (its reply is an ``mcp`` frame)."""
-        waited = self._call is not None
-        self._call = None
-        self._task = None
-        if self.phase is Phase.CLOSED:
-            return
-        if error is None:
-            try:
-                self.channel.send(self.protocol.mcp_reply(call, result))
-            except Exception as exc:  # a tool result that cannot be encoded
-                self._fail(call, exc)
-        elif isinstance(error, asyncio.CancelledError):
-            self._send_error(call, SessionError("mcp was cancelled"))
-        elif isinstance(error, CallTimeoutError):
-            self._timed_out("mcp", call, error)
-        else:
-            self._fail(call, error)
-        if not waited:
-            return
-        if self.phase is Phase.CLOSING:
-            self._finish_close(*self._close_after)
-        elif self._pending:
-            self._drain_pending()
 
     def _step_limited(self, call: Call) -> asyncio.Future[Any] | None:
         """A step that brought its own ``timeout_s``: bounded by it (and ``--step-timeout``),
@@ -574,17 +644,27 @@ class Session:
             ),
         )
         self.phase = Phase.CLOSING
+        self.outcome = "errored"
         self._pending = None
         self._close_after = (CLOSE_INTERNAL_ERROR, f"{op} timed out after {limit:g} s")
 
     def _reply(self, call: Call, result: Any) -> None:
         protocol = self.protocol
-        if call.op is Op.STATE:
+        op = call.op
+        if op is _STATE:
             frame = protocol.state_reply(call, result)
+        elif op is _MCP:  # a JSON-RPC response (or error object): an ``mcp`` frame
+            frame = protocol.mcp_reply(call, result)
         else:
             frame = protocol.observation_reply(call, result)
-            if call.op is Op.STEP:
-                self.runtime.steps_total += 1
+            rt = self.runtime
+            # Timed from the request's arrival (the session's last message) to its reply;
+            # the step histogram's count is the step count (``Runtime.steps_total``).
+            hist = rt.step_seconds if op is _STEP else rt.reset_seconds
+            took = self.loop.time() - self.last_active
+            counts = hist.counts
+            counts[bisect_left(hist.bounds, took)] += 1
+            counts[-1] += took
         self.channel.send(frame)
 
     def _fail(self, call: Call, exc: BaseException) -> None:
@@ -598,7 +678,7 @@ class Session:
                 exception=type(exc).__name__,
                 operation=op,
             )
-            rt.env_raised(f"the environment's {op} raised", exc)
+            rt.env_raised(f"the environment's {op} raised", exc, self)
         self._send_error(call, err)
 
     def _rate_limited(self, message: bytes | str, wait: float) -> None:
@@ -633,6 +713,8 @@ class Session:
         self.protocol.close()
         self._pending = None
         rt = self.runtime
+        if phase is not Phase.CLOSED:
+            rt.outcomes[self.outcome] += 1
         rt.sessions.discard(self)
         task = self._task
         if task is not None and not task.done():

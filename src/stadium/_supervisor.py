@@ -59,6 +59,7 @@ from types import FrameType
 from typing import NoReturn
 
 from stadium._admission import SharedSlots
+from stadium._metrics import MetricsBoard
 from stadium._process import RECYCLE_EXIT_CODE
 from stadium._throttle import Throttle
 
@@ -142,6 +143,8 @@ class Supervisor:
             own copy when it stops, so that once every draining worker has closed
             theirs new connections are refused at once (not left in the backlog,
             where a router's health check or a client would wait for a timeout).
+        metrics: the workers' metrics rows (one per counter, :meth:`counters_for`); a
+            dead worker's row is moved into its retired row, so counters never go down.
     """
 
     def __init__(
@@ -153,15 +156,17 @@ class Supervisor:
         stop_grace_s: float,
         run_worker: WorkerMain,
         listener: socket.socket | None = None,
+        metrics: MetricsBoard | None = None,
     ) -> None:
         self.state = SupervisorState.RUNNING
+        self.metrics = metrics
         self._listener = listener
         self.restart_max_delay = restart_max_delay
         self.stop_grace_s = stop_grace_s
         self._run_worker = run_worker
         # One counter per process that can be alive at once: the workers, a
         # starting replacement, and the retiring workers of up to one recycle.
-        counters = 2 * workers + 1
+        counters = self.counters_for(workers)
         self.session_slots = SharedSlots(max_sessions, counters)
         self._ready = memoryview(multiprocessing.sharedctypes.RawArray("b", counters)).cast("B")
         self._free = list(range(counters - 1, -1, -1))  # pop() takes the lowest
@@ -175,6 +180,12 @@ class Supervisor:
         self._pid = os.getpid()
         self.forced = False
         """A worker had to be killed while stopping."""
+
+    @staticmethod
+    def counters_for(workers: int) -> int:
+        """Worker processes that can be alive at once: the workers, a starting
+        replacement, and the retiring workers of up to one recycle."""
+        return 2 * workers + 1
 
     # -- the loop ----------------------------------------------------------------
 
@@ -304,6 +315,8 @@ class Supervisor:
                     os.close(fd)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, WATCHED)
             self.session_slots.bind(counter)
+            if self.metrics is not None:
+                self.metrics.bind(counter)
             ready = self._ready
 
             def serving() -> None:
@@ -356,6 +369,8 @@ class Supervisor:
                 continue
             # Dead and reaped: no process writes its counter any more.
             self.session_slots.forget_worker(child.counter)
+            if self.metrics is not None:
+                self.metrics.retire(child.counter)
             if self._ready[child.counter] == _RETIRING and child.role is WorkerRole.SERVING:
                 child.role = WorkerRole.RETIRING  # it drained to be replaced before we saw it
                 self._replace_retiring(child, time.monotonic())

@@ -19,6 +19,7 @@ from stadium._env import Environment
 from stadium._http import HttpEndpoints
 from stadium._limits import ClientLimits
 from stadium._loader import load_target
+from stadium._metrics import MetricsBoard
 from stadium._session import Runtime
 from stadium._spec import EnvSpec
 from stadium._watchdog import Watchdog
@@ -40,6 +41,7 @@ class Worker:
         env_cls: type[Environment[Any, Any, Any]] | None = None,
         *,
         slots: Slots | None = None,
+        board: MetricsBoard | None = None,
     ) -> Worker:
         """Load ``config.target`` (unless ``env_cls`` is given) and build the worker's parts.
 
@@ -48,6 +50,8 @@ class Worker:
             env_cls: the environment class, already loaded.
             slots: the server-wide session slots (shared across forked workers);
                 default: this process's own, ``config.max_sessions`` of them.
+            board: where the worker publishes its metrics (shared across forked
+                workers); default: a board of its own.
 
         Raises:
             TargetError: the target cannot be loaded or breaks the env contract.
@@ -66,12 +70,14 @@ class Worker:
                 config.max_sessions_per_client, config.rate_limit, config.rate_burst
             ),
             debug_errors=config.debug_errors,
+            board=board,
         )
         return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
 
     def start(self) -> None:
-        """Start the worker's timers (idle reaping) on the running event loop."""
+        """Start the worker's timers (idle reaping, metrics) on the running event loop."""
         self.runtime.start_reaper(self.config.idle_timeout)
+        self.runtime.start_metrics()
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
         """Start the worker's :class:`~stadium._watchdog.Watchdog` on the running loop.

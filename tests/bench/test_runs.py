@@ -8,7 +8,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -258,8 +257,9 @@ def test_stadium_arm(tmp_path: Path) -> None:
     and not (Path.home() / ".cache/stadium-bench/openenv-0.10.0/bin/python").exists(),
     reason="openenv is not installed (the tests never install it)",
 )
-def test_openenv_arm(tmp_path: Path) -> None:
-    os.environ.setdefault("ENABLE_WEB_INTERFACE", "false")
+def test_openenv_arm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenEnv's server without its web UI (restored after: Stadium's /web reads it too).
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", "false")
     run_ramp(["openenv"], [4], [WAIT], reps=1, output_dir=tmp_path, **TINY)
     (row,) = report.read_summary(tmp_path / "summary.csv")
     logs = "\n".join(p.read_text() for p in (tmp_path / "logs").iterdir())

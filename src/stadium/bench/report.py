@@ -1,4 +1,4 @@
-"""Outputs of a run: ``raw.jsonl``, ``summary.csv``, PNG figures, ``report.md``.
+"""Outputs of a run: ``raw.jsonl``, ``summary.csv``, PNG figures, ``report.md``/``.html``.
 
 * ``raw.jsonl`` — one JSON object per session: the point's ``arm``, ``n``,
   ``wait_s``, ``rep`` and every field of :class:`~stadium.bench.results.SessionRecord`.
@@ -10,6 +10,7 @@
   ``latency_phases.png`` (p50 and p99 of connect, reset, step, total vs batch),
   ``server_cost.png`` (server CPU per step and RSS per session vs batch).
 * ``report.md`` — machine, versions, exact command, caps, knees, tables and figures.
+* ``report.html`` — the same report as one self-contained page (figures embedded).
 """
 
 from __future__ import annotations
@@ -484,7 +485,54 @@ def write_report(
     ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
+    write_html(path)
     return path
+
+
+_HTML_STYLE = """
+body { font: 14px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d2330;
+       max-width: 1200px; margin: 24px auto; padding: 0 24px; }
+h1 { font-size: 24px; } h2 { font-size: 18px; margin-top: 28px; border-bottom: 1px solid #e4e7ec; }
+h3 { font-size: 15px; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; font-size: 12px;
+        display: block; overflow-x: auto; }
+th, td { border: 1px solid #e4e7ec; padding: 3px 8px; text-align: right; }
+th { background: #f3f4f6; } td:first-child, th:first-child { text-align: left; }
+pre { background: #f3f4f6; padding: 10px; border-radius: 6px; overflow-x: auto; }
+code { font-size: 12px; } img { max-width: 100%; border: 1px solid #e4e7ec; }
+"""
+
+
+def write_html(md_path: Path) -> Path:
+    """Write ``report.html`` beside ``md_path``: the same report rendered to HTML
+    (markdown-it-py, tables on) with every figure embedded as a ``data:`` PNG, so the page
+    reads on its own (no external file, script or style)."""
+    import base64
+    import html
+
+    from markdown_it import MarkdownIt
+
+    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    tokens = md.parse(md_path.read_text())
+    for token in tokens:
+        for child in token.children or ():
+            src = child.attrGet("src") if child.type == "image" else None
+            if not isinstance(src, str) or "/" in src or src.startswith("."):
+                continue
+            image = md_path.parent / src
+            if image.is_file():
+                data = base64.b64encode(image.read_bytes()).decode("ascii")
+                child.attrSet("src", f"data:image/png;base64,{data}")
+    body = md.renderer.render(tokens, md.options, {})
+    title = html.escape(md_path.parent.name or "report")
+    page = (
+        '<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>Stadium benchmark report · {title}</title>\n"
+        f"<style>{_HTML_STYLE}</style>\n</head>\n<body>\n{body}</body>\n</html>\n"
+    )
+    out = md_path.with_suffix(".html")
+    out.write_text(page)
+    return out
 
 
 def print_table(rows: Sequence[Row], title: str = "stadium bench") -> None:
