@@ -12,6 +12,29 @@ import urllib.parse
 
 from stadium._errors import ConfigError
 
+_HINT = "expected http://HOST:PORT, ws://HOST:PORT/ws, wss://... or HOST:PORT"
+_SECURE = {"http": False, "ws": False, "https": True, "wss": True}
+
+
+def _split(text: str) -> tuple[bool, urllib.parse.SplitResult]:
+    """``(secure, parts)`` of a server URL; :class:`ConfigError` saying what is wrong."""
+    raw = text.strip()
+    if "://" not in raw:
+        raw = "ws://" + raw
+    parts = urllib.parse.urlsplit(raw)
+    secure = _SECURE.get(parts.scheme.lower())
+    if secure is None:
+        raise ConfigError(f"not a server URL: {text!r} ({_HINT})")
+    if not parts.hostname:
+        raise ConfigError(f"no host in {text!r} ({_HINT})")
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        raise ConfigError(f"bad port in {text!r} ({_HINT})") from None
+    if parts.fragment or parts.username or parts.password:
+        raise ConfigError(f"unexpected credentials or fragment in {text!r} ({_HINT})")
+    return secure, parts
+
 
 def ws_url(text: str) -> str:
     """``text`` as the WebSocket URL of a server's sessions; ``ConfigError`` if it is not one.
@@ -28,30 +51,17 @@ def ws_url(text: str) -> str:
     >>> ws_url("https://example.org/env/")
     'wss://example.org/env/ws'
     """
-    raw = text.strip()
-    if "://" not in raw:
-        raw = "ws://" + raw
-    parts = urllib.parse.urlsplit(raw)
-    scheme = {"http": "ws", "ws": "ws", "https": "wss", "wss": "wss"}.get(parts.scheme.lower())
-    hint = "expected http://HOST:PORT, ws://HOST:PORT/ws, wss://... or HOST:PORT"
-    if scheme is None:
-        raise ConfigError(f"not a server URL: {text!r} ({hint})")
-    if not parts.hostname:
-        raise ConfigError(f"no host in {text!r} ({hint})")
-    try:
-        parts.port  # noqa: B018 - raises ValueError for a bad port
-    except ValueError:
-        raise ConfigError(f"bad port in {text!r} ({hint})") from None
-    if parts.fragment or parts.username or parts.password:
-        raise ConfigError(f"unexpected credentials or fragment in {text!r} ({hint})")
+    secure, parts = _split(text)
     path = parts.path.rstrip("/")
     if not path.endswith("/ws"):
         path += "/ws"
+    scheme = "wss" if secure else "ws"
     return urllib.parse.urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
 def base_url(text: str) -> str:
-    """``text`` (``http://H:P``, ``ws://H:P/ws``, ``H:P``, ...) as a base URL ``http[s]://H:P``.
+    """``text`` (``http://H:P``, ``ws://H:P/ws``, ``H:P``, ...) as a base URL ``http[s]://H:P``
+    (a node of a deployment: no path but ``/ws``, the default port made explicit).
 
     >>> base_url("ws://10.0.0.1:8000/ws")
     'http://10.0.0.1:8000'
@@ -60,25 +70,11 @@ def base_url(text: str) -> str:
     >>> base_url("wss://example.org")
     'https://example.org:443'
     """
-    raw = text.strip()
-    if "://" not in raw:
-        raw = "http://" + raw
-    parts = urllib.parse.urlsplit(raw)
-    scheme = {"http": "http", "ws": "http", "https": "https", "wss": "https"}.get(parts.scheme)
-    if scheme is None:
-        raise ConfigError(
-            f"not a server URL: {text!r} (expected http://HOST:PORT, ws://HOST:PORT/ws or "
-            "HOST:PORT)"
-        )
-    if not parts.hostname:
-        raise ConfigError(f"no host in {text!r}")
+    secure, parts = _split(text)
     if parts.path not in ("", "/", "/ws"):
         raise ConfigError(f"unexpected path in {text!r}: give the server's base URL")
-    try:
-        port = parts.port or (443 if scheme == "https" else 80)
-    except ValueError:
-        raise ConfigError(f"bad port in {text!r}") from None
-    host = parts.hostname
+    port = parts.port or (443 if secure else 80)
+    host = parts.hostname or ""
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
-    return f"{scheme}://{host}:{port}"
+    return f"{'https' if secure else 'http'}://{host}:{port}"
