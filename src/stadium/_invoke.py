@@ -223,16 +223,9 @@ class Invoker:
         token: Any,
         fut: asyncio.Future[Any],
     ) -> None:
-        if fut.cancelled():
-            if not cf.done():  # running: asyncio's cancel could not stop it
-                self._abandoned(cf, pool, fut.get_loop())
-            on_done(token, None, asyncio.CancelledError())
-            return
-        exc = fut.exception()
-        if exc is None:
-            on_done(token, fut.result(), None)
-        else:
-            on_done(token, None, exc)
+        if fut.cancelled() and not cf.done():  # running: asyncio's cancel could not stop it
+            self._abandoned(cf, pool, fut.get_loop())
+        _settle(on_done, token, fut)
 
     def _abandoned(
         self,
