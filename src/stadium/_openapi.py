@@ -47,6 +47,16 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _body(properties: dict[str, Any], *required: str) -> dict[str, Any]:
+    """A JSON object request body; required (with those fields) when any field is."""
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    body: dict[str, Any] = {"content": {"application/json": {"schema": schema}}}
+    if required:
+        schema["required"] = list(required)
+        body["required"] = True
+    return body
+
+
 def _ref(name: str) -> dict[str, Any]:
     return {"$ref": _COMPONENTS + name}
 
@@ -126,23 +136,16 @@ def openapi(spec: EnvSpec, *, mode: str = SIMULATION, server_version: str = "") 
             "post": {
                 "summary": "MCP JSON-RPC 2.0: tools/list, tools/call (and OpenEnv's "
                 "openenv/session/create, openenv/session/close)",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "jsonrpc": {"const": "2.0"},
-                                    "method": {"type": "string"},
-                                    "params": {"type": "object"},
-                                    "id": {"type": ["integer", "string", "null"]},
-                                },
-                                "required": ["jsonrpc", "method"],
-                            }
-                        }
+                "requestBody": _body(
+                    {
+                        "jsonrpc": {"const": "2.0"},
+                        "method": {"type": "string"},
+                        "params": {"type": "object"},
+                        "id": {"type": ["integer", "string", "null"]},
                     },
-                },
+                    "jsonrpc",
+                    "method",
+                ),
                 "responses": {"200": _json(_ANY_OBJECT, "A JSON-RPC response (result or error)")},
             }
         },
@@ -157,41 +160,23 @@ def openapi(spec: EnvSpec, *, mode: str = SIMULATION, server_version: str = "") 
         paths["/reset"] = {
             "post": {
                 "summary": "Reset a fresh environment; its first observation",
-                "requestBody": {
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "seed": {"type": ["integer", "null"]},
-                                    "episode_id": {"type": ["string", "null"]},
-                                    "options": {"type": ["object", "null"]},
-                                },
-                            }
-                        }
+                "requestBody": _body(
+                    {
+                        "seed": {"type": ["integer", "null"]},
+                        "episode_id": {"type": ["string", "null"]},
+                        "options": {"type": ["object", "null"]},
                     }
-                },
+                ),
                 "responses": {"200": _json(step_reply, "The observation"), "422": _ERROR},
             }
         }
         paths["/step"] = {
             "post": {
                 "summary": "Step a fresh environment with an action",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {
-                            "schema": {
-                                "type": "object",
-                                "properties": {
-                                    "action": _ref("Action"),
-                                    "timeout_s": {"type": ["number", "null"]},
-                                },
-                                "required": ["action"],
-                            }
-                        }
-                    },
-                },
+                "requestBody": _body(
+                    {"action": _ref("Action"), "timeout_s": {"type": ["number", "null"]}},
+                    "action",
+                ),
                 "responses": {"200": _json(step_reply, "The observation"), "422": _ERROR},
             }
         }
