@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps
+.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps k8s-deps container-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -43,7 +43,18 @@ cluster-deps:
 browser-deps:
 	@bash scripts/install-browser-deps.sh
 
-test: install lint typecheck cluster-deps browser-deps
+# Podman, runc and debootstrap for the container tests (tests/container), and the Podman settings
+# these machines need (a drop-in under /etc/containers/containers.conf.d/); installed when root
+# and missing, a no-op otherwise (they then skip).
+container-deps:
+	@bash scripts/install-container-deps.sh
+
+# Go for the Gateway API CRD checks (tests/test_kubernetes.py): Debian's golang-go, installed when
+# root and no `go` is on PATH, a no-op otherwise (those checks then skip with the reason).
+k8s-deps:
+	@bash scripts/install-k8s-deps.sh
+
+test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps
 	$(PY) -m pytest -q -ra
 
 clean:

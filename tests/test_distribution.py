@@ -35,7 +35,7 @@ def test_the_distribution_name_is_ours_everywhere() -> None:
     assert project["name"] == DIST
     assert project["scripts"] == {"stadium": "stadium._cli:main"}
     assert all(not dep.startswith("stadium[") for dep in project["optional-dependencies"]["dev"])
-    assert f"{DIST}[bench,openenv,gym]" in project["optional-dependencies"]["dev"]
+    assert f"{DIST}[bench,openenv,gym,ray]" in project["optional-dependencies"]["dev"]
     readme = (ROOT / "README.md").read_text()
     assert "pip install 'stadium[" not in readme
     assert f"pip install '{DIST}[openenv]'" in readme

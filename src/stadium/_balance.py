@@ -1,10 +1,10 @@
 """Client-side balancing: a client spreads its sessions over many nodes itself.
 
 Where a client takes a URL it also takes *endpoints*: a list of URLs, a deployment
-file (``stadium slurm`` writes one) or one URL whose host name resolves to several
-addresses (a Kubernetes headless Service). Each new session goes to the node with
-the most room, one hop, no proxy on the data path; balancing happens when a session
-opens, never per step.
+file (``stadium slurm`` writes one), what :func:`stadium.launch` returns (its nodes)
+or one URL whose host name resolves to several addresses (a Kubernetes headless
+Service). Each new session goes to the node with the most room, one hop, no proxy on
+the data path; balancing happens when a session opens, never per step.
 
 The decision is pure (:func:`choose`, :func:`retry_delay`, :func:`apply_health`, ...:
 state and a clock in, a choice out); :class:`Balancer` adds the thin I/O around it:
@@ -46,15 +46,32 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, cast
 
 import h11
 
 from stadium._urls import base_url
 from stadium.deploy.deployment import endpoints
 
-#: What clients accept where they take a URL: one URL, a deployment file, or several.
-EndpointSpec = str | os.PathLike[str] | Sequence[str]
+
+class HasNodes(Protocol):
+    """A :class:`~stadium.deploy.deployment.Deployment`, or anything with its ``nodes``."""
+
+    @property
+    def nodes(self) -> tuple[str, ...]: ...
+
+
+class HasDeployment(Protocol):
+    """What a launcher returns (:class:`~stadium.deploy.running.Running`): its ``deployment``."""
+
+    @property
+    def deployment(self) -> HasNodes: ...
+
+
+#: What clients accept where they take a URL: one URL, a deployment file, several URLs,
+#: a :class:`~stadium.deploy.deployment.Deployment` or a running deployment (what
+#: :func:`stadium.launch` returns; its nodes, never its router).
+EndpointSpec = str | os.PathLike[str] | Sequence[str] | HasNodes | HasDeployment
 
 #: ``resolver(host, port)`` → the host's addresses (tests inject one).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -208,10 +225,15 @@ def plan(eps: Sequence[Endpoint], n: int, rng: random.Random | None = None) -> l
 
 
 def spec_key(spec: EndpointSpec) -> tuple[str, ...]:
-    """``spec`` as a tuple of strings (URLs and deployment-file paths), the registry's key."""
+    """``spec`` as a tuple of strings (URLs and deployment-file paths), the registry's key.
+
+    A deployment (or a running one) gives its nodes' URLs: the same key, so the same
+    balancer, as the list of those URLs."""
     if isinstance(spec, str | os.PathLike):
         return (os.fspath(spec),)
-    items = tuple(os.fspath(s) for s in spec)
+    nodes = getattr(getattr(spec, "deployment", spec), "nodes", None)
+    urls: Iterable[str] = cast(Sequence[str], spec) if nodes is None else nodes
+    items = tuple(os.fspath(s) for s in urls)
     if not items:
         raise ValueError("no endpoints given")
     return items
@@ -506,6 +528,8 @@ __all__ = [
     "Balancer",
     "Endpoint",
     "EndpointSpec",
+    "HasDeployment",
+    "HasNodes",
     "Lease",
     "apply_health",
     "balancer_for",

@@ -19,6 +19,7 @@ from stadium._version import __version__
 # Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
 _LAZY = {
     "bench": "stadium.bench._cli:bench",
+    "deploy": "stadium.deploy._cli:deploy",
 }
 
 

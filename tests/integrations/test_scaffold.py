@@ -38,8 +38,9 @@ def test_generated_project_passes_its_own_tests(tmp_path: Path) -> None:
         "src/word_quest/env.py",
         "tests/test_env.py",
     }
-    assert '"word_quest.env:Env"' in (project / "Dockerfile").read_text()
-    assert '"0.0.0.0"' in (project / "Dockerfile").read_text()
+    dockerfile = (project / "Dockerfile").read_text()
+    assert "STADIUM_TARGET=word_quest.env:Env" in dockerfile  # the image serves the env
+    assert "HOST=0.0.0.0" in dockerfile
     out = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider"], project)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 passed" in out.stdout

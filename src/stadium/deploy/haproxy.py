@@ -18,7 +18,9 @@ HAProxy. :func:`render` writes a configuration that:
   long);
 * sends a client back to the node that holds its session when the URL names
   it: ``?stadium_node=NAME`` (the node's name in this file, ``node1`` ...,
-  or its ``HOST:PORT``) goes to that node if it is up, else is balanced as new;
+  or its ``HOST:PORT``) or ``?stadium_addr=HOST:PORT`` (what a resuming Stadium
+  client sends, see ``stadium._resume``) goes to that node if it is up, else is
+  balanced as new (with ``--durable`` the new node restores the session);
 * has an admin stats socket (``show stat``, ``disable server stadium/node2``)
   and, on soft-stop (``SIGUSR1``), stops accepting and lets open sessions
   finish, for at most ``hard_stop_after``.
@@ -147,6 +149,7 @@ def render(deployment: Deployment, options: RouterOptions | None = None) -> str:
     for s in nodes:
         names = f"{s.name} {s.address}"
         lines.append(f"    use-server {s.name} if {{ url_param(stadium_node) -m str {names} }}")
+        lines.append(f"    use-server {s.name} if {{ url_param(stadium_addr) -m str {s.address} }}")
     for s in nodes:
         tls = " ssl verify none check-ssl" if s.tls else ""
         lines.append(f"    server {s.name} {s.address} maxconn {s.maxconn}{tls}")

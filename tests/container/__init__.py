@@ -1,0 +1,1 @@
+"""Container tests: Stadium's image and the Podman launcher (conftest.py builds what they need)."""
