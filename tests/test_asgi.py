@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stadium._asgi import _AsgiChannel
-from stadium._session import MAX_UNSENT_BYTES
+from stadium._runtime import MAX_UNSENT_BYTES
 
 
 async def _written(channel: _AsgiChannel) -> list[dict[str, object]]:

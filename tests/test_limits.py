@@ -16,7 +16,8 @@ from stadium import Environment, State, StepResult
 from stadium._errors import CapacityError, RateLimitError
 from stadium._http import HttpEndpoints
 from stadium._limits import ClientLimits, TokenBucket, client_address
-from stadium._session import CLOSE_TRY_AGAIN_LATER, Session
+from stadium._runtime import CLOSE_TRY_AGAIN_LATER
+from stadium._session import Session
 from stadium.testing import MemoryChannel, memory_runtime
 from tests.conftest import TRANSPORTS, UNIT, serve
 

@@ -23,7 +23,7 @@ serve it with ``stadium serve my_module:Parrot`` and drive it with
 
 from stadium._asgi import AsgiApp, asgi_app
 from stadium._check import check_env
-from stadium._client import AsyncClient, Client, SessionPool
+from stadium._client import AsyncClient
 from stadium._config import ServerConfig
 from stadium._env import Environment, State, StepResult
 from stadium._errors import (
@@ -37,17 +37,23 @@ from stadium._errors import (
     InvalidMessageError,
     ProtocolError,
     RateLimitError,
+    ResumeError,
     SessionClosedError,
     SessionError,
+    SnapshotError,
     StadiumError,
     TargetError,
     ToolCallError,
     UnknownTypeError,
     ValidationError,
 )
+from stadium._pool import Client, SessionPool
 from stadium._server import Server, ServerState, run_server
 from stadium._tools import ToolEnvironment, tool
 from stadium._version import __version__
+
+# Light: the engines (subprocesses, SLURM, Ray, Podman) are imported when launch() runs.
+from stadium.deploy.launch import launch
 
 __all__ = [
     "AsgiApp",
@@ -64,12 +70,14 @@ __all__ = [
     "InvalidMessageError",
     "ProtocolError",
     "RateLimitError",
+    "ResumeError",
     "Server",
     "ServerConfig",
     "ServerState",
     "SessionClosedError",
     "SessionError",
     "SessionPool",
+    "SnapshotError",
     "StadiumError",
     "State",
     "StepResult",
@@ -81,6 +89,7 @@ __all__ = [
     "__version__",
     "asgi_app",
     "check_env",
+    "launch",
     "run_server",
     "tool",
 ]

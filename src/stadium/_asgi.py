@@ -27,7 +27,8 @@ from stadium._env import Environment
 from stadium._http import TOO_LARGE, HttpResponse
 from stadium._limits import client_address
 from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import MAX_UNSENT_BYTES, Session, attach_id
+from stadium._runtime import MAX_UNSENT_BYTES, attach_id
+from stadium._session import Session
 from stadium._worker import Worker
 
 Scope = MutableMapping[str, Any]

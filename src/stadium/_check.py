@@ -284,7 +284,8 @@ def check_server(url: str, *, actions: Sequence[Any] | None = None) -> list[str]
     the episode.
     A server started with ``--auth-token`` is checked with ``$STADIUM_AUTH_TOKEN``.
     """
-    from stadium._client import TOKEN_ENV, Client, ws_url
+    from stadium._client import TOKEN_ENV, ws_url
+    from stadium._pool import Client
 
     base = ws_url(url).replace("ws://", "http://", 1).replace("wss://", "https://", 1)
     base = base.rsplit("/ws", 1)[0]

@@ -40,17 +40,16 @@ import collections
 import os
 import random
 import ssl as ssl_module
-import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+import urllib.parse
+from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
 from picows import (
     WSCloseCode,
-    WSFrame,
+    WSError,
     WSHandshakeError,
-    WSListener,
     WSMsgType,
     WSTransport,
     ws_connect,
@@ -70,11 +69,25 @@ from stadium._env import StepResult
 from stadium._errors import (
     CapacityError,
     ConnectError,
+    ResumeError,
     SessionClosedError,
+    SessionError,
     StadiumError,
     error_from_wire,
 )
 from stadium._protocol import MSGPACK_SUBPROTOCOL
+from stadium._replies import Listener, answered_before_closing
+from stadium._resume import (
+    ADDR_HEADER,
+    ADDR_PARAM,
+    GRACE_HEADER,
+    NODE_HEADER,
+    NODE_PARAM,
+    RECEIVED_PARAM,
+    RESUME_PARAM,
+    SESSION_HEADER,
+    TOKEN_HEADER,
+)
 from stadium._urls import ws_url
 
 T = TypeVar("T")
@@ -83,57 +96,6 @@ ObsT = TypeVar("ObsT")
 #: The environment variable a client reads its bearer token from when given none
 #: (the same one ``stadium serve`` reads).
 TOKEN_ENV = "STADIUM_AUTH_TOKEN"
-
-
-class _Listener(WSListener):
-    """Routes reply frames to the waiting futures, in order."""
-
-    def __init__(self, lease: Lease | None = None) -> None:
-        self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
-        self.early: collections.deque[bytes] = collections.deque()
-        self.closed: SessionClosedError | None = None
-        self.lease = lease  # balanced sessions: the node's slot, released on disconnect
-        self.closing = False  # the client ended the session
-
-    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
-        mtype = frame.msg_type
-        if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
-            data = frame.get_payload_as_bytes()
-            if self.waiting:
-                fut = self.waiting.popleft()
-                if not fut.done():
-                    fut.set_result(data)
-            else:
-                self.early.append(data)  # e.g. a capacity refusal before any request
-        elif mtype == WSMsgType.CLOSE:
-            code = frame.get_close_code()
-            reason = frame.get_close_message() or b""
-            self.closed = SessionClosedError(
-                f"server closed the session ({code.value}: {reason.decode(errors='replace')})",
-                close_code=code.value,
-            )
-            transport.send_close(code)
-            transport.disconnect()
-
-    def on_ws_disconnected(self, transport: WSTransport) -> None:
-        if self.lease is not None:  # lost without a close frame, or the node going away
-            code = None if self.closed is None else self.closed.context.get("close_code")
-            self.lease.release(suspect=not self.closing and code in (None, 1001, 1011, 1012))
-        err = self.closed or SessionClosedError("connection lost")
-        self.closed = err
-        while self.waiting:
-            fut = self.waiting.popleft()
-            if not fut.done():
-                fut.set_exception(err)
-
-
-def _answered_before_closing(listener: WSListener | None) -> bool:
-    """Whether a session closed at once still said why (e.g. a capacity refusal and 1013:
-    the frames are kept for the first request to read)."""
-    if not isinstance(listener, _Listener):
-        return False
-    closed = listener.closed
-    return bool(listener.early) or (closed is not None and "close_code" in closed.context)
 
 
 class AsyncClient(Generic[ObsT]):
@@ -163,6 +125,10 @@ class AsyncClient(Generic[ObsT]):
             system's trusted certificates.
         action_encoder: turns an action into its wire value (default: dicts as
             they are; msgspec Structs, dataclasses and pydantic models to dicts).
+        resume: ask the server for a resumable session (Stadium servers grant it;
+            others ignore the ask): when the connection is lost, the client
+            reconnects and resumes the same session, its in-flight request answered
+            once; it raises only when the server's grace period is over.
     """
 
     def __init__(
@@ -180,6 +146,7 @@ class AsyncClient(Generic[ObsT]):
         token: str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         action_encoder: Callable[[Any], Any] | None = None,
+        resume: bool = True,
     ) -> None:
         plain = is_plain(url)
         #: the nodes to balance over; None for one plain URL (then nothing else happens)
@@ -214,8 +181,21 @@ class AsyncClient(Generic[ObsT]):
             self._decode = msgspec.json.decode
             self._msg_type = WSMsgType.TEXT
         self._transport: WSTransport | None = None
-        self._listener: _Listener | None = None
+        self._listener: Listener | None = None
         self._answered = 0
+        self.resume = resume
+        self.session_id: str | None = None
+        """The server's id of this session, when it is resumable."""
+        self.resumes = 0
+        """How many times the session was resumed after losing its connection."""
+        self._resume_token = ""
+        self._resume_node = ""
+        self._resume_addr = ""
+        self._resume_grace = 0.0
+        self._sent = 0
+        self._resuming: asyncio.Task[None] | None = None
+        self._host_headers: dict[str, str] = {}
+        self._connect_kwargs: dict[str, Any] = {}
 
     # -- connection -------------------------------------------------------------
 
@@ -236,8 +216,8 @@ class AsyncClient(Generic[ObsT]):
             try:
                 async with asyncio.timeout(self.connect_timeout):  # picows' covers no TCP connect
                     transport, listener = await ws_connect(
-                        _Listener,
-                        self.url,
+                        partial(Listener, None, None),
+                        self._asking(self.url),
                         ssl_context=self.ssl,
                         websocket_handshake_timeout=self.connect_timeout,
                         max_frame_size=self.max_message_bytes,
@@ -247,7 +227,7 @@ class AsyncClient(Generic[ObsT]):
                         # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
                         use_aiofastnet=False,
                     )
-                if transport.is_disconnected and not _answered_before_closing(listener):
+                if transport.is_disconnected and not answered_before_closing(listener):
                     # picows returns a dead transport when the peer hangs up in the handshake
                     raise ConnectionResetError("the server closed the connection in the handshake")
             except ssl_module.SSLCertVerificationError as exc:  # not transient
@@ -268,8 +248,7 @@ class AsyncClient(Generic[ObsT]):
                 raise ConnectError(
                     f"cannot open a session at {self.url}: {exc}", url=self.url
                 ) from exc
-            self._transport, self._listener = transport, cast(_Listener, listener)
-            self._answered = 0
+            self._opened(transport, cast(Listener, listener), {})
             return self
         hint = ""
         if isinstance(last, ConnectionResetError) and self.url.startswith("ws://"):
@@ -298,8 +277,8 @@ class AsyncClient(Generic[ObsT]):
                 try:
                     async with asyncio.timeout(self.connect_timeout):
                         transport, listener = await ws_connect(
-                            partial(_Listener, lease),
-                            ep.ws_url,
+                            partial(Listener, lease, None),
+                            self._asking(ep.ws_url),
                             ssl_context=self.ssl,
                             websocket_handshake_timeout=self.connect_timeout,
                             max_frame_size=self.max_message_bytes,
@@ -308,7 +287,7 @@ class AsyncClient(Generic[ObsT]):
                             use_aiofastnet=False,
                             **kwargs,
                         )
-                    if transport.is_disconnected and not _answered_before_closing(listener):
+                    if transport.is_disconnected and not answered_before_closing(listener):
                         raise ConnectionResetError(
                             "the server closed the connection in the handshake"
                         )
@@ -339,9 +318,10 @@ class AsyncClient(Generic[ObsT]):
                     raise ConnectError(
                         f"cannot open a session at {ep.ws_url}: {exc}", url=ep.ws_url
                     ) from exc
-                self._transport, self._listener = transport, cast(_Listener, listener)
                 self._lease, self.url, self.endpoint = lease, ep.ws_url, ep.url
-                self._answered = 0
+                self._opened(transport, cast(Listener, listener), kwargs)
+                if ep.host is not None:
+                    self._host_headers = {"Host": headers["Host"]}
                 return self
             if attempt < self.max_retries:
                 await asyncio.sleep(_backoff(attempt))
@@ -354,6 +334,7 @@ class AsyncClient(Generic[ObsT]):
 
     async def close(self) -> None:
         """Send ``close`` and end the session (idempotent)."""
+        self._stop_resuming(SessionClosedError("the session was closed while resuming"))
         transport, self._transport = self._transport, None
         if transport is None or transport.is_disconnected:
             return
@@ -402,8 +383,51 @@ class AsyncClient(Generic[ObsT]):
             return msgspec.convert(data, self.state_type, strict=False)
         return data
 
+    async def fork(self) -> AsyncClient[ObsT]:
+        """A new session starting from this one's snapshot: the same env state, episode and
+        step count, on the same server; the two go on independently (tree search, GRPO
+        groups sharing a prefix). Needs a resumable session (a Stadium server). The new
+        client is connected; close it as any other.
+        """
+        if self.session_id is None:
+            await self.connect()
+        if self.session_id is None:
+            raise SessionError(
+                "fork needs a resumable session: this server did not grant one (not a "
+                "Stadium server, or it runs with --resume-grace 0)"
+            )
+        reply = await self._request({"type": "fork"})
+        data = reply.get("data") or {}
+        child: AsyncClient[ObsT] = AsyncClient(
+            self.url,
+            observation_type=self.observation_type,
+            state_type=self.state_type,
+            msgpack=self.msgpack,
+            connect_timeout=self.connect_timeout,
+            request_timeout=self.request_timeout,
+            max_retries=self.max_retries,
+            max_message_bytes=self.max_message_bytes,
+            headers=self.headers,
+            token="",
+            ssl=self.ssl,
+            action_encoder=self.action_encoder,
+        )
+        child.session_id = str(data.get("session", ""))
+        child._resume_token = str(data.get("token", ""))
+        child._resume_node, child._resume_addr = self._resume_node, self._resume_addr
+        child._resume_grace = float(data.get("grace", self._resume_grace))
+        child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
+        child.endpoint = self.endpoint
+        detached = Listener(None, None)
+        detached.unanswered = collections.deque()
+        await child._resume_session(detached)  # attach to it as to a lost session
+        if child._transport is None:
+            raise detached.closed or SessionClosedError("the forked session could not be opened")
+        return child
+
     async def _request(self, message: dict[str, Any], retry_capacity: bool = False) -> Any:
-        payload = self._encode(message)
+        if self._resuming is not None:  # the connection was lost: wait for the resume
+            await asyncio.shield(self._resuming)
         listener = self._listener
         if not retry_capacity and listener is not None and not self.connected:
             # The session this client had is gone: a silent reconnect would start a
@@ -414,9 +438,12 @@ class AsyncClient(Generic[ObsT]):
         for attempt in range(self.max_retries + 1):
             await self.connect()
             try:
-                reply = await self._roundtrip(payload)
+                reply = await self._roundtrip(message)
             except CapacityError as exc:
                 fresh = self._answered == 0
+                if not fresh:  # a request refused (a fork with no free slot): the session goes on
+                    self._answered += 1
+                    raise
                 lease = self._lease
                 await self._drop()
                 if not (retry_capacity and fresh) or attempt >= self.max_retries:
@@ -431,10 +458,11 @@ class AsyncClient(Generic[ObsT]):
             return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _roundtrip(self, payload: bytes) -> Any:
+    async def _roundtrip(self, message: dict[str, Any]) -> Any:
         transport, listener = self._transport, self._listener
         assert transport is not None
         assert listener is not None
+        rid = None
         if listener.early:
             raw = listener.early.popleft()
         else:
@@ -442,6 +470,13 @@ class AsyncClient(Generic[ObsT]):
                 raise listener.closed
             fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             listener.waiting.append(fut)
+            unanswered = listener.unanswered
+            if unanswered is not None:  # resumable: numbered, kept until answered
+                self._sent = rid = self._sent + 1
+                payload = self._encode({**message, "id": rid})
+                unanswered.append((rid, payload))
+            else:
+                payload = self._encode(message)
             transport.send(self._msg_type, payload)
             try:
                 raw = await asyncio.wait_for(fut, self.request_timeout)
@@ -456,17 +491,195 @@ class AsyncClient(Generic[ObsT]):
         reply = self._decode(raw)
         if not isinstance(reply, dict):
             raise SessionClosedError(f"server sent a non-object frame: {reply!r}")
+        if rid is not None and reply.get("id", rid) != rid:  # never another request's reply
+            await self._drop()
+            raise SessionClosedError(
+                f"reply to request {reply.get('id')!r} arrived for request {rid}; "
+                "the session was dropped"
+            )
         if reply.get("type") == "error":
             raise error_from_wire(reply.get("data"))
         return reply
 
     async def _drop(self) -> None:
+        self._stop_resuming(SessionClosedError("the session was dropped while resuming"))
         transport, self._transport = self._transport, None
         if self._listener is not None:
             self._listener.closing = True
         if transport is not None and not transport.is_disconnected:
             transport.send_close(WSCloseCode.OK)
             transport.disconnect()
+
+    # -- resume (see stadium._resume) ---------------------------------------------
+
+    def _asking(self, url: str) -> str:
+        """The URL that opens a session: asking for a resumable one when ``resume``."""
+        return _with_query(url, {RESUME_PARAM: "1"}) if self.resume else url
+
+    def _opened(self, transport: WSTransport, listener: Listener, kwargs: dict[str, Any]) -> None:
+        """A new session is open: note whether it is resumable (the server said so)."""
+        self._transport, self._listener = transport, listener
+        self._answered = 0
+        self._connect_kwargs = kwargs
+        headers = transport.response.headers if self.resume else None
+        sid = headers.get(SESSION_HEADER) if headers is not None else None
+        self.session_id = sid
+        if sid is None or headers is None:
+            return
+        self._resume_token = headers.get(TOKEN_HEADER, "")
+        self._resume_node = headers.get(NODE_HEADER, "")
+        self._resume_addr = headers.get(ADDR_HEADER, "")
+        try:
+            self._resume_grace = float(headers.get(GRACE_HEADER, "0"))
+        except ValueError:
+            self._resume_grace = 0.0
+        self._sent = 0
+        listener.unanswered = collections.deque()
+        listener.on_lost = self._lost
+
+    def _lost(self, listener: Listener) -> None:
+        """The connection of a resumable session is gone: resume it in the background;
+        requests wait for it."""
+        if self._resuming is None:
+            self._resuming = asyncio.get_running_loop().create_task(self._resume_session(listener))
+
+    def _stop_resuming(self, err: SessionClosedError) -> None:
+        task, self._resuming = self._resuming, None
+        if task is not None and not task.done():
+            task.cancel()
+            if self._listener is not None:
+                self._fail_session(self._listener, err)
+
+    async def _resume_session(self, lost: Listener) -> None:
+        """Reconnect and resume until the server's grace period is over (then fail the
+        session's requests with :class:`ResumeError`)."""
+        try:
+            await self._resume_loop(lost)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug or an unforeseen error: never leave requests hanging
+            self._fail_session(lost, _resume_failed(self.session_id, repr(exc)))
+
+    async def _resume_loop(self, lost: Listener) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._resume_grace + 1.0
+        last: BaseException | None = None
+        attempt = 0
+        while True:
+            base, host_headers, kwargs = self.url, self._host_headers, self._connect_kwargs
+            lease = None
+            balancer = self._balancer
+            if attempt % 2 == 1 and balancer is not None:
+                # Every other attempt on another node: the session's may be gone for good, and
+                # another node sharing its store restores a durable session.
+                lease = await balancer.acquire([])
+                if lease is not None:
+                    ep = lease.endpoint
+                    base, host_headers, kwargs = ep.ws_url, {}, {}
+                    if ep.host is not None:
+                        host_headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}"}
+                        if ep.url.startswith("https"):
+                            kwargs = {"server_hostname": ep.host}
+            url = _with_query(
+                base,
+                {
+                    RESUME_PARAM: self.session_id or "",
+                    RECEIVED_PARAM: str(lost.received),
+                    NODE_PARAM: self._resume_node,
+                    ADDR_PARAM: self._resume_addr,
+                },
+            )
+            headers = {**self.headers, **host_headers, TOKEN_HEADER: self._resume_token}
+            try:
+                async with asyncio.timeout(
+                    max(0.05, min(self.connect_timeout, deadline - loop.time()))
+                ):
+                    transport, resumed = await ws_connect(
+                        partial(Listener, lease, lost),
+                        url,
+                        ssl_context=self.ssl,
+                        websocket_handshake_timeout=self.connect_timeout,
+                        max_frame_size=self.max_message_bytes,
+                        extra_headers=headers,
+                        enable_auto_ping=False,
+                        use_aiofastnet=False,
+                        **kwargs,
+                    )
+                    listener = cast(Listener, resumed)
+                    if listener is None or listener.greeting is None or transport.is_disconnected:
+                        raise ConnectionResetError("the connection closed in the handshake")
+                    hello = await listener.greeting
+            except WSHandshakeError as exc:
+                refused = _refused(exc, url)
+                if refused.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403
+                    self._fail_session(lost, _resume_failed(self.session_id, str(refused)))
+                    return
+                last = refused
+            except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
+                last = exc
+            else:
+                reply = self._decode(hello)
+                kind = reply.get("type") if isinstance(reply, dict) else None
+                if kind == "resumed":
+                    data = reply.get("data") or {}
+                    self._resume_token = str(data.get("token", ""))
+                    # A durable session restored elsewhere has a new id, node and address.
+                    self.session_id = str(data.get("session") or self.session_id)
+                    self._resume_node = str(data.get("node") or self._resume_node)
+                    self._resume_addr = str(data.get("address") or self._resume_addr)
+                    if lease is not None:  # on another node from now on
+                        if lost.lease is not None and lost.lease is not lease:
+                            lost.lease.release()
+                        self._lease, self.url, self.endpoint = lease, base, lease.endpoint.url
+                        self._host_headers, self._connect_kwargs = host_headers, kwargs
+                    requests = int(data.get("requests", 0))
+                    assert listener.unanswered is not None
+                    for index, payload in listener.unanswered:
+                        if index > requests:  # lost on the way in: send again
+                            transport.send(self._msg_type, payload)
+                    listener.on_lost = self._lost
+                    listener.adopted = True
+                    self._transport, self._listener = transport, listener
+                    self._resuming = None
+                    self.resumes += 1
+                    return
+                transport.disconnect()
+                err = error_from_wire(reply.get("data")) if kind == "error" else None
+                if not isinstance(err, ResumeError):
+                    err = _resume_failed(self.session_id, f"the server answered {reply!r:.200}")
+                if lease is None:  # the session's own node says it is gone: it is
+                    self._fail_session(lost, err)
+                    return
+                last = err  # another node does not have it: its own may still come back
+            if lease is not None and self._lease is not lease:
+                lease.release()
+            attempt += 1
+            delay = _backoff(attempt)
+            if loop.time() + delay >= deadline:
+                self._fail_session(
+                    lost,
+                    _resume_failed(
+                        self.session_id,
+                        f"no server took it back within its {self._resume_grace:g} s grace "
+                        f"period (last: {last!r})",
+                    ),
+                )
+                return
+            await asyncio.sleep(delay)
+
+    def _fail_session(self, lost: Listener, err: SessionClosedError) -> None:
+        """The session cannot be resumed: its requests fail with ``err``."""
+        self._resuming = None
+        self._transport = None
+        lost.on_lost = None
+        lost.closed = err
+        if lost.lease is not None:
+            lost.lease.release(suspect=True)
+            lost.lease = None
+        while lost.waiting:
+            fut = lost.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(err)
 
     def _result(self, reply: dict[str, Any]) -> StepResult[ObsT]:
         data = reply.get("data") or {}
@@ -506,6 +719,18 @@ def _refused(exc: WSHandshakeError, url: str) -> ConnectError:
     return ConnectError(f"{message} ({detail})" if detail else message, url=url, status=status)
 
 
+def _resume_failed(sid: str | None, why: str) -> ResumeError:
+    return ResumeError(f"session {sid} could not be resumed: {why}", session=sid)
+
+
+def _with_query(url: str, params: dict[str, str]) -> str:
+    """``url`` with ``params`` set in its query (replacing any of the same names)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k not in params]
+    query.extend(params.items())
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
 def _backoff(attempt: int) -> float:
     """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
     return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
@@ -520,160 +745,4 @@ def _to_builtins(action: Any) -> Any:
     return msgspec.to_builtins(action)
 
 
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` on the background loop every sync client shares; block for its result."""
-    return _LoopThread.run(coro)
-
-
-class _LoopThread:
-    """One background event loop shared by every sync :class:`Client` in the process."""
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def run(cls, coro: Coroutine[Any, Any, T]) -> T:
-        with cls._lock:
-            if cls._loop is None or cls._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                threading.Thread(
-                    target=loop.run_forever, name="stadium-client", daemon=True
-                ).start()
-                cls._loop = loop
-            loop = cls._loop
-        return asyncio.run_coroutine_threadsafe(coro, loop).result()
-
-
-class Client(Generic[ObsT]):
-    """A blocking session client; same arguments and methods as :class:`AsyncClient`.
-
-    All sync clients of a process share one background event loop thread. ``url`` may
-    name several nodes (a list, a deployment file, a DNS name for many addresses).
-    """
-
-    def __init__(self, url: EndpointSpec, **kwargs: Any) -> None:
-        self._client: AsyncClient[ObsT] = AsyncClient(url, **kwargs)
-
-    @property
-    def url(self) -> str:
-        """The session's URL (the node it landed on, once open)."""
-        return self._client.url
-
-    @property
-    def endpoint(self) -> str | None:
-        """The base URL of a balanced session's node (None for one plain URL)."""
-        return self._client.endpoint
-
-    def connect(self) -> Client[ObsT]:
-        _LoopThread.run(self._client.connect())
-        return self
-
-    def close(self) -> None:
-        _LoopThread.run(self._client.close())
-
-    def __enter__(self) -> Client[ObsT]:
-        return self.connect()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def reset(
-        self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
-    ) -> StepResult[ObsT]:
-        return _LoopThread.run(self._client.reset(seed=seed, episode_id=episode_id, **options))
-
-    def step(self, action: Any) -> StepResult[ObsT]:
-        return _LoopThread.run(self._client.step(action))
-
-    def state(self) -> Any:
-        return _LoopThread.run(self._client.state())
-
-
-class SessionPool(Generic[ObsT]):
-    """N sessions driven together, the way a trainer steps a batch of episodes.
-
-    ``reset``/``step`` take one argument per session and return results in
-    session order; a failed session raises unless ``return_exceptions=True``.
-
-    At most ``connect_concurrency`` sessions connect at once: a server's accept
-    queue is finite (``somaxconn``, 4,096 by default on Linux), and a burst
-    beyond it loses SYNs that the kernel retries only after 1 s, then 3 s.
-
-    ``url`` may name several nodes (a list of URLs, a deployment file, a DNS name for
-    many addresses): the sessions spread over them by free capacity, all the pool's
-    clients sharing one balancer.
-
-    Example::
-
-        async with SessionPool(url, size=256) as pool:
-            firsts = await pool.reset(seeds=range(256))
-            results = await pool.step([{"wait_seconds": 0.0}] * 256)
-    """
-
-    def __init__(
-        self,
-        url: EndpointSpec,
-        size: int,
-        *,
-        connect_concurrency: int = 1024,
-        **client_kwargs: Any,
-    ) -> None:
-        if size < 1:
-            raise ValueError("a SessionPool needs at least one session")
-        if connect_concurrency < 1:
-            raise ValueError("connect_concurrency must be at least 1")
-        self.connect_concurrency = connect_concurrency
-        self.clients: list[AsyncClient[ObsT]] = [
-            AsyncClient(url, **client_kwargs) for _ in range(size)
-        ]
-
-    def __len__(self) -> int:
-        return len(self.clients)
-
-    async def __aenter__(self) -> SessionPool[ObsT]:
-        window = asyncio.Semaphore(self.connect_concurrency)
-
-        async def connect(client: AsyncClient[ObsT]) -> None:
-            async with window:
-                await client.connect()
-
-        await self._gather(connect(c) for c in self.clients)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
-
-    async def reset(
-        self,
-        seeds: Iterable[int | None] | None = None,
-        *,
-        return_exceptions: bool = False,
-        **options: Any,
-    ) -> list[StepResult[ObsT]]:
-        seed_list: Sequence[int | None] = list(seeds) if seeds is not None else [None] * len(self)
-        if len(seed_list) != len(self):
-            raise ValueError(f"got {len(seed_list)} seeds for {len(self)} sessions")
-        return await self._gather(
-            (c.reset(seed=s, **options) for c, s in zip(self.clients, seed_list, strict=True)),
-            return_exceptions,
-        )
-
-    async def step(
-        self, actions: Sequence[Any], *, return_exceptions: bool = False
-    ) -> list[StepResult[ObsT]]:
-        if len(actions) != len(self):
-            raise ValueError(f"got {len(actions)} actions for {len(self)} sessions")
-        return await self._gather(
-            (c.step(a) for c, a in zip(self.clients, actions, strict=True)), return_exceptions
-        )
-
-    @staticmethod
-    async def _gather(coros: Iterable[Awaitable[T]], return_exceptions: bool = False) -> list[T]:
-        results = await asyncio.gather(*coros, return_exceptions=return_exceptions)
-        return list(results)  # type: ignore[arg-type]
-
-
-__all__ = ["AsyncClient", "Client", "SessionPool", "StadiumError", "run_sync", "ws_url"]
+__all__ = ["TOKEN_ENV", "AsyncClient", "StadiumError", "ws_url"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,9 @@ class ServerConfig:
         idle_timeout: seconds without a request before a session is closed (0: never).
         max_message_bytes: largest accepted WebSocket message.
         drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
+        resume_grace: seconds a resumable session (one a Stadium client opened) keeps
+            its env and slot after losing its connection, for the client to resume it
+            (0: no session is resumable).
         ping_interval, ping_timeout: keepalive pings that detect half-open peers (0: off).
         executor_threads: size of the shared pool for blocking sync environments.
         restart_max_delay: with several workers, the longest wait before a worker
@@ -71,6 +75,12 @@ class ServerConfig:
             paths are cut to their last part), and every exception an env raises
             is logged at ERROR with its traceback (else at most one WARNING per
             10 s); may reveal server paths: for debugging only.
+        durable: write each resumable session's env snapshot and counters to
+            ``session_store`` before each reply, so that a session whose worker or
+            node died is restored when its client resumes (``_durable``).
+        session_store: where durable sessions are written: a directory (``dir:/path``
+            or a path; shared between nodes on a cluster). Default: a directory in
+            the system's temporary directory, for this user.
     """
 
     target: str
@@ -82,6 +92,7 @@ class ServerConfig:
     idle_timeout: float = 300.0
     max_message_bytes: int = 10 * 1024 * 1024
     drain_timeout: float = 30.0
+    resume_grace: float = 60.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
     executor_threads: int = min(32, (os.cpu_count() or 1) + 4)
@@ -107,6 +118,9 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     debug_errors: bool = False
+    durable: bool = False
+    session_store: str = ""
+    """``""``: :func:`default_session_store`, looked up only with ``durable``."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
@@ -115,6 +129,15 @@ class ServerConfig:
         _check(self.admission_timeout >= 0, "--admission-timeout must be >= 0")
         _check(self.idle_timeout >= 0, "--idle-timeout must be >= 0 (0 disables it)")
         _check(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        _check(
+            0 <= self.resume_grace <= 86400,
+            "--resume-grace must be between 0 (no resume) and 86400 seconds",
+            value=self.resume_grace,
+        )
+        _check(
+            not (self.durable and self.resume_grace == 0),
+            "--durable needs resumable sessions: give --resume-grace above 0",
+        )
         _check(self.ping_interval >= 0 and self.ping_timeout >= 0, "ping settings must be >= 0")
         _check(
             1024 <= self.max_message_bytes <= 1 << 30,
@@ -202,6 +225,22 @@ class ServerConfig:
         return cls(**kwargs)
 
 
+def default_session_store() -> str:
+    """``--session-store``'s default: a directory of this user's in the temporary directory.
+
+    Raises:
+        ConfigError: there is no usable temporary directory (e.g. a read-only root).
+    """
+    try:
+        tmp = tempfile.gettempdir()
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"--durable: no writable temporary directory for the session store ({exc}); "
+            "give --session-store DIR"
+        ) from None
+    return os.path.join(tmp, f"stadium-sessions-{os.getuid()}")
+
+
 def read_token_file(path: str) -> str:
     """The token in ``path`` (its first line, stripped); ConfigError if unreadable or empty."""
     try:
@@ -243,6 +282,11 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
         click.option(
             "--drain-timeout", type=float, help="Seconds to finish in-flight work on SIGTERM [30]."
+        ),
+        click.option(
+            "--resume-grace",
+            type=float,
+            help="Seconds a lost session waits for its client to resume it; 0 off [60].",
         ),
         click.option(
             "--ping-interval", type=float, help="Keepalive ping when idle this long; 0 off [20]."
@@ -328,6 +372,19 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             is_flag=True,
             default=None,
             help="Full exception text (paths) in error replies; log every env traceback.",
+        ),
+        click.option(
+            "--durable",
+            is_flag=True,
+            default=None,
+            help="Snapshot sessions to --session-store after each reply; a session whose "
+            "worker or node dies is restored when its client resumes.",
+        ),
+        click.option(
+            "--session-store",
+            metavar="DIR",
+            help="Where --durable writes sessions (a directory, shared between nodes on a "
+            "cluster) [$TMPDIR/stadium-sessions-UID].",
         ),
     ]
     for option in reversed(options):

@@ -15,6 +15,8 @@ on the wire and a client can rebuild it on the other side::
     │   └── CallTimeoutError          TIMEOUT: an env call ran past its time limit
     ├── CapacityError                 CAPACITY_REACHED: no free session slot
     ├── RateLimitError                RATE_LIMITED: a client sent requests too fast
+    ├── SnapshotError                 SNAPSHOT_FAILED: an env cannot be snapshotted or
+    │                                 restored (``--durable``, fork)
     ├── SessionError                  SESSION_ERROR: misuse of the session lifecycle
     │   └── SessionClosedError        the session or its connection is gone
     ├── ConnectError                  a client could not open a session
@@ -51,6 +53,8 @@ class ErrorCode(enum.StrEnum):
     # Stadium's own codes sent on the wire.
     TIMEOUT = "TIMEOUT"
     RATE_LIMITED = "RATE_LIMITED"
+    SNAPSHOT_FAILED = "SNAPSHOT_FAILED"
+    RESUME_FAILED = "RESUME_FAILED"
     # Stadium-only codes: never sent on the wire by the server.
     CONNECT_ERROR = "CONNECT_ERROR"
     CONFIG_ERROR = "CONFIG_ERROR"
@@ -165,6 +169,16 @@ class CapacityError(StadiumError):
         return float(value) if isinstance(value, int | float) else 1.0
 
 
+class SnapshotError(StadiumError):
+    """An environment cannot be snapshotted, or a snapshot cannot be restored into it.
+
+    ``context`` holds ``env`` (the class) and ``reason`` (one sentence: what does
+    not pickle and where, or why the snapshot does not fit). See ``stadium._snapshot``.
+    """
+
+    code = ErrorCode.SNAPSHOT_FAILED
+
+
 class SessionError(StadiumError):
     """The session lifecycle was misused (e.g. ``step`` before ``reset``)."""
 
@@ -173,6 +187,13 @@ class SessionError(StadiumError):
 
 class SessionClosedError(SessionError):
     """The session, or the connection under it, is closed."""
+
+
+class ResumeError(SessionClosedError):
+    """A session could not be resumed: it ended, its grace period passed, the token
+    is wrong, or no server holds it any more."""
+
+    code = ErrorCode.RESUME_FAILED
 
 
 class ConnectError(StadiumError):
@@ -208,6 +229,8 @@ _BY_CODE: dict[str, type[StadiumError]] = {
     ErrorCode.SESSION_ERROR: SessionError,
     ErrorCode.TIMEOUT: CallTimeoutError,
     ErrorCode.RATE_LIMITED: RateLimitError,
+    ErrorCode.SNAPSHOT_FAILED: SnapshotError,
+    ErrorCode.RESUME_FAILED: ResumeError,
 }
 
 

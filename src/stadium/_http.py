@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 import os
-import socket
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -38,7 +37,7 @@ from stadium._errors import (
 from stadium._metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._protocol import PROTOCOL_VERSION, reset_call
-from stadium._session import CLOSE_GOING_AWAY, Runtime
+from stadium._runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
 from stadium._spec import CallMode
 from stadium._throttle import ThrottledLog
 from stadium._version import __version__
@@ -55,10 +54,6 @@ class HttpResponse:
     content_type: str = _JSON
     headers: tuple[tuple[str, str], ...] = ()
     """Extra response headers (e.g. ``Retry-After``), beside Content-Type and -Length."""
-
-
-_NODE = socket.gethostname()
-"""This node's name, as ``/health`` reports it."""
 
 
 def _json(status: int, payload: Any) -> HttpResponse:
@@ -230,7 +225,7 @@ class HttpEndpoints:
             "max_sessions": slots.limit,
             "waiting_sessions": rt.admission.waiting,
             "workers": self.workers,
-            "node": _NODE,
+            "node": NODE_NAME,
         }
         if rt.draining:
             return _json(503, {"status": "draining", **load})

@@ -56,10 +56,23 @@ __all__ = [
 FLUSH_INTERVAL_S = 0.5
 """How often a worker writes its counts into its shared row."""
 
-OUTCOMES = ("completed", "refused", "errored", "reaped", "resumed")
-"""``stadium_sessions_total`` outcomes (``resumed``: always 0, session resume is future work)."""
+OUTCOMES = (
+    "completed",
+    "refused",
+    "errored",
+    "reaped",
+    "expired",
+    "resumed",
+    "restored",
+    "forked",
+)
+"""``stadium_sessions_total`` outcomes: how sessions ended (``expired``: a lost session not
+resumed within ``--resume-grace``); ``resumed`` counts resumes and ``restored`` the
+resumes of durable sessions from the store, ``forked`` the sessions started by a fork
+(a session may resume several times, and ends later with one of the others)."""
 
-ERROR_CODES: tuple[str, ...] = (*tuple(str(c) for c in list(ErrorCode)[:9]), "other")
+_WIRE_CODES = list(ErrorCode)[: list(ErrorCode).index(ErrorCode.CONNECT_ERROR)]
+ERROR_CODES: tuple[str, ...] = (*(str(c) for c in _WIRE_CODES), "other")
 """``stadium_errors_total`` codes: those sent on the wire; anything else counts as ``other``."""
 
 STEP_BUCKETS = (

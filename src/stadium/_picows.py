@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import functools
 import logging
+import os
+import socket
 import sys
 from http import HTTPStatus
 from typing import Any
@@ -33,11 +34,34 @@ from picows import (
 from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
-from stadium._access import AccessPolicy, LocalAddr, Refusal, header_values
-from stadium._http import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
+from stadium._access import AccessPolicy, Refusal, header_values
+from stadium._errors import StadiumError
+from stadium._h11 import HttpProtocol, encode_response, timeout_response
+from stadium._handoff import Handoff
+from stadium._http import HttpEndpoints, HttpResponse, error_response
 from stadium._limits import client_address
-from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding
-from stadium._session import MAX_FRAGMENTS, MAX_UNSENT_BYTES, Runtime, Session, attach_id
+from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding, SessionProtocol
+from stadium._restore import resume_session
+from stadium._resume import (
+    ADDR_HEADER,
+    GRACE_HEADER,
+    NODE_HEADER,
+    SESSION_HEADER,
+    TOKEN_HEADER,
+    ResumeAsk,
+    new_session_id,
+    new_token,
+    resume_ask,
+)
+from stadium._runtime import (
+    CLOSE_POLICY,
+    MAX_FRAGMENTS,
+    MAX_UNSENT_BYTES,
+    NODE_NAME,
+    Runtime,
+    attach_id,
+)
+from stadium._session import Session
 from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.transport")
@@ -146,16 +170,23 @@ class _SessionListener(WSListener):
         "_msg_type",
         "_owner",
         "_paused",
+        "_resume",
         "encoding",
         "session",
         "transport",
     )
 
     def __init__(
-        self, owner: PicowsTransport, encoding: Encoding, attach: str | None = None
+        self,
+        owner: PicowsTransport,
+        encoding: Encoding,
+        attach: str | None = None,
+        resume: ResumeAsk | tuple[str, str] | None = None,
     ) -> None:
         self._owner = owner
         self._attach = attach
+        self._resume = resume
+        """A resume of a session (``ResumeAsk``), or a new resumable session's id and token."""
         self.encoding = encoding
         self._msg_type = _TEXT if encoding is Encoding.JSON else _BINARY
         self._frags: list[bytes] | None = None
@@ -170,10 +201,35 @@ class _SessionListener(WSListener):
         self.transport = transport
         runtime = self._owner.runtime
         client = None
+        resume = self._resume
+        if type(resume) is ResumeAsk:
+            self._resumed(runtime, resume)
+            return
         if runtime.limits is not None:  # per-client limits: the peer's address
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
-        self.session = Session(runtime, self, self.encoding, client=client, attach=self._attach)
+        self.session = Session(
+            runtime,
+            self,
+            self.encoding,
+            client=client,
+            attach=self._attach,
+            resume=resume,  # type: ignore[arg-type]  # a tuple or None here
+        )
         self.session.start()
+
+    def _resumed(self, runtime: Runtime, ask: ResumeAsk) -> None:
+        """Bind this connection to the session it resumes, or say why not and close."""
+        transport = self.transport
+        assert transport is not None
+        where = (NODE_NAME, _address(transport.underlying_transport))
+        result = resume_session(runtime, ask, self, self.encoding, where)
+        if isinstance(result, StadiumError):
+            runtime.errors_total[str(result.code)] += 1
+            protocol = SessionProtocol(runtime.spec, self.encoding, str)
+            self.send(protocol.error_reply(None, result))
+            self.close(CLOSE_POLICY, "session cannot be resumed")
+            return
+        self.session = result
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
@@ -221,7 +277,7 @@ class _SessionListener(WSListener):
         self._frags = None
         session, self.session = self.session, None
         if session is not None:
-            session.connection_lost()
+            session.connection_lost(self)
         # Break the reference cycles (listener <-> WSTransport, listener <-> Session) now:
         # `stadium serve` runs the cyclic collector rarely (_server.GC_THRESHOLDS), so a
         # connection's objects left in a cycle would pile up for many thousand sessions.
@@ -330,7 +386,10 @@ class PicowsTransport:
         self.body_timeout = body_timeout
         self.keepalive_timeout = keepalive_timeout
         self.timeouts: collections.Counter[str] = collections.Counter()
-        self.http_connections: set[_HttpProtocol] = set()
+        self.http_connections: set[HttpProtocol] = set()
+        self.handoff: Handoff | None = None
+        """Passes a resume for another worker's session to it (``_handoff``); set by the
+        server when it listens."""
         # stadium_worker_open_connections: WebSocket sessions and HTTP connections.
         runtime.open_connections = lambda: len(runtime.sessions) + len(self.http_connections)
 
@@ -339,7 +398,9 @@ class PicowsTransport:
         self.timeouts[what] += 1
         log.debug("closing a connection: %s timeout", what)
 
-    def _route(self, request: WSUpgradeRequest, local_addr: LocalAddr = None) -> Any:
+    def _route(
+        self, request: WSUpgradeRequest, transport: asyncio.BaseTransport | None = None
+    ) -> Any:
         path = request.path.decode("latin-1")
         headers = request.headers
         refusal = self.access.check(
@@ -347,7 +408,7 @@ class PicowsTransport:
             authorization=headers.get("Authorization"),
             origin=headers.get("Origin"),
             host=headers.get("Host"),
-            local_addr=local_addr,
+            local_addr=None if transport is None else functools.partial(_local_addr, transport),
         )
         if refusal is not None:  # before any env or slot: see stadium._access
             return _response(_refused(refusal))
@@ -355,16 +416,36 @@ class PicowsTransport:
             path.split("?", 1)[0] == "/ws"
             and request.headers.get("Upgrade", "").lower() == "websocket"
         ):
-            attach = attach_id(path.partition("?")[2])  # OpenEnv's MCP session, if named
+            query = path.partition("?")[2]
+            attach = attach_id(query)  # OpenEnv's MCP session, if named
+            extra: dict[str, str] = {}
+            resume: ResumeAsk | tuple[str, str] | None = None
+            if "stadium_resume" in query:  # Stadium's clients: see stadium._resume
+                ask = resume_ask(query, headers.get(TOKEN_HEADER))
+                if isinstance(ask, str):
+                    return _response(error_response(400, ask, "RESUME_FAILED"))
+                if ask is not None and ask.sid is not None:
+                    resume = ask
+                elif ask is not None and self.runtime.resume_grace > 0 and attach is None:
+                    resume = (new_session_id(os.getpid()), new_token())
+                    extra = {
+                        SESSION_HEADER: resume[0],
+                        TOKEN_HEADER: resume[1],
+                        NODE_HEADER: NODE_NAME,
+                        ADDR_HEADER: _address(transport),
+                        GRACE_HEADER: f"{self.runtime.resume_grace:g}",
+                    }
             offered = request.headers.get("Sec-WebSocket-Protocol", "")
+            encoding = Encoding.JSON
             if MSGPACK_SUBPROTOCOL in (p.strip() for p in offered.split(",")):
-                return WSUpgradeResponseWithListener(
-                    WSUpgradeResponse.create_101_response(
-                        {"Sec-WebSocket-Protocol": MSGPACK_SUBPROTOCOL}
-                    ),
-                    _SessionListener(self, Encoding.MSGPACK, attach),
-                )
-            return _SessionListener(self, Encoding.JSON, attach)
+                encoding = Encoding.MSGPACK
+                extra["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
+            listener = _SessionListener(self, encoding, attach, resume)
+            if not extra:
+                return listener
+            return WSUpgradeResponseWithListener(
+                WSUpgradeResponse.create_101_response(extra), listener
+            )
         return _response(self.endpoints.get(path))
 
     def http_refusal(
@@ -388,7 +469,7 @@ class PicowsTransport:
         resp = self.endpoints.over_rate(client_address(transport.get_extra_info("peername")))
         if resp is None:
             return False
-        transport.write(_encode(h11.Connection(h11.SERVER), resp))
+        transport.write(encode_response(h11.Connection(h11.SERVER), resp))
         transport.close()
         return True
 
@@ -403,9 +484,7 @@ class PicowsTransport:
             is_client_side=False,
             ws_listener_factory=self._route
             if transport is None
-            else functools.partial(
-                self._route, local_addr=functools.partial(_local_addr, transport)
-            ),
+            else functools.partial(self._route, transport=transport),
             logger=_PICOWS_LOG,
             disconnect_on_exception=True,
             websocket_handshake_timeout=handshake_timeout,
@@ -423,17 +502,39 @@ class PicowsTransport:
         """The protocol factory for ``loop.create_server``."""
         return _FrontProtocol(self)
 
+    def adopt(self, sock: socket.socket, head: bytes) -> None:
+        """Serve a connection another worker accepted and read ``head`` of (``_handoff``)."""
+        loop = asyncio.get_running_loop()
+
+        async def connect() -> None:
+            try:
+                await loop.connect_accepted_socket(lambda: _FrontProtocol(self, head), sock)
+            except OSError as exc:  # the peer left meanwhile
+                log.debug("connection hand-off: adopting failed: %s", exc)
+                sock.close()
+
+        task = loop.create_task(connect())
+        _ADOPTING.add(task)
+        task.add_done_callback(_ADOPTING.discard)
+
+
+_ADOPTING: set[asyncio.Task[None]] = set()
+
 
 _MAX_REQUEST_LINE = 8192
-_AMBIGUOUS_LENGTH = error_response(
-    400,
-    "a request with both Content-Length and Transfer-Encoding is refused: send one of them",
-    "BAD_REQUEST",
-)
 
 
 def _refused(refusal: Refusal) -> HttpResponse:
     return HttpResponse(refusal.status, refusal.body, headers=refusal.headers)
+
+
+def _address(transport: asyncio.BaseTransport | None) -> str:
+    """This server as a router addresses it: the ``host:port`` the connection arrived on."""
+    sockname = None if transport is None else transport.get_extra_info("sockname")
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        host = sockname[0]
+        return f"[{host}]:{sockname[1]}" if ":" in host else f"{host}:{sockname[1]}"
+    return NODE_NAME
 
 
 def _local_addr(transport: asyncio.BaseTransport) -> str | None:
@@ -442,46 +543,24 @@ def _local_addr(transport: asyncio.BaseTransport) -> str | None:
     return sockname[0] if isinstance(sockname, tuple) and sockname else None
 
 
-def _timeout_response(what: str, seconds: float) -> HttpResponse:
-    """``408 Request Timeout``, closing the connection."""
-    resp = error_response(
-        408,
-        f"the request's {what} did not arrive within {seconds:g}s; send each request whole",
-        "REQUEST_TIMEOUT",
-    )
-    return dataclasses.replace(resp, headers=(("Connection", "close"),))
-
-
-def _encode(conn: h11.Connection, resp: HttpResponse, *, body: bool = True) -> bytes:
-    """``resp`` as bytes on ``conn``; raises ``h11.LocalProtocolError`` out of turn."""
-    headers = [
-        ("Content-Type", resp.content_type),
-        ("Content-Length", str(len(resp.body))),
-        *resp.headers,
-    ]
-    out = conn.send(h11.Response(status_code=resp.status, headers=headers)) or b""
-    if body:
-        out += conn.send(h11.Data(data=resp.body)) or b""
-    return out + (conn.send(h11.EndOfMessage()) or b"")
-
-
 class _FrontProtocol(asyncio.Protocol):
     """Decides from the request line whether a connection is picows' or plain HTTP.
 
     From accept, the connection has ``header_timeout`` seconds to send its request
     line and headers: a timer here until the request line is in (then ``408`` if
     part of it came, else a plain close), then what is left of it goes with the
-    connection (picows' handshake timeout, or :class:`_HttpProtocol`'s timer).
+    connection (picows' handshake timeout, or :class:`HttpProtocol`'s timer).
     ``GET /state`` goes to h11: it builds an environment, which picows' synchronous
     handshake hook cannot wait for.
     """
 
     __slots__ = ("_buf", "_owner", "_timer", "_transport")
 
-    def __init__(self, owner: PicowsTransport) -> None:
+    def __init__(self, owner: PicowsTransport, head: bytes = b"") -> None:
         self._owner = owner
         self._transport: asyncio.Transport | None = None
-        self._buf = b""
+        self._buf = head
+        """Bytes read so far (a connection handed over by another worker comes with some)."""
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -489,6 +568,8 @@ class _FrontProtocol(asyncio.Protocol):
         self._timer = asyncio.get_running_loop().call_later(
             self._owner.header_timeout, self._timed_out
         )
+        if self._buf:  # handed over (``_handoff``): its request line is in already
+            self.data_received(b"")
 
     def _timed_out(self) -> None:
         self._timer = None
@@ -498,7 +579,9 @@ class _FrontProtocol(asyncio.Protocol):
         self._owner.timed_out("headers")
         if self._buf:
             conn = h11.Connection(h11.SERVER)
-            transport.write(_encode(conn, _timeout_response("headers", self._owner.header_timeout)))
+            transport.write(
+                encode_response(conn, timeout_response("headers", self._owner.header_timeout))
+            )
         transport.close()
         self._transport = None
 
@@ -525,6 +608,12 @@ class _FrontProtocol(asyncio.Protocol):
             # picows: WebSocket upgrades and the GET endpoints (HTTP/1.1 only).
             if self._owner.over_rate(transport):
                 return
+            handoff = self._owner.handoff
+            if handoff is not None and b"stadium_resume=" in line:
+                self._buf = b""
+                if handoff.pass_on(transport, buf, line):  # another worker's session
+                    self._transport = None
+                    return
             left = deadline - asyncio.get_running_loop().time()
             ws = self._owner.ws_protocol(max(left, 0.001), transport)
             transport.set_protocol(ws)
@@ -537,7 +626,7 @@ class _FrontProtocol(asyncio.Protocol):
                 ws.buffer_updated(n)
                 view = view[n:]
         else:  # h11: POST, HEAD, HTTP/1.0 (HAProxy's and nginx's defaults), and errors
-            http = _HttpProtocol(self._owner, deadline)
+            http = HttpProtocol(self._owner, deadline)
             transport.set_protocol(http)
             http.connection_made(transport)
             http.data_received(buf)
@@ -547,167 +636,3 @@ class _FrontProtocol(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-
-
-# What an HTTP connection waits for (which timeout runs).
-_HEADERS = "headers"
-_BODY = "body"
-_BUSY = "busy"  # answering: no socket timeout (the env call's own limits apply)
-_IDLE = "keep-alive"
-
-
-class _HttpProtocol(asyncio.Protocol):
-    """HTTP/1.1 with keep-alive for the non-GET endpoints (h11 does the parsing).
-
-    One timer at a time, re-armed as the connection changes state: the request's
-    headers by ``header_deadline`` (then ``header_timeout`` from a later request's
-    first byte), its body within ``body_timeout`` of its headers (``408`` and close
-    on either), and ``keepalive_timeout`` idle between requests (close).
-    """
-
-    def __init__(self, owner: PicowsTransport, header_deadline: float) -> None:
-        self._owner = owner
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-        self._transport: asyncio.Transport | None = None
-        self._request: h11.Request | None = None
-        self._body: list[bytes] = []
-        self._size = 0
-        self._task: asyncio.Task[None] | None = None
-        self._deadline = header_deadline
-        self._wait = _HEADERS
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-        self._owner.http_connections.add(self)
-        self._timer = asyncio.get_running_loop().call_at(self._deadline, self._timed_out)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
-        self._owner.http_connections.discard(self)
-        self._arm(_BUSY, 0.0)
-        if self._task is not None:
-            self._task.cancel()
-
-    def _client(self) -> str | None:
-        """The peer's address, for the per-client limits (``None`` when they are off)."""
-        transport = self._transport
-        if transport is None or self._owner.runtime.limits is None:
-            return None
-        return client_address(transport.get_extra_info("peername"))
-
-    def _arm(self, wait: str, seconds: float) -> None:
-        """Wait for ``wait`` for ``seconds`` (no timer for ``_BUSY``)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._wait = wait
-        if wait is not _BUSY:
-            self._timer = asyncio.get_running_loop().call_later(seconds, self._timed_out)
-
-    def _timed_out(self) -> None:
-        self._timer = None
-        if self._transport is None or self._task is not None:
-            return
-        wait = self._wait
-        self._owner.timed_out(wait)
-        if wait is not _IDLE:
-            owner = self._owner
-            limit = owner.header_timeout if wait is _HEADERS else owner.body_timeout
-            self._send(_timeout_response(wait, limit))
-        self._close()
-
-    def data_received(self, data: bytes) -> None:
-        if self._wait is _IDLE:  # the next request begins
-            self._arm(_HEADERS, self._owner.header_timeout)
-        self._conn.receive_data(data)
-        self._process()
-
-    def _process(self) -> None:
-        while self._task is None and self._transport is not None:
-            try:
-                event = self._conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                self._send(error_response(exc.error_status_hint, str(exc), "BAD_REQUEST"))
-                self._close()
-                return
-            if event is h11.NEED_DATA or event is h11.PAUSED:
-                return
-            if isinstance(event, h11.Request):
-                names = {name for name, _ in event.headers}
-                if b"content-length" in names and b"transfer-encoding" in names:
-                    # Two framings: a proxy in front may read the other one (smuggling).
-                    self._send(_AMBIGUOUS_LENGTH)
-                    self._close()
-                    return
-                refusal = self._owner.http_refusal(event, self._transport)
-                if refusal is not None:
-                    self._send(refusal, body=event.method != b"HEAD")
-                    self._close()
-                    return
-                self._request = event
-                self._body = []
-                self._size = 0
-                self._arm(_BODY, self._owner.body_timeout)
-            elif isinstance(event, h11.Data):
-                self._size += len(event.data)
-                if self._size > self._owner.max_message_bytes:
-                    self._send(TOO_LARGE)
-                    self._close()
-                    return
-                self._body.append(event.data)
-            elif isinstance(event, h11.EndOfMessage):
-                self._arm(_BUSY, 0.0)
-                self._task = asyncio.get_running_loop().create_task(self._respond())
-                return
-            elif isinstance(event, h11.ConnectionClosed):
-                self._close()
-                return
-
-    async def _respond(self) -> None:
-        request = self._request
-        assert request is not None
-        method = request.method.decode("latin-1")
-        head = method == "HEAD"  # a GET answered without its body
-        resp = await self._owner.endpoints.handle(
-            "GET" if head else method,
-            request.target.decode("latin-1"),
-            b"".join(self._body),
-            self._client(),
-        )
-        self._task = None
-        self._send(resp, body=not head)
-        if self._conn.our_state is h11.MUST_CLOSE or self._owner.runtime.draining:
-            self._close()
-            return
-        try:
-            self._conn.start_next_cycle()
-        except h11.LocalProtocolError:
-            self._close()
-            return
-        if self._conn.trailing_data[0]:  # part of a pipelined request is already in
-            self._arm(_HEADERS, self._owner.header_timeout)
-        else:
-            self._arm(_IDLE, self._owner.keepalive_timeout)
-        self._process()
-
-    def _send(self, resp: HttpResponse, *, body: bool = True) -> None:
-        transport = self._transport
-        if transport is None:
-            return
-        try:
-            out = _encode(self._conn, resp, body=body)
-        except h11.LocalProtocolError:
-            self._close()
-            return
-        transport.write(out)
-
-    def _close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
-
-    def shutdown(self) -> None:
-        """Close if idle (server draining)."""
-        if self._task is None:
-            self._close()

@@ -6,10 +6,12 @@ Wire format (OpenEnv's, see docs/PROTOCOL.md)::
              {"type": "step",  "data": {<action>}}
              {"type": "state"} | {"type": "close"}
              {"type": "mcp", "data": {<JSON-RPC request>}}    (tools: see _mcp)
+             {"type": "fork"}                                  (Stadium's: see _resume)
     server → {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
              {"type": "state", "data": {"episode_id": ..., "step_count": ..., ...}}
              {"type": "error", "data": {"message": ..., "code": ...}}
              {"type": "mcp", "data": {<JSON-RPC response>}}
+             {"type": "forked", "data": {"session": ..., "token": ..., ...}}
 
 ``id`` is Stadium's extension: when a request carries one, the reply echoes it.
 A step may carry ``"timeout_s": 30.0`` (OpenEnv's HTTP field): its own time limit.
@@ -26,8 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Annotated, Any
 
 import msgspec
@@ -69,6 +70,8 @@ class Op(enum.IntEnum):
     CLOSE = 4
     MCP = 5
     """A JSON-RPC request for the env's tools (``_mcp``), in ``data``."""
+    FORK = 6
+    """A new session from this one's snapshot (Stadium's; see ``_resume``)."""
 
 
 class SessionState(enum.IntEnum):
@@ -82,7 +85,14 @@ class SessionState(enum.IntEnum):
     """``close`` was received or the session was ended; no more requests."""
 
 
-_OPS = {"reset": Op.RESET, "step": Op.STEP, "state": Op.STATE, "close": Op.CLOSE, "mcp": Op.MCP}
+_OPS = {
+    "reset": Op.RESET,
+    "step": Op.STEP,
+    "state": Op.STATE,
+    "close": Op.CLOSE,
+    "mcp": Op.MCP,
+    "fork": Op.FORK,
+}
 
 
 #: ``timeout_s`` of a step frame: seconds, over 0 (under a billion: a finite timer).
@@ -97,7 +107,26 @@ class _Envelope(msgspec.Struct):
 
 
 _RESET_KEYS = frozenset({"seed", "episode_id", "options"})
-_NO_KWARGS: Mapping[str, Any] = types.MappingProxyType({})
+
+
+class _NoKwargs(Mapping[str, Any]):
+    """An empty, immutable, hashable mapping: a dataclass default Python 3.11 accepts
+    (it refuses an unhashable one such as ``MappingProxyType``)."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_NO_KWARGS: Mapping[str, Any] = _NoKwargs()
 
 
 @dataclasses.dataclass(slots=True)
@@ -255,7 +284,7 @@ class SessionProtocol:
                 rid,
                 UnknownTypeError(
                     f"Unknown message type: {envelope.type!r}; expected one of "
-                    "reset, step, state, close, mcp",
+                    "reset, step, state, close, mcp, fork",
                     type=envelope.type,
                 ),
             )
@@ -384,6 +413,14 @@ class SessionProtocol:
     def mcp_reply(self, call: Call, response: Any) -> bytes:
         """The reply to an ``mcp`` request: ``{"type": "mcp", "data": <JSON-RPC response>}``."""
         return self._frame("mcp", response, call.id)
+
+    def forked_reply(self, call: Call, data: dict[str, Any]) -> bytes:
+        """The reply to ``fork``: the new session's id and resume token (``_resume``)."""
+        return self._frame("forked", data, call.id)
+
+    def resumed_reply(self, data: dict[str, Any]) -> bytes:
+        """The first frame on a resumed session's new connection (``_resume``)."""
+        return self._frame("resumed", data, None)
 
     def error_reply(self, rid: RequestId | Call, error: StadiumError) -> bytes:
         """An error frame carrying ``error``'s code, message and context."""

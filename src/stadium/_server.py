@@ -42,12 +42,13 @@ from stadium._admission import SharedSlots, Slots
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._errors import ConfigError
+from stadium._handoff import Handoff
 from stadium._invoke import running_pool_threads
 from stadium._loader import load_target
 from stadium._metrics import MetricsBoard
 from stadium._picows import PicowsTransport
 from stadium._process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
-from stadium._session import CLOSE_GOING_AWAY, SESSION_ID
+from stadium._runtime import CLOSE_GOING_AWAY, SESSION_ID
 from stadium._spec import EnvSpec
 from stadium._supervisor import Supervisor
 from stadium._throttle import Throttle
@@ -262,6 +263,9 @@ class Server:
         self.state = ServerState.SERVING
         self.worker.start()
         self._fd_watch = _FdWatch(self._sock, loop)
+        # Resumes landing on this worker for another worker's session are passed to it.
+        host, port = self._sock.getsockname()[:2]
+        self.transport.handoff = Handoff(loop, f"{host}:{port}", self.transport.adopt)
 
     async def stop(self, drain_timeout: float | None = None) -> None:
         """Stop accepting, let sessions finish, close the rest with 1001."""
@@ -276,6 +280,9 @@ class Server:
             self._fd_watch.stop()
         if self._server is not None:
             self._server.close()
+        if self.transport.handoff is not None:
+            self.transport.handoff.close()
+            self.transport.handoff = None
         rt.admission.refuse_all()
         for http in list(self.transport.http_connections):
             http.shutdown()
@@ -302,7 +309,7 @@ class Server:
 class JsonLogFormatter(logging.Formatter):
     """``--log-format json``: one JSON object per line: ``time`` (ISO 8601, UTC), ``level``,
     ``logger``, ``message``, ``pid`` (the worker), ``session`` (the short id of the session
-    the line is about, when there is one: :data:`~stadium._session.SESSION_ID` or a
+    the line is about, when there is one: :data:`~stadium._runtime.SESSION_ID` or a
     record's ``session`` extra), ``exception`` (the traceback, when there is one)."""
 
     def format(self, record: logging.LogRecord) -> str:

@@ -16,274 +16,72 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
-import enum
 import functools
-import inspect
 import itertools
 import logging
 import os
-import urllib.parse
 import uuid
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from stadium import _mcp
-from stadium._admission import Admission, Verdict
+from stadium._admission import Verdict
+from stadium._durable import RECORD_VERSION, SessionRecord, token_digest
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
     ExecutionError,
+    ResumeError,
     SessionError,
     StadiumError,
-    describe_exception,
 )
-from stadium._invoke import Invoker
-from stadium._limits import Client, ClientLimits, TokenBucket
-from stadium._metrics import FLUSH_INTERVAL_S, MetricsBoard, WorkerCounts
-from stadium._protocol import Call, Encoding, Op, SessionProtocol
-from stadium._spec import CallMode, EnvSpec
-from stadium._throttle import DistinctErrorLog, ThrottledLog
+from stadium._limits import Client, TokenBucket
+from stadium._protocol import Call, Encoding, Op, SessionProtocol, SessionState
+from stadium._resume import (
+    NOWHERE,
+    REPLAY_FRAMES,
+    ResumeAsk,
+    ResumeChannel,
+    Target,
+    new_session_id,
+    new_token,
+    token_matches,
+    unknown_session,
+)
+from stadium._runtime import (
+    CLOSE_GOING_AWAY,
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_POLICY,
+    CLOSE_SERVICE_RESTART,
+    CLOSE_TRY_AGAIN_LATER,
+    MAX_PENDING,
+    MAX_PENDING_BYTES,
+    NODE_NAME,
+    Channel,
+    Phase,
+    Runtime,
+)
+from stadium._snapshot import restore_env, snapshot_env
+from stadium._spec import CallMode
+from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
+
+Where = tuple[str, str]
+"""Where a session is served: the node's name and the ``host:port`` a connection reached."""
 
 # Module constants: an enum member looked up on its class costs ~20 ns, per step.
 _STATE = Op.STATE
 _STEP = Op.STEP
 _MCP = Op.MCP
 
-SESSION_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "stadium_session", default=None
-)
-"""The short id of the session a log record is about, while the server logs for it
-(``--log-format json`` puts it in the ``session`` field)."""
 _SESSION_NUMBERS = itertools.count(1)
-
-# WebSocket close codes used by the server.
-CLOSE_NORMAL = 1000
-CLOSE_GOING_AWAY = 1001
-CLOSE_INTERNAL_ERROR = 1011
-CLOSE_TRY_AGAIN_LATER = 1013
-CLOSE_POLICY = 1008
-
-#: Requests queued behind a running one before the session refuses more (count, bytes).
-MAX_PENDING = 1024
-MAX_PENDING_BYTES = 32 * 1024 * 1024
-#: Replies a transport holds unsent for a client that does not read, before closing it (1008).
-MAX_UNSENT_BYTES = 16 * 1024 * 1024
-#: Fragments one WebSocket message may arrive in.
-MAX_FRAGMENTS = 1024
-
-
-class Channel(Protocol):
-    """What a transport offers a session: send a frame, close the connection."""
-
-    def send(self, data: bytes) -> None: ...
-
-    def close(self, code: int, reason: str) -> None: ...
-
-
-class Phase(enum.IntEnum):
-    """Lifecycle of a session on the server."""
-
-    ADMITTING = 0
-    """Waiting for a free slot; messages are queued."""
-    STARTING = 1
-    """Slot taken; the environment is being created."""
-    OPEN = 2
-    """Serving requests."""
-    CLOSING = 3
-    """Finishing the in-flight request, then closing (close frame, drain, idle)."""
-    CLOSED = 4
-    """Slot and environment released."""
-
-
-def attach_id(query: str) -> str | None:
-    """The ``session_id`` of a ``/ws`` URL's query string (OpenEnv's attach to an HTTP MCP
-    session), or ``None``."""
-    if "session_id=" not in query:
-        return None
-    values = urllib.parse.parse_qs(query).get("session_id")
-    return values[0] if values else None
 
 
 def _new_episode_id() -> str:
     return uuid.uuid4().hex
-
-
-class Runtime:
-    """What all sessions of one worker share: spec, admission, env calls, counters.
-
-    Args:
-        spec: the compiled environment class.
-        admission: the session slots and their queue.
-        executor_threads: size of the thread pool for blocking sync env calls.
-        step_timeout: seconds an env call that waits may run (0: no limit); past
-            it the request is answered ``TIMEOUT`` and the session closed (1011).
-        env_kwargs: keyword arguments for every env instance.
-        limits: the per-client session quota and request rate (``None``: off).
-        debug_errors: error replies carry exceptions' full text, and every env
-            exception is logged with its traceback (else: paths cut from replies,
-            one traceback per distinct env error, repeats counted, see :meth:`env_raised`).
-        board: where the worker publishes its metrics (``_metrics``; shared across
-            forked workers); default: a board of its own.
-    """
-
-    def __init__(
-        self,
-        spec: EnvSpec,
-        admission: Admission,
-        *,
-        executor_threads: int = 8,
-        step_timeout: float = 0.0,
-        env_kwargs: dict[str, Any] | None = None,
-        limits: ClientLimits | None = None,
-        debug_errors: bool = False,
-        board: MetricsBoard | None = None,
-    ) -> None:
-        self.limits = limits
-        self.debug_errors = debug_errors
-        self._env_errors = DistinctErrorLog(log, logging.WARNING)
-        self.spec = spec
-        self.admission = admission
-        self.invoke = Invoker(executor_threads, step_timeout)
-        self.step_takes_timeout_s = _takes_timeout_s(spec)
-        """Whether the env's ``step`` takes ``timeout_s`` (OpenEnv's), passed when sent."""
-        self.watchdog: Any = None
-        """The worker's :class:`~stadium._watchdog.Watchdog` when one runs (its counters)."""
-        self.env_kwargs = env_kwargs or {}
-        self.attachable: dict[str, Any] = {}
-        """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP
-        sessions (``_http.McpSessions``), which hold their slot and close their env."""
-        self.attached: dict[str, Session] = {}
-        """The session attached to each of :attr:`attachable` (one at a time)."""
-        self.sessions: set[Session] = set()
-        self.draining = False
-        self.sessions_total = 0
-        # Metrics (``_metrics``): counted straight into this worker's row of the board.
-        self.board = board or MetricsBoard(1)
-        self.counts = counts = WorkerCounts(self.board)
-        self.errors_total: collections.Counter[str] = counts.errors
-        """Error replies by code."""
-        self.outcomes: collections.Counter[str] = counts.outcomes
-        """Sessions ended, by ``stadium_sessions_total`` outcome."""
-        self.step_seconds = counts.step_seconds
-        self.reset_seconds = counts.reset_seconds
-        self.admission_wait = counts.admission_wait
-        self.open_connections: Callable[[], int] = lambda: len(self.sessions)
-        """The worker's open connections (the transport sets it: it knows its HTTP ones)."""
-        self._flusher: asyncio.TimerHandle | None = None
-        self._reaper: asyncio.TimerHandle | None = None
-
-    def new_env(self) -> Any:
-        return self.spec.factory(**self.env_kwargs) if self.env_kwargs else self.spec.factory()
-
-    def capacity_error(self) -> CapacityError:
-        slots = self.admission.slots
-        return CapacityError(
-            f"server at capacity ({slots.active()}/{slots.limit} sessions) and no slot freed "
-            f"within {self.admission.timeout:g}s; retry later",
-            active_sessions=slots.active(),
-            max_sessions=slots.limit,
-            retry_after_s=1.0,
-        )
-
-    def describe(self, exc: BaseException) -> str:
-        """``"TypeName: message"`` for an error reply (paths cut unless ``debug_errors``)."""
-        return describe_exception(exc, debug=self.debug_errors)
-
-    def env_raised(self, what: str, exc: BaseException, session: Session | None = None) -> None:
-        """Log an exception the environment raised (the env author's bug, not the client's).
-
-        A client can make an env raise at will, so the reports are bounded: each
-        distinct error (type and innermost frame) is logged at WARNING with its
-        traceback once, then at most once per 10 s with how often it recurred (see
-        :class:`~stadium._throttle.DistinctErrorLog`). With ``debug_errors`` every
-        one is logged at ERROR with its traceback. The record carries ``session``'s
-        short id (:data:`SESSION_ID`).
-        """
-        token = SESSION_ID.set(session.sid) if session is not None else None
-        try:
-            if self.debug_errors:
-                log.error("%s: %r", what, exc, exc_info=exc)
-            else:
-                self._env_errors("%s: %r", what, exc, exc=exc)
-        finally:
-            if token is not None:
-                SESSION_ID.reset(token)
-
-    def reap_idle(self, idle_timeout: float) -> int:
-        """Close sessions with no request for ``idle_timeout`` seconds; return how many."""
-        now = asyncio.get_running_loop().time()
-        reaped = 0
-        for session in list(self.sessions):
-            if (
-                session.phase is Phase.OPEN
-                and not session.busy
-                and now - session.last_active > idle_timeout
-            ):
-                session.outcome = "reaped"
-                session.close(CLOSE_GOING_AWAY, f"idle for more than {idle_timeout:g}s")
-                reaped += 1
-        return reaped
-
-    def start_reaper(self, idle_timeout: float) -> None:
-        """Reap idle sessions every ``idle_timeout / 4`` s (at most 5 s) on the running loop.
-
-        Idempotent; ``idle_timeout`` 0 disables it. :meth:`shutdown` stops it.
-        """
-        if self._reaper is not None or idle_timeout <= 0:
-            return
-        loop = asyncio.get_running_loop()
-        interval = max(0.05, min(idle_timeout / 4, 5.0))
-
-        def reap() -> None:
-            self.reap_idle(idle_timeout)
-            self._reaper = loop.call_later(interval, reap)
-
-        self._reaper = loop.call_later(interval, reap)
-
-    def stop_reaper(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-
-    @property
-    def steps_total(self) -> int:
-        """Steps answered with an observation by this worker."""
-        return self.counts.steps
-
-    def publish_metrics(self) -> None:
-        """Copy this worker's gauges into its row of :attr:`board` (see ``_metrics``)."""
-        waiting = self.admission.waiting
-        self.counts.publish(
-            active=len(self.sessions) - waiting,
-            queue=waiting,
-            connections=self.open_connections(),
-        )
-
-    def start_metrics(self) -> None:
-        """Publish the metrics every :data:`~stadium._metrics.FLUSH_INTERVAL_S` (idempotent)."""
-        if self._flusher is not None:
-            return
-        loop = asyncio.get_running_loop()
-
-        def flush() -> None:
-            self.publish_metrics()
-            self._flusher = loop.call_later(FLUSH_INTERVAL_S, flush)
-
-        flush()
-
-    def shutdown(self) -> None:
-        """Stop the reaper and the thread pool (running calls are not waited for);
-        publish the metrics a last time."""
-        self.stop_reaper()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            self._flusher = None
-            self.publish_metrics()
-        self.invoke.shutdown()
 
 
 class Session:
@@ -295,11 +93,14 @@ class Session:
         "_call",
         "_client",
         "_close_after",
+        "_expiry",
         "_pending",
         "_pending_bytes",
         "_queued_at",
+        "_restoring",
         "_sid",
         "_task",
+        "_token",
         "_waiter",
         "channel",
         "client",
@@ -309,6 +110,7 @@ class Session:
         "outcome",
         "phase",
         "protocol",
+        "resume_id",
         "runtime",
     )
 
@@ -320,6 +122,7 @@ class Session:
         loop: asyncio.AbstractEventLoop | None = None,
         client: str | None = None,
         attach: str | None = None,
+        resume: tuple[str, str] | None = None,
     ) -> None:
         self.runtime = runtime
         self.client = client
@@ -345,6 +148,16 @@ class Session:
         self._sid: str | None = None
         self.outcome = "completed"
         """How it ends, for ``stadium_sessions_total`` (``errored``, ``reaped`` set on the way)."""
+        self.resume_id: str | None = None
+        """The id a client resumes this session by (``_resume``); ``None``: not resumable."""
+        self._token = ""
+        self._expiry: asyncio.TimerHandle | None = None
+        self._restoring: tuple[SessionRecord, ResumeAsk, Where] | None = None
+        """A durable session being restored from the store: its record, the resume."""
+        if resume is not None:  # replies go through a ResumeChannel, which keeps the last few
+            self.resume_id, self._token = resume
+            self.channel = ResumeChannel(channel)
+            runtime.resumable[self.resume_id] = self
 
     # -- transport-facing ------------------------------------------------------
 
@@ -398,10 +211,23 @@ class Session:
             return
         self._handle(message)
 
-    def connection_lost(self) -> None:
-        """The peer is gone: cancel in-flight work, free the slot and the environment."""
+    def connection_lost(self, channel: Target | None = None) -> None:
+        """The peer is gone: cancel in-flight work, free the slot and the environment.
+
+        A resumable session that is open is *detached* instead (:meth:`_detach`);
+        ``channel`` (the lost connection) is ignored when the session has since
+        been resumed on another one.
+        """
         if self.phase is Phase.CLOSED:
             return
+        if self.resume_id is not None:
+            current = self.channel
+            assert isinstance(current, ResumeChannel)
+            if channel is not None and current.target is not channel:
+                return  # a connection this session was taken from by a resume
+            if self.phase is Phase.OPEN and not self.runtime.draining:
+                self._detach(current)
+                return
         if self._waiter is not None:
             self.runtime.admission.cancel(self._waiter)
             self._waiter = None
@@ -414,6 +240,9 @@ class Session:
         if self.phase is Phase.ADMITTING:
             self._refuse(self.runtime.capacity_error(), reason)
             return
+        rt = self.runtime
+        if code == CLOSE_GOING_AWAY and rt.draining and rt.durable and self.resume_id:
+            code = CLOSE_SERVICE_RESTART  # its record stays: the client resumes it elsewhere
         self.phase = Phase.CLOSING
         self._pending = None
         if self._call is None:
@@ -454,7 +283,15 @@ class Session:
             wait.counts[-1] += waited
         else:
             wait.counts[0] += 1
-        self._task = rt.invoke.run(self.loop, rt.spec.create_mode, rt.new_env, (), self._created)
+        if self._restoring is None:
+            self._task = rt.invoke.run(
+                self.loop, rt.spec.create_mode, rt.new_env, (), self._created
+            )
+            return
+        blob = self._restoring[0].env
+        mode = CallMode.POOL if rt.spec.create_mode is CallMode.POOL else CallMode.INLINE
+        restore = functools.partial(restore_env, rt.new_env, blob)
+        self._task = rt.invoke.run(self.loop, mode, restore, (), self._created)
 
     def _start_attached(self, sid: str) -> None:
         """Open on the env of HTTP MCP session ``sid`` (OpenEnv's ``MCPToolClient`` attaches
@@ -496,6 +333,13 @@ class Session:
             self._release_env()
             return
         self.phase = Phase.OPEN
+        if self.resume_id is not None and self.runtime.durable is not None:
+            channel = self.channel
+            assert isinstance(channel, ResumeChannel)
+            channel.persist = self._persist
+            if self._restoring is not None:
+                self._restored(channel, *self._restoring)
+                return
         if self._pending:
             self._drain_pending()
 
@@ -565,6 +409,9 @@ class Session:
             return
         elif op is _MCP:  # after the common ops: nothing added to their path
             pending = self._mcp(call)
+        elif op is Op.FORK:
+            self._fork(call)
+            return
         else:  # CLOSE
             self.phase = Phase.CLOSING
             self._pending = None
@@ -701,6 +548,190 @@ class Session:
         self.runtime.errors_total[str(err.code)] += 1
         self.channel.send(self.protocol.error_reply(call, err))
 
+    # -- resume -----------------------------------------------------------------
+
+    def _detach(self, channel: ResumeChannel) -> None:
+        """The connection is lost: keep the env, slot and in-flight call for the grace
+        period; replies made meanwhile are held for the resume."""
+        channel.detach()
+        self.phase = Phase.DETACHED
+        self._expiry = self.loop.call_later(self.runtime.resume_grace, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        if self.phase is Phase.DETACHED:
+            self.outcome = "expired"
+            self.close(CLOSE_GOING_AWAY, "not resumed within the grace period")
+
+    def resume(self, ask: ResumeAsk, target: Target, where: Where) -> StadiumError | None:
+        """Bind the session to the connection ``target`` (a resume): the ``resumed``
+        frame, the replies the client missed, then the requests that queued.
+
+        A session still attached to another connection (whose loss this server has
+        not seen yet) is taken from it. Returns the error to answer instead.
+        """
+        channel = self.channel
+        assert isinstance(channel, ResumeChannel)
+        if not token_matches(self._token, ask.token):
+            log.debug("resume of %s refused: wrong token", ask.sid)
+            return unknown_session(ask.sid)
+        if self.phase is not Phase.OPEN and self.phase is not Phase.DETACHED:
+            log.debug("resume of %s refused: session is %s", ask.sid, self.phase.name)
+            return unknown_session(ask.sid)
+        frames = channel.replay(ask.received)
+        if frames is None:
+            return ResumeError(
+                f"session {ask.sid} cannot be resumed: the client says it got "
+                f"{ask.received} replies, the server sent {channel.count} and keeps only the "
+                "last few; open a new session",
+                session=ask.sid,
+            )
+        old = channel.target
+        if old is not None and old is not target:  # taken over: that connection is stale
+            channel.detach()
+            old.close(CLOSE_POLICY, "session resumed on another connection")
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        self._token = new_token()
+        if channel.persist is not None:  # the store must know the new token
+            self._persist(None)
+        requests = channel.count + (self._call is not None) + len(self._pending or ())
+        target.send(
+            self.protocol.resumed_reply(
+                {
+                    "session": self.resume_id,
+                    "token": self._token,
+                    "requests": requests,
+                    "replayed": len(frames),
+                    "node": where[0],
+                    "address": where[1],
+                }
+            )
+        )
+        for frame in frames:
+            target.send(frame)
+        channel.attach(target)
+        self.phase = Phase.OPEN
+        self.last_active = self.loop.time()
+        self.runtime.outcomes["resumed"] += 1
+        if self._pending and self._call is None:
+            self._drain_pending()
+        return None
+
+    def start_restoring(self, record: SessionRecord, ask: ResumeAsk, where: Where) -> None:
+        """:meth:`start` a session whose env comes from ``record`` (``_restore``), and
+        resume it on its connection once it is back."""
+        self._restoring = (record, ask, where)
+        self.start()
+
+    def _restored(
+        self, channel: ResumeChannel, record: SessionRecord, ask: ResumeAsk, where: Where
+    ) -> None:
+        """The env is back from its snapshot: the protocol's counters and the replies to
+        replay too, then the resume handshake; the record moves to the new id."""
+        self._restoring = None
+        protocol = self.protocol
+        protocol.episode_id = record.episode_id
+        protocol.step_count = record.step_count
+        protocol.state = SessionState.READY if record.ready else SessionState.NEW
+        channel.count = record.replies
+        channel.recent.extend(record.recent)
+        ask.sid = self.resume_id
+        target = channel.target
+        assert target is not None
+        error = self.resume(ask, target, where)
+        durable = self.runtime.durable
+        assert durable is not None
+        if error is not None:
+            self._send_error(None, error)
+            self.close(CLOSE_POLICY, "session cannot be resumed")
+            return
+        durable.drop(record.sid)
+        self.runtime.outcomes["restored"] += 1
+
+    def _fork(self, call: Call) -> None:
+        """``fork``: a new session from this one's snapshot, its env restored from it, held
+        detached (as a lost session is) until a client resumes it with the id and token of
+        the ``forked`` reply. Takes a slot of its own at once (``CAPACITY_REACHED`` if none)."""
+        rt = self.runtime
+        if self.resume_id is None or rt.resume_grace <= 0:
+            self._send_error(
+                call,
+                SessionError(
+                    "fork needs a resumable session: open it with ?stadium_resume=1 (Stadium's "
+                    "clients do) on a server whose --resume-grace is above 0"
+                ),
+            )
+            return
+        if not rt.admission.slots.try_acquire():
+            self._send_error(call, rt.capacity_error())
+            return
+        try:
+            env = restore_env(rt.new_env, snapshot_env(self.env))
+        except Exception as exc:
+            rt.admission.release()
+            self._fail(call, exc)
+            return
+        sid, token = new_session_id(os.getpid()), new_token()
+        child = Session(rt, NOWHERE, self.protocol.encoding, self.loop, resume=(sid, token))
+        child._adopt(env, self.protocol)
+        data = {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
+        self.channel.send(self.protocol.forked_reply(call, data))
+
+    def _adopt(self, env: Any, parent: SessionProtocol) -> None:
+        """Become a fork holding ``env``, with ``parent``'s episode; detached, waiting for
+        its client."""
+        rt = self.runtime
+        rt.sessions.add(self)
+        rt.sessions_total += 1
+        rt.outcomes["forked"] += 1
+        self.env = env
+        protocol = self.protocol
+        protocol.state = parent.state
+        protocol.episode_id = parent.episode_id
+        protocol.step_count = parent.step_count
+        self.phase = Phase.OPEN
+        channel = self.channel
+        assert isinstance(channel, ResumeChannel)
+        if rt.durable is not None:
+            channel.persist = self._persist
+            self._persist(None)
+        self._detach(channel)
+
+    def _persist(self, frame: bytes | None) -> None:
+        """Write this durable session's record (``_durable``): before ``frame`` is sent."""
+        channel = self.channel
+        durable = self.runtime.durable
+        assert isinstance(channel, ResumeChannel)
+        assert durable is not None
+        assert self.resume_id is not None
+        try:
+            blob = snapshot_env(self.env)
+        except StadiumError as exc:  # this env cannot be durable: say so once, go on without
+            _SNAPSHOT_ERRORS("session %s is no longer durable: %s", self.resume_id, exc)
+            channel.persist = None
+            durable.drop(self.resume_id)
+            return
+        recent = [*channel.recent, *channel.held]
+        if frame is not None:
+            recent.append(frame)
+        protocol = self.protocol
+        durable.save(
+            SessionRecord(
+                RECORD_VERSION,
+                self.resume_id,
+                token_digest(self._token),
+                protocol.encoding.value,
+                blob,
+                protocol.episode_id,
+                protocol.step_count,
+                protocol.state is SessionState.READY,
+                channel.count,
+                recent[-REPLAY_FRAMES:],
+            )
+        )
+
     # -- teardown ---------------------------------------------------------------
 
     def _finish_close(self, code: int, reason: str) -> None:
@@ -713,6 +744,13 @@ class Session:
         self.protocol.close()
         self._pending = None
         rt = self.runtime
+        if self.resume_id is not None:
+            rt.resumable.pop(self.resume_id, None)
+            if rt.durable is not None and not rt.draining:  # ended: not to be restored
+                rt.durable.drop(self.resume_id)
+            if self._expiry is not None:
+                self._expiry.cancel()
+                self._expiry = None
         if phase is not Phase.CLOSED:
             rt.outcomes[self.outcome] += 1
         rt.sessions.discard(self)
@@ -739,13 +777,7 @@ class Session:
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
-
-
-def _takes_timeout_s(spec: EnvSpec) -> bool:
-    try:
-        return "timeout_s" in inspect.signature(spec.env_cls.step).parameters
-    except (TypeError, ValueError):  # no signature to read
-        return False
+_SNAPSHOT_ERRORS = ThrottledLog(log, logging.WARNING)
 
 
 def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:

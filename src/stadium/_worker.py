@@ -2,7 +2,7 @@
 
 ``stadium serve`` (picows) and the ASGI app both serve through a :class:`Worker`:
 the target loaded, its class compiled to an :class:`~stadium._spec.EnvSpec`, the
-:class:`~stadium._session.Runtime` (admission, env calls, idle reaping) and the
+:class:`~stadium._runtime.Runtime` (admission, env calls, idle reaping) and the
 :class:`~stadium._http.HttpEndpoints`. Transports add only the bytes.
 """
 
@@ -14,15 +14,43 @@ from collections.abc import Callable
 from typing import Any
 
 from stadium._admission import Admission, LocalSlots, Slots
-from stadium._config import ServerConfig
+from stadium._config import ServerConfig, default_session_store
+from stadium._durable import Durable
 from stadium._env import Environment
+from stadium._errors import ConfigError
 from stadium._http import HttpEndpoints
 from stadium._limits import ClientLimits
 from stadium._loader import load_target
 from stadium._metrics import MetricsBoard
-from stadium._session import Runtime
-from stadium._spec import EnvSpec
+from stadium._runtime import Runtime
+from stadium._snapshot import why_not_durable
+from stadium._spec import CallMode, EnvSpec
+from stadium._store import store_from_url
 from stadium._watchdog import Watchdog
+
+
+def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
+    """The session store of ``--durable``, once a probe env showed it can be snapshotted.
+
+    Raises:
+        ConfigError: the env cannot be durable (the message says why), or the store
+            cannot be opened.
+    """
+    try:
+        env = spec.factory(**config.env_kwargs)
+    except Exception as exc:  # the server would fail to create sessions just the same
+        raise ConfigError(f"--durable: creating a probe {spec.name} env failed: {exc!r}") from exc
+    try:
+        why = why_not_durable(env)
+    finally:
+        if spec.has_close and spec.close_mode is not CallMode.TASK:
+            env.close()
+    if why is not None:
+        raise ConfigError(
+            f"--durable: {spec.name} sessions cannot be made durable: {why}; implement "
+            "snapshot() and restore() on the env, or serve it without --durable"
+        )
+    return Durable(store_from_url(config.session_store or default_session_store()))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +87,7 @@ class Worker:
         if env_cls is None:
             env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
         spec = EnvSpec.of(env_cls)
+        durable = _durable(config, spec) if config.durable else None
         admission = Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout)
         runtime = Runtime(
             spec,
@@ -71,13 +100,22 @@ class Worker:
             ),
             debug_errors=config.debug_errors,
             board=board,
+            resume_grace=config.resume_grace,
+            durable=durable,
         )
         return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
 
     def start(self) -> None:
-        """Start the worker's timers (idle reaping, metrics) on the running event loop."""
+        """Start the worker's timers (idle reaping, metrics, the session store's sweep)
+        on the running event loop."""
         self.runtime.start_reaper(self.config.idle_timeout)
         self.runtime.start_metrics()
+        durable = self.runtime.durable
+        if durable is not None:
+            # Records of sessions nobody resumed (their server was drained or died): gone
+            # once older than any live session's could be (idle sessions are reaped).
+            idle = self.config.idle_timeout or 86400.0
+            durable.start_sweeping(idle + self.config.resume_grace + 60.0)
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
         """Start the worker's :class:`~stadium._watchdog.Watchdog` on the running loop.

@@ -39,9 +39,10 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from stadium._balance import EndpointSpec, is_url, static_urls
-from stadium._client import AsyncClient, run_sync, ws_url
+from stadium._client import AsyncClient, ws_url
 from stadium._env import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
+from stadium._pool import run_sync
 from stadium.integrations.gymnasium import (
     decode_arrays,
     from_wire,

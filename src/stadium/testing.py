@@ -24,7 +24,8 @@ from typing import Any
 from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._protocol import Encoding
-from stadium._session import Runtime, Session
+from stadium._runtime import Runtime
+from stadium._session import Session
 from stadium._worker import Worker
 
 

@@ -2,7 +2,7 @@
 
 Wall-clock and CPU-time thresholds are noise on a shared machine; the number of
 function calls the server makes per request is not. :func:`count_ops` drives the
-server's real per-session path (:class:`~stadium._session.Runtime`,
+server's real per-session path (:class:`~stadium._runtime.Runtime`,
 :class:`~stadium._session.Session`, the protocol core, the environment) in an
 event loop, exactly as the picows transport does (``Session(...)``, ``start()``,
 ``feed(message)`` per message, a channel with ``send``/``close``), but with an
@@ -51,7 +51,8 @@ from stadium._config import ServerConfig
 from stadium._env import Environment
 from stadium._loader import load_target
 from stadium._process import new_event_loop
-from stadium._session import Runtime, Session
+from stadium._runtime import Runtime
+from stadium._session import Session
 from stadium._spec import EnvSpec
 from stadium._worker import Worker
 from stadium.testing import MemoryChannel

@@ -82,6 +82,10 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
             BenchmarkObservation(wait, self._pid, self._hash, _HOST, self._steps), reward=1.0
         )
 
+    def restore(self, data: bytes) -> None:
+        super().restore(data)
+        self._pid = os.getpid()  # where this instance runs now, not where it was snapshotted
+
     @property
     def state(self) -> BenchmarkState:
         return BenchmarkState(step_count=self._steps, state_kb=len(self._ballast) // 1024)

@@ -30,10 +30,12 @@ import gymnasium
 import msgspec
 import numpy as np
 from gymnasium import spaces
+from gymnasium.utils import EzPickle
 
 from stadium._codecs import NDARRAY_EXT, TypeCodec, invalid, ndarray_ext, register_codec_factory
 from stadium._env import Environment, State, StepResult
 from stadium._errors import ConfigError, TargetError
+from stadium._snapshot import snapshot_error
 
 # -- arrays on the wire -------------------------------------------------------
 
@@ -373,6 +375,34 @@ class GymnasiumAdapter(Environment[Any, Any, State]):
 
     def close(self) -> None:
         self.env.close()
+
+    def snapshot(self) -> bytes:
+        """The wrapped env pickled with its wrappers (``np_random``, the time limit's
+        step count and every attribute come along).
+
+        Raises:
+            stadium.SnapshotError: the env does not pickle (the attribute is named),
+                or pickles by constructor arguments (``EzPickle``), which would
+                restart the episode instead of continuing it.
+        """
+        layer: Any = self.env
+        for _ in range(64):  # the wrapper chain, bounded
+            if isinstance(layer, EzPickle):
+                raise snapshot_error(
+                    type(self),
+                    f"{type(layer).__name__} pickles by its constructor arguments (EzPickle), "
+                    "so a restored episode would start over instead of continuing",
+                )
+            layer = getattr(layer, "env", None)
+            if layer is None:
+                break
+        return super().snapshot()
+
+    def restore(self, data: bytes) -> None:
+        fresh = self.env
+        super().restore(data)
+        if self.env is not fresh:
+            fresh.close()  # the factory's env, replaced by the snapshot's
 
 
 def gymnasium_environment(

@@ -185,6 +185,15 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
         if callable(close):
             close()
 
+    def restore(self, data: bytes) -> None:
+        """The wrapped OpenEnv env as snapshotted (the default pickles it, where it pickles);
+        the env the factory built is closed."""
+        fresh = self.env
+        super().restore(data)
+        close = getattr(fresh, "close", None)
+        if fresh is not self.env and callable(close):
+            close()
+
 
 class McpToolsAdapter(OpenEnvAdapter):
     """Base of the adapters of ``MCPEnvironment`` subclasses: the env's tools for ``_mcp``.
@@ -196,6 +205,12 @@ class McpToolsAdapter(OpenEnvAdapter):
     """
 
     _mcp_stack: contextlib.AsyncExitStack | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The open FastMCP client session is the process's, reopened on demand.
+        state = dict(self.__dict__)
+        state.pop("_mcp_stack", None)
+        return state
 
     async def _mcp_open(self) -> None:
         if self._mcp_stack is not None:

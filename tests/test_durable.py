@@ -1,0 +1,193 @@
+"""Durable sessions (``--durable``): a session whose worker is killed (``kill -9``) or
+whose whole server dies is restored from the session store when its client resumes,
+with its env's state, step counter and RNG; no step is lost or run twice. An env that
+cannot be snapshotted is refused at start with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import stadium
+from tests.conftest import UNIT, serve, wait_until
+from tests.relay import relay_to
+
+pytestmark = pytest.mark.asyncio
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    """``stadium serve`` in a subprocess (its own process group)."""
+
+    def __init__(self, store: Path, *args: str, target: str = "benchmark") -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "stadium", "serve", target, "--host", "127.0.0.1",
+               "--port", str(self.port), "--durable", "--session-store", str(store),
+               "--log-level", "warning", "--drain-timeout", "1", *args]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+
+    def wait_healthy(self) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + 30 * UNIT
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        pytest.fail("server did not come up")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    return tmp_path / "sessions"
+
+
+async def test_killed_worker_sessions_continue_with_their_state(store: Path) -> None:
+    server = _Server(store, "--workers", "2")
+    try:
+        await asyncio.to_thread(server.wait_healthy)
+        async with stadium.SessionPool(server.url, size=8, max_retries=40) as pool:
+            await pool.reset(seeds=range(8))
+            for _ in range(3):
+                before = await pool.step([{"wait_seconds": 0.0}] * 8)
+            pids = [r.observation["pid"] for r in before]
+            victim = pids[0]
+            os.kill(victim, signal.SIGKILL)  # one worker dies mid-episode
+            after = await pool.step([{"wait_seconds": 0.0}] * 8)
+            assert [r.observation["step_count"] for r in after] == [4] * 8
+            assert [r.observation["session_hash"] for r in after] == [
+                r.observation["session_hash"] for r in before
+            ]  # the same episodes, restored from their snapshots
+            moved = [i for i, p in enumerate(pids) if p == victim]
+            assert moved
+            assert all(after[i].observation["pid"] != victim for i in moved)
+            assert all(pool.clients[i].resumes == 1 for i in moved)
+            again = await pool.step([{"wait_seconds": 0.0}] * 8)
+            assert [r.observation["step_count"] for r in again] == [5] * 8
+        # Closed sessions leave nothing in the store.
+        await wait_until(lambda: not list(store.iterdir()), 10 * UNIT, "store emptied")
+    finally:
+        server.stop()
+
+
+async def test_step_in_flight_when_the_worker_dies_runs_once(store: Path) -> None:
+    server = _Server(store, "--workers", "2")
+    try:
+        await asyncio.to_thread(server.wait_healthy)
+        async with stadium.AsyncClient(server.url, max_retries=40) as env:
+            await env.reset(seed=3)
+            first = await env.step({"wait_seconds": 0.0})
+            step = asyncio.create_task(env.step({"wait_seconds": 2.0 * UNIT}))
+            await asyncio.sleep(0.3 * UNIT)
+            os.kill(first.observation["pid"], signal.SIGKILL)
+            result = await step  # lost with its worker: sent again, run on the restored env
+            assert result.observation["step_count"] == 2
+            assert result.observation["session_hash"] == first.observation["session_hash"]
+            assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 3
+    finally:
+        server.stop()
+
+
+async def test_session_moves_to_another_server_sharing_the_store(store: Path) -> None:
+    a, b = _Server(store), _Server(store)
+    try:
+        await asyncio.gather(asyncio.to_thread(a.wait_healthy), asyncio.to_thread(b.wait_healthy))
+        async with relay_to(a.url) as relay:  # the "router": sends sessions to node a
+            async with stadium.AsyncClient(relay.url, max_retries=40) as env:
+                await env.reset(seed=7)
+                for _ in range(4):
+                    last = await env.step({"wait_seconds": 0.0})
+                a.kill()  # node a is gone; the router now sends to node b
+                relay.upstream = ("127.0.0.1", b.port)
+                moved = await env.step({"wait_seconds": 0.0})
+                assert moved.observation["step_count"] == 5
+                assert moved.observation["session_hash"] == last.observation["session_hash"]
+                assert env.resumes == 1
+    finally:
+        a.kill()
+        b.stop()
+
+
+async def test_an_env_that_cannot_be_durable_is_refused_at_start(tmp_path: Path) -> None:
+    env_file = tmp_path / "locked.py"
+    env_file.write_text(
+        "import threading\n"
+        "from stadium.envs.echo import EchoEnv\n"
+        "class Locked(EchoEnv):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.guard = threading.Lock()\n"
+    )
+    result = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "stadium", "serve", f"{env_file}:Locked", "--port", "0",
+         "--durable", "--session-store", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "cannot be made durable" in result.stderr
+    assert "guard" in result.stderr  # names the attribute that does not pickle
+    assert "without --durable" in result.stderr
+
+
+async def test_durable_in_process_keeps_one_record_per_live_session(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    async with serve("wordguess", durable=True, session_store=str(store)) as server:
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset(seed=1)
+            await env.step({"word": "apple"})
+            assert env.session_id is not None
+            assert [p.name for p in store.iterdir()] == [env.session_id]
+        await wait_until(lambda: not list(store.iterdir()), 5 * UNIT, "record dropped")
+        assert server.runtime.durable is not None
+        assert server.runtime.durable.saved >= 2
+
+
+async def test_a_balanced_client_moves_a_durable_session_to_a_live_node(store: Path) -> None:
+    a, b = _Server(store), _Server(store)
+    try:
+        await asyncio.gather(asyncio.to_thread(a.wait_healthy), asyncio.to_thread(b.wait_healthy))
+        async with stadium.AsyncClient([a.url, b.url], max_retries=40) as env:
+            await env.reset(seed=2)
+            last = await env.step({"wait_seconds": 0.0})
+            victim, survivor = (a, b) if env.endpoint == a.url else (b, a)
+            victim.kill()  # its node is gone: the client finds the session on the other
+            moved = await env.step({"wait_seconds": 0.0})
+            assert moved.observation["step_count"] == 2
+            assert moved.observation["session_hash"] == last.observation["session_hash"]
+            assert env.endpoint == survivor.url
+            assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 3
+    finally:
+        a.kill()
+        b.kill()
