@@ -1,0 +1,121 @@
+"""Resume across the emulated cluster: through ``stadium router`` (HAProxy) a resumed
+session reaches the node that holds it; with ``--durable`` and a store the nodes share,
+sessions of a node killed with ``kill -9`` continue on the others."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stadium import AsyncClient
+from stadium.deploy.deployment import Deployment
+from stadium.deploy.haproxy import RouterOptions, render
+from tests.cluster.harness import Cluster, free_port, haproxy_servers, stop_process, wait_for
+from tests.conftest import UNIT
+from tests.relay import relay_to
+
+pytestmark = pytest.mark.cluster
+
+PORT = 8810
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2 * UNIT) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _nodes_and_router(cluster: Cluster, *serve_args: str) -> Iterator[tuple[list[Any], str]]:
+    cmd = [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "0.0.0.0",
+           "--port", str(PORT), "--drain-timeout", "1", *serve_args]  # fmt: skip
+    procs = [n.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for n in cluster.nodes]  # fmt: skip
+    stats = cluster.workdir / f"router-{os.getpid()}-{time.monotonic_ns()}.sock"
+    port = free_port()
+    options = RouterOptions(bind="127.0.0.1", port=port, stats_socket=str(stats))
+    try:
+        for node in cluster.nodes:
+            wait_for(functools.partial(_health, node.url(PORT)), 20 * UNIT, f"{node} healthy")
+        cfg = render(Deployment.of([n.url(PORT) for n in cluster.nodes]), options)
+        proxy = cluster.haproxy(cfg)
+        try:
+            up = {f"node{i}": "UP" for i in (1, 2, 3)}
+            wait_for(lambda: haproxy_servers(stats, "stadium") == up, 15 * UNIT, "3 nodes UP")
+            yield procs, f"http://127.0.0.1:{port}"
+        finally:
+            stop_process(proxy)
+    finally:
+        for proc in procs:
+            stop_process(proc)
+
+
+def test_a_resume_through_the_router_reaches_the_sessions_node(cluster: Cluster) -> None:
+    with _nodes_and_router(cluster) as (_procs, router):
+
+        async def scenario() -> None:
+            async with relay_to(router) as relay:
+                clients = [AsyncClient(relay.url, max_retries=20) for _ in range(9)]
+                try:
+                    for c in clients:  # one at a time: HAProxy's leastconn spreads them
+                        await c.connect()
+                    firsts = [await c.reset() for c in clients]
+                    hosts = [r.observation["host"] for r in firsts]
+                    assert len(set(hosts)) == 3
+                    for round_ in range(2):
+                        relay.cut()  # every client loses its connection to the router
+                        results = await asyncio.gather(
+                            *(c.step({"wait_seconds": 0.0}) for c in clients)
+                        )
+                        assert [r.observation["host"] for r in results] == hosts
+                        assert [r.observation["step_count"] for r in results] == [round_ + 1] * 9
+                    assert all(c.resumes == 2 for c in clients)
+                finally:
+                    await asyncio.gather(*(c.close() for c in clients))
+
+        asyncio.run(scenario())
+
+
+def test_durable_sessions_of_a_killed_node_continue_on_the_others(cluster: Cluster) -> None:
+    store: Path = cluster.workdir / f"sessions-{os.getpid()}-{time.monotonic_ns()}"
+    with _nodes_and_router(cluster, "--durable", "--session-store", str(store)) as (
+        procs,
+        router,
+    ):
+
+        async def scenario() -> None:
+            clients = [AsyncClient(router, max_retries=20) for _ in range(9)]
+            try:
+                for c in clients:
+                    await c.connect()
+                await asyncio.gather(*(c.reset(seed=i) for i, c in enumerate(clients)))
+                before = await asyncio.gather(*(c.step({"wait_seconds": 0.0}) for c in clients))
+                hosts = [r.observation["host"] for r in before]
+                assert "node2" in hosts
+                os.kill(procs[1].pid, signal.SIGKILL)  # node2's server (one worker) dies
+                after = await asyncio.gather(*(c.step({"wait_seconds": 0.0}) for c in clients))
+                assert [r.observation["step_count"] for r in after] == [2] * 9
+                assert [r.observation["session_hash"] for r in after] == [
+                    r.observation["session_hash"] for r in before
+                ]
+                moved = [i for i, h in enumerate(hosts) if h == "node2"]
+                assert all(after[i].observation["host"] != "node2" for i in moved)
+                assert all(clients[i].resumes == 1 for i in moved)
+            finally:
+                await asyncio.gather(*(c.close() for c in clients))
+
+        asyncio.run(scenario())
