@@ -8,12 +8,15 @@ store from ``stadium serve --durable``'s URL: ``dir:/path`` or a plain path; a
 new kind of store (redis, S3) plugs in with :func:`register_store` under its
 own scheme.
 
-Writes are atomic: a reader sees the old bytes or the new ones, never a part.
-:class:`DirectoryStore` writes a temporary file in the same directory and
-renames it over the key's file (``os.replace``); with ``fsync=True`` it also
-syncs the file before the rename and the directory after it, so a snapshot
-survives a power loss, not only a crashed process (measured cost:
-``scripts/bench-snapshot.py``).
+Each entry is framed (a magic number, the length and a CRC-32 of the bytes), and a
+reader sees the old bytes or the new ones, never a part. :class:`DirectoryStore`
+creates a key's file whole (a temporary file in the same directory renamed over
+it, ``os.replace``) and then rewrites it in place (one ``pwrite`` at offset 0 per
+``put``, then ``close``: ~5 µs, against ~200 µs for a rename on ext4 here): a
+process killed during a ``put`` leaves the old entry or the new one, and a reader
+that meets a write in progress reads again (the CRC tells). With ``fsync=True`` every
+``put`` goes through a synced temporary file, a rename and a synced directory, so
+a snapshot survives a power loss too (measured costs: ``scripts/bench-snapshot.py``).
 
 Security: snapshots are pickles (see ``stadium._snapshot``): whoever can write
 the store can run code in the server. Files are created ``0600`` and a
@@ -27,7 +30,9 @@ import contextlib
 import os
 import re
 import stat
+import struct
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -115,13 +120,28 @@ class DirectoryStore:
         return os.path.join(self._dir, check_key(key))
 
     def put(self, key: str, data: bytes) -> None:
-        """Store ``data`` under ``key``, replacing what was there, atomically."""
+        """Store ``data`` under ``key``, replacing what was there (see the module docstring)."""
         final = self._file(key)
+        framed = _frame(data)
+        if not self.fsync:
+            try:
+                fd = os.open(final, os.O_WRONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass  # the first put: the file is made whole, below
+            else:
+                try:
+                    view = memoryview(framed)
+                    offset = 0
+                    while offset < len(view):
+                        offset += os.pwrite(fd, view[offset:], offset)
+                finally:
+                    os.close(fd)
+                return
         temp = os.path.join(self._dir, f".{key}.{os.urandom(6).hex()}{_TEMP_SUFFIX}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             with open(fd, "wb", closefd=True) as file:
-                file.write(data)
+                file.write(framed)
                 if self.fsync:
                     file.flush()
                     os.fsync(fd)
@@ -141,12 +161,23 @@ class DirectoryStore:
             os.close(fd)
 
     def get(self, key: str) -> bytes | None:
-        """The bytes stored under ``key``, or ``None``."""
-        try:
-            with open(self._file(key), "rb") as file:
-                return file.read()
-        except FileNotFoundError:
-            return None
+        """The bytes stored under ``key``, or ``None``.
+
+        Raises:
+            ValueError: the entry is not one this store wrote, or stays torn (a write
+                cut by a power loss: its CRC does not match).
+        """
+        path = self._file(key)
+        for _ in range(_READ_TRIES):
+            try:
+                with open(path, "rb") as file:
+                    raw = file.read()
+            except FileNotFoundError:
+                return None
+            data = _unframe(raw)
+            if data is not None:
+                return data
+        raise ValueError(f"session store entry {key!r} is damaged (its checksum does not match)")
 
     def delete(self, key: str) -> None:
         """Remove ``key`` (nothing happens if it is missing)."""
@@ -206,6 +237,28 @@ class DirectoryStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(aside)
+
+
+_MAGIC = b"STS1"
+_HEAD = struct.Struct("<4sII")  # magic, length, CRC-32
+_READ_TRIES = 8
+
+
+def _frame(data: bytes) -> bytes:
+    return _HEAD.pack(_MAGIC, len(data), zlib.crc32(data)) + data
+
+
+def _unframe(raw: bytes) -> bytes | None:
+    """The bytes of a framed entry, ``None`` if it is torn (a write in progress)."""
+    if len(raw) < _HEAD.size:
+        return None
+    magic, size, crc = _HEAD.unpack_from(raw)
+    if magic != _MAGIC:
+        raise ValueError("not a session store entry (no Stadium frame)")
+    data = raw[_HEAD.size : _HEAD.size + size]
+    if len(data) != size or zlib.crc32(data) != crc:
+        return None
+    return data
 
 
 StoreFactory = Callable[..., SessionStore]
