@@ -86,13 +86,15 @@ async def test_pipelined_requests_survive_a_cut() -> None:
         assert server.runtime.steps_total == 5
 
 
-async def test_sync_client_and_pool_resume_transparently() -> None:
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "one-connection-each"])
+async def test_pool_sessions_resume_transparently(batch: bool) -> None:
     async with serve("benchmark") as server, relay_to(server.url) as relay:
-        async with stadium.SessionPool(relay.url, size=4) as pool:
+        async with stadium.SessionPool(relay.url, size=4, batch=batch) as pool:
+            assert pool.batching is batch
             await pool.reset(seeds=range(4))
             stepping = asyncio.create_task(pool.step([{"wait_seconds": 0.2 * UNIT}] * 4))
             await asyncio.sleep(0.05 * UNIT)
-            assert relay.cut() == 4
+            assert relay.cut() == (1 if batch else 4)
             results = await stepping
             assert [r.observation["step_count"] for r in results] == [1] * 4
             assert all(c.resumes == 1 for c in pool.clients)
@@ -237,7 +239,9 @@ async def test_resume_reaches_the_worker_that_holds_the_session() -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         async with relay_to(url) as relay:
-            async with stadium.SessionPool(relay.url, size=16, max_retries=40) as pool:
+            # One connection per session (batch=False), so that they spread over both workers.
+            pool = stadium.SessionPool(relay.url, size=16, max_retries=40, batch=False)
+            async with pool:
                 firsts = await pool.reset(seeds=range(16))
                 stepped = await pool.step([{"wait_seconds": 0.0}] * 16)
                 pids = {r.observation["pid"] for r in stepped}

@@ -182,7 +182,9 @@ async def test_session_pool_bounds_connects_in_flight(
 
     monkeypatch.setattr(client_mod, "ws_connect", counting)
     async with serve(SyncBlocking, transport=transport) as server:
-        async with stadium.SessionPool(server.url, size=12, connect_concurrency=3) as pool:
+        async with stadium.SessionPool(
+            server.url, size=12, connect_concurrency=3, batch=False
+        ) as pool:
             firsts = await pool.reset(seeds=range(12))
         assert [r.observation["value"] for r in firsts] == list(range(12))
         assert (now, most) == (0, 3)

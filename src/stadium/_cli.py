@@ -1,4 +1,4 @@
-"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm.
+"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm, deploy.
 
 Errors print one line (``error: ...``) and exit non-zero: 2 for a bad argument
 or configuration, 1 for anything else.

@@ -167,6 +167,20 @@ class Invoker:
         if fut.done():
             _settle(on_done, token, fut)
             return None
+        return self.follow(loop, fut, cf, pool, on_done, token, limit)
+
+    def follow(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fut: asyncio.Future[Any],
+        cf: concurrent.futures.Future[Any] | None,
+        pool: concurrent.futures.Executor | None,
+        on_done: OnDone,
+        token: Any,
+        limit: float | None = None,
+    ) -> asyncio.Future[Any]:
+        """Report the outcome of a call that waits (``fut``, not done) to ``on_done``, under
+        the time limit (see :meth:`run`); returns ``fut``."""
         if limit is None:
             limit = self.timeout
         if limit > 0:

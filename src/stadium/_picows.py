@@ -35,12 +35,19 @@ from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
 from stadium._access import AccessPolicy, Refusal, header_values
+from stadium._batch import BatchConnection
 from stadium._errors import StadiumError
 from stadium._h11 import HttpProtocol, encode_response, timeout_response
 from stadium._handoff import Handoff
 from stadium._http import HttpEndpoints, HttpResponse, error_response
 from stadium._limits import client_address
-from stadium._protocol import MSGPACK_SUBPROTOCOL, Encoding, SessionProtocol
+from stadium._protocol import (
+    BATCH_MSGPACK_SUBPROTOCOL,
+    BATCH_SUBPROTOCOL,
+    MSGPACK_SUBPROTOCOL,
+    Encoding,
+    SessionProtocol,
+)
 from stadium._restore import resume_session
 from stadium._resume import (
     ADDR_HEADER,
@@ -165,6 +172,7 @@ class _SessionListener(WSListener):
 
     __slots__ = (
         "_attach",
+        "_batch",
         "_frag_size",
         "_frags",
         "_msg_type",
@@ -181,10 +189,13 @@ class _SessionListener(WSListener):
         owner: PicowsTransport,
         encoding: Encoding,
         attach: str | None = None,
-        resume: ResumeAsk | tuple[str, str] | None = None,
+        resume: ResumeAsk | tuple[str, str] | bool | None = None,
+        *,
+        batch: bool = False,
     ) -> None:
         self._owner = owner
         self._attach = attach
+        self._batch = batch
         self._resume = resume
         """A resume of a session (``ResumeAsk``), or a new resumable session's id and token."""
         self.encoding = encoding
@@ -193,7 +204,7 @@ class _SessionListener(WSListener):
         self._frag_size = 0
         self._paused = False
         self.transport: WSTransport | None = None
-        self.session: Session | None = None
+        self.session: Session | BatchConnection | None = None
 
     # picows callbacks ----------------------------------------------------------
 
@@ -207,6 +218,12 @@ class _SessionListener(WSListener):
             return
         if runtime.limits is not None:  # per-client limits: the peer's address
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
+        if self._batch:
+            where = None
+            if self._resume is True:  # resumable sessions
+                where = (NODE_NAME, _address(transport.underlying_transport))
+            self.session = BatchConnection(runtime, self, self.encoding, client, where)
+            return
         self.session = Session(
             runtime,
             self,
@@ -419,8 +436,20 @@ class PicowsTransport:
             query = path.partition("?")[2]
             attach = attach_id(query)  # OpenEnv's MCP session, if named
             extra: dict[str, str] = {}
-            resume: ResumeAsk | tuple[str, str] | None = None
-            if "stadium_resume" in query:  # Stadium's clients: see stadium._resume
+            resume: ResumeAsk | tuple[str, str] | bool | None = None
+            offered = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",")]
+            batched = BATCH_SUBPROTOCOL in offered or BATCH_MSGPACK_SUBPROTOCOL in offered
+            if batched and attach is None and "stadium_resume" in query:
+                # A batch connection whose sessions are resumable (their ids and tokens come
+                # in batch replies: ``_batch``); a resume's id only routes it (``_handoff``).
+                if self.runtime.resume_grace > 0:
+                    resume = True
+                    extra = {
+                        NODE_HEADER: NODE_NAME,
+                        ADDR_HEADER: _address(transport),
+                        GRACE_HEADER: f"{self.runtime.resume_grace:g}",
+                    }
+            elif "stadium_resume" in query:  # Stadium's clients: see stadium._resume
                 ask = resume_ask(query, headers.get(TOKEN_HEADER))
                 if isinstance(ask, str):
                     return _response(error_response(400, ask, "RESUME_FAILED"))
@@ -435,12 +464,19 @@ class PicowsTransport:
                         ADDR_HEADER: _address(transport),
                         GRACE_HEADER: f"{self.runtime.resume_grace:g}",
                     }
-            offered = request.headers.get("Sec-WebSocket-Protocol", "")
             encoding = Encoding.JSON
-            if MSGPACK_SUBPROTOCOL in (p.strip() for p in offered.split(",")):
+            batch = False
+            if batched and attach is None and resume in (None, True):
+                # many sessions on this connection (``_batch``)
+                batch = True
+                chosen = BATCH_SUBPROTOCOL if BATCH_SUBPROTOCOL in offered else ""
+                if BATCH_MSGPACK_SUBPROTOCOL in offered and not chosen:
+                    chosen, encoding = BATCH_MSGPACK_SUBPROTOCOL, Encoding.MSGPACK
+                extra["Sec-WebSocket-Protocol"] = chosen
+            elif MSGPACK_SUBPROTOCOL in offered:
                 encoding = Encoding.MSGPACK
                 extra["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
-            listener = _SessionListener(self, encoding, attach, resume)
+            listener = _SessionListener(self, encoding, attach, resume, batch=batch)
             if not extra:
                 return listener
             return WSUpgradeResponseWithListener(

@@ -48,6 +48,9 @@ from stadium._spec import EnvSpec
 
 #: WebSocket subprotocol that switches a session to MessagePack frames.
 MSGPACK_SUBPROTOCOL = "stadium.msgpack"
+#: WebSocket subprotocols of a batch connection (many sessions, batch frames; ``_batch``).
+BATCH_SUBPROTOCOL = "stadium.batch"
+BATCH_MSGPACK_SUBPROTOCOL = "stadium.batch.msgpack"
 #: Version of the wire protocol (OpenEnv's frames plus Stadium's extensions).
 PROTOCOL_VERSION = "1.0"
 
@@ -104,6 +107,26 @@ class _Envelope(msgspec.Struct):
     data: msgspec.Raw = msgspec.Raw(b"")
     id: int | str | None = None
     timeout_s: _TimeoutS | None = None
+
+
+class BatchCall(_Envelope):
+    """One call of a batch frame (``_batch``): a session's request with its ``session``
+    number; a session takes it as it takes a decoded frame (:meth:`SessionProtocol.receive`)."""
+
+    session: int = -1
+
+    def __len__(self) -> int:
+        """Its weight in a session's queue (``Session.feed`` bounds queued bytes)."""
+        return len(self.data) + 64
+
+
+class BatchFrame(msgspec.Struct):
+    """A batch frame: calls on many sessions of one connection (docs/PROTOCOL.md)."""
+
+    type: str = ""
+    id: int | str | None = None
+    calls: list[BatchCall] = msgspec.field(default_factory=list)
+    first: int | None = None
 
 
 _RESET_KEYS = frozenset({"seed", "episode_id", "options"})
@@ -260,7 +283,7 @@ class SessionProtocol:
 
     # -- input ---------------------------------------------------------------
 
-    def receive(self, message: bytes | str) -> Call | bytes:
+    def receive(self, message: bytes | str | BatchCall) -> Call | bytes:
         """Decode one message: a :class:`Call` to carry out, or an error reply's bytes.
 
         Never raises for what the peer sent: any message that cannot be read
@@ -271,12 +294,15 @@ class SessionProtocol:
         """
         if self.state is SessionState.CLOSED:
             return self.error_reply(None, SessionClosedError("the session is closed"))
-        try:
-            envelope = self._envelope_decoder.decode(message)
-        except msgspec.ValidationError as exc:
-            return self.error_reply(None, self._envelope_error(exc))
-        except Exception as exc:
-            return self.error_reply(None, self._unreadable(exc))
+        if message.__class__ is BatchCall:  # decoded already, with its batch frame
+            envelope: _Envelope = message
+        else:
+            try:
+                envelope = self._envelope_decoder.decode(message)
+            except msgspec.ValidationError as exc:
+                return self.error_reply(None, self._envelope_error(exc))
+            except Exception as exc:
+                return self.error_reply(None, self._unreadable(exc))
         op = _OPS.get(envelope.type)
         rid = envelope.id
         if op is None:
@@ -316,8 +342,10 @@ class SessionProtocol:
         except Exception as exc:
             return self.error_reply(rid, self._unreadable(exc))
 
-    def request_id(self, message: bytes | str) -> RequestId:
+    def request_id(self, message: bytes | str | BatchCall) -> RequestId:
         """The ``id`` of a request not carried out (e.g. refused by a rate limit), if readable."""
+        if message.__class__ is BatchCall:
+            return message.id
         try:
             rid: RequestId = self._envelope_decoder.decode(message).id
         except Exception:
@@ -346,6 +374,19 @@ class SessionProtocol:
         if text.endswith("`$.timeout_s`"):
             return validation_error(exc, "timeout_s")
         return InvalidMessageError(f"Invalid message: a frame must be an object ({text})")
+
+    def step_call(self, envelope: BatchCall) -> Call | None:
+        """The step :class:`Call` of a batch's call, the short way (``_batch``): ``None``
+        unless an episode runs and the call is a plain step with a valid action (then
+        :meth:`receive` answers it, errors included)."""
+        if self.state is not SessionState.READY or envelope.type != "step":
+            return None
+        if envelope.timeout_s is not None or not envelope.data:
+            return None
+        try:
+            return Call(Op.STEP, envelope.id, self._action_decoder.decode(envelope.data))
+        except Exception:
+            return None
 
     def _decode_action(self, raw: msgspec.Raw) -> Any:
         if not raw:
@@ -417,6 +458,10 @@ class SessionProtocol:
     def forked_reply(self, call: Call, data: dict[str, Any]) -> bytes:
         """The reply to ``fork``: the new session's id and resume token (``_resume``)."""
         return self._frame("forked", data, call.id)
+
+    def closed_reply(self, code: int, reason: str) -> bytes:
+        """A batch's result for a call on a session that is closed (``_batch``)."""
+        return self._frame("closed", {"code": code, "reason": reason}, None)
 
     def resumed_reply(self, data: dict[str, Any]) -> bytes:
         """The first frame on a resumed session's new connection (``_resume``)."""

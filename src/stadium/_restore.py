@@ -11,9 +11,10 @@ import os
 
 from stadium._errors import ResumeError, StadiumError
 from stadium._protocol import Encoding
+from stadium._resumable import Where
 from stadium._resume import ResumeAsk, Target, new_session_id, unknown_session
 from stadium._runtime import Runtime
-from stadium._session import Session, Where
+from stadium._session import Session
 
 log = logging.getLogger("stadium.session")
 

@@ -87,14 +87,18 @@ NOWHERE: Target = _Nowhere()
 
 class ResumeAsk:
     """What a ``/ws`` request asked for: a new resumable session (``sid`` None) or a
-    resume of session ``sid`` with ``token``, the client having got ``received`` replies."""
+    resume of session ``sid`` with ``token``, the client having got ``received`` replies;
+    ``batched``: a ``resume`` call of a batch (``_batch``)."""
 
-    __slots__ = ("received", "sid", "token")
+    __slots__ = ("batched", "received", "sid", "token")
 
-    def __init__(self, sid: str | None, token: str = "", received: int = 0) -> None:
+    def __init__(
+        self, sid: str | None, token: str = "", received: int = 0, *, batched: bool = False
+    ) -> None:
         self.sid = sid
         self.token = token
         self.received = received
+        self.batched = batched
 
 
 def resume_ask(query: str, token: str | None) -> ResumeAsk | str | None:
@@ -167,13 +171,15 @@ class ResumeChannel:
     a new connection and says which replies the client missed.
     """
 
-    __slots__ = ("count", "held", "persist", "recent", "target")
+    __slots__ = ("after_held", "count", "held", "persist", "recent", "target")
 
     def __init__(self, target: Target) -> None:
         self.target: Target | None = target
         self.persist: Callable[[bytes | None], None] | None = None
         """A durable session's writer (``_durable``), called with each reply before it is
         sent (``count`` already includes it)."""
+        self.after_held: Callable[[], None] | None = None
+        """Called once, after the next reply held (a batch's resume waiting for it)."""
         self.recent: collections.deque[bytes] = collections.deque(maxlen=REPLAY_FRAMES)
         self.held: list[bytes] = []
         self.count = 0
@@ -186,6 +192,9 @@ class ResumeChannel:
         target = self.target
         if target is None:
             self.held.append(data)
+            if self.after_held is not None:
+                after, self.after_held = self.after_held, None
+                after()
             return
         self.recent.append(data)
         target.send(data)

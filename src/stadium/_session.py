@@ -27,27 +27,25 @@ from typing import Any
 
 from stadium import _mcp
 from stadium._admission import Verdict
-from stadium._durable import RECORD_VERSION, SessionRecord, token_digest
+from stadium._durable import SessionRecord
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
     ExecutionError,
-    ResumeError,
     SessionError,
     StadiumError,
 )
+from stadium._invoke import EAGER_TASKS
 from stadium._limits import Client, TokenBucket
-from stadium._protocol import Call, Encoding, Op, SessionProtocol, SessionState
+from stadium._protocol import BatchCall, Call, Encoding, Op, SessionProtocol
+from stadium._resumable import ResumableSession, Where
 from stadium._resume import (
     NOWHERE,
-    REPLAY_FRAMES,
     ResumeAsk,
     ResumeChannel,
     Target,
     new_session_id,
     new_token,
-    token_matches,
-    unknown_session,
 )
 from stadium._runtime import (
     CLOSE_GOING_AWAY,
@@ -69,13 +67,17 @@ from stadium._throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
 
-Where = tuple[str, str]
-"""Where a session is served: the node's name and the ``host:port`` a connection reached."""
+Message = bytes | str | BatchCall
+"""What a session is fed: a frame, or a call of a batch frame decoded already (``_batch``)."""
+
 
 # Module constants: an enum member looked up on its class costs ~20 ns, per step.
 _STATE = Op.STATE
 _STEP = Op.STEP
 _MCP = Op.MCP
+_OPEN = Phase.OPEN
+_POOL = CallMode.POOL
+_TASK = CallMode.TASK
 
 _SESSION_NUMBERS = itertools.count(1)
 
@@ -84,7 +86,7 @@ def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-class Session:
+class Session(ResumableSession):
     """One session: admission, environment, ordered request processing, replies."""
 
     __slots__ = (
@@ -93,24 +95,17 @@ class Session:
         "_call",
         "_client",
         "_close_after",
-        "_expiry",
         "_pending",
         "_pending_bytes",
         "_queued_at",
-        "_restoring",
         "_sid",
         "_task",
-        "_token",
         "_waiter",
         "channel",
         "client",
         "env",
-        "last_active",
         "loop",
-        "outcome",
-        "phase",
         "protocol",
-        "resume_id",
         "runtime",
     )
 
@@ -138,7 +133,7 @@ class Session:
         self.phase = Phase.ADMITTING
         self.env: Any = None
         self.last_active = self.loop.time()
-        self._pending: collections.deque[bytes | str] | None = None
+        self._pending: collections.deque[Message] | None = None
         self._pending_bytes = 0
         self._call: Call | None = None
         self._task: asyncio.Task[Any] | asyncio.Future[Any] | None = None
@@ -186,7 +181,7 @@ class Session:
         else:
             self._on_admission(verdict is Verdict.ADMITTED)
 
-    def feed(self, message: bytes | str) -> None:
+    def feed(self, message: Message) -> None:
         """Handle (or queue) one complete message from the peer."""
         self.last_active = self.loop.time()
         if self._call is not None or self.phase is not Phase.OPEN:
@@ -210,6 +205,50 @@ class Session:
             self._pending_bytes += size
             return
         self._handle(message)
+
+    def step_now(self, message: BatchCall, now: float) -> bool:
+        """A batch's step on an open, idle session, without the queue's checks and the
+        envelope's reading (``_batch``; its reply goes to the channel as any other);
+        ``now``: the batch's arrival. ``False``, nothing done, when the session or the
+        call is not that simple: :meth:`feed` it then."""
+        if self.phase is not _OPEN or self._call is not None or self._pending:
+            return False
+        if self._bucket is not None:
+            return False
+        call = self.protocol.step_call(message)
+        if call is None:
+            return False
+        self.last_active = now
+        rt = self.runtime
+        mode = rt.spec.step_mode
+        if mode is _POOL or (mode is _TASK and not EAGER_TASKS):
+            pending = rt.invoke.run(
+                self.loop, mode, self.env.step, (call.action,), self._on_done, call
+            )
+            if pending is not None:
+                self._call = call
+                self._task = pending
+            return True
+        # Invoker.run's inline and eager-task cases, inlined: the batch's per-step path is
+        # the session's (measured: Invoker.run + _settle + _on_done were half of it).
+        try:
+            if mode is _TASK:
+                task: asyncio.Task[Any] = asyncio.Task(
+                    self.env.step(call.action),
+                    loop=self.loop,
+                    eager_start=True,  # type: ignore[call-arg,unused-ignore]
+                )
+                if not task.done():  # it waits: as Invoker.run would go on
+                    self._call = call
+                    self._task = rt.invoke.follow(self.loop, task, None, None, self._on_done, call)
+                    return True
+                result = task.result()
+            else:
+                result = self.env.step(call.action)
+            self._reply(call, result)
+        except Exception as exc:  # the env raised, or its observation cannot be encoded
+            self._fail(call, exc)
+        return True
 
     def connection_lost(self, channel: Target | None = None) -> None:
         """The peer is gone: cancel in-flight work, free the slot and the environment.
@@ -375,7 +414,7 @@ class Session:
             self._pending_bytes -= len(message)
             self._handle(message)
 
-    def _handle(self, message: bytes | str) -> None:
+    def _handle(self, message: Message) -> None:
         bucket = self._bucket
         if bucket is not None and (wait := bucket.take(self.last_active)):  # --rate-limit
             self._rate_limited(message, wait)
@@ -528,7 +567,7 @@ class Session:
             rt.env_raised(f"the environment's {op} raised", exc, self)
         self._send_error(call, err)
 
-    def _rate_limited(self, message: bytes | str, wait: float) -> None:
+    def _rate_limited(self, message: Message, wait: float) -> None:
         """Refuse a request over the client's ``--rate-limit``: not run; the session stays open."""
         limits = self.runtime.limits
         assert limits is not None
@@ -547,108 +586,6 @@ class Session:
     def _send_error(self, call: Call | None, err: StadiumError) -> None:
         self.runtime.errors_total[str(err.code)] += 1
         self.channel.send(self.protocol.error_reply(call, err))
-
-    # -- resume -----------------------------------------------------------------
-
-    def _detach(self, channel: ResumeChannel) -> None:
-        """The connection is lost: keep the env, slot and in-flight call for the grace
-        period; replies made meanwhile are held for the resume."""
-        channel.detach()
-        self.phase = Phase.DETACHED
-        self._expiry = self.loop.call_later(self.runtime.resume_grace, self._expire)
-
-    def _expire(self) -> None:
-        self._expiry = None
-        if self.phase is Phase.DETACHED:
-            self.outcome = "expired"
-            self.close(CLOSE_GOING_AWAY, "not resumed within the grace period")
-
-    def resume(self, ask: ResumeAsk, target: Target, where: Where) -> StadiumError | None:
-        """Bind the session to the connection ``target`` (a resume): the ``resumed``
-        frame, the replies the client missed, then the requests that queued.
-
-        A session still attached to another connection (whose loss this server has
-        not seen yet) is taken from it. Returns the error to answer instead.
-        """
-        channel = self.channel
-        assert isinstance(channel, ResumeChannel)
-        if not token_matches(self._token, ask.token):
-            log.debug("resume of %s refused: wrong token", ask.sid)
-            return unknown_session(ask.sid)
-        if self.phase is not Phase.OPEN and self.phase is not Phase.DETACHED:
-            log.debug("resume of %s refused: session is %s", ask.sid, self.phase.name)
-            return unknown_session(ask.sid)
-        frames = channel.replay(ask.received)
-        if frames is None:
-            return ResumeError(
-                f"session {ask.sid} cannot be resumed: the client says it got "
-                f"{ask.received} replies, the server sent {channel.count} and keeps only the "
-                "last few; open a new session",
-                session=ask.sid,
-            )
-        old = channel.target
-        if old is not None and old is not target:  # taken over: that connection is stale
-            channel.detach()
-            old.close(CLOSE_POLICY, "session resumed on another connection")
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-        self._token = new_token()
-        if channel.persist is not None:  # the store must know the new token
-            self._persist(None)
-        requests = channel.count + (self._call is not None) + len(self._pending or ())
-        target.send(
-            self.protocol.resumed_reply(
-                {
-                    "session": self.resume_id,
-                    "token": self._token,
-                    "requests": requests,
-                    "replayed": len(frames),
-                    "node": where[0],
-                    "address": where[1],
-                }
-            )
-        )
-        for frame in frames:
-            target.send(frame)
-        channel.attach(target)
-        self.phase = Phase.OPEN
-        self.last_active = self.loop.time()
-        self.runtime.outcomes["resumed"] += 1
-        if self._pending and self._call is None:
-            self._drain_pending()
-        return None
-
-    def start_restoring(self, record: SessionRecord, ask: ResumeAsk, where: Where) -> None:
-        """:meth:`start` a session whose env comes from ``record`` (``_restore``), and
-        resume it on its connection once it is back."""
-        self._restoring = (record, ask, where)
-        self.start()
-
-    def _restored(
-        self, channel: ResumeChannel, record: SessionRecord, ask: ResumeAsk, where: Where
-    ) -> None:
-        """The env is back from its snapshot: the protocol's counters and the replies to
-        replay too, then the resume handshake; the record moves to the new id."""
-        self._restoring = None
-        protocol = self.protocol
-        protocol.episode_id = record.episode_id
-        protocol.step_count = record.step_count
-        protocol.state = SessionState.READY if record.ready else SessionState.NEW
-        channel.count = record.replies
-        channel.recent.extend(record.recent)
-        ask.sid = self.resume_id
-        target = channel.target
-        assert target is not None
-        error = self.resume(ask, target, where)
-        durable = self.runtime.durable
-        assert durable is not None
-        if error is not None:
-            self._send_error(None, error)
-            self.close(CLOSE_POLICY, "session cannot be resumed")
-            return
-        durable.drop(record.sid)
-        self.runtime.outcomes["restored"] += 1
 
     def _fork(self, call: Call) -> None:
         """``fork``: a new session from this one's snapshot, its env restored from it, held
@@ -699,39 +636,6 @@ class Session:
             self._persist(None)
         self._detach(channel)
 
-    def _persist(self, frame: bytes | None) -> None:
-        """Write this durable session's record (``_durable``): before ``frame`` is sent."""
-        channel = self.channel
-        durable = self.runtime.durable
-        assert isinstance(channel, ResumeChannel)
-        assert durable is not None
-        assert self.resume_id is not None
-        try:
-            blob = snapshot_env(self.env)
-        except StadiumError as exc:  # this env cannot be durable: say so once, go on without
-            _SNAPSHOT_ERRORS("session %s is no longer durable: %s", self.resume_id, exc)
-            channel.persist = None
-            durable.drop(self.resume_id)
-            return
-        recent = [*channel.recent, *channel.held]
-        if frame is not None:
-            recent.append(frame)
-        protocol = self.protocol
-        durable.save(
-            SessionRecord(
-                RECORD_VERSION,
-                self.resume_id,
-                token_digest(self._token),
-                protocol.encoding.value,
-                blob,
-                protocol.episode_id,
-                protocol.step_count,
-                protocol.state is SessionState.READY,
-                channel.count,
-                recent[-REPLAY_FRAMES:],
-            )
-        )
-
     # -- teardown ---------------------------------------------------------------
 
     def _finish_close(self, code: int, reason: str) -> None:
@@ -777,7 +681,6 @@ class Session:
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
-_SNAPSHOT_ERRORS = ThrottledLog(log, logging.WARNING)
 
 
 def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:

@@ -13,9 +13,12 @@ For trainers written against Gymnasium's API::
     obs, infos = envs.reset(seed=0)                # seeds 0..63, like Gymnasium's vector envs
     obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
 
-Where a URL goes, several nodes may go too — a list of URLs, a deployment file, or a
-DNS name for many addresses (see :class:`stadium.AsyncClient`): ``make_vec``'s
-sessions then spread over the nodes by free capacity.
+``make_vec``'s sessions are a :class:`stadium.SessionPool`'s: against a Stadium server
+they share a few batch connections, one batch frame per ``step`` (``batch=False``: one
+connection per session, resumable). Where a URL goes, several nodes may go too — a
+list of URLs, a deployment file, or a DNS name for many addresses (see
+:class:`stadium.AsyncClient`): ``make_vec``'s sessions then spread over the nodes by
+free capacity.
 
 The server must serve a Gymnasium env (``stadium serve gymnasium:CartPole-v1``):
 its ``GET /schema`` carries the spaces, which are rebuilt here, so observations
@@ -39,10 +42,11 @@ from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
 from stadium._balance import EndpointSpec, is_url, static_urls
+from stadium._batch_pool import BatchSession
 from stadium._client import AsyncClient, ws_url
 from stadium._env import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
-from stadium._pool import run_sync
+from stadium._pool import SessionPool, run_sync
 from stadium.integrations.gymnasium import (
     decode_arrays,
     from_wire,
@@ -103,13 +107,13 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 class _Session:
     """One remote session and the conversions between wire values and space values."""
 
-    def __init__(self, url: EndpointSpec, info: dict[str, Any], msgpack: bool, kwargs: Any) -> None:
-        # Actions go out as the space's wire form (arrays as binary extensions with
-        # MessagePack), which msgspec.to_builtins, the client's default, cannot carry.
-        encode = to_msgpack_wire if msgpack else to_wire
-        self.client: AsyncClient[Any] = AsyncClient(
-            url, msgpack=msgpack, action_encoder=encode, **kwargs
-        )
+    def __init__(
+        self,
+        client: AsyncClient[Any] | BatchSession[Any],
+        info: dict[str, Any],
+        msgpack: bool,
+    ) -> None:
+        self.client = client
         self.obs_space = info["observation_space"]
         self.act_space = info["action_space"]
         self.msgpack = msgpack
@@ -137,6 +141,10 @@ class _Session:
         if self.msgpack:
             return dict(decode_arrays(result.info))
         return _lists_to_arrays(result.info)
+
+
+def _encoder(msgpack: bool) -> Any:
+    return to_msgpack_wire if msgpack else to_wire
 
 
 def _lists_to_arrays(info: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +193,12 @@ class RemoteEnv(gymnasium.Env[Any, Any]):
         self.action_space = info["action_space"]
         self.render_mode = None
         self.metadata = {"render_modes": [], "render_fps": info.get("render_fps")}
-        self._session = _Session(url, info, msgpack, client_kwargs)
+        # Actions go out as the space's wire form (arrays as binary extensions with
+        # MessagePack), which msgspec.to_builtins, the client's default, cannot carry.
+        client: AsyncClient[Any] = AsyncClient(
+            url, msgpack=msgpack, action_encoder=_encoder(msgpack), **client_kwargs
+        )
+        self._session = _Session(client, info, msgpack)
         self._closed = False
 
     def reset(
@@ -214,9 +227,13 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
     ignored, reward 0, not terminated) and returns the new episode's first
     observation. ``reset(seed=s)`` seeds the sub-envs ``s, s+1, …``, as
     ``SyncVectorEnv`` does; ``options={"reset_mask": mask}`` resets some of them.
-    All sessions' requests go out at once on the client's shared event loop. ``url``
-    may name several nodes (a list of URLs, a deployment file, a DNS name for many
-    addresses): the sessions spread over them by free capacity.
+    The sessions are a :class:`stadium.SessionPool`'s: against a Stadium server they
+    share a few batch connections and each ``reset``/``step`` is one batch frame per
+    connection (``batch=False`` for one connection per session, e.g. resumable ones);
+    against other servers one connection per session, all requests sent at once on the
+    client's shared event loop. ``url`` may name several nodes (a list of URLs, a
+    deployment file, a DNS name for many addresses): the sessions spread over them by
+    free capacity. Keyword arguments go to :class:`stadium.SessionPool`.
     """
 
     def __init__(
@@ -233,10 +250,24 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
         self.action_space = batch_space(self.single_action_space, num_envs)
         self.metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": []}
         self.render_mode = None
-        self._sessions = [_Session(url, info, msgpack, client_kwargs) for _ in range(num_envs)]
+        self._info, self._msgpack = info, msgpack
+        self._pool: SessionPool[Any] = SessionPool(
+            url, num_envs, msgpack=msgpack, action_encoder=_encoder(msgpack), **client_kwargs
+        )
+        self._open_sessions: list[_Session] | None = None
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
         self._obs: Any = create_empty_array(self.single_observation_space, num_envs)
         self._env_obs: list[Any] = [None] * num_envs
+
+    @property
+    def _sessions(self) -> list[_Session]:
+        """The sessions, the pool opened on first use (it then chooses batching or not)."""
+        if self._open_sessions is None:
+            _run(self._pool.open())
+            self._open_sessions = [
+                _Session(c, self._info, self._msgpack) for c in self._pool.clients
+            ]
+        return self._open_sessions
 
     def reset(
         self,
@@ -260,7 +291,8 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
             if mask.shape != (n,) or not mask.any():
                 raise ValueError(f"options['reset_mask'] must be {n} booleans, at least one True")
         chosen = [i for i in range(n) if mask[i]]
-        results = _run(_gather(self._sessions[i].reset(seeds[i], options or None) for i in chosen))
+        sessions = self._sessions  # here, not in the loop thread: it may open the pool
+        results = _run(_gather([sessions[i].reset(seeds[i], options or None) for i in chosen]))
         infos: dict[str, Any] = {}
         for i, (obs, info) in zip(chosen, results, strict=True):
             self._env_obs[i] = obs
@@ -299,7 +331,7 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
         return _copy(self._obs), rewards, terminations, truncations, infos
 
     def close_extras(self, **kwargs: Any) -> None:
-        _run(_gather(s.client.close() for s in self._sessions))
+        _run(self._pool.close())
 
     def __repr__(self) -> str:
         return f"<RemoteVectorEnv num_envs={self.num_envs} at {self.url}>"

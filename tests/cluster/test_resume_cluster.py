@@ -5,25 +5,16 @@ sessions of a node killed with ``kill -9`` continue on the others."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from stadium import AsyncClient
-from stadium.deploy.deployment import Deployment
-from stadium.deploy.haproxy import RouterOptions, render
-from tests.cluster.harness import Cluster, free_port, haproxy_servers, stop_process, wait_for
-from tests.conftest import UNIT
+from tests.cluster.harness import Cluster
+from tests.cluster.serving import behind_router
 from tests.relay import relay_to
 
 pytestmark = pytest.mark.cluster
@@ -31,41 +22,8 @@ pytestmark = pytest.mark.cluster
 PORT = 8810
 
 
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2 * UNIT) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _nodes_and_router(cluster: Cluster, *serve_args: str) -> Iterator[tuple[list[Any], str]]:
-    cmd = [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "0.0.0.0",
-           "--port", str(PORT), "--drain-timeout", "1", *serve_args]  # fmt: skip
-    procs = [n.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for n in cluster.nodes]  # fmt: skip
-    stats = cluster.workdir / f"router-{os.getpid()}-{time.monotonic_ns()}.sock"
-    port = free_port()
-    options = RouterOptions(bind="127.0.0.1", port=port, stats_socket=str(stats))
-    try:
-        for node in cluster.nodes:
-            wait_for(functools.partial(_health, node.url(PORT)), 20 * UNIT, f"{node} healthy")
-        cfg = render(Deployment.of([n.url(PORT) for n in cluster.nodes]), options)
-        proxy = cluster.haproxy(cfg)
-        try:
-            up = {f"node{i}": "UP" for i in (1, 2, 3)}
-            wait_for(lambda: haproxy_servers(stats, "stadium") == up, 15 * UNIT, "3 nodes UP")
-            yield procs, f"http://127.0.0.1:{port}"
-        finally:
-            stop_process(proxy)
-    finally:
-        for proc in procs:
-            stop_process(proc)
-
-
 def test_a_resume_through_the_router_reaches_the_sessions_node(cluster: Cluster) -> None:
-    with _nodes_and_router(cluster) as (_procs, router):
+    with behind_router(cluster, PORT, "--drain-timeout", "1") as (_procs, router, _stats):
 
         async def scenario() -> None:
             async with relay_to(router) as relay:
@@ -92,10 +50,8 @@ def test_a_resume_through_the_router_reaches_the_sessions_node(cluster: Cluster)
 
 def test_durable_sessions_of_a_killed_node_continue_on_the_others(cluster: Cluster) -> None:
     store: Path = cluster.workdir / f"sessions-{os.getpid()}-{time.monotonic_ns()}"
-    with _nodes_and_router(cluster, "--durable", "--session-store", str(store)) as (
-        procs,
-        router,
-    ):
+    args = ("--drain-timeout", "1", "--durable", "--session-store", str(store))
+    with behind_router(cluster, PORT, *args) as (procs, router, _stats):
 
         async def scenario() -> None:
             clients = [AsyncClient(router, max_retries=20) for _ in range(9)]

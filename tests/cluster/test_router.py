@@ -4,63 +4,20 @@ rotation before its sessions end; ``kill -9`` of one node fails only its session
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import os
 import signal
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from stadium import AsyncClient, SessionClosedError
-from stadium.deploy.deployment import Deployment
-from stadium.deploy.haproxy import RouterOptions, render
-from tests.cluster.harness import Cluster, free_port, haproxy_servers, stop_process, wait_for
+from tests.cluster.harness import Cluster, haproxy_servers
+from tests.cluster.serving import behind_router
 from tests.conftest import UNIT
 
 pytestmark = pytest.mark.cluster
 
 PORT = 8800
-
-
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2 * UNIT) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
-@contextlib.contextmanager
-def _nodes_and_router(cluster: Cluster, drain_s: float) -> Iterator[tuple[list[Any], str, Any]]:
-    """``stadium serve benchmark`` on each node and HAProxy (``stadium router``'s config)
-    on the host; yields (server processes, router URL, stats socket)."""
-    cmd = [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "0.0.0.0",
-           "--port", str(PORT), "--drain-timeout", str(drain_s)]  # fmt: skip
-    procs = [n.popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-             for n in cluster.nodes]  # fmt: skip
-    stats = cluster.workdir / f"router-{os.getpid()}-{time.monotonic_ns()}.sock"
-    port = free_port()
-    options = RouterOptions(bind="127.0.0.1", port=port, stats_socket=str(stats))
-    try:
-        for node in cluster.nodes:
-            wait_for(functools.partial(_health, node.url(PORT)), 20 * UNIT, f"{node} healthy")
-        cfg = render(Deployment.of([n.url(PORT) for n in cluster.nodes]), options)
-        proxy = cluster.haproxy(cfg)
-        try:
-            up = {f"node{i}": "UP" for i in (1, 2, 3)}
-            wait_for(lambda: haproxy_servers(stats, "stadium") == up, 15 * UNIT, "3 nodes UP")
-            yield procs, f"http://127.0.0.1:{port}", stats
-        finally:
-            stop_process(proxy)
-    finally:
-        for proc in procs:
-            stop_process(proc)
 
 
 async def _open(url: str) -> tuple[AsyncClient[Any], str]:
@@ -70,7 +27,7 @@ async def _open(url: str) -> tuple[AsyncClient[Any], str]:
 
 
 def test_a_draining_node_leaves_the_router_before_its_sessions_end(cluster: Cluster) -> None:
-    with _nodes_and_router(cluster, drain_s=8 * UNIT) as (procs, router, stats):
+    with behind_router(cluster, PORT, "--drain-timeout", str(8 * UNIT)) as (procs, router, stats):
 
         async def scenario() -> None:
             held, host = await _open(f"{router}?stadium_node=node2")
@@ -100,7 +57,7 @@ def test_a_draining_node_leaves_the_router_before_its_sessions_end(cluster: Clus
 
 
 def test_kill_9_of_one_node_fails_only_its_sessions(cluster: Cluster) -> None:
-    with _nodes_and_router(cluster, drain_s=0) as (procs, router, _stats):
+    with behind_router(cluster, PORT, "--drain-timeout", "0") as (procs, router, _stats):
 
         async def scenario() -> None:
             sessions = [await _open(f"{router}?stadium_node=node{i}") for i in (1, 2, 3, 1, 2, 3)]

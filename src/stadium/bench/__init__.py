@@ -13,7 +13,8 @@ Public API (imported lazily, so ``import stadium.bench`` stays cheap)::
 Modules: ``metrics`` (pure arithmetic, the error kinds), ``results`` (records
 and summaries), ``loadspec`` (what a point's load is), ``sessions`` (one
 session over WebSocket or HTTP, timed and classified), ``loadgen`` (the load
-generator's worker processes), ``procstat`` (/proc readings and sampling),
+generator's worker processes), ``batch`` (a batched load: B sessions per
+connection, one batch frame per round), ``procstat`` (/proc readings and sampling),
 ``arms`` (servers, how they start, caps), ``runner`` (a run: every point, then
 the outputs), ``report`` (files and figures), ``compare``, ``options`` (the
 command line's options as typed values), ``floor`` (the floor server),

@@ -53,6 +53,11 @@ def _ints(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
     return out
 
 
+def _sizes(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    """Like ``_ints``, but empty is allowed (none)."""
+    return _ints(ctx, param, value) if value.strip() else []
+
+
 def _floats(ctx: click.Context, param: click.Parameter, value: str) -> list[float]:
     try:
         out = [float(x) for x in value.split(",") if x.strip()]
@@ -91,6 +96,14 @@ _OPTIONS: list[Callable[[Any], Any]] = [
         default=_D.mode,
         show_default=True,
         help="WebSocket sessions, or HTTP POST /reset + /step.",
+    ),
+    click.option(
+        "--batch",
+        default="",
+        callback=_sizes,
+        help="Also run each stadium (and url) arm with this many sessions per connection, "
+        "stepped with one batch frame per round (e.g. 64,256: arms stadium+batch64, "
+        "stadium+batch256). Stadium servers only.",
     ),
     click.option(
         "--output-dir",
@@ -257,7 +270,8 @@ def bench(
 
 @bench.command()
 @click.option("--arm", "arms", multiple=True, default=_D.arms, show_default=True,
-              help="stadium, stadium@REF, floor, openenv, url (repeatable).")  # fmt: skip
+              help="stadium, stadium@REF, floor, openenv, url (repeatable); "
+              "stadium+batchB, url+batchB: B sessions per connection.")  # fmt: skip
 @click.option("--url", default=None,
               help="For the url arm: http://HOST:PORT or ws://HOST:PORT/ws "
               "(commas: several).")  # fmt: skip

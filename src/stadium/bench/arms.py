@@ -17,6 +17,11 @@ An arm is one of:
   spread over them, weighted by the free capacity each reports on ``GET
   /health`` at the point's start (:func:`endpoint_weights`).
 
+``ARM+batchB`` (``stadium+batch64``, ``url+batch256``) is that arm's server
+loaded with B sessions per connection, stepped with one batch frame per round
+(:attr:`Arm.batch`, :mod:`stadium.bench.batch`); only Stadium servers speak
+batches, so the floor and OpenEnv have no such arm.
+
 Started arms run in a fresh process group per point and are stopped with
 SIGTERM, then SIGKILL to the group after a grace period. Resource caps are
 applied to the server right after it starts (children it forks inherit them):
@@ -33,6 +38,7 @@ length of a ``with`` block: ``stadium demo`` and the tests use it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import itertools
 import os
@@ -58,6 +64,8 @@ FLOOR_SCRIPT = BENCH_DIR / "floor.py"
 OPENENV_SCRIPT = BENCH_DIR / "openenv_server.py"
 OPENENV_VERSION = "0.10.0"
 KINDS = ("stadium", "floor", "openenv", "url")
+BATCH_KINDS = ("stadium", "url")
+"""Arms whose servers may speak batches (``ARM+batchB``)."""
 STADIUM_SERVE = (sys.executable, "-m", "stadium", "serve")
 """How every Stadium server is started: ``stadium serve`` under this interpreter."""
 
@@ -70,7 +78,8 @@ class Arm:
     from ``url`` when not given; ``url`` is then the first); its
     ``server_pids`` are the processes whose trees make its server-side
     figures (``server_pid`` alone is one), normally one per endpoint.
-    Raises :class:`ConfigError` for a URL that is not a server's.
+    Raises :class:`ConfigError` for a URL that is not a server's. ``batch`` B > 0:
+    the load puts B sessions on each connection (``ARM+batchB``).
     """
 
     name: str
@@ -80,6 +89,7 @@ class Arm:
     git_ref: str | None = None
     urls: tuple[str, ...] = ()
     server_pids: tuple[int, ...] = ()
+    batch: int = 0
 
     def __post_init__(self) -> None:
         if self.kind != "url":
@@ -101,10 +111,33 @@ class Arm:
         endpoint) and the server processes to sample."""
         return cls(name, "url", urls=ws_urls(specs), server_pids=tuple(server_pids))
 
+    def batched(self, batch: int) -> Arm:
+        """This arm's server loaded with ``batch`` sessions per connection (``NAME+batchB``).
+        Raises :class:`ConfigError` for an arm without batches (floor, openenv)."""
+        if self.kind not in BATCH_KINDS:
+            raise ConfigError(
+                f"the {self.name} arm has no batches (only {', '.join(BATCH_KINDS)} do): "
+                f"drop +batch{batch}"
+            )
+        if batch <= 0:
+            raise ConfigError(f"batch must be a positive number of sessions, not {batch}")
+        base = self.name.partition("+batch")[0]
+        return dataclasses.replace(self, name=f"{base}+batch{batch}", batch=batch)
+
     @classmethod
     def parse(cls, text: str, *, url: str | None = None, server_pid: int | None = None) -> Arm:
         """``stadium``, ``stadium@REF``, ``floor``, ``openenv``, ``url`` or ``url=URL``
-        (``url`` takes ``url``: one URL or several separated by commas)."""
+        (``url`` takes ``url``: one URL or several separated by commas), each but the
+        floor and openenv optionally ``+batchB``."""
+        base, plus, size = text.rpartition("+batch")
+        if plus:
+            try:
+                batch = int(size)
+            except ValueError:
+                raise ConfigError(
+                    f"not a batch size in arm {text!r} (try stadium+batch64)"
+                ) from None
+            return cls.parse(base, url=url, server_pid=server_pid).batched(batch)
         if text.startswith("stadium@"):
             return cls(text, "stadium", git_ref=text.partition("@")[2])
         if text.startswith("url="):

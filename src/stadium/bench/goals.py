@@ -8,6 +8,11 @@ options, is printed in the report, so one command reproduces each row.
 Nothing here times anything itself: the ramps measure, this module only runs
 them in turn and tables what their ``summary.csv`` says.
 
+A goal may read its ``stadium`` column off another arm of its ramp
+(:attr:`Goal.arms`: the batched rows read ``stadium+batch64``, the same server
+loaded with 64 sessions per connection) and show a second arm's figure beside it
+(:attr:`Goal.versus`: one frame per session, measured in the same ramp).
+
 Output (``--output-dir``): one sub-directory per ramp (its full report and
 figures), ``goals.md`` (the table: each goal, its target, the three arms, the
 stadium/floor and openenv/stadium ratios, met or not) and ``goals.json``.
@@ -21,7 +26,7 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +82,12 @@ class Goal:
     fmt: Callable[[float], str] = field(default=lambda v: f"{v:,.3g}")
     baseline_n: int | None = None
     """Also read each arm's figure at this N of the same ramp (shown in brackets)."""
+    arms: Mapping[str, str | None] = field(default_factory=dict)
+    """Column → the ramp's arm it shows (default: the arm of that name); ``None``:
+    the column is empty for this goal."""
+    versus: tuple[str, str] | None = None
+    """(label, arm): that arm's figure at ``n`` is the ``stadium`` column's baseline,
+    shown in brackets with the label (e.g. one frame per session beside a batch)."""
 
 
 def _f(row: Row, col: str) -> float | None:
@@ -130,6 +141,24 @@ def _per_step_met(v: Values, _baseline: Values) -> bool | None:
     return s <= 20.0 and s <= 1.5 * f
 
 
+def _quarter_of_floor(v: Values, _baseline: Values) -> bool | None:
+    s, f = v.get("stadium"), v.get("floor")
+    return None if s is None or f is None else s <= 0.25 * f
+
+
+def _half_of_versus(v: Values, baseline: Values) -> bool | None:
+    s, own = v.get("stadium"), baseline.get("stadium")
+    return None if s is None or own is None else s <= 0.5 * own
+
+
+def _measured(_v: Values, _baseline: Values) -> bool | None:
+    return None
+
+
+def _client_cpu_step(row: Row) -> float | None:
+    return _f(row, "client_cpu_us_per_step")
+
+
 def _flat_met(v: Values, baseline: Values) -> bool | None:
     big, small = v.get("stadium"), baseline.get("stadium")
     return None if big is None or small is None else big <= small
@@ -146,7 +175,11 @@ RAMPS: dict[str, Ramp] = {
         _ramp("lifecycle", *ARMS, requests_grid=(2048,), wait_grid=(0.0,), steps=1, pin=True),
         _ramp("p99_8192", *ARMS, requests_grid=(512, 8192), wait_grid=(1.0,), pin=True),
         _ramp("idle_rss", *ARMS, requests_grid=(4096,), wait_grid=(0.0,), think_ms=3000.0,
-              pin=True),
+              pin=True, batch=(64,)),
+        # Batches: the floor has none, so Stadium's batches are measured against the
+        # floor's one frame per step (and Stadium's own), side by side.
+        _ramp("batch", "stadium", "floor", requests_grid=(256,), wait_grid=(0.0,), steps=500,
+              pin=True, batch=(64, 256)),
         _ramp("burst_32768", "stadium", "floor", server_workers=2, requests_grid=(32768,),
               wait_grid=(10.0,)),
         # A thread-per-session server cannot hold 32,768 sessions here: pid_max is
@@ -180,6 +213,25 @@ GOALS: tuple[Goal, ...] = (
          lambda v: f"{v:.1f}"),
     Goal("threads", "Peak server threads at N = 8,192", "flat (as at N = 512)",
          ("p99_8192",), 8192, _threads, "", _flat_met, "", lambda v: f"{v:,.0f}", 512),
+    Goal("batch_step", "Server CPU per step, batch 64 (256 sessions on 4 connections), W = 0, "
+         "1 worker on 1 core", "≤ 0.25 × floor (same run)", ("batch",), 256, _cpu_step, "µs",
+         _quarter_of_floor, "stadium = stadium+batch64, one batch frame per round of 64 steps, "
+         "500 rounds (in brackets: one frame per step); floor = one frame per step",
+         arms={"stadium": "stadium+batch64", "openenv": None}, versus=("one frame", "stadium")),
+    Goal("batch256_step", "Server CPU per step, batch 256 (one connection), W = 0",
+         "≤ 0.25 × floor (same run)", ("batch",), 256, _cpu_step, "µs", _quarter_of_floor,
+         "stadium = stadium+batch256",
+         arms={"stadium": "stadium+batch256", "openenv": None}, versus=("one frame", "stadium")),
+    Goal("batch_client", "Client (load generator) CPU per step, batch 64, W = 0",
+         "measured (no target)", ("batch",), 256, _client_cpu_step, "µs", _measured,
+         "the load generator's worker processes over the point / steps",
+         arms={"stadium": "stadium+batch64", "openenv": None}, versus=("one frame", "stadium")),
+    Goal("batch_rss", "Server RSS per idle multiplexed session, batch 64 (4,096 sessions on "
+         "64 connections)", "≤ ½ × a session on its own connection (same run)", ("idle_rss",),
+         4096, _rss_kb, "KB", _half_of_versus, "stadium = stadium+batch64 (in brackets: one "
+         "connection per session); floor = one connection per session",
+         lambda v: f"{v:.1f}", arms={"stadium": "stadium+batch64", "openenv": None},
+         versus=("own connection", "stadium")),
 )  # fmt: skip
 
 
@@ -235,13 +287,17 @@ def evaluate(out: Path) -> list[GoalResult]:
         ns: dict[str, int] = {}
         baseline: Values = {}
         for arm in ARMS:
-            row = _pick(rows, arm, goal.n)
+            name = goal.arms.get(arm, arm)
+            row = _pick(rows, name, goal.n) if name is not None else None
             values[arm] = goal.figure(row) if row is not None else None
             if row is not None:
                 ns[arm] = int(row["n"])
-            if goal.baseline_n is not None:
-                small = _pick(rows, arm, goal.baseline_n)
+            if goal.baseline_n is not None and name is not None:
+                small = _pick(rows, name, goal.baseline_n)
                 baseline[arm] = goal.figure(small) if small is not None else None
+        if goal.versus is not None:
+            other = _pick(rows, goal.versus[1], goal.n)
+            baseline["stadium"] = goal.figure(other) if other is not None else None
         met = goal.met(values, baseline)
         results.append(GoalResult(goal, values, ns, met, baseline))
     return results
@@ -254,7 +310,8 @@ def _cell(goal: Goal, value: float | None, n: int | None, small: float | None) -
     if n is not None and n != goal.n:
         text += f" (N = {n:,})"
     if small is not None:
-        text += f" ({goal.fmt(small)} at {goal.baseline_n:,})"
+        label = goal.versus[0] if goal.versus is not None else f"at {goal.baseline_n:,}"
+        text += f" ({goal.fmt(small)} {label})"
     return text
 
 

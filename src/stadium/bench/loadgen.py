@@ -3,7 +3,8 @@
 :func:`run_load` runs a :class:`~stadium.bench.loadspec.LoadSpec` from
 ``spec.n_procs()`` worker processes (``python -m stadium.bench.loadgen``),
 each on its own uvloop event loop running
-:func:`~stadium.bench.sessions.run_sessions` for its share of the sessions.
+:func:`~stadium.bench.sessions.run_sessions` (a batched load:
+:func:`~stadium.bench.batch.run_batch_sessions`) for its share of the sessions.
 The workers report ready, the parent hands them one start instant on the
 system-wide monotonic clock, and every session of every worker starts then
 (a coordinated burst).
@@ -11,8 +12,9 @@ system-wide monotonic clock, and every session of every worker starts then
 Parent and worker talk over the worker's stdin and stdout in frames: a
 4-byte big-endian length, then MessagePack of a list whose first item is the
 tag — ``["job", spec, indices, worker]`` and ``["start", t0]`` to the worker;
-``["ready", None]``, ``["progress", done]``, ``["records", [...]]`` and
-``["error", text]`` back; a soak's workers (``spec.duration_s > 0``) send
+``["ready", None]``, ``["progress", done]``, ``["cpu", seconds]`` (the
+worker's own CPU time over its sessions: the client's cost), ``["records",
+[...]]`` and ``["error", text]`` back; a soak's workers (``spec.duration_s > 0``) send
 ``["tally", SoakTally]`` instead of progress, and no records. :func:`frame`
 writes one; :class:`FrameDecoder` reads them, incrementally (the parent's
 non-blocking pipes) or blocking (:func:`read_frame`, the worker's stdin).
@@ -35,11 +37,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import IO, Any
 
 import msgspec
 
 from stadium._process import new_event_loop, raise_nofile_limit
+from stadium.bench.batch import batch_connection_class, run_batch_sessions
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
@@ -141,6 +145,7 @@ def worker_main() -> int:
         loop = new_event_loop()
         asyncio.set_event_loop(loop)
         ws_connection_class()  # import picows before the start instant
+        batch_connection_class()
         # A worker lives for one point and its sessions' objects die with it:
         # the cyclic collector would only re-scan them, ~40 % of the client's CPU
         # in a burst of 8,192 (measured). Reference counting still frees them.
@@ -149,7 +154,10 @@ def worker_main() -> int:
         msg = msgspec.msgpack.decode(read_frame(inp))
         if msg[0] != "start":
             return 1
+        cpu = os.times()
         records = loop.run_until_complete(_work(job, float(msg[1]), out))
+        after = os.times()
+        _send(out, ["cpu", after.user - cpu.user + after.system - cpu.system])
         _send(out, ["records", records])
         return 0
     except BaseException as exc:  # report instead of dying silently
@@ -175,8 +183,9 @@ async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionRecord]:
             _send(out, ["progress", done])
 
     reporter = asyncio.ensure_future(report())
+    sessions = run_batch_sessions if job.spec.batch else run_sessions
     try:
-        return await run_sessions(job.spec, job.indices, t0, worker=job.worker, on_done=tick)
+        return await sessions(job.spec, job.indices, t0, worker=job.worker, on_done=tick)
     finally:
         reporter.cancel()
 
@@ -223,6 +232,7 @@ class LoadWorker:
         self.done = 0
         self.ready = False
         self.records: list[SessionRecord] | None = None
+        self.cpu_s: float | None = None
         self.tally = SoakTally()
         self.samples: list[float] = []
         self.error = ""
@@ -252,6 +262,8 @@ class LoadWorker:
             self.ready = True
         elif tag == "progress":
             self.done = msgspec.msgpack.decode(payload, type=int)
+        elif tag == "cpu":
+            self.cpu_s = msgspec.msgpack.decode(payload, type=float)
         elif tag == "records":
             self.records = _RECORDS.decode(payload)
             self.done = len(self.records)
@@ -303,6 +315,17 @@ def pump_until(
         tick()
 
 
+@dataclass(slots=True)
+class LoadResult:
+    """What one point's load did: a record per session (in index order), the worker
+    processes used, and their CPU seconds over the sessions (``None`` unless every
+    worker reported it)."""
+
+    records: list[SessionRecord]
+    procs: int
+    cpu_s: float | None = None
+
+
 def run_load(
     spec: LoadSpec,
     *,
@@ -314,8 +337,20 @@ def run_load(
     ``progress(done)`` is called about ten times a second with the number of
     sessions finished so far. Always returns within the point's deadline plus
     ~30 s: workers that do not report are killed and their sessions recorded as
-    ``deadline`` (or ``client`` if the worker failed).
+    ``deadline`` (or ``client`` if the worker failed). :func:`load` also says
+    the load's own CPU time.
     """
+    result = load(spec, progress=progress, start_delay=start_delay)
+    return result.records, result.procs
+
+
+def load(
+    spec: LoadSpec,
+    *,
+    progress: Callable[[int], None] | None = None,
+    start_delay: float = 0.3,
+) -> LoadResult:
+    """:func:`run_load`, with the workers' CPU time (:class:`LoadResult`)."""
     workers: list[LoadWorker] = []
     last = [0.0]
 
@@ -333,7 +368,9 @@ def run_load(
         stop_workers(workers)
     records = [r for w in workers for r in w.results()]
     records.sort(key=lambda r: r.index)
-    return records, len(workers)
+    cpus = [w.cpu_s for w in workers]
+    cpu_s = None if any(c is None for c in cpus) else sum(c for c in cpus if c is not None)
+    return LoadResult(records, len(workers), cpu_s)
 
 
 def start_workers(spec: LoadSpec, workers: list[LoadWorker], start_delay: float) -> float:

@@ -51,6 +51,9 @@ MAX_SESSIONS_PER_PROC = 15_000
 PORTS_PER_SOURCE = 8_192
 """Most sessions per source address (under a third of the ~28k ephemeral ports)."""
 
+MAX_BATCH = 4_096
+"""Most sessions per batched connection: the protocol's limit of calls per batch."""
+
 
 @dataclass(frozen=True, slots=True)
 class ThinkModel:
@@ -91,6 +94,11 @@ class LoadSpec:
     ``urls`` (several endpoints, WebSocket URLs) overrides ``url``: session
     ``i`` goes to :meth:`endpoint` ``(i)``, by :func:`spread` over ``weights``
     (one per URL; empty: equal).
+
+    ``batch`` B > 0 puts B sessions on each WebSocket connection (Stadium's
+    ``stadium.batch`` subprotocol, :mod:`stadium.bench.batch`): one batch frame
+    resets them, one batch frame per round steps them all; 0 is one connection
+    and one frame per session and step.
     """
 
     url: str
@@ -110,6 +118,21 @@ class LoadSpec:
     duration_s: float = 0.0
     urls: tuple[str, ...] = ()
     weights: tuple[int, ...] = ()
+    batch: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.batch:
+            return
+        if not 0 < self.batch <= MAX_BATCH:
+            raise ConfigError(f"batch {self.batch} is out of range: give 1 to {MAX_BATCH:,}")
+        if self.mode != "ws":
+            raise ConfigError("batches are WebSocket frames: use --mode ws with --batch")
+        if self.duration_s > 0:
+            raise ConfigError("a soak runs one frame per step: drop --batch")
+
+    def connections(self) -> int:
+        """How many connections the load opens: one per session, or per ``batch`` sessions."""
+        return math.ceil(self.sessions / self.batch) if self.batch else self.sessions
 
     def endpoint(self, index: int) -> str:
         """The URL session ``index`` connects to (``url`` when there is one endpoint)."""
@@ -128,9 +151,9 @@ class LoadSpec:
 
     def n_procs(self) -> int:
         """The number of worker processes this load uses."""
-        need = max(1, math.ceil(self.sessions / MAX_SESSIONS_PER_PROC))
+        need = max(1, math.ceil(self.connections() / MAX_SESSIONS_PER_PROC))
         want = self.procs or (len(self.cpus) if self.cpus else 1)
-        return max(need, min(want, max(1, self.sessions)))
+        return max(need, min(want, max(1, self.connections())))
 
     def deadline(self) -> float:
         """Seconds after the start by which every session must have finished."""

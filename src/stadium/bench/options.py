@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-from stadium.bench.arms import Arm, parse_cpus, parse_size
+from stadium.bench.arms import BATCH_KINDS, Arm, parse_cpus, parse_size
 from stadium.bench.loadspec import ThinkModel
 from stadium.bench.runner import BenchConfig, pin_defaults
 
@@ -48,6 +48,9 @@ class GridOptions:
     state_kb: int = 0
     reps: int = field(default=3, metadata=_ALWAYS)
     mode: str = "ws"
+    batch: tuple[int, ...] = ()
+    """Also load every Stadium (and url) arm with this many sessions per connection
+    (``--batch 64,256``: the arms ``stadium+batch64``, ``stadium+batch256``)."""
     cpus: tuple[int, ...] | None = None
     load_cpus: tuple[int, ...] | None = None
     pin: bool = False
@@ -83,6 +86,7 @@ class GridOptions:
         (:func:`~stadium.bench.runner.pin_defaults`); no ``output_dir`` means
         ``bench-results/<timestamp>``.
         """
+        arms = [x for arm in arms for x in self._with_batches(arm)]
         cpus, load_cpus = self.cpus, self.load_cpus
         if self.pin and cpus is None and load_cpus is None:
             cpus, load_cpus = pin_defaults()
@@ -111,6 +115,12 @@ class GridOptions:
             cache_dir=self.cache_dir,
             progress=self.progress,
         )
+
+    def _with_batches(self, arm: Arm) -> list[Arm]:
+        """``arm``, then its batched arms (one per ``batch`` size) where it has batches."""
+        if arm.batch or arm.kind not in BATCH_KINDS:
+            return [arm]
+        return [arm, *(arm.batched(b) for b in self.batch)]
 
     def argv(self) -> list[str]:
         """The flags that reproduce this value: defaults left out but for the

@@ -335,6 +335,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("server_peak_threads", "threads", 0),
     ("server_cpu_ms_per_session", "CPU ms/session", 3),
     ("server_cpu_us_per_step", "CPU µs/step", 1),
+    ("client_cpu_us_per_step", "client CPU µs/step", 1),
+    ("steps_per_s_per_core", "steps/s per server core", 0),
     ("unique_pids", "PIDs", 0),
     ("unique_hosts", "hosts", 0),
 )
@@ -354,7 +356,7 @@ def errors_text(rows: Sequence[Row]) -> str:
 TERMINAL_COLUMNS = (
     "arm", "wait_s", "n", "success_rate", "errors", "total_p50_ms", "total_p99_ms",
     "inflation_p99", "rps", "rss_per_session_kb", "server_peak_threads",
-    "server_cpu_us_per_step", "unique_hosts",
+    "server_cpu_us_per_step", "client_cpu_us_per_step", "unique_hosts",
 )  # fmt: skip
 """The columns of the terminal table (the report has all of :data:`TABLE_COLUMNS`)."""
 

@@ -88,6 +88,9 @@ class PointSummary:
     think_ms: float
     state_kb: int
     mode: str
+    batch: int = 0
+    """Sessions per connection, stepped with one batch frame per round; 0: one
+    connection and one frame per session and step."""
     attempted: int = 0
     ok: int = 0
     success_rate: float = 0.0
@@ -133,6 +136,12 @@ class PointSummary:
     server_peak_procs: int | None = None
     server_cpu_ms_per_session: float | None = None
     server_cpu_us_per_step: float | None = None
+    client_cpu_us_per_step: float | None = None
+    """The load generator's CPU (its worker processes, over the sessions) / steps."""
+    steps_per_s: float = 0.0
+    """Steps answered / makespan."""
+    steps_per_s_per_core: float | None = None
+    """Steps answered / server CPU seconds: what one busy server core serves per second."""
     server_cores: float | None = None
     oom: bool = False
     deadline_hit: bool = False
@@ -202,8 +211,11 @@ class PointSettings:
     think_s: float = 0.0
     state_kb: int = 0
     mode: str = "ws"
+    batch: int = 0
     server_cores: float | None = None
     load_procs: int = 1
+    client_cpu_s: float | None = None
+    """CPU seconds the load generator spent on the point (``None``: unknown)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -226,6 +238,7 @@ def summarize(
         think_ms=settings.think_s * 1000.0,
         state_kb=settings.state_kb,
         mode=settings.mode,
+        batch=settings.batch,
         server_cores=settings.server_cores,
         load_procs=settings.load_procs,
         note=note,
@@ -262,9 +275,12 @@ def summarize(
     s.effective_concurrency = metrics.effective_concurrency(intervals)
     s.peak_open = metrics.peak_open(intervals)
     requests = sum((1 if r.reset_s is not None else 0) + len(r.step_s) for r in records)
+    steps_done = sum(len(r.step_s) for r in records)
     if s.makespan_s > 0:
         s.sessions_per_s = s.ok / s.makespan_s
         s.rps = requests / s.makespan_s
+        s.steps_per_s = steps_done / s.makespan_s
+    s.client_cpu_us_per_step = metrics.per_unit(settings.client_cpu_s, steps_done, 1e6)
     s.unique_pids = len({r.pid for r in records if r.pid is not None})
     hosts = Counter(r.host for r in records if r.host is not None)
     s.unique_hosts = len(hosts)
@@ -279,9 +295,10 @@ def summarize(
         s.oom = server.oom
         if server.peak_rss_mb is not None and server.idle_rss_mb is not None and s.attempted:
             s.rss_per_session_kb = (server.peak_rss_mb - server.idle_rss_mb) * 1024.0 / s.attempted
-        steps_done = sum(len(r.step_s) for r in records)
         s.server_cpu_ms_per_session = metrics.per_unit(server.cpu_s, s.ok, 1000.0)
         s.server_cpu_us_per_step = metrics.per_unit(server.cpu_s, steps_done, 1e6)
+        if server.cpu_s:
+            s.steps_per_s_per_core = steps_done / server.cpu_s
     s.deadline_hit = deadline_hit or s.err_deadline > 0
     s.collapsed = metrics.collapsed(s.success_rate, oom=s.oom, deadline_hit=s.deadline_hit)
     return s

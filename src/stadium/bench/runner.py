@@ -29,7 +29,7 @@ from stadium._errors import ConfigError
 from stadium.bench import arms as arms_mod
 from stadium.bench import report
 from stadium.bench.arms import Arm, CapReport, Caps, RunningServer, ServerSettings
-from stadium.bench.loadgen import run_load
+from stadium.bench.loadgen import load
 from stadium.bench.loadspec import LoadSpec, ThinkModel
 from stadium.bench.procstat import ServerSampler
 from stadium.bench.results import (
@@ -208,6 +208,8 @@ def run(config: BenchConfig) -> Path:
     names = [a.name for a in arm_list]
     if len(set(names)) != len(names):
         raise ConfigError(f"arms must be distinct: {names}")
+    if config.mode != "ws" and any(a.batch for a in arm_list):
+        raise ConfigError("batches are WebSocket frames: use --mode ws with batched arms")
     grid = sorted(set(config.requests_grid))
     settings = ServerSettings(
         workers=config.server_workers,
@@ -293,6 +295,10 @@ def _settings_table(
         "think per step (ms)": f"{config.think.seconds * 1000:g}",
         "state per session (KB)": config.state_kb,
         "mode": config.mode,
+        "sessions per connection": ", ".join(
+            f"{a.name}: {a.batch}" for a in config.arm_list() if a.batch
+        )
+        or "1 (one frame per session and step)",
         "server CPUs": ",".join(map(str, config.cpus)) if config.cpus else "all",
         "load CPUs": ",".join(map(str, config.load_cpus)) if config.load_cpus else "all",
         "server memory cap": config.mem_bytes or "none",
@@ -311,9 +317,10 @@ def _run_point(state: _Run, key: PointKey, arm: Arm) -> PointSummary:
         think_s=config.think.seconds,
         state_kb=config.state_kb,
         mode=config.mode,
+        batch=arm.batch,
         server_cores=state.server_cores if arm.kind != "url" else None,
     )
-    spec = _load_spec(config, key)
+    spec = dataclasses.replace(_load_spec(config, key), batch=arm.batch)
     deadline = min(spec.deadline(), max(1.0, state.deadline - time.monotonic()))
     tag = f"{arm.name.replace('@', '_')}-n{key.n}-w{key.wait_s:g}-r{key.rep}"
     log_dir = config.output_dir / "logs"
@@ -365,14 +372,17 @@ def _measure(
     """Run the load while sampling the server, then stop the server (always).
 
     Returns the records, the server's figures (``None`` when its PID is
-    unknown) and a note (a non-zero exit code). Sets ``settings.load_procs``.
+    unknown) and a note (a non-zero exit code). Sets ``settings.load_procs`` and
+    ``settings.client_cpu_s``.
     """
     stats: ServerStats | None = None
     try:
         time.sleep(state.config.settle_s)
         sampler = ServerSampler(server.pids or server.pid)
         sampler.start()
-        records, settings.load_procs = run_load(spec, progress=state.progress.sessions)
+        result = load(spec, progress=state.progress.sessions)
+        records, settings.load_procs = result.records, result.procs
+        settings.client_cpu_s = result.cpu_s
         stats = sampler.stop() if server.pid is not None or server.pids else None
     finally:
         code = server.stop()

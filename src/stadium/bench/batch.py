@@ -1,0 +1,346 @@
+"""Batched sessions: B sessions on one WebSocket connection, stepped with one frame per round.
+
+The load of a point whose :attr:`~stadium.bench.loadspec.LoadSpec.batch` is
+B > 0 (``stadium bench ramp --batch B``, or an arm ``stadium+batchB``). It
+speaks docs/PROTOCOL.md, *Batches: many sessions on one connection*: the
+connection offers the subprotocol ``stadium.batch`` (JSON frames) and fails as
+``protocol`` when the server does not pick it (the floor and OpenEnv have no
+batches). Each connection carries B sessions, numbered 0 … B−1:
+
+* connect (TCP and handshake) — every session of the connection gets its time;
+* one batch frame of B ``reset`` calls; a session whose entry is an error
+  (``CAPACITY_REACHED``: ``capacity``) fails alone, the others go on;
+* ``steps`` rounds: think, then one batch frame of a ``step`` call per live
+  session; the round's latency (frame sent → reply) is each session's step
+  latency, so steps are counted as in one-frame mode (one per session per round);
+* close: the WebSocket close frame, which ends every session of the connection.
+
+Each session still gets its own :class:`~stadium.bench.results.SessionRecord`,
+so a batched point is summarised exactly as a one-frame point is.
+:func:`run_batch_sessions` is :func:`~stadium.bench.sessions.run_sessions` for
+batched loads; the worker processes of :mod:`stadium.bench.loadgen` call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from stadium.bench.loadspec import LoadSpec
+from stadium.bench.metrics import ErrorKind
+from stadium.bench.results import SessionRecord
+from stadium.bench.sessions import _AUTH, Fail, _classify_oserror, _observe, bound_socket
+
+SUBPROTOCOL = "stadium.batch"
+"""The subprotocol a batched connection offers (JSON frames)."""
+
+
+class _Result(msgspec.Struct):
+    """One entry of a batch reply: its type, and its data left undecoded."""
+
+    type: str
+    data: msgspec.Raw = msgspec.Raw()
+
+
+class _Reply(msgspec.Struct):
+    """A frame from the server on a batch connection: a batch reply or an error."""
+
+    type: str
+    id: int | str | None = None
+    results: list[_Result] = msgspec.field(default_factory=list)
+    data: msgspec.Raw = msgspec.Raw()
+
+
+_REPLY = msgspec.json.Decoder(_Reply)
+_DATA = msgspec.json.Decoder()
+
+
+def batch_body(kind: str, sessions: Sequence[int], data: dict[str, Any]) -> bytes:
+    """A batch frame of one ``kind`` call (``reset``, ``step``) with ``data`` per session."""
+    calls = [{"session": s, "type": kind, "data": data} for s in sessions]
+    return msgspec.json.encode({"type": "batch", "id": kind, "calls": calls})
+
+
+def _entry_failure(result: _Result) -> Fail | None:
+    """``None`` for an observation; else why that session failed."""
+    if result.type == "observation":
+        return None
+    data = _DATA.decode(result.data) if result.data else None
+    data = data if isinstance(data, dict) else {}
+    if result.type == "error":
+        code = str(data.get("code", ""))
+        text = f"{code}: {data.get('message', '')}"[:200]
+        kind = ErrorKind.CAPACITY if code == "CAPACITY_REACHED" else ErrorKind.PROTOCOL
+        return Fail(kind, text)
+    if result.type == "closed":
+        return Fail(ErrorKind.DISCONNECTED, f"session closed ({data.get('code')}): "
+                    f"{data.get('reason', '')}"[:200])  # fmt: skip
+    return Fail(ErrorKind.PROTOCOL, f"unexpected entry type {result.type!r}")
+
+
+def _check_reply(payload: bytes, calls: int) -> list[_Result]:
+    """The ``calls`` entries of a batch reply, or raise :class:`Fail` (every session fails)."""
+    try:
+        reply = _REPLY.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise Fail(ErrorKind.PROTOCOL, f"batch reply unreadable: {exc}"[:200]) from None
+    if reply.type == "error":
+        data = _DATA.decode(reply.data) if reply.data else {}
+        raise Fail(ErrorKind.PROTOCOL, f"batch refused: {data}"[:200])
+    if reply.type != "batch" or len(reply.results) != calls:
+        raise Fail(
+            ErrorKind.PROTOCOL,
+            f"expected a batch of {calls} results, got {reply.type!r} with {len(reply.results)}",
+        )
+    return reply.results
+
+
+@functools.cache
+def batch_connection_class() -> type[Any]:
+    """The batched connection class, ``cls(url, source)`` (imports picows once).
+
+    Its own picows listener, as :func:`~stadium.bench.sessions.ws_connection_class`:
+    one outstanding batch at a time, the reply resolving its future.
+    """
+    import picows
+
+    text, binary, close = picows.WSMsgType.TEXT, picows.WSMsgType.BINARY, picows.WSMsgType.CLOSE
+
+    class BatchConnection(picows.WSListener):
+        __slots__ = ("close_code", "disconnected", "loop", "source", "transport", "url", "waiter")
+
+        def __init__(self, url: str, source: str | None) -> None:
+            self.loop = asyncio.get_running_loop()
+            self.url = url
+            self.source = source
+            self.transport: Any = None
+            self.waiter: asyncio.Future[bytes] | None = None
+            self.close_code: int | None = None
+            self.disconnected = False
+
+        def _listener(self, request: object = None, response: object = None) -> BatchConnection:
+            return self
+
+        async def connect(self, limit: float) -> None:
+            kwargs: dict[str, Any] = {}
+            source = self.source
+            if source is not None:
+                kwargs["socket_factory"] = lambda _url: bound_socket(source)
+            headers = {**_AUTH, "Sec-WebSocket-Protocol": SUBPROTOCOL}
+            try:
+                self.transport, listener = await asyncio.wait_for(
+                    picows.ws_connect(
+                        self._listener,
+                        self.url,
+                        websocket_handshake_timeout=limit,
+                        max_redirects=0,
+                        use_aiofastnet=False,
+                        extra_headers=headers,
+                        **kwargs,
+                    ),
+                    limit,
+                )
+            except TimeoutError:
+                raise Fail(ErrorKind.TIMEOUT, "connect timed out") from None
+            except picows.WSHandshakeError as exc:
+                status = getattr(getattr(exc, "response", None), "status", None)
+                raise Fail(ErrorKind.PROTOCOL, f"handshake failed (HTTP {status})") from None
+            if listener is None:
+                raise Fail(ErrorKind.DISCONNECTED, "closed during the handshake")
+            picked = self.transport.response.headers.get("Sec-WebSocket-Protocol")
+            if picked != SUBPROTOCOL:
+                raise Fail(
+                    ErrorKind.PROTOCOL,
+                    f"the server did not pick the {SUBPROTOCOL} subprotocol "
+                    f"(picked {picked!r}): it has no batches",
+                )
+
+        async def request(self, body: bytes, calls: int, limit: float) -> list[_Result]:
+            """Send one batch frame of ``calls`` calls; its entries, in call order."""
+            if self.disconnected:
+                raise self._gone()
+            self.transport.send(text, body)
+            w: asyncio.Future[bytes] = self.loop.create_future()
+            self.waiter = w
+            handle = self.loop.call_later(limit, _expire, w)
+            try:
+                payload = await w
+            finally:
+                handle.cancel()
+                self.waiter = None
+            return _check_reply(payload, calls)
+
+        async def closed(self, limit: float) -> str:
+            if self.disconnected:
+                return ""
+            self.transport.send_close(picows.WSCloseCode.OK)
+            try:
+                await asyncio.wait_for(self.transport.wait_disconnected(), limit)
+            except TimeoutError:
+                return "close timed out"
+            return ""
+
+        def abort(self) -> None:
+            transport = self.transport
+            if transport is not None and not transport.is_disconnected:
+                transport.disconnect(False)
+
+        # picows callbacks
+        def on_ws_frame(self, transport: Any, frame: Any) -> None:
+            mt = frame.msg_type
+            if mt is text or mt is binary:
+                w = self.waiter
+                if w is not None and not w.done():
+                    w.set_result(frame.get_payload_as_bytes())
+            elif mt is close:
+                self.close_code = frame.get_close_code().value
+                transport.send_close(frame.get_close_code())
+                transport.disconnect()
+
+        def on_ws_disconnected(self, transport: Any) -> None:
+            self.disconnected = True
+            w = self.waiter
+            if w is not None and not w.done():
+                w.set_exception(self._gone())
+
+        def _gone(self) -> Fail:
+            if self.close_code == 1013:
+                return Fail(ErrorKind.CAPACITY, "closed with 1013")
+            return Fail(ErrorKind.DISCONNECTED, f"closed by server (code {self.close_code})")
+
+    return BatchConnection
+
+
+def _expire(waiter: asyncio.Future[bytes]) -> None:
+    if not waiter.done():
+        waiter.set_exception(Fail(ErrorKind.TIMEOUT, "batch reply timed out"))
+
+
+def _fail(recs: Sequence[SessionRecord], exc: BaseException) -> None:
+    """Record ``exc`` as the failure of every session in ``recs``."""
+    if isinstance(exc, Fail):
+        kind, detail = exc.kind.value, exc.detail
+    elif isinstance(exc, OSError):
+        f = _classify_oserror(exc)
+        kind, detail = f.kind.value, f.detail
+    else:
+        kind, detail = ErrorKind.PROTOCOL.value, f"{type(exc).__name__}: {exc}"[:200]
+    for rec in recs:
+        rec.error, rec.detail = kind, detail
+
+
+async def run_connection(recs: Sequence[SessionRecord], spec: LoadSpec, t0: float) -> None:
+    """Run the sessions ``recs`` on one batched connection (session *k* is ``recs[k]``);
+    record each in its record. Never raises but on cancel."""
+    now = time.monotonic
+    start = now()
+    for rec in recs:
+        rec.start = start - t0
+    conn = batch_connection_class()(spec.endpoint(recs[0].index), recs[0].source)
+    live = list(range(len(recs)))
+
+    def settle(entries: Sequence[_Result], t: float, into: str) -> None:
+        """Record each live session's entry; a failed entry fails its session alone."""
+        keep = []
+        for k, entry in zip(live, entries, strict=True):
+            rec = recs[k]
+            failure = _entry_failure(entry)
+            if failure is not None:
+                rec.error, rec.detail = failure.kind.value, failure.detail
+                rec.end = t - t0
+                continue
+            keep.append(k)
+            if into == "reset":
+                rec.reset_s = t - sent
+                data = _DATA.decode(entry.data) if entry.data else None
+                if isinstance(data, dict):
+                    _observe(rec, data)
+            else:
+                rec.step_s.append(t - sent)
+        live[:] = keep
+
+    try:
+        await conn.connect(spec.connect_timeout)
+        t = now()
+        for rec in recs:
+            rec.connect_s = t - start
+        reset_data: dict[str, Any] = {"state_kb": spec.state_kb} if spec.state_kb else {}
+        sent = now()
+        settle(await conn.request(batch_body("reset", live, reset_data), len(live),
+                                  spec.request_timeout), now(), "reset")  # fmt: skip
+        step_data = {"wait_seconds": spec.wait_s}
+        think = spec.think.seconds
+        step_timeout = spec.wait_s + spec.request_timeout
+        body, calls = batch_body("step", live, step_data), len(live)
+        for _ in range(spec.steps):
+            if not live:
+                break
+            if think > 0:
+                await asyncio.sleep(think)
+            if calls != len(live):  # a session failed: step the others
+                body, calls = batch_body("step", live, step_data), len(live)
+            sent = now()
+            settle(await conn.request(body, calls, step_timeout), now(), "step")
+        t = now()
+        note = await conn.closed(spec.close_timeout)
+        end = now()
+        for k in live:
+            rec = recs[k]
+            rec.ok, rec.detail = True, note
+            rec.close_s, rec.total_s, rec.end = end - t, end - start, end - t0
+    except Exception as exc:  # a bug in a reply's handling must not kill the point
+        _fail([recs[k] for k in live], exc)
+    finally:
+        end_s = now() - t0
+        for rec in recs:
+            if rec.end is None:
+                rec.end = end_s
+        conn.abort()
+
+
+async def run_batch_sessions(
+    spec: LoadSpec,
+    indices: Sequence[int],
+    t0: float,
+    *,
+    worker: int = 0,
+    on_done: Callable[[], None] | None = None,
+) -> list[SessionRecord]:
+    """Run the sessions ``indices`` of a batched ``spec`` from monotonic time ``t0``:
+    ``spec.batch`` of them per connection, in the order given.
+
+    Returns one record per index, in order; sessions still running at
+    ``t0 + spec.deadline()`` are cancelled and recorded as ``deadline``.
+    ``on_done()`` is called once per session as its connection ends.
+    """
+    records = [SessionRecord(index=i, worker=worker, source=spec.source(i)) for i in indices]
+    size = spec.batch
+    groups = [records[k : k + size] for k in range(0, len(records), size)]
+    delay = t0 - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+
+    async def one(group: list[SessionRecord]) -> None:
+        await run_connection(group, spec, t0)
+        if on_done is not None:
+            for _ in group:
+                on_done()
+
+    tasks = [asyncio.ensure_future(one(g)) for g in groups]
+    remaining = t0 + spec.deadline() - time.monotonic()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+    for rec in records:
+        if not rec.ok and not rec.error:
+            rec.error = ErrorKind.DEADLINE.value
+            rec.detail = "point deadline passed"
+    return records
