@@ -34,7 +34,7 @@ import msgspec
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
-from stadium.bench.sessions import _AUTH, Fail, _classify_oserror, _observe, bound_socket
+from stadium.bench.sessions import Fail, _classify_oserror, _observe, ws_connection_class
 
 SUBPROTOCOL = "stadium.batch"
 """The subprotocol a batched connection offers (JSON frames)."""
@@ -102,56 +102,18 @@ def _check_reply(payload: bytes, calls: int) -> list[_Result]:
 
 @functools.cache
 def batch_connection_class() -> type[Any]:
-    """The batched connection class, ``cls(url, source)`` (imports picows once).
-
-    Its own picows listener, as :func:`~stadium.bench.sessions.ws_connection_class`:
-    one outstanding batch at a time, the reply resolving its future.
-    """
+    """The batched connection class, ``cls(url, source)``: the load generator's WebSocket
+    connection (:func:`~stadium.bench.sessions.ws_connection_class`) offering the batch
+    subprotocol, one outstanding batch at a time, the reply resolving its future."""
     import picows
 
-    text, binary, close = picows.WSMsgType.TEXT, picows.WSMsgType.BINARY, picows.WSMsgType.CLOSE
+    text = picows.WSMsgType.TEXT
 
-    class BatchConnection(picows.WSListener):
-        __slots__ = ("close_code", "disconnected", "loop", "source", "transport", "url", "waiter")
-
-        def __init__(self, url: str, source: str | None) -> None:
-            self.loop = asyncio.get_running_loop()
-            self.url = url
-            self.source = source
-            self.transport: Any = None
-            self.waiter: asyncio.Future[bytes] | None = None
-            self.close_code: int | None = None
-            self.disconnected = False
-
-        def _listener(self, request: object = None, response: object = None) -> BatchConnection:
-            return self
+    class BatchConnection(ws_connection_class()):  # type: ignore[misc]
+        subprotocol = SUBPROTOCOL
 
         async def connect(self, limit: float) -> None:
-            kwargs: dict[str, Any] = {}
-            source = self.source
-            if source is not None:
-                kwargs["socket_factory"] = lambda _url: bound_socket(source)
-            headers = {**_AUTH, "Sec-WebSocket-Protocol": SUBPROTOCOL}
-            try:
-                self.transport, listener = await asyncio.wait_for(
-                    picows.ws_connect(
-                        self._listener,
-                        self.url,
-                        websocket_handshake_timeout=limit,
-                        max_redirects=0,
-                        use_aiofastnet=False,
-                        extra_headers=headers,
-                        **kwargs,
-                    ),
-                    limit,
-                )
-            except TimeoutError:
-                raise Fail(ErrorKind.TIMEOUT, "connect timed out") from None
-            except picows.WSHandshakeError as exc:
-                status = getattr(getattr(exc, "response", None), "status", None)
-                raise Fail(ErrorKind.PROTOCOL, f"handshake failed (HTTP {status})") from None
-            if listener is None:
-                raise Fail(ErrorKind.DISCONNECTED, "closed during the handshake")
+            await super().connect(limit)
             picked = self.transport.response.headers.get("Sec-WebSocket-Protocol")
             if picked != SUBPROTOCOL:
                 raise Fail(
@@ -165,7 +127,9 @@ def batch_connection_class() -> type[Any]:
             if self.disconnected:
                 raise self._gone()
             self.transport.send(text, body)
-            w: asyncio.Future[bytes] = self.loop.create_future()
+            if self.inbox:
+                return _check_reply(self.inbox.popleft(), calls)
+            w = self.loop.create_future()
             self.waiter = w
             handle = self.loop.call_later(limit, _expire, w)
             try:
@@ -174,44 +138,6 @@ def batch_connection_class() -> type[Any]:
                 handle.cancel()
                 self.waiter = None
             return _check_reply(payload, calls)
-
-        async def closed(self, limit: float) -> str:
-            if self.disconnected:
-                return ""
-            self.transport.send_close(picows.WSCloseCode.OK)
-            try:
-                await asyncio.wait_for(self.transport.wait_disconnected(), limit)
-            except TimeoutError:
-                return "close timed out"
-            return ""
-
-        def abort(self) -> None:
-            transport = self.transport
-            if transport is not None and not transport.is_disconnected:
-                transport.disconnect(False)
-
-        # picows callbacks
-        def on_ws_frame(self, transport: Any, frame: Any) -> None:
-            mt = frame.msg_type
-            if mt is text or mt is binary:
-                w = self.waiter
-                if w is not None and not w.done():
-                    w.set_result(frame.get_payload_as_bytes())
-            elif mt is close:
-                self.close_code = frame.get_close_code().value
-                transport.send_close(frame.get_close_code())
-                transport.disconnect()
-
-        def on_ws_disconnected(self, transport: Any) -> None:
-            self.disconnected = True
-            w = self.waiter
-            if w is not None and not w.done():
-                w.set_exception(self._gone())
-
-        def _gone(self) -> Fail:
-            if self.close_code == 1013:
-                return Fail(ErrorKind.CAPACITY, "closed with 1013")
-            return Fail(ErrorKind.DISCONNECTED, f"closed by server (code {self.close_code})")
 
     return BatchConnection
 

@@ -260,11 +260,13 @@ def _handshake_failure(exc: Exception) -> Fail:
 
 
 @functools.cache
-def ws_connection_class() -> Callable[[str, str | None], Connection]:
+@functools.cache
+def ws_connection_class() -> type[Any]:
     """The WebSocket :class:`Connection` class, ``cls(url, source)`` (imports picows once).
 
     The connection is its own picows listener: one object per session, one
-    outstanding request at a time, a reply resolving the request's future.
+    outstanding request at a time, a reply resolving the request's future. A subclass
+    may offer a subprotocol (``subprotocol``; the batched load, ``bench/batch``).
     """
     import picows
 
@@ -285,6 +287,8 @@ def ws_connection_class() -> Callable[[str, str | None], Connection]:
             self.close_code: int | None = None
             self.disconnected = False
 
+        subprotocol: str | None = None
+
         def _listener(self, request: object = None, response: object = None) -> WsConnection:
             return self  # picows's listener factory: this very object
 
@@ -293,8 +297,11 @@ def ws_connection_class() -> Callable[[str, str | None], Connection]:
             source = self.source
             if source is not None:
                 kwargs["socket_factory"] = lambda _url: bound_socket(source)
-            if _AUTH:
-                kwargs["extra_headers"] = _AUTH
+            headers = dict(_AUTH)
+            if self.subprotocol is not None:
+                headers["Sec-WebSocket-Protocol"] = self.subprotocol
+            if headers:
+                kwargs["extra_headers"] = headers
             try:
                 self.transport, listener = await asyncio.wait_for(
                     picows.ws_connect(
