@@ -334,3 +334,23 @@ def test_check_env_exercises_openenv_mcp_tools() -> None:
     assert kinds == {"ListToolsAction", "CallToolAction"}
     assert {a.tool_name for a in actions if type(a).__name__ == "CallToolAction"} >= {"add_note"}
     assert stadium.check_env(env_cls, steps=6)
+
+
+async def test_an_abandoned_http_mcp_session_gives_its_slot_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client that created an HTTP MCP session and vanished does not hold its slot: the
+    worker's idle reaper closes the session once it is unused for ``IDLE_S``."""
+    from stadium._http import McpSessions
+
+    monkeypatch.setattr(McpSessions, "IDLE_S", 0.2 * UNIT)
+    async with serve("tools", idle_timeout=0.4 * UNIT) as server, httpx.AsyncClient() as http:
+        url = server.url + "/mcp"
+        created = (await http.post(url, json=_rpc("openenv/session/create"))).json()
+        sid = created["result"]["session_id"]
+        assert server.runtime.admission.slots.active() == 1
+        await wait_until(
+            lambda: server.runtime.admission.slots.active() == 0, 10 * UNIT, "slot given back"
+        )
+        gone = await http.post(url, json=_rpc("tools/list", {"session_id": sid}))
+        assert gone.json()["error"]["code"] == _mcp.INVALID_PARAMS

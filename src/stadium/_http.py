@@ -501,7 +501,8 @@ class _McpSession:
 class McpSessions:
     """OpenEnv's HTTP MCP sessions (``openenv/session/create``): an env per session id,
     each holding a session slot until ``openenv/session/close`` or until unused for
-    :attr:`IDLE_S` seconds (checked at each create). A WebSocket opened at
+    :attr:`IDLE_S` seconds (checked at each create and with each round of the worker's
+    idle reaper: a client that vanished does not hold its slot). A WebSocket opened at
     ``/ws?session_id=ID`` drives the same env (``Session(attach=ID)``), as OpenEnv's
     ``MCPToolClient`` does. Per worker process.
     """
@@ -511,22 +512,42 @@ class McpSessions:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._sessions: dict[str, _McpSession] = {}
+        self._sweeping: asyncio.Task[None] | None = None
+        runtime.sweepers.append(self._sweep_soon)
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def _idle(self) -> list[str]:
+        now = asyncio.get_running_loop().time()
+        attached = self.runtime.attached
+        return [
+            sid
+            for sid, s in self._sessions.items()
+            if now - s.last_used > self.IDLE_S and not s.lock.locked() and sid not in attached
+        ]
+
+    async def _sweep(self) -> None:
+        for sid in self._idle():
+            await self.close(sid)
+
+    def _sweep_soon(self) -> None:
+        """The reaper's round: close the idle sessions (in a task: closing awaits the env)."""
+        if self._sessions and self._sweeping is None and self._idle():
+            task = self._sweeping = asyncio.get_running_loop().create_task(self._sweep())
+            task.add_done_callback(self._swept)
+
+    def _swept(self, task: asyncio.Task[None]) -> None:
+        self._sweeping = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("closing idle MCP sessions failed: %r", task.exception())
 
     async def create(self) -> str:
         """Open a session: its id. Raises :class:`~stadium.CapacityError` when no slot frees."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
         now = loop.time()
-        for sid, idle in list(self._sessions.items()):
-            if (
-                now - idle.last_used > self.IDLE_S
-                and not idle.lock.locked()
-                and sid not in rt.attached
-            ):
-                await self.close(sid)
+        await self._sweep()
         if not await rt.admission.acquire():
             raise rt.capacity_error()
         try:

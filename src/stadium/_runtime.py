@@ -164,6 +164,8 @@ class Runtime:
         """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP
         sessions (``_http.McpSessions``), which hold their slot and close their env."""
         self.attached: dict[str, SessionLike] = {}
+        self.sweepers: list[Callable[[], None]] = []
+        """Called with each round of the idle reaper (e.g. ``_http``'s idle MCP sessions)."""
         """The session attached to each of :attr:`attachable` (one at a time)."""
         self.sessions: set[SessionLike] = set()
         self.resume_grace = resume_grace
@@ -253,6 +255,8 @@ class Runtime:
 
         def reap() -> None:
             self.reap_idle(idle_timeout)
+            for sweep in self.sweepers:
+                sweep()
             self._reaper = loop.call_later(interval, reap)
 
         self._reaper = loop.call_later(interval, reap)
