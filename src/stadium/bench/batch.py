@@ -34,7 +34,13 @@ import msgspec
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import SessionRecord
-from stadium.bench.sessions import Fail, _classify_oserror, _observe, ws_connection_class
+from stadium.bench.sessions import (
+    Fail,
+    _classify_oserror,
+    _observe,
+    until_deadline,
+    ws_connection_class,
+)
 
 SUBPROTOCOL = "stadium.batch"
 """The subprotocol a batched connection offers (JSON frames)."""
@@ -257,16 +263,4 @@ async def run_batch_sessions(
             for _ in group:
                 on_done()
 
-    tasks = [asyncio.ensure_future(one(g)) for g in groups]
-    remaining = t0 + spec.deadline() - time.monotonic()
-    if tasks:
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
-    for rec in records:
-        if not rec.ok and not rec.error:
-            rec.error = ErrorKind.DEADLINE.value
-            rec.detail = "point deadline passed"
-    return records
+    return await until_deadline([one(g) for g in groups], records, spec, t0)

@@ -28,7 +28,7 @@ import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -615,7 +615,18 @@ async def run_sessions(
         if on_done is not None:
             on_done()
 
-    tasks = [asyncio.ensure_future(one(r)) for r in records]
+    return await until_deadline([one(r) for r in records], records, spec, t0)
+
+
+async def until_deadline(
+    runs: Sequence[Coroutine[Any, Any, None]],
+    records: list[SessionRecord],
+    spec: LoadSpec,
+    t0: float,
+) -> list[SessionRecord]:
+    """Run ``runs`` until they end or the point's deadline passes (the rest cancelled);
+    ``records`` not finished by then are marked ``deadline``."""
+    tasks = [asyncio.ensure_future(run) for run in runs]
     remaining = t0 + spec.deadline() - time.monotonic()
     if tasks:
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, remaining))
