@@ -32,7 +32,7 @@ from stadium._protocol import BatchCall, BatchFrame, Encoding, SessionProtocol
 from stadium._restore import resume_session
 from stadium._resumable import Where
 from stadium._resume import ResumeAsk, new_session_id, new_token
-from stadium._runtime import CLOSE_GOING_AWAY, CLOSE_NORMAL, Channel, Runtime
+from stadium._runtime import CLOSE_GOING_AWAY, Channel, Runtime
 from stadium._session import Session
 
 log = logging.getLogger("stadium.session")
@@ -325,10 +325,6 @@ class BatchConnection:
             session.connection_lost(members.get(number))
         self.sessions.clear()
         members.clear()
-
-    def close(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
-        for session in list(self.sessions.values()):
-            session.close(code, reason)
 
     def _error(self, rid: Any, error: StadiumError) -> None:
         self.runtime.errors_total[str(error.code)] += 1

@@ -48,6 +48,7 @@ from stadium._errors import (
     error_from_wire,
 )
 from stadium._protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
+from stadium._replies import RESUMABLE_CLOSES
 from stadium._resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
 from stadium._urls import ws_url
 
@@ -177,7 +178,7 @@ class _BatchListener(WSListener):
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         code = None if self.closed is None else self.closed.context.get("close_code")
-        if self.on_lost is not None and not self.closing and code in (None, 1006, 1012):
+        if self.on_lost is not None and not self.closing and code in RESUMABLE_CLOSES:
             pending, self.pending = self.pending, {}
             for p in pending.values():  # their calls are answered by the resume
                 if p.timer is not None:
