@@ -247,3 +247,20 @@ async def test_time_limits_and_env_errors_stay_per_entry() -> None:
             # The timed-out session was closed (1011); its number is free; the other goes on.
             assert _codes(after) == ["SESSION_ERROR", "observation"]
             assert server.runtime.errors_total["TIMEOUT"] == 1
+
+
+async def test_a_vanished_batch_client_gives_its_slots_back() -> None:
+    """Without resume (no ``?stadium_resume=1``) a lost batch connection ends its sessions:
+    envs closed, slots freed, even with a step still running."""
+    async with serve("benchmark") as server:
+        ws = await websockets.connect(_ws(server.url), subprotocols=["stadium.batch"])
+        await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(3)])
+        await ws.send(json.dumps({"type": "batch", "id": 2, "calls": [
+            {"session": 0, "type": "step", "data": {"wait_seconds": 5}},
+        ]}))  # fmt: skip
+        await asyncio.sleep(0.05 * UNIT)
+        assert server.runtime.admission.slots.active() == 3
+        ws.transport.abort()
+        await wait_until(lambda: not server.runtime.sessions, 5 * UNIT, "sessions ended")
+        assert server.runtime.admission.slots.active() == 0
+        assert server.runtime.resumable == {}

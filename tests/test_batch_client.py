@@ -344,6 +344,23 @@ async def test_a_lost_connection_resumes_the_sessions() -> None:
         assert server.runtime.outcomes["resumed"] == 3
 
 
+async def test_sessions_not_taken_back_within_the_grace_period_fail_clearly() -> None:
+    async with (
+        serve("benchmark", resume_grace=0.3 * UNIT) as server,
+        relay_to(server.url) as relay,
+        stadium.SessionPool[Any](relay.url, 2) as pool,
+    ):
+        assert pool.batching is True
+        await pool.reset()
+        relay.refusing = True  # the pool cannot get back in time
+        relay.cut()
+        with pytest.raises(stadium.ResumeError, match="grace period"):
+            await pool.step([{"wait_seconds": 0.0}] * 2)
+        await wait_until(lambda: not server.runtime.sessions, 5 * UNIT, "sessions expired")
+        assert server.runtime.outcomes["expired"] == 2
+        assert server.runtime.admission.slots.active() == 0
+
+
 async def test_a_lost_connection_fails_its_sessions_calls_until_a_reset() -> None:
     async with (
         serve("benchmark", resume_grace=0) as server,

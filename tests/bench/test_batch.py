@@ -263,9 +263,7 @@ def test_batched_load_against_stadium() -> None:
     assert all(r.connect_s is not None and r.reset_s is not None for r in records)
     assert len({r.session_hash for r in records}) == 10  # a session, an env each
     assert result.procs == 1
-    # Measured (the CPU clock counts 10 ms ticks: a load this short may read 0).
-    assert result.cpu_s is not None
-    assert result.cpu_s >= 0.0
+    assert result.cpu_s is not None  # measured (10 ms ticks: a load this short may read 0)
 
 
 @pytest.mark.skipif(not _serves_batches(), reason="this server has no batch connections yet")
