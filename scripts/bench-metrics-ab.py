@@ -11,11 +11,11 @@ import statistics
 import sys
 import time
 
-from stadium._config import ServerConfig
-from stadium._process import new_event_loop
-from stadium._protocol import Op
-from stadium._session import Session
-from stadium._worker import Worker
+from stadium._core.protocol import Op
+from stadium._server.config import ServerConfig
+from stadium._server.session import Session
+from stadium._server.worker import Worker
+from stadium._util.process import new_event_loop
 from stadium.bench.opcount import _Driver
 from stadium.envs.benchmark import BenchmarkEnv
 

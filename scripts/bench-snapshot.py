@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from stadium._snapshot import restore_env, snapshot_env
-from stadium._store import DirectoryStore
+from stadium._env.snapshot import restore_env, snapshot_env
+from stadium._server.store import DirectoryStore
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv
 from stadium.envs.echo import EchoAction, EchoEnv
 from stadium.envs.tools import NotesEnv

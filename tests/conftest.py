@@ -14,8 +14,8 @@ import pytest
 import uvicorn
 
 from stadium import Server, ServerConfig
-from stadium._asgi import AsgiApp
-from stadium._env import Environment
+from stadium._env.contract import Environment
+from stadium._server.transports.asgi import AsgiApp
 
 #: Every timeout in the tests is a multiple of this unit (STADIUM_TEST_UNIT scales it).
 UNIT = float(os.environ.get("STADIUM_TEST_UNIT", "1.0"))

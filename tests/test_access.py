@@ -19,15 +19,15 @@ import pytest
 
 import stadium
 from stadium import AsyncClient, ConnectError
-from stadium._access import (
+from stadium._core.access import (
     UNAUTHORIZED,
     AccessPolicy,
     exposure_warnings,
     header_values,
     is_loopback_host,
 )
-from stadium._config import ServerConfig
-from stadium._server import _announce
+from stadium._server.config import ServerConfig
+from stadium._server.server import _announce
 from stadium.envs.echo import EchoEnv
 from tests.conftest import TRANSPORTS, UNIT, serve
 

@@ -28,7 +28,7 @@ def test_the_core_imports_no_integration_at_run_time() -> None:
 
     code = (
         "import sys\n"
-        "from stadium._spec import EnvSpec\n"
+        "from stadium._env.spec import EnvSpec\n"
         "from stadium.envs import EchoEnv\n"
         "EnvSpec.of(EchoEnv)\n"
         "print(sorted(m for m in sys.modules if m.startswith('stadium.integrations')))\n"

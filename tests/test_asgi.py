@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from stadium._asgi import _AsgiChannel
-from stadium._runtime import MAX_UNSENT_BYTES
+from stadium._server.runtime import MAX_UNSENT_BYTES
+from stadium._server.transports.asgi import _AsgiChannel
 
 
 async def _written(channel: _AsgiChannel) -> list[dict[str, object]]:

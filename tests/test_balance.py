@@ -1,4 +1,4 @@
-"""Client-side balancing (stadium._balance): the pure decision, then real servers on loopback."""
+"""Client-side balancing (stadium._client.balance): the pure decision, then real servers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import stadium
 from stadium import AsyncClient, Client, Server, ServerConfig, SessionPool
-from stadium._balance import (
+from stadium._client.balance import (
     Balancer,
     Endpoint,
     apply_health,

@@ -19,16 +19,16 @@ import pytest
 import uvicorn
 
 import stadium
-from stadium import _batch_client
-from stadium._batch_client import (
+from stadium._client import batch as _batch_client
+from stadium._client.batch import (
     BatchConnection,
     _BatchListener,
     call,
     checked,
     step_result,
 )
-from stadium._batch_pool import BatchSession
-from stadium._client import AsyncClient
+from stadium._client.batch_pool import BatchSession
+from stadium._client.session import AsyncClient
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to
 

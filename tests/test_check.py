@@ -10,7 +10,7 @@ import pytest
 
 import stadium
 from stadium import EnvCheckError, Environment, State, StepResult, check_env
-from stadium._loader import load_target
+from stadium._server.loader import load_target
 from stadium.envs import BUILTIN
 
 

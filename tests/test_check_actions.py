@@ -15,9 +15,9 @@ import pytest
 
 import stadium
 from stadium import EnvCheckError, Environment, State, StepResult, check_env
-from stadium._check import check_server, load_actions, sample_value, schema_action
-from stadium._cli import main
-from stadium._spec import EnvSpec
+from stadium._cli.check import check_server, load_actions, sample_value, schema_action
+from stadium._cli.main import main
+from stadium._env.spec import EnvSpec
 from tests.conftest import serve
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import stadium
-from stadium._demo import spawn_server
+from stadium._cli.demo import spawn_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

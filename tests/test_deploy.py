@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from stadium import Client, ConfigError
-from stadium._cli import main
-from stadium._urls import base_url
+from stadium._cli.main import main
+from stadium._core.urls import base_url
 from stadium.bench.arms import free_port, spawn_server, wait_healthy
 from stadium.deploy.deployment import Deployment, endpoints
 from stadium.deploy.haproxy import RouterOptions, check_config, render

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from stadium import Environment, State, StepResult
-from stadium._throttle import DistinctErrorLog, error_key
+from stadium._util.throttle import DistinctErrorLog, error_key
 from stadium.testing import memory_runtime, open_session
 
 LOG = logging.getLogger("stadium.test.distinct")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from stadium._scaffold import create_project
+from stadium._cli.scaffold import create_project
 from tests.conftest import UNIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("
 def test_the_distribution_name_is_ours_everywhere() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == DIST
-    assert project["scripts"] == {"stadium": "stadium._cli:main"}
+    assert project["scripts"] == {"stadium": "stadium._cli.main:main"}
     assert all(not dep.startswith("stadium[") for dep in project["optional-dependencies"]["dev"])
     assert f"{DIST}[bench,openenv,gym,ray]" in project["optional-dependencies"]["dev"]
     readme = (ROOT / "README.md").read_text()

@@ -37,7 +37,7 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from stadium import ConfigError
-from stadium._cli import main
+from stadium._cli.main import main
 from stadium.deploy.kubernetes import (
     GRACE_MARGIN_S,
     NODE_PARAM,
@@ -347,7 +347,7 @@ def test_termination_grace_covers_prestop_and_drain(case: str) -> None:
 
 
 def test_the_grace_margin_covers_the_servers_final_grace() -> None:
-    from stadium._server import FINAL_GRACE_S  # sessions still open after the drain get this
+    from stadium._server.server import FINAL_GRACE_S  # sessions still open after the drain get this
 
     assert GRACE_MARGIN_S >= FINAL_GRACE_S + 2
 

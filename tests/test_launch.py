@@ -17,7 +17,7 @@ import pytest
 
 import stadium
 from stadium import AsyncClient, ConfigError, SessionClosedError, SessionPool
-from stadium._balance import balancer_for, forget_all, is_plain, spec_key, static_urls
+from stadium._client.balance import balancer_for, forget_all, is_plain, spec_key, static_urls
 from stadium.deploy.deployment import Deployment
 from stadium.deploy.launch import ENGINES, _target_name
 from stadium.deploy.local import LocalDeployment

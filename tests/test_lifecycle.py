@@ -11,7 +11,7 @@ import pytest
 
 import stadium
 from stadium import AsyncClient
-from stadium._demo import _proc_stats, spawn_server
+from stadium._cli.demo import _proc_stats, spawn_server
 from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
 

@@ -13,11 +13,11 @@ import pytest
 import websockets
 
 from stadium import Environment, State, StepResult
+from stadium._core.limits import ClientLimits, TokenBucket, client_address
 from stadium._errors import CapacityError, RateLimitError
-from stadium._http import HttpEndpoints
-from stadium._limits import ClientLimits, TokenBucket, client_address
-from stadium._runtime import CLOSE_TRY_AGAIN_LATER
-from stadium._session import Session
+from stadium._server.endpoints import HttpEndpoints
+from stadium._server.runtime import CLOSE_TRY_AGAIN_LATER
+from stadium._server.session import Session
 from stadium.testing import MemoryChannel, memory_runtime
 from tests.conftest import TRANSPORTS, UNIT, serve
 

@@ -19,8 +19,8 @@ import pytest
 import websockets
 
 import stadium
-from stadium import _mcp
-from stadium._tools import CallToolAction, ListToolsAction, compile_tools
+from stadium._core import mcp as _mcp
+from stadium._env.tools import CallToolAction, ListToolsAction, compile_tools
 from stadium.envs.tools import NotesEnv
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 
@@ -294,7 +294,7 @@ async def test_mcp_message_in_memory_msgpack_and_order() -> None:
     """MessagePack sessions carry "mcp" too; pipelined requests keep their order; ids echo."""
     import msgspec
 
-    from stadium._protocol import Encoding
+    from stadium._core.protocol import Encoding
     from stadium.testing import memory_runtime, open_session
 
     async with memory_runtime("tools") as rt:
@@ -322,7 +322,7 @@ async def test_mcp_message_in_memory_msgpack_and_order() -> None:
 def test_check_env_exercises_openenv_mcp_tools() -> None:
     """``check_env`` on a served MCPEnvironment: its sample actions call its FastMCP tools,
     and the tool observations fit the declared observation type."""
-    from stadium._loader import load_target
+    from stadium._server.loader import load_target
 
     env_cls = load_target(OPENENV_NOTES)
     adapter = env_cls()
@@ -341,7 +341,7 @@ async def test_an_abandoned_http_mcp_session_gives_its_slot_back(
 ) -> None:
     """A client that created an HTTP MCP session and vanished does not hold its slot: the
     worker's idle reaper closes the session once it is unused for ``IDLE_S``."""
-    from stadium._http import McpSessions
+    from stadium._server.endpoints import McpSessions
 
     monkeypatch.setattr(McpSessions, "IDLE_S", 0.2 * UNIT)
     async with serve("tools", idle_timeout=0.4 * UNIT) as server, httpx.AsyncClient() as http:

@@ -236,8 +236,8 @@ async def test_json_logs_are_one_object_per_line_with_the_fields() -> None:
 def test_json_log_records_carry_the_session_id() -> None:
     import logging
 
-    from stadium._runtime import SESSION_ID
-    from stadium._server import JsonLogFormatter
+    from stadium._server.runtime import SESSION_ID
+    from stadium._server.server import JsonLogFormatter
 
     token = SESSION_ID.set("123.4")
     try:

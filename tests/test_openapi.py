@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stadium._openapi import openapi
-from stadium._spec import EnvSpec
+from stadium._core.openapi import openapi
+from stadium._env.spec import EnvSpec
 from stadium.bench.arms import spawn_server
 from stadium.envs.wordguess import WordGuessEnv
 from tests.conftest import TRANSPORTS, UNIT, serve

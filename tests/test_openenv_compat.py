@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import stadium
-from stadium._demo import spawn_server
+from stadium._cli.demo import spawn_server
 from tests.conftest import UNIT, serve
 
 openenv_client = pytest.importorskip("openenv.core.generic_client")

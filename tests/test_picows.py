@@ -13,7 +13,7 @@ from picows import WSListener, ws_connect
 
 import stadium
 from stadium import AsyncClient
-from stadium._picows import _SessionListener
+from stadium._server.transports.picows import _SessionListener
 from tests.conftest import UNIT, serve, wait_until
 
 
@@ -52,7 +52,7 @@ def test_the_private_picows_seam_matches_picows_own_server() -> None:
 
     This reads picows' own ``ws_create_server`` and checks that its ``WSProtocol(...)``
     call passes the same parameters in the same order as
-    :data:`stadium._picows.WS_PROTOCOL_ARGS`: a picows release that changes the
+    :data:`stadium._server.transports.picows.WS_PROTOCOL_ARGS`: a picows release that changes the
     private signature fails here, loudly, instead of silently mis-wiring pings.
     """
     import ast
@@ -60,7 +60,7 @@ def test_the_private_picows_seam_matches_picows_own_server() -> None:
 
     import picows.api
 
-    from stadium._picows import WS_PROTOCOL_ARGS
+    from stadium._server.transports.picows import WS_PROTOCOL_ARGS
 
     tree = ast.parse(inspect.getsource(picows.api.ws_create_server))
     calls = [
@@ -90,7 +90,7 @@ def test_the_private_picows_seam_matches_picows_own_server() -> None:
 def test_the_seam_refuses_a_missing_or_unknown_argument() -> None:
     import pytest
 
-    from stadium._picows import picows_server_protocol
+    from stadium._server.transports.picows import picows_server_protocol
 
     with pytest.raises(TypeError, match="missing"):
         picows_server_protocol(host_port=None)
@@ -277,7 +277,7 @@ async def test_ended_sessions_leave_no_reference_cycles() -> None:
     (a soak of churning sessions grew a worker by ~130 MB in 5 minutes)."""
     import gc
 
-    from stadium._session import Session
+    from stadium._server.session import Session
 
     def alive() -> int:
         return sum(isinstance(o, Session | _SessionListener) for o in gc.get_objects())

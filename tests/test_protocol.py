@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stadium._env import StepResult
-from stadium._protocol import Call, Encoding, Op, SessionProtocol, SessionState
-from stadium._spec import EnvSpec
+from stadium._core.protocol import Call, Encoding, Op, SessionProtocol, SessionState
+from stadium._env.contract import StepResult
+from stadium._env.spec import EnvSpec
 from stadium.envs.echo import EchoEnv, EchoObservation
 
 SPEC = EnvSpec.of(EchoEnv)

@@ -17,7 +17,7 @@ import websockets
 
 from stadium import Environment, State, StepResult
 from stadium._errors import describe_exception
-from stadium._throttle import ThrottledLog
+from stadium._util.throttle import ThrottledLog
 from stadium.testing import memory_runtime, open_session
 from tests.conftest import TRANSPORTS, UNIT, serve
 from tests.test_picows import _frame

@@ -16,8 +16,8 @@ import pytest
 import websockets
 
 import stadium
+from stadium._core.resume import GRACE_HEADER, SESSION_HEADER, TOKEN_HEADER
 from stadium._errors import ResumeError
-from stadium._resume import GRACE_HEADER, SESSION_HEADER, TOKEN_HEADER
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to
 

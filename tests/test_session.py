@@ -14,7 +14,12 @@ import msgspec
 import pytest
 
 from stadium import Environment, State, StepResult
-from stadium._runtime import CLOSE_INTERNAL_ERROR, CLOSE_NORMAL, CLOSE_TRY_AGAIN_LATER, MAX_PENDING
+from stadium._server.runtime import (
+    CLOSE_INTERNAL_ERROR,
+    CLOSE_NORMAL,
+    CLOSE_TRY_AGAIN_LATER,
+    MAX_PENDING,
+)
 from stadium.testing import MemoryChannel, memory_runtime, open_session
 from tests.conftest import UNIT
 

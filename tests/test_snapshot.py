@@ -1,4 +1,4 @@
-"""Env snapshots (``stadium._snapshot``): every built-in env, CartPole and OpenEnv's echo env
+"""Env snapshots (``stadium._env.snapshot``): every built-in env, CartPole and OpenEnv's echo env
 continue exactly after a restore into a fresh instance; envs that cannot be snapshotted say
 which attribute and why; a snapshot only restores into the class (and version) it came from."""
 
@@ -17,13 +17,13 @@ import msgspec
 import pytest
 
 import stadium
-from stadium._errors import ErrorCode, SnapshotError, error_from_wire
-from stadium._snapshot import (
+from stadium._env.snapshot import (
     restore_env,
     snapshot_class,
     snapshot_env,
     why_not_durable,
 )
+from stadium._errors import ErrorCode, SnapshotError, error_from_wire
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv
 from stadium.envs.echo import EchoAction, EchoEnv
 from stadium.envs.tools import NotesEnv

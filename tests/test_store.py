@@ -1,4 +1,4 @@
-"""The session store (``stadium._store``): atomic writes, safe keys, sweep by age, permissions."""
+"""The session store (``stadium._server.store``): atomic writes, safe keys, sweep, permissions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stadium._errors import ConfigError
-from stadium._store import DirectoryStore, SessionStore, check_key, store_from_url
+from stadium._server.store import DirectoryStore, SessionStore, check_key, store_from_url
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "fsync"])

@@ -15,8 +15,8 @@ import websockets
 
 import stadium
 from stadium import Environment, State, StepResult
-from stadium._codecs import TypeCodec, strict_twin
-from stadium._spec import EnvSpec
+from stadium._env.codecs import TypeCodec, strict_twin
+from stadium._env.spec import EnvSpec
 from tests.conftest import TRANSPORTS, serve
 from tests.test_server import http
 
@@ -127,7 +127,7 @@ def test_schema_and_name_are_the_declared_type() -> None:
 
 def test_openenv_actions_forbid_extras_by_their_own_config() -> None:
     pytest.importorskip("openenv")
-    from stadium._loader import load_target
+    from stadium._server.loader import load_target
 
     spec = EnvSpec.of(load_target("tests/openenv_compat/openenv_echo_app.py:OpenEnvEcho"))
     with pytest.raises(stadium.ValidationError) as info:

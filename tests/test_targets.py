@@ -20,7 +20,7 @@ import pytest
 
 import stadium
 from stadium._errors import TargetError
-from stadium._loader import load_target, package_module
+from stadium._server.loader import load_target, package_module
 from tests.conftest import UNIT, serve
 
 ENV_FILE = "server/my_env_environment.py"

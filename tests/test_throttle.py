@@ -1,8 +1,8 @@
-"""Rate-limited reports (stadium._throttle)."""
+"""Rate-limited reports (stadium._util.throttle)."""
 
 from __future__ import annotations
 
-from stadium._throttle import Throttle
+from stadium._util.throttle import Throttle
 
 
 def test_one_report_per_interval_counting_those_held_back() -> None:

@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from stadium import AsyncClient, ConfigError, ConnectError, Server, ServerConfig
-from stadium._process import new_event_loop
+from stadium._util.process import new_event_loop
 from tests.conftest import UNIT, serve
 
 TOKEN = "s3cret-token-0123456789"

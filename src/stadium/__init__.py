@@ -21,11 +21,11 @@ serve it with ``stadium serve my_module:Parrot`` and drive it with
 :class:`stadium.Client` or any OpenEnv client.
 """
 
-from stadium._asgi import AsgiApp, asgi_app
-from stadium._check import check_env
-from stadium._client import AsyncClient
-from stadium._config import ServerConfig
-from stadium._env import Environment, State, StepResult
+from stadium._cli.check import check_env
+from stadium._client.pool import Client, SessionPool
+from stadium._client.session import AsyncClient
+from stadium._env.contract import Environment, State, StepResult
+from stadium._env.tools import ToolEnvironment, tool
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
@@ -47,9 +47,9 @@ from stadium._errors import (
     UnknownTypeError,
     ValidationError,
 )
-from stadium._pool import Client, SessionPool
-from stadium._server import Server, ServerState, run_server
-from stadium._tools import ToolEnvironment, tool
+from stadium._server.config import ServerConfig
+from stadium._server.server import Server, ServerState, run_server
+from stadium._server.transports.asgi import AsgiApp, asgi_app
 from stadium._version import __version__
 
 # Light: the engines (subprocesses, SLURM, Ray, Podman) are imported when launch() runs.

@@ -1,5 +1,5 @@
 """``python -m stadium``: the same as the ``stadium`` command."""
 
-from stadium._cli import main
+from stadium._cli.main import main
 
 main()

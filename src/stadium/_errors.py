@@ -173,7 +173,7 @@ class SnapshotError(StadiumError):
     """An environment cannot be snapshotted, or a snapshot cannot be restored into it.
 
     ``context`` holds ``env`` (the class) and ``reason`` (one sentence: what does
-    not pickle and where, or why the snapshot does not fit). See ``stadium._snapshot``.
+    not pickle and where, or why the snapshot does not fit). See ``stadium._env.snapshot``.
     """
 
     code = ErrorCode.SNAPSHOT_FAILED

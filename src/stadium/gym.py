@@ -41,12 +41,12 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from stadium._balance import EndpointSpec, is_url, static_urls
-from stadium._batch_pool import BatchSession
-from stadium._client import AsyncClient, ws_url
-from stadium._env import StepResult
+from stadium._client.balance import EndpointSpec, is_url, static_urls
+from stadium._client.batch_pool import BatchSession
+from stadium._client.pool import SessionPool, run_sync
+from stadium._client.session import AsyncClient, ws_url
+from stadium._env.contract import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
-from stadium._pool import SessionPool, run_sync
 from stadium.integrations.gymnasium import (
     decode_arrays,
     from_wire,

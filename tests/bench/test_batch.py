@@ -247,7 +247,7 @@ def test_the_floor_refuses_batches(tmp_path: Path) -> None:
 
 
 def _serves_batches() -> bool:
-    return importlib.util.find_spec("stadium._batch") is not None
+    return importlib.util.find_spec("stadium._server.batch") is not None
 
 
 @pytest.mark.skipif(not _serves_batches(), reason="this server has no batch connections yet")

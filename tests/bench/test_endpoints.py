@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from stadium._core.urls import ws_url
 from stadium._errors import ConfigError
-from stadium._urls import ws_url
 from stadium.bench import report
 from stadium.bench._cli import bench
 from stadium.bench.arms import Arm, CpuCap, endpoint_weights, spawn_server

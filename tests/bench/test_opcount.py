@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import pytest
 from click.testing import CliRunner
 
-from stadium._env import StepResult
+from stadium._env.contract import StepResult
 from stadium.bench._cli import bench
 from stadium.bench.opcount import OpCount, count_ops
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv, BenchmarkObservation

@@ -43,7 +43,7 @@ def test_read_stat_of_this_process() -> None:
     assert stat.threads >= threading.active_count()
     assert stat.rss_bytes > 1 << 20
     assert stat.cpu_s > 0
-    cpu, rss, threads = stat  # the tuple stadium._demo._proc_stats returned
+    cpu, rss, threads = stat  # the tuple stadium._cli.demo._proc_stats returned
     assert (cpu, rss, threads) == (stat.cpu_s, stat.rss_bytes, stat.threads)
     with pytest.raises(OSError):
         read_stat(2**22 + 1)  # above pid_max: no such process

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from stadium import AsyncClient, SessionClosedError
-from stadium._balance import balancer_for, forget_all
+from stadium._client.balance import balancer_for, forget_all
 from tests.cluster.harness import Cluster, stop_process
 from tests.conftest import UNIT
 

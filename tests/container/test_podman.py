@@ -24,8 +24,8 @@ import pytest
 
 import stadium
 from stadium import ConfigError
-from stadium._config import DEFAULT_MAX_SESSIONS
-from stadium._scaffold import create_project
+from stadium._cli.scaffold import create_project
+from stadium._server.config import DEFAULT_MAX_SESSIONS
 from stadium.bench.arms import free_port
 from stadium.deploy import podman as launcher
 from stadium.deploy.running import Running

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 
 import stadium
-from stadium._loader import load_target
-from stadium._spec import EnvSpec
+from stadium._env.spec import EnvSpec
+from stadium._server.loader import load_target
 from tests.conftest import UNIT, serve
 
 gymnasium = pytest.importorskip("gymnasium")

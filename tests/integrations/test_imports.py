@@ -11,8 +11,8 @@ OPTIONAL = ("numpy", "gymnasium", "pydantic", "openenv")
 def test_core_and_builtin_targets_import_no_optional_dependency() -> None:
     code = (
         "import sys, stadium\n"
-        "from stadium._loader import load_target\n"
-        "from stadium._spec import EnvSpec\n"
+        "from stadium._server.loader import load_target\n"
+        "from stadium._env.spec import EnvSpec\n"
         "EnvSpec.of(load_target('wordguess'))\n"
         f"print([m for m in {OPTIONAL!r} if m in sys.modules])\n"
     )
@@ -27,7 +27,7 @@ def test_a_space_declared_without_the_gymnasium_integration_says_what_to_import(
         "from typing import Any\n"
         "from gymnasium import spaces\n"
         "import stadium\n"
-        "from stadium._spec import EnvSpec\n"
+        "from stadium._env.spec import EnvSpec\n"
         "class E(stadium.Environment[Any, Any, stadium.State]):\n"
         "    action_type = spaces.Discrete(2)\n"
         "    observation_type = spaces.Discrete(2)\n"

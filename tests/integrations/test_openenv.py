@@ -16,8 +16,8 @@ import uvicorn
 import websockets
 
 import stadium
-from stadium._loader import load_target
-from stadium._spec import EnvSpec
+from stadium._env.spec import EnvSpec
+from stadium._server.loader import load_target
 from tests.conftest import UNIT, serve
 
 pytest.importorskip("openenv")

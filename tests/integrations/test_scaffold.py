@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import stadium
-from stadium._cli import main
-from stadium._scaffold import create_project, module_name
+from stadium._cli.main import main
+from stadium._cli.scaffold import create_project, module_name
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,7 @@ the outputs), ``report`` (files and figures), ``compare``, ``options`` (the
 command line's options as typed values), ``floor`` (the floor server),
 ``openenv_server`` (the OpenEnv arm), ``opcount`` (calls per step counted
 in-process: the CI regression check), ``goals`` (every performance goal, one
-ramp each, in ``goals.md``), ``_cli`` (``stadium bench``; nothing here
+ramp each, in ``goals.md``), ``main`` (``stadium bench``; nothing here
 imports it).
 """
 

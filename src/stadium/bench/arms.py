@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from stadium._core.urls import ws_url
 from stadium._errors import ConfigError
-from stadium._urls import ws_url
 from stadium.bench.loadspec import ws_urls
 
 BENCH_DIR = Path(__file__).resolve().parent

@@ -198,7 +198,7 @@ async def serve(host: str, port: int, *, reuse_port: bool = False, announce: boo
 
 
 def _run(host: str, port: int, reuse_port: bool, announce: bool) -> None:
-    # The same collector settings as a Stadium worker (stadium._server.GC_THRESHOLDS),
+    # The same collector settings as a Stadium worker (stadium._server.server.GC_THRESHOLDS),
     # so that the comparison isolates the framework, not the GC's defaults.
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)

@@ -42,7 +42,7 @@ from typing import IO, Any
 
 import msgspec
 
-from stadium._process import new_event_loop, raise_nofile_limit
+from stadium._util.process import new_event_loop, raise_nofile_limit
 from stadium.bench.batch import batch_connection_class, run_batch_sessions
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.metrics import ErrorKind

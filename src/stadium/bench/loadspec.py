@@ -41,8 +41,8 @@ import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from stadium._core.urls import ws_url
 from stadium._errors import ConfigError
-from stadium._urls import ws_url
 from stadium.deploy.deployment import Deployment
 
 MAX_SESSIONS_PER_PROC = 15_000

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stadium._urls import ws_url
+from stadium._core.urls import ws_url
 from stadium.bench.arms import spawn_server
 from stadium.bench.loadgen import LoadWorker, pump_until, start_workers, stop_workers
 from stadium.bench.loadspec import LoadSpec

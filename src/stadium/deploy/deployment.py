@@ -24,8 +24,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from stadium._core.urls import base_url
 from stadium._errors import ConfigError
-from stadium._urls import base_url
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ HAProxy. :func:`render` writes a configuration that:
 * sends a client back to the node that holds its session when the URL names
   it: ``?stadium_node=NAME`` (the node's name in this file, ``node1`` ...,
   or its ``HOST:PORT``) or ``?stadium_addr=HOST:PORT`` (what a resuming Stadium
-  client sends, see ``stadium._resume``) goes to that node if it is up, else is
+  client sends, see ``stadium._core.resume``) goes to that node if it is up, else is
   balanced as new (with ``--durable`` the new node restores the session);
 * has an admin stats socket (``show stat``, ``disable server stadium/node2``)
   and, on soft-stop (``SIGUSR1``), stops accepting and lets open sessions

@@ -94,7 +94,7 @@ class Workload(enum.StrEnum):
 
 
 def _server_drain_default() -> float:
-    from stadium._config import ServerConfig  # the one home of serve's defaults
+    from stadium._server.config import ServerConfig  # the one home of serve's defaults
 
     default = next(f.default for f in dataclasses.fields(ServerConfig) if f.name == "drain_timeout")
     assert isinstance(default, float)

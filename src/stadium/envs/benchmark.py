@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from stadium._env import Environment, State, StepResult
+from stadium._env.contract import Environment, State, StepResult
 
 _HOST = socket.gethostname()
 _MAX_STATE_KB = 1024 * 1024

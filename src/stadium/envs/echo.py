@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from stadium._env import Environment, State, StepResult
+from stadium._env.contract import Environment, State, StepResult
 
 
 class EchoAction(msgspec.Struct):

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from stadium._env import StepResult
-from stadium._tools import ToolEnvironment, ToolObservation, tool
+from stadium._env.contract import StepResult
+from stadium._env.tools import ToolEnvironment, ToolObservation, tool
 
 
 class NotesEnv(ToolEnvironment):

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from stadium._env import Environment, State, StepResult
+from stadium._env.contract import Environment, State, StepResult
 
 WORDS: tuple[str, ...] = (
     "apple", "brave", "chair", "dance", "eagle", "flame", "grape", "house",

@@ -7,6 +7,6 @@
   ``gymnasium.Env`` subclass) becomes a Stadium environment whose spaces are
   exported in ``GET /schema`` (extra ``stadium-rl[gym]``).
 
-``stadium serve`` picks the adapter itself (see :func:`stadium._loader.load_target`);
+``stadium serve`` picks the adapter itself (see :func:`stadium._server.loader.load_target`);
 nothing here is imported by ``import stadium``.
 """

@@ -32,10 +32,10 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.utils import EzPickle
 
-from stadium._codecs import NDARRAY_EXT, TypeCodec, invalid, ndarray_ext, register_codec_factory
-from stadium._env import Environment, State, StepResult
+from stadium._env.codecs import NDARRAY_EXT, TypeCodec, invalid, ndarray_ext, register_codec_factory
+from stadium._env.contract import Environment, State, StepResult
+from stadium._env.snapshot import snapshot_error
 from stadium._errors import ConfigError, TargetError
-from stadium._snapshot import snapshot_error
 
 # -- arrays on the wire -------------------------------------------------------
 
@@ -158,7 +158,7 @@ def _array(space: Any, value: Any, what: str, path: str) -> Any:
 
 
 def space_codec(space: spaces.Space[Any]) -> TypeCodec:
-    """The :class:`~stadium._codecs.TypeCodec` of a space (used for actions and observations)."""
+    """The :class:`~stadium._env.codecs.TypeCodec` of a space (for actions and observations)."""
 
     def validate(value: Any, what: str) -> Any:
         return from_wire(space, value, what)

@@ -39,10 +39,10 @@ import sys
 import typing
 from typing import Any, ClassVar
 
-from stadium._codecs import TypeCodec, register_codec_factory
-from stadium._env import Environment, StepResult
+from stadium._env.codecs import TypeCodec, register_codec_factory
+from stadium._env.contract import Environment, StepResult
+from stadium._env.tools import sample_arguments
 from stadium._errors import ExecutionError, TargetError, ToolCallError
-from stadium._tools import sample_arguments
 
 log = logging.getLogger("stadium.openenv")
 
@@ -196,7 +196,7 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
 
 
 class McpToolsAdapter(OpenEnvAdapter):
-    """Base of the adapters of ``MCPEnvironment`` subclasses: the env's tools for ``_mcp``.
+    """Base of the adapters of ``MCPEnvironment`` subclasses: the env's tools for ``mcp``.
 
     The env's FastMCP client session (``env.mcp_session()``) is opened at the first
     tool request and held until the session closes, as OpenEnv's server holds it (a

@@ -1,0 +1,1 @@
+"""The ``stadium`` command and the author tools behind it (check, init, demo)."""

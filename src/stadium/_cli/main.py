@@ -1,0 +1,268 @@
+"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm, deploy.
+
+Errors print one line (``error: ...``) and exit non-zero: 2 for a bad argument
+or configuration, 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from stadium._errors import StadiumError
+from stadium._version import __version__
+
+# Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
+_LAZY = {
+    "bench": "stadium.bench._cli:bench",
+    "deploy": "stadium.deploy._cli:deploy",
+}
+
+
+class _Group(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted([*super().list_commands(ctx), *_LAZY])
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in _LAZY:
+            module, _, attr = _LAZY[cmd_name].partition(":")
+            command: click.Command = getattr(importlib.import_module(module), attr)
+            return command
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="stadium")
+def cli() -> None:
+    """Stadium: serve RL and LLM-agent environments to thousands of sessions."""
+
+
+def _serve_options(fn: Any) -> Any:
+    from stadium._server.config import serve_click_options
+
+    return serve_click_options(fn)
+
+
+@cli.command()
+@click.argument("target")
+@_serve_options
+def serve(target: str, **options: Any) -> None:
+    """Serve TARGET: a built-in name (echo, benchmark, wordguess),
+    package.module:Class or path/to/file.py:Class (a Stadium, OpenEnv or
+    Gymnasium environment class), or gymnasium:ENV_ID (e.g. gymnasium:CartPole-v1;
+    --env-kwargs go to gymnasium.make).
+
+    Environment variables HOST, PORT, WORKERS and MAX_CONCURRENT_ENVS (OpenEnv's)
+    are read when the matching option is not given.
+    """
+    from stadium._server.config import ServerConfig
+    from stadium._server.server import run_server
+
+    config = ServerConfig.from_options(target=target, **options)
+    sys.exit(run_server(config))
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--steps", default=5, show_default=True, help="Steps per episode to try.")
+@click.option("--seed", default=0, show_default=True, help="Seed for the determinism check.")
+@click.option(
+    "--action",
+    "action_texts",
+    multiple=True,
+    metavar="JSON",
+    help="An action to step with, as JSON (repeatable; used in order).",
+)
+@click.option(
+    "--actions-file",
+    "action_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="A file of actions: a JSON array, or one JSON action a line (repeatable).",
+)
+def check(
+    target: str,
+    steps: int,
+    seed: int,
+    action_texts: tuple[str, ...],
+    action_files: tuple[str, ...],
+) -> None:
+    """Check that TARGET honours the environment contract (an env class or a ws:// URL).
+
+    Without --action, an env class is stepped with its sample_action(rng), else with
+    an action built from its action schema; a server is then only reset.
+    """
+    from stadium._cli.check import check_target, load_actions
+
+    actions = load_actions(action_texts, action_files)
+    report = check_target(target, steps=steps, seed=seed, actions=actions)
+    for line in report:
+        click.echo(f"ok  {line}")
+    click.echo(f"{target}: all {len(report)} checks passed")
+
+
+@cli.command()
+@click.argument("name")
+@click.option(
+    "--dir",
+    "directory",
+    default=".",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Directory to create NAME/ in.",
+)
+def init(name: str, directory: str) -> None:
+    """Create NAME/: a ready-to-run environment package (env, tests, README, Dockerfile)."""
+    from stadium._cli.scaffold import create_project, module_name
+
+    path = create_project(name, directory)
+    module = module_name(name)
+    click.echo(f"created {path}; next:")
+    click.echo(f"  cd {path}")
+    click.echo("  python -m pytest                 # check_env and the game's tests")
+    click.echo("  pip install -e .")
+    click.echo(f"  stadium serve {module}.env:Env   # or: docker build -t {module} .")
+
+
+@cli.command()
+@click.option("--sessions", default=256, show_default=True, help="Concurrent sessions to drive.")
+@click.option("--steps", default=4, show_default=True, help="Steps per session.")
+@click.option("--wait", default=0.05, show_default=True, help="Seconds each step waits.")
+@click.option("--bench/--no-bench", default=True, show_default=True, help="Run the short ramp.")
+def demo(sessions: int, steps: int, wait: float, bench: bool) -> None:
+    """Start a server with the benchmark env, drive it with concurrent sessions, report."""
+    from stadium._cli.demo import run_demo
+
+    sys.exit(run_demo(sessions=sessions, steps=steps, wait=wait, bench=bench))
+
+
+@cli.command()
+@click.argument("endpoints", nargs=-1, required=True)
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Address HAProxy listens on.")
+@click.option("--port", default=8080, show_default=True, type=int, help="Port HAProxy listens on.")
+@click.option("--max-sessions-per-node", type=click.IntRange(1), default=None,
+              help="Each node's session capacity (HAProxy queues past it) "
+              "[the deployment file's, else 8192].")  # fmt: skip
+@click.option("--queue-timeout", default=60.0, show_default=True, type=float,
+              help="Seconds a new session may queue while all nodes are full.")  # fmt: skip
+@click.option("--tunnel-timeout", default=3600.0, show_default=True, type=float,
+              help="Seconds an open session may be idle (no frame either way).")  # fmt: skip
+@click.option("--stats-socket", default=None, help="Path of HAProxy's admin socket.")
+@click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
+              help="Write the configuration here [stdout].")  # fmt: skip
+@click.option("--check", is_flag=True, help="Validate it with `haproxy -c` (needs haproxy).")
+def router(endpoints: tuple[str, ...], bind: str, port: int, max_sessions_per_node: int | None,
+           queue_timeout: float, tunnel_timeout: float, stats_socket: str | None,
+           output: str | None, check: bool) -> None:  # fmt: skip
+    """Render an haproxy.cfg that routes sessions to ENDPOINTS: node URLs
+    (http://HOST:PORT, ws://HOST:PORT/ws) or a deployment file (stadium slurm's).
+
+    Least-connections placement, per-node capacity (HAProxy queues past it),
+    health checks on /health (a draining node is taken out), long WebSocket
+    tunnels, ?stadium_node=NAME back to a given node. Run it with
+    `haproxy -f FILE`. For Stadium's own clients, give them the node URLs
+    instead: they balance themselves, with no hop in between.
+    """
+    from stadium.deploy.deployment import endpoints as read_endpoints
+    from stadium.deploy.haproxy import RouterOptions, check_config, render
+
+    options = RouterOptions(
+        bind=bind,
+        port=port,
+        max_sessions_per_node=max_sessions_per_node,
+        queue_timeout=queue_timeout,
+        tunnel_timeout=tunnel_timeout,
+        stats_socket=stats_socket,
+    )
+    text = render(read_endpoints(endpoints), options)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        with open(output, "w") as f:
+            f.write(text)
+    if check:
+        click.echo(check_config(text), err=True)
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--nodes", "-N", default=1, show_default=True, type=click.IntRange(1),
+              help="Nodes: one server each.")  # fmt: skip
+@click.option("--router", type=click.Choice(["haproxy", "none"]), default="none",
+              show_default=True, help="HAProxy on the first node, for clients that need "
+              "one URL.")  # fmt: skip
+@click.option("--port", default=8000, show_default=True, type=int, help="Servers' port.")
+@click.option("--router-port", default=8080, show_default=True, type=int, help="HAProxy's port.")
+@click.option("--workers", default="auto", show_default=True,
+              help="Worker processes per node; auto: the CPUs SLURM gave the node.")  # fmt: skip
+@click.option("--max-sessions-per-node", default=8192, show_default=True,
+              type=click.IntRange(1), help="Each server's --max-sessions.")  # fmt: skip
+@click.option("--deployment", type=click.Path(dir_okay=False, path_type=Path),
+              default=Path("stadium-deployment.json"), show_default=True,
+              help="Where the job writes its deployment file (logs go beside it).")  # fmt: skip
+@click.option("--serve-arg", "serve_args", multiple=True,
+              help="An extra argument for every `stadium serve` (repeatable).")  # fmt: skip
+@click.option("--sbatch-arg", "sbatch_args", multiple=True,
+              help="An extra #SBATCH line, e.g. --sbatch-arg=--partition=cpu.")  # fmt: skip
+@click.option("--timeout", default=300.0, show_default=True, type=float,
+              help="Seconds to wait for every node to be healthy.")  # fmt: skip
+@click.option(
+    "--dry-run", is_flag=True, help="Print the job script and router config; submit nothing."
+)
+def slurm(target: str, nodes: int, router: str, port: int, router_port: int, workers: str,
+          max_sessions_per_node: int, deployment: Path, serve_args: tuple[str, ...],
+          sbatch_args: tuple[str, ...], timeout: float, dry_run: bool) -> None:  # fmt: skip
+    """Serve TARGET on NODES SLURM nodes (one `stadium serve` each), optionally
+    behind HAProxy; wait until all are healthy, write the deployment file and
+    print the URL to use (last line).
+
+    Give Stadium's clients the deployment file (they balance over the nodes
+    themselves); give other clients the router's URL. `scancel JOB` drains.
+    """
+    from stadium.deploy.slurm import SlurmOptions, example_router_config, job_script, launch
+
+    if workers != "auto" and not workers.isdigit():
+        raise click.BadParameter("a number or auto", param_hint="--workers")
+    opts = SlurmOptions(
+        target=target,
+        nodes=nodes,
+        port=port,
+        router=router,
+        router_port=router_port,
+        workers=None if workers == "auto" else int(workers),
+        max_sessions_per_node=max_sessions_per_node,
+        deployment=deployment,
+        serve_args=serve_args,
+        sbatch_args=sbatch_args,
+    )
+    if dry_run:
+        click.echo(job_script(opts))
+        if router == "haproxy":
+            click.echo(example_router_config(opts))
+        return
+    d = launch(opts, timeout_s=timeout, echo=lambda line: click.echo(line, err=True))
+    click.echo(f"deployment: {deployment} ({len(d.nodes)} nodes, job {d.job_id})", err=True)
+    click.echo(d.url)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``stadium`` command."""
+    try:
+        cli.main(args=argv, prog_name="stadium", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    except StadiumError as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,451 @@
+"""The client's side of batch connections: many sessions on one WebSocket.
+
+A :class:`BatchConnection` offers the subprotocol ``stadium.batch`` (or
+``stadium.batch.msgpack``) on ``/ws``; a Stadium server picks it in its ``101`` and
+the connection then carries batch frames (docs/PROTOCOL.md, "Batches"): one call
+per session each way, matched to its reply by the batch's ``id``, many batches in
+flight. A server that does not pick it (OpenEnv's) leaves :attr:`accepted` false,
+and the caller falls back to one connection per session.
+
+:class:`BatchGroup` is what :class:`~stadium.SessionPool` drives when batching: a
+few connections, the pool's sessions numbered by their index, and one
+:class:`BatchSession` per session with :class:`~stadium.AsyncClient`'s request
+methods. Calls issued in the same event-loop iteration (``asyncio.gather`` over the
+sessions) are coalesced into one batch frame per connection.
+
+A connection opened with ``resume=`` has resumable sessions (docs/PROTOCOL.md,
+"Resumable batch sessions"): the listener reports the sessions a batch opened
+(``on_opened``) and, when the connection is lost, hands it to ``on_lost`` instead of
+failing the batches in flight (:mod:`stadium._client.batch_pool` resumes them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import ssl as ssl_module
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from typing import Any, Protocol, TypeVar, cast
+
+import msgspec
+from picows import (
+    WSCloseCode,
+    WSFrame,
+    WSHandshakeError,
+    WSListener,
+    WSMsgType,
+    WSTransport,
+    ws_connect,
+)
+
+from stadium._client.replies import RESUMABLE_CLOSES
+from stadium._client.session import TOKEN_ENV, _backoff, _refused, _with_query
+from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
+from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
+from stadium._core.urls import ws_url
+from stadium._env.contract import StepResult
+from stadium._errors import (
+    ConnectError,
+    SessionClosedError,
+    error_from_wire,
+)
+
+ObsT = TypeVar("ObsT")
+
+#: Calls one batch frame may carry (the server's limit).
+MAX_CALLS = 4096
+#: Why a lost batch connection's calls fail, when its sessions are not resumable.
+NOT_RESUMABLE = (
+    "its sessions were not resumable (the server runs with --resume-grace 0, or the pool "
+    "was opened with resume=False): a lost connection ends them"
+)
+
+#: One streamed result: its position in the batch's calls and the decoded entry; a
+#: failure of the whole batch comes as (-1, the exception).
+Streamed = tuple[int, Any]
+
+
+class ResultSink(Protocol):
+    """Where a batch's results stream to as they arrive (an ``asyncio.Queue`` will do)."""
+
+    def put_nowait(self, item: Streamed, /) -> None: ...
+
+
+class _Pending:
+    """One batch sent and not yet fully answered."""
+
+    __slots__ = ("calls", "future", "left", "queue", "results", "timer")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        calls: Sequence[dict[str, Any]],
+        queue: ResultSink | None,
+    ) -> None:
+        size = len(calls)
+        self.calls = calls
+        self.future: asyncio.Future[list[Any]] = loop.create_future()
+        # A failure may have no reader (a stream reads its queue): never warn about it.
+        self.future.add_done_callback(_retrieve)
+        self.results: list[Any] = [None] * size
+        self.left = size
+        self.queue = queue
+        self.timer: asyncio.TimerHandle | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.future.done():
+            self.future.set_exception(exc)
+        if self.queue is not None:
+            self.queue.put_nowait((-1, exc))
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _BatchListener(WSListener):
+    """Routes batch replies to their :class:`_Pending` by ``id``."""
+
+    def __init__(self, decode: Callable[[bytes], Any]) -> None:
+        self.decode = decode
+        self.pending: dict[int, _Pending] = {}
+        self.closed: SessionClosedError | None = None
+        self.closing = False  # the client closes it
+        self.on_opened: Callable[[int, str, str], None] | None = None
+        """Told ``(session number, id, token)`` of each resumable session a batch opened."""
+        self.on_lost: Callable[[], None] | None = None
+        """Called, instead of failing the batches in flight, when the connection is lost."""
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        mtype = frame.msg_type
+        if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            try:
+                reply = self.decode(frame.get_payload_as_bytes())
+            except (msgspec.DecodeError, UnicodeDecodeError):
+                self.closed = SessionClosedError(
+                    f"the server sent an unreadable batch frame; {NOT_RESUMABLE}"
+                )
+                transport.disconnect()
+                return
+            if isinstance(reply, dict):
+                self._route(reply)
+        elif mtype == WSMsgType.CLOSE:
+            code = frame.get_close_code()
+            reason = (frame.get_close_message() or b"").decode(errors="replace")
+            self.closed = SessionClosedError(
+                f"server closed the batch connection ({code.value}: {reason}); {NOT_RESUMABLE}",
+                close_code=code.value,
+            )
+            transport.send_close(code)
+            transport.disconnect()
+
+    def _route(self, reply: dict[str, Any]) -> None:
+        rid = reply.get("id")
+        pending = self.pending.get(rid) if isinstance(rid, int) else None
+        if pending is None:  # a batch given up (no reply in time), or a stray frame
+            return
+        if reply.get("type") == "error":  # the frame itself was refused
+            del self.pending[rid]  # type: ignore[arg-type]
+            pending.fail(error_from_wire(reply.get("data")))
+            return
+        results = reply.get("results")
+        if not isinstance(results, list):
+            return
+        opened = reply.get("opened")
+        if opened and self.on_opened is not None:
+            for at, sid, token in opened:
+                self.on_opened(pending.calls[at]["session"], sid, token)
+        index = reply.get("index")
+        positions: Sequence[Any] = index if isinstance(index, list) else range(len(results))
+        queue = pending.queue
+        for at, entry in zip(positions, results, strict=False):
+            if isinstance(at, int) and 0 <= at < len(pending.results):
+                pending.results[at] = entry
+                pending.left -= 1
+                if queue is not None:
+                    queue.put_nowait((at, entry))
+        if (index is None or reply.get("done") is True) or pending.left <= 0:
+            del self.pending[rid]  # type: ignore[arg-type]
+            if pending.timer is not None:
+                pending.timer.cancel()
+            if not pending.future.done():
+                pending.future.set_result(pending.results)
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        code = None if self.closed is None else self.closed.context.get("close_code")
+        if self.on_lost is not None and not self.closing and code in RESUMABLE_CLOSES:
+            pending, self.pending = self.pending, {}
+            for p in pending.values():  # their calls are answered by the resume
+                if p.timer is not None:
+                    p.timer.cancel()
+            self.on_lost()
+            return
+        err = self.closed or SessionClosedError(f"the batch connection was lost; {NOT_RESUMABLE}")
+        self.closed = err
+        pending, self.pending = self.pending, {}
+        for p in pending.values():
+            p.fail(err)
+
+
+class BatchConnection:
+    """One WebSocket carrying batch frames for many sessions.
+
+    Open it with :meth:`open`; :attr:`accepted` says whether the server picked the
+    batch subprotocol (if not, the connection is an ordinary session: close it).
+    """
+
+    def __init__(
+        self,
+        transport: WSTransport,
+        listener: _BatchListener,
+        *,
+        url: str,
+        msgpack: bool,
+        request_timeout: float | None,
+    ) -> None:
+        self.transport = transport
+        self.listener = listener
+        self.url = url
+        self.msgpack = msgpack
+        self.request_timeout = request_timeout
+        self._ids = itertools.count(1)
+        self._encode: Callable[[Any], bytes] = (
+            msgspec.msgpack.encode if msgpack else msgspec.json.encode
+        )
+        self._msg_type = WSMsgType.BINARY if msgpack else WSMsgType.TEXT
+        offered = BATCH_MSGPACK_SUBPROTOCOL if msgpack else BATCH_SUBPROTOCOL
+        picked = transport.response.headers.get("Sec-WebSocket-Protocol", "")
+        #: Whether the server speaks batches (it picked the subprotocol offered).
+        self.accepted = picked.strip() == offered
+        try:
+            grace = float(transport.response.headers.get(GRACE_HEADER, "0"))
+        except ValueError:
+            grace = 0.0
+        #: Seconds the server keeps this connection's sessions after a loss (0: not resumable).
+        self.grace = grace
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        *,
+        msgpack: bool = False,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        max_retries: int = 8,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        headers: dict[str, str] | None = None,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        resume: str | None = None,
+        resume_token: str | None = None,
+    ) -> BatchConnection:
+        """Connect to ``url`` offering the batch subprotocol (retrying with backoff while
+        the server is unreachable, as :meth:`AsyncClient.connect` does).
+
+        ``resume``: ``"1"`` asks for resumable sessions; a session id (with its
+        ``resume_token``) opens the connection that resumes them (it reaches the worker
+        holding that session).
+
+        Raises:
+            ConnectError: the server cannot be reached, or answered the upgrade with an
+                HTTP error (401: pass ``token``).
+        """
+        url = ws_url(url)
+        base = url
+        if resume is not None:
+            url = _with_query(url, {RESUME_PARAM: resume})
+        extra = dict(headers or {})
+        if resume_token:
+            extra[TOKEN_HEADER] = resume_token
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        if token and not any(k.lower() == "authorization" for k in extra):
+            extra["Authorization"] = f"Bearer {token}"
+        extra["Sec-WebSocket-Protocol"] = (
+            BATCH_MSGPACK_SUBPROTOCOL if msgpack else BATCH_SUBPROTOCOL
+        )
+        decode: Callable[[bytes], Any] = msgspec.msgpack.decode if msgpack else msgspec.json.decode
+        last: Exception | None = None
+        for attempt in range(max_retries + 1):
+            try:
+                async with asyncio.timeout(connect_timeout):
+                    transport, listener = await ws_connect(
+                        partial(_BatchListener, decode),
+                        url,
+                        ssl_context=ssl,
+                        websocket_handshake_timeout=connect_timeout,
+                        max_frame_size=max_message_bytes,
+                        extra_headers=extra,
+                        enable_auto_ping=False,
+                        use_aiofastnet=False,
+                    )
+                if transport.is_disconnected:
+                    raise ConnectionResetError("the server closed the connection in the handshake")
+            except ssl_module.SSLCertVerificationError as exc:
+                raise ConnectError(
+                    f"cannot open a batch connection at {url}: {exc.verify_message or exc}; for "
+                    "a private or self-signed certificate pass "
+                    "ssl=ssl.create_default_context(cafile='cert.pem')",
+                    url=url,
+                ) from exc
+            except (TimeoutError, OSError) as exc:
+                last = exc
+                if attempt < max_retries:
+                    await asyncio.sleep(_backoff(attempt))
+                continue
+            except WSHandshakeError as exc:
+                raise _refused(exc, url) from exc
+            except Exception as exc:  # other picows handshake errors
+                raise ConnectError(
+                    f"cannot open a batch connection at {url}: {exc}", url=url
+                ) from exc
+            return cls(
+                transport,
+                cast(_BatchListener, listener),
+                url=base,
+                msgpack=msgpack,
+                request_timeout=request_timeout,
+            )
+        raise ConnectError(
+            f"cannot reach {url} after {max_retries + 1} attempts: {last}", url=url
+        ) from last
+
+    @property
+    def closed(self) -> bool:
+        return self.transport.is_disconnected or self.listener.closed is not None
+
+    def submit(
+        self,
+        calls: Sequence[dict[str, Any]],
+        first: int | None = None,
+        queue: ResultSink | None = None,
+    ) -> asyncio.Future[list[Any]]:
+        """Send one batch frame; the future gets every call's result entry, in call order.
+
+        With ``first`` the server answers in frames of at least ``first`` ready results;
+        each arrives on ``queue`` (if given) as ``(index, entry)`` as soon as its frame does.
+
+        Raises:
+            SessionClosedError: the connection is gone.
+            ValueError: no calls, or more than :data:`MAX_CALLS`.
+        """
+        listener = self.listener
+        if listener.closed is not None or self.transport.is_disconnected:
+            raise listener.closed or SessionClosedError(
+                f"the batch connection is closed; {NOT_RESUMABLE}"
+            )
+        if not calls or len(calls) > MAX_CALLS:
+            raise ValueError(f"a batch carries 1 to {MAX_CALLS} calls, got {len(calls)}")
+        loop = asyncio.get_running_loop()
+        rid = next(self._ids)
+        pending = _Pending(loop, calls, queue)
+        frame: dict[str, Any] = {"type": "batch", "id": rid, "calls": calls}
+        if first is not None:
+            frame["first"] = max(1, min(first, len(calls)))
+        listener.pending[rid] = pending
+        if self.request_timeout is not None:
+            pending.timer = loop.call_later(self.request_timeout, self._expire, rid)
+        self.transport.send(self._msg_type, self._encode(frame))
+        return pending.future
+
+    def _expire(self, rid: int) -> None:
+        pending = self.listener.pending.pop(rid, None)
+        if pending is not None:
+            pending.timer = None
+            pending.fail(
+                SessionClosedError(
+                    f"no reply to batch {rid} within {self.request_timeout:g}s",
+                    timeout_s=self.request_timeout,
+                )
+            )
+
+    async def batch(
+        self, calls: Sequence[dict[str, Any]], first: int | None = None
+    ) -> list[dict[str, Any]]:
+        """Send one batch and wait for all its results (entries, in call order; an error
+        entry is returned as it came: ``stadium._errors.error_from_wire`` turns it into
+        the exception)."""
+        return await self.submit(calls, first)
+
+    async def stream(
+        self, calls: Sequence[dict[str, Any]], first: int
+    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        """Send one batch with ``first``; yield ``(index, entry)`` as results arrive, the
+        first ready first, until every call is answered."""
+        queue: asyncio.Queue[Streamed] = asyncio.Queue()
+        self.submit(calls, first, queue)
+        for _ in range(len(calls)):
+            at, entry = await queue.get()
+            if at < 0:
+                raise cast(BaseException, entry)
+            yield at, entry
+
+    async def close(self) -> None:
+        """Close the connection (the server ends its sessions, 1000)."""
+        transport = self.transport
+        self.listener.closing = True
+        if transport.is_disconnected:
+            return
+        try:
+            transport.send_close(WSCloseCode.OK)
+            await asyncio.wait_for(transport.wait_disconnected(), 5.0)
+        except (TimeoutError, OSError):
+            transport.disconnect(graceful=False)
+
+
+def call(session: int, kind: str, data: Any = None, **extra: Any) -> dict[str, Any]:
+    """One call of a batch frame: ``{"session", "type", "data"?, ...}``."""
+    entry: dict[str, Any] = {"session": session, "type": kind}
+    if data is not None:
+        entry["data"] = data
+    entry.update(extra)
+    return entry
+
+
+def checked(entry: Any) -> dict[str, Any]:
+    """A result entry, or the exception it stands for raised (``error``: the wire error;
+    ``closed``: :class:`SessionClosedError` with the close code)."""
+    if not isinstance(entry, dict):
+        raise SessionClosedError(f"the server sent a result that is not an object: {entry!r:.200}")
+    kind = entry.get("type")
+    if kind == "error":
+        raise error_from_wire(entry.get("data"))
+    if kind == "closed":
+        data = entry.get("data") or {}
+        code = data.get("code")
+        raise SessionClosedError(
+            f"server closed the session ({code}: {data.get('reason', '')})", close_code=code
+        )
+    return entry
+
+
+def step_result(entry: dict[str, Any], observation_type: Any = None) -> StepResult[Any]:
+    """An ``observation`` entry as a :class:`StepResult` (as :class:`AsyncClient` builds it)."""
+    data = entry.get("data") or {}
+    obs = data.get("observation", {})
+    if observation_type is not None:
+        obs = msgspec.convert(obs, observation_type, strict=False)
+    return StepResult(
+        obs,
+        data.get("reward"),
+        bool(data.get("done", False)),
+        truncated=bool(data.get("truncated", False)),
+        info=data.get("info") or data.get("metadata"),
+    )
+
+
+__all__ = [
+    "MAX_CALLS",
+    "NOT_RESUMABLE",
+    "BatchConnection",
+    "ResultSink",
+    "call",
+    "checked",
+    "step_result",
+]

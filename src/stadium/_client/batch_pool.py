@@ -1,0 +1,523 @@
+"""Batched sessions for :class:`~stadium.SessionPool`: a few batch connections
+(:mod:`stadium._client.batch`) carrying the pool's sessions.
+
+:class:`BatchGroup` is what the pool drives when batching: the sessions numbered by
+their index, one :class:`BatchSession` each with :class:`~stadium.AsyncClient`'s
+request methods. Calls issued in the same event-loop iteration (``asyncio.gather``
+over the sessions) are coalesced into one batch frame per connection.
+
+On a server with resume (``--resume-grace`` above 0) the sessions are resumable: each
+session's calls are numbered and kept until answered, and when a connection is lost
+its sessions are taken back on a new one (``resume`` calls), the replies they missed
+answering their calls and the calls the server never got sent again, with backoff,
+until the server's grace period is over (then :class:`~stadium.ResumeError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import random
+import ssl as ssl_module
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from stadium._client.batch import (
+    MAX_CALLS,
+    NOT_RESUMABLE,
+    BatchConnection,
+    call,
+    checked,
+    step_result,
+)
+from stadium._client.session import _backoff, _to_builtins
+from stadium._env.contract import StepResult
+from stadium._errors import (
+    CapacityError,
+    ConnectError,
+    ResumeError,
+    SessionClosedError,
+    SessionError,
+    error_from_wire,
+)
+
+ObsT = TypeVar("ObsT")
+
+
+class _State:
+    """A resumable session's bookkeeping on its connection."""
+
+    __slots__ = ("received", "sent", "sid", "token", "unanswered")
+
+    def __init__(self) -> None:
+        self.sid: str | None = None
+        self.token = ""
+        self.sent = 0
+        self.received = 0
+        self.unanswered: collections.deque[tuple[int, dict[str, Any], asyncio.Future[Any]]] = (
+            collections.deque()
+        )
+
+
+class _Coalescer:
+    """Gathers the calls made on one connection in one loop iteration into one frame;
+    on a resumable connection, numbers each session's calls, keeps them until answered,
+    and resumes the sessions when the connection is lost."""
+
+    def __init__(self, group: BatchGroup[Any], conn: BatchConnection) -> None:
+        self.group = group
+        self.conn = conn
+        self.generation = 0
+        """How many times the connection was replaced (after a loss, by a ``reset``)."""
+        self.replacing: asyncio.Future[None] | None = None
+        self.resuming: asyncio.Future[None] | None = None
+        self.calls: list[dict[str, Any]] = []
+        self.futures: list[asyncio.Future[Any]] = []
+        self.sessions: set[int] = set()
+        self.scheduled = False
+        self.states: dict[int, _State] = {}
+        self.resumes = 0
+        self.wire(conn)
+
+    def wire(self, conn: BatchConnection) -> None:
+        self.conn = conn
+        if conn.grace > 0:
+            conn.listener.on_opened = self._opened
+            conn.listener.on_lost = self._lost
+
+    def call(self, entry: dict[str, Any]) -> asyncio.Future[Any]:
+        session = entry["session"]
+        if session in self.sessions or len(self.calls) >= MAX_CALLS:
+            self.flush()  # one call per session per batch: the next goes in the next frame
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if self.conn.grace > 0:
+            state = self.states.get(session)
+            if state is None and entry["type"] == "reset":
+                state = self.states[session] = _State()
+            if state is not None:
+                state.sent += 1
+                entry["id"] = state.sent
+                state.unanswered.append((state.sent, entry, fut))
+        self.calls.append(entry)
+        self.futures.append(fut)
+        self.sessions.add(session)
+        if not self.scheduled:
+            self.scheduled = True
+            loop.call_soon(self._tick)
+        return fut
+
+    def _tick(self) -> None:
+        self.scheduled = False
+        self.flush()
+
+    def flush(self) -> None:
+        if self.resuming is not None:  # held: sent once the sessions are back
+            return
+        calls, futures = self.calls, self.futures
+        if not calls:
+            return
+        self.calls, self.futures, self.sessions = [], [], set()
+        self._submit(calls, futures)
+
+    def _submit(self, calls: list[dict[str, Any]], futures: list[asyncio.Future[Any]]) -> None:
+        try:
+            done = self.conn.submit(calls)
+        except SessionClosedError as exc:
+            if self.resuming is not None:
+                return  # the resume sends them again
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        done.add_done_callback(partial(self._distribute, calls, futures))
+
+    def _distribute(
+        self,
+        calls: list[dict[str, Any]],
+        futures: list[asyncio.Future[Any]],
+        done: asyncio.Future[list[Any]],
+    ) -> None:
+        exc = done.exception()
+        results = done.result() if exc is None else [None] * len(futures)
+        for entry, fut, result in zip(calls, futures, results, strict=True):
+            state = self.states.get(entry["session"]) if "id" in entry else None
+            if state is not None and exc is None:
+                kind = result.get("type") if isinstance(result, dict) else None
+                if kind != "closed":
+                    state.received += 1
+                if state.unanswered and state.unanswered[0][1] is entry:
+                    state.unanswered.popleft()
+                if kind == "closed" or entry["type"] == "close" or state.sid is None:
+                    del self.states[entry["session"]]  # ended, or refused before it opened
+            if fut.done():
+                continue
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def _opened(self, session: int, sid: str, token: str) -> None:
+        state = self.states.get(session)
+        if state is not None:
+            state.sid, state.token = sid, token
+
+    def _lost(self) -> None:
+        if self.resuming is None:
+            self.resuming = asyncio.ensure_future(self._resume())
+
+    async def _resume(self) -> None:
+        """Take the sessions back on a new connection (docs/PROTOCOL.md, "Resumable batch
+        sessions"), until the server's grace period is over; then their calls fail."""
+        try:
+            await self._resume_loop()
+        except Exception as exc:  # never leave calls hanging
+            self._give_up(ResumeError(f"the batch sessions could not be resumed: {exc!r}"))
+        finally:
+            self.resuming = None
+            self.flush()  # the calls made meanwhile: on the new connection, or failing
+
+    async def _resume_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.conn.grace + 1.0
+        for number, state in list(self.states.items()):
+            if state.sid is None:  # lost while opening: it may not exist; reset it again
+                del self.states[number]
+                _fail(state, SessionClosedError("the session was lost while it opened"))
+        if not self.states:
+            return
+        attempt = 0
+        last: BaseException | None = None
+        while True:
+            numbers = list(self.states)
+            first = self.states[numbers[0]]
+            try:
+                conn = await self.group.reopen(first.sid, first.token)
+                results = await conn.batch(
+                    [
+                        call(
+                            n,
+                            "resume",
+                            {
+                                "id": self.states[n].sid,
+                                "token": self.states[n].token,
+                                "received": self.states[n].received,
+                            },
+                        )
+                        for n in numbers
+                    ]
+                )
+            except (ConnectError, SessionClosedError, OSError, TimeoutError) as exc:
+                last = exc
+                attempt += 1
+                delay = _backoff(attempt)
+                if loop.time() + delay >= deadline:
+                    self._give_up(
+                        ResumeError(
+                            f"the batch sessions were not taken back within the server's "
+                            f"{self.conn.grace:g} s grace period (last: {last!r})"
+                        )
+                    )
+                    return
+                await asyncio.sleep(delay)
+                continue
+            self.wire(conn)
+            self.group.conns[self.group.coalescers.index(self)] = conn
+            self.resumes += 1
+            again = self._take_back(numbers, results)
+            while again:  # one call per session per frame, in each session's order
+                batch: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+                later: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+                seen: set[int] = set()
+                for entry, fut in again:
+                    (later if entry["session"] in seen else batch).append((entry, fut))
+                    seen.add(entry["session"])
+                self._submit([e for e, _ in batch], [f for _, f in batch])
+                again = later
+            return
+
+    def _take_back(
+        self, numbers: list[int], results: list[Any]
+    ) -> list[tuple[dict[str, Any], asyncio.Future[Any]]]:
+        """Each session's ``resumed`` result: its missed replies answer its calls; the
+        calls the server never got are returned, to send again."""
+        again: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+        for number, result in zip(numbers, results, strict=True):
+            state = self.states[number]
+            if not isinstance(result, dict) or result.get("type") != "resumed":
+                del self.states[number]
+                err = error_from_wire(result.get("data")) if isinstance(result, dict) else None
+                _fail(state, err or ResumeError(f"session {state.sid} was not resumed"))
+                continue
+            data = result.get("data") or {}
+            state.sid = str(data.get("session", state.sid))
+            state.token = str(data.get("token", ""))
+            for reply in data.get("replies") or []:
+                if state.unanswered and state.unanswered[0][0] == reply.get("id"):
+                    _, _entry, fut = state.unanswered.popleft()
+                    state.received += 1
+                    if not fut.done():
+                        fut.set_result(reply)
+            requests = int(data.get("requests", 0))
+            for index, entry, fut in state.unanswered:
+                if index > requests:
+                    again.append((entry, fut))
+                elif not fut.done():  # the server got it and has no reply: cannot happen
+                    fut.set_exception(ResumeError(f"the reply to call {index} was lost"))
+        return again
+
+    def _give_up(self, err: SessionClosedError) -> None:
+        states, self.states = self.states, {}
+        for state in states.values():
+            _fail(state, err)
+        self.conn.listener.closed = err
+
+
+def _fail(state: _State, err: BaseException) -> None:
+    while state.unanswered:
+        _, _entry, fut = state.unanswered.popleft()
+        if not fut.done():
+            fut.set_exception(err)
+
+
+class BatchSession(Generic[ObsT]):
+    """One session of a :class:`BatchGroup`, with :class:`AsyncClient`'s request methods.
+
+    Its calls go into the next batch frame of its connection. ``reset`` opens the session
+    on the server when it has none (a refused admission, ``CAPACITY_REACHED``, is retried
+    with backoff around ``retry_after_s``, up to ``max_retries`` times). When the connection
+    is lost its sessions are gone (not resumable): their calls raise
+    :class:`SessionClosedError` until a ``reset``, which opens a new connection for them.
+    """
+
+    session_id: str | None = None
+
+    def __init__(self, group: BatchGroup[Any], number: int) -> None:
+        self.group = group
+        self.number = number
+        self.coalescer = group.coalescers[number // group.per_connection]
+        self.generation = 0  # the coalescer's connection this session's episode lives on
+        self.lost: SessionClosedError | None = None
+
+    @property
+    def resumes(self) -> int:
+        """How many times this session's connection was lost and its sessions resumed."""
+        return self.coalescer.resumes
+
+    @property
+    def url(self) -> str:
+        return self.coalescer.conn.url
+
+    @property
+    def endpoint(self) -> str | None:
+        return None
+
+    @property
+    def connected(self) -> bool:
+        return not self.coalescer.conn.closed
+
+    async def _call(self, kind: str, data: Any = None, **extra: Any) -> dict[str, Any]:
+        coalescer = self.coalescer
+        if coalescer.resuming is not None:  # the connection was lost: wait for the resume
+            await asyncio.shield(coalescer.resuming)
+        if kind == "reset":
+            if coalescer.conn.closed:  # a new episode may start on a new connection
+                await self.group.replace(coalescer)
+            self.generation = coalescer.generation
+        elif self.generation != coalescer.generation or coalescer.conn.closed:
+            # the episode died with its connection
+            why = self.lost or coalescer.conn.listener.closed
+            raise SessionClosedError(
+                f"{why or 'the batch connection was lost; ' + NOT_RESUMABLE}; reset to start anew"
+            )
+        try:
+            return checked(await coalescer.call(call(self.number, kind, data, **extra)))
+        except SessionClosedError as exc:
+            self.lost = exc
+            raise
+
+    async def reset(
+        self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
+    ) -> StepResult[ObsT]:
+        """Start an episode (opening the session if it has none); options as
+        :meth:`AsyncClient.reset`."""
+        data: dict[str, Any] = dict(options)
+        if seed is not None:
+            data["seed"] = seed
+        if episode_id is not None:
+            data["episode_id"] = episode_id
+        retries = self.group.max_retries
+        for attempt in range(retries + 1):
+            try:
+                entry = await self._call("reset", data)
+            except CapacityError as exc:
+                if attempt >= retries:
+                    raise
+                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                continue
+            return step_result(entry, self.group.observation_type)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def step(self, action: Any) -> StepResult[ObsT]:
+        """Apply ``action`` (encoded as :class:`AsyncClient` encodes it)."""
+        entry = await self._call("step", self.group.action_encoder(action))
+        return step_result(entry, self.group.observation_type)
+
+    async def state(self) -> Any:
+        """The session's state (a dict, or ``state_type``)."""
+        data = (await self._call("state")).get("data", {})
+        if self.group.state_type is not None:
+            return msgspec.convert(data, self.group.state_type, strict=False)
+        return data
+
+    async def close(self) -> None:
+        """End the session (its number is free again; a later ``reset`` opens a new one).
+        Idempotent: a session that is not open, or a lost connection, is not an error."""
+        with contextlib.suppress(SessionClosedError, SessionError):
+            await self._call("close")
+
+
+class BatchGroup(Generic[ObsT]):
+    """``size`` sessions over ``ceil(size / per_connection)`` batch connections; session
+    ``i`` is number ``i`` on connection ``i // per_connection``."""
+
+    def __init__(
+        self,
+        conns: Sequence[BatchConnection],
+        size: int,
+        per_connection: int,
+        *,
+        observation_type: Any = None,
+        state_type: Any = None,
+        action_encoder: Callable[[Any], Any] | None = None,
+        max_retries: int = 8,
+        opening: Callable[[], Awaitable[BatchConnection]] | None = None,
+        reopening: Callable[..., Awaitable[BatchConnection]] | None = None,
+    ) -> None:
+        self.conns = list(conns)
+        self.opening = opening
+        self.reopening = reopening
+        self.per_connection = per_connection
+        self.observation_type = observation_type
+        self.state_type = state_type
+        self.action_encoder = action_encoder or _to_builtins
+        self.max_retries = max_retries
+        self.coalescers = [_Coalescer(self, c) for c in self.conns]
+        self.sessions: list[BatchSession[ObsT]] = [BatchSession(self, i) for i in range(size)]
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        size: int,
+        per_connection: int,
+        *,
+        msgpack: bool = False,
+        observation_type: Any = None,
+        state_type: Any = None,
+        action_encoder: Callable[[Any], Any] | None = None,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        max_retries: int = 8,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        headers: dict[str, str] | None = None,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        resume: bool = True,
+    ) -> BatchGroup[ObsT] | None:
+        """Open the connections; None when the server does not speak batches (the first
+        connection's ``101`` did not pick the subprotocol; it is closed again).
+
+        ``resume``: ask for resumable sessions (the server grants them when its
+        ``--resume-grace`` is above 0).
+        """
+        opening = partial(
+            BatchConnection.open,
+            url,
+            msgpack=msgpack,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            max_message_bytes=max_message_bytes,
+            headers=headers,
+            token=token,
+            ssl=ssl,
+        )
+        reopening = opening
+        if resume:
+            opening = partial(opening, resume="1")
+        first = await opening()
+        if not first.accepted:
+            await first.close()
+            return None
+        count = -(-size // per_connection)
+        conns = [first]
+        try:
+            for _ in range(count - 1):  # one at a time: a few connections, no burst
+                conns.append(await opening())
+        except BaseException:
+            await asyncio.gather(*(c.close() for c in conns), return_exceptions=True)
+            raise
+        return cls(
+            conns,
+            size,
+            per_connection,
+            observation_type=observation_type,
+            state_type=state_type,
+            action_encoder=action_encoder,
+            max_retries=max_retries,
+            opening=opening,
+            reopening=reopening,
+        )
+
+    async def reopen(self, sid: str | None, token: str) -> BatchConnection:
+        """A connection resuming sessions, one of which is ``sid`` (``token``): it reaches
+        the worker that holds them. One attempt (the resume loop retries)."""
+        if self.reopening is None:
+            raise SessionClosedError(f"the batch connection was lost; {NOT_RESUMABLE}")
+        return await self.reopening(resume=sid, resume_token=token, max_retries=0)
+
+    async def replace(self, coalescer: _Coalescer) -> None:
+        """A new connection for ``coalescer``'s sessions, whose connection was lost (once,
+        however many of its sessions ask)."""
+        if coalescer.replacing is None:
+            coalescer.replacing = asyncio.ensure_future(self._replace(coalescer))
+        await asyncio.shield(coalescer.replacing)
+
+    async def _replace(self, coalescer: _Coalescer) -> None:
+        try:
+            if self.opening is None:
+                raise coalescer.conn.listener.closed or SessionClosedError(
+                    f"the batch connection was lost; {NOT_RESUMABLE}"
+                )
+            conn = await self.opening()
+            if not conn.accepted:  # the server changed under us
+                await conn.close()
+                raise SessionClosedError(
+                    f"the server at {conn.url} no longer speaks batches; open a new pool"
+                )
+            coalescer.flush()  # calls gathered for the lost connection fail with it
+            self.conns[self.coalescers.index(coalescer)] = conn
+            coalescer.wire(conn)
+            coalescer.generation += 1
+        finally:
+            coalescer.replacing = None
+
+    def flush(self) -> None:
+        """Send the calls gathered so far now (before a frame sent directly)."""
+        for c in self.coalescers:
+            c.flush()
+
+    async def close(self) -> None:
+        """Close every session (one batch frame per connection), then the connections."""
+        await asyncio.gather(
+            *(s.close() for s in self.sessions if s.connected), return_exceptions=True
+        )
+        await asyncio.gather(*(c.close() for c in self.conns), return_exceptions=True)
+
+
+__all__ = ["BatchGroup", "BatchSession"]

@@ -1,0 +1,114 @@
+"""The client's side of one connection: reply frames routed to the requests waiting
+for them, in order, and what happens when the connection is lost (see
+:class:`Listener`). :class:`~stadium._client.session.AsyncClient` owns one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable
+
+from picows import WSFrame, WSListener, WSMsgType, WSTransport
+
+from stadium._client.balance import Lease
+from stadium._errors import SessionClosedError
+
+
+class Listener(WSListener):
+    """Routes reply frames to the waiting futures, in order.
+
+    On a resumable session it also keeps each unanswered request (its number and
+    bytes) and counts the replies; when the connection is lost without the client
+    closing it, ``on_lost`` is called instead of failing the waiting requests, and
+    the listener of the resumed connection (``predecessor``) takes them over.
+    """
+
+    def __init__(self, lease: Lease | None = None, predecessor: Listener | None = None) -> None:
+        self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
+        self.early: collections.deque[bytes] = collections.deque()
+        self.closed: SessionClosedError | None = None
+        self.lease = lease  # balanced sessions: the node's slot, released on disconnect
+        self.closing = False  # the client ended the session
+        self.unanswered: collections.deque[tuple[int, bytes]] | None = None
+        self.received = 0
+        self.on_lost: Callable[[Listener], None] | None = None
+        self.hello: asyncio.Future[bytes] | None = None
+        if predecessor is not None:  # a resumed connection: the session's requests go on
+            self.waiting = predecessor.waiting
+            self.unanswered = predecessor.unanswered
+            self.received = predecessor.received
+            if lease is None:
+                self.lease = predecessor.lease
+            self.hello = asyncio.get_running_loop().create_future()
+        self.greeting = self.hello
+        self.adopted = predecessor is None
+        """Whether the session's requests are this listener's (a resumed connection's are
+        once the server said ``resumed``)."""
+
+    def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
+        mtype = frame.msg_type
+        if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            data = frame.get_payload_as_bytes()
+            hello = self.hello
+            if hello is not None:  # the first frame of a resumed connection
+                self.hello = None
+                if not hello.done():
+                    hello.set_result(data)
+                return
+            unanswered = self.unanswered
+            if unanswered is not None:
+                self.received += 1
+                if unanswered:
+                    unanswered.popleft()
+            if self.waiting:
+                fut = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(data)
+            else:
+                self.early.append(data)  # e.g. a capacity refusal before any request
+        elif mtype == WSMsgType.CLOSE:
+            code = frame.get_close_code()
+            reason = frame.get_close_message() or b""
+            self.closed = SessionClosedError(
+                f"server closed the session ({code.value}: {reason.decode(errors='replace')})",
+                close_code=code.value,
+            )
+            transport.send_close(code)
+            transport.disconnect()
+
+    def on_ws_disconnected(self, transport: WSTransport) -> None:
+        code = None if self.closed is None else self.closed.context.get("close_code")
+        hello = self.hello
+        if hello is not None and not hello.done():
+            hello.set_exception(self.closed or ConnectionResetError("connection lost"))
+            return
+        if not self.adopted:  # a resume that failed: the session's requests are not ours
+            return
+        if self.on_lost is not None and not self.closing and code in RESUMABLE_CLOSES:
+            self.on_lost(self)  # the session lives on on the server: resume it
+            return
+        if self.lease is not None:  # lost without a close frame, or the node going away
+            self.lease.release(suspect=not self.closing and code in (None, 1001, 1011, 1012))
+        err = self.closed or SessionClosedError("connection lost")
+        self.closed = err
+        while self.waiting:
+            fut = self.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+
+
+#: Close codes (None: no close frame) after which a resumable session is resumed.
+RESUMABLE_CLOSES = (None, 1006, 1012)
+
+
+def answered_before_closing(listener: WSListener | None) -> bool:
+    """Whether a session closed at once still said why (e.g. a capacity refusal and 1013:
+    the frames are kept for the first request to read)."""
+    if not isinstance(listener, Listener):
+        return False
+    closed = listener.closed
+    return bool(listener.early) or (closed is not None and "close_code" in closed.context)
+
+
+__all__ = ["RESUMABLE_CLOSES", "Listener", "answered_before_closing"]

@@ -1,0 +1,748 @@
+"""Clients: :class:`AsyncClient`, :class:`Client` (sync) and :class:`SessionPool`.
+
+One client object is one session (one WebSocket). They speak OpenEnv's wire
+protocol, so they work against OpenEnv servers too::
+
+    async with stadium.AsyncClient("http://127.0.0.1:8000") as env:
+        first = await env.reset(seed=1)
+        result = await env.step({"message": "hi"})
+
+    with stadium.Client("http://127.0.0.1:8000") as env:
+        env.reset()
+        env.step({"message": "hi"})
+
+Requests may be issued concurrently on one session: they are sent at once
+(pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
+before it did any work is retried with backoff, honouring ``retry_after_s``.
+
+Several nodes: give a list of URLs, a deployment file (``stadium slurm`` writes one)
+or a URL whose host name resolves to several addresses (a Kubernetes headless
+Service) and each session opens on the node with the most room, one hop, no proxy
+(:mod:`stadium._client.balance`)::
+
+    async with stadium.SessionPool(["http://node1:8000", "http://node2:8000"], 512) as pool:
+        ...
+
+A refused or timed-out connect, or ``CAPACITY_REACHED``, moves the opening session to
+another node; ``client.url`` is the node it landed on. A session lost mid-episode is
+not moved (its episode lived on that node): it fails as with one server.
+
+Servers started with ``--auth-token`` want ``token=`` (sent as ``Authorization:
+Bearer``; by default the ``STADIUM_AUTH_TOKEN`` environment variable). TLS
+servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
+``ssl.SSLContext`` (e.g. one trusting a self-signed certificate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import random
+import ssl as ssl_module
+import urllib.parse
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Generic, TypeVar, cast
+
+import msgspec
+from picows import (
+    WSCloseCode,
+    WSError,
+    WSHandshakeError,
+    WSMsgType,
+    WSTransport,
+    ws_connect,
+)
+
+from stadium._client.balance import (
+    Balancer,
+    Endpoint,
+    EndpointSpec,
+    Lease,
+    balancer_for,
+    is_plain,
+    is_url,
+    static_urls,
+)
+from stadium._client.replies import Listener, answered_before_closing
+from stadium._core.protocol import MSGPACK_SUBPROTOCOL
+from stadium._core.resume import (
+    ADDR_HEADER,
+    ADDR_PARAM,
+    GRACE_HEADER,
+    NODE_HEADER,
+    NODE_PARAM,
+    RECEIVED_PARAM,
+    RESUME_PARAM,
+    SESSION_HEADER,
+    TOKEN_HEADER,
+)
+from stadium._core.urls import ws_url
+from stadium._env.contract import StepResult
+from stadium._errors import (
+    CapacityError,
+    ConnectError,
+    ResumeError,
+    SessionClosedError,
+    SessionError,
+    StadiumError,
+    error_from_wire,
+)
+
+T = TypeVar("T")
+ObsT = TypeVar("ObsT")
+
+#: The environment variable a client reads its bearer token from when given none
+#: (the same one ``stadium serve`` reads).
+TOKEN_ENV = "STADIUM_AUTH_TOKEN"
+
+
+class AsyncClient(Generic[ObsT]):
+    """One session against a Stadium (or OpenEnv) server, for asyncio code.
+
+    Args:
+        url: ``http://host:port``, ``ws://host:port`` or the full ``ws://…/ws``; or
+            several nodes: a list of URLs, a deployment file's path, or a URL whose
+            host name resolves to several addresses — the session opens on the node
+            with the most free capacity (see the module docstring). After
+            :meth:`connect`, :attr:`url` is the node's session URL and
+            :attr:`endpoint` its base URL.
+        observation_type: convert observations to this type (msgspec/dataclass);
+            by default they are plain dicts.
+        state_type: likewise for ``state()``.
+        msgpack: negotiate MessagePack frames (binary observations stay compact).
+        connect_timeout: seconds for the TCP + WebSocket handshake.
+        request_timeout: seconds to wait for each reply (``None``: no limit).
+        max_retries: attempts when the server is unreachable or at capacity (with
+            several nodes: rounds over them, each trying every node once).
+        max_message_bytes: largest reply accepted.
+        headers: extra HTTP headers of the WebSocket handshake.
+        token: bearer token for a server started with ``--auth-token``, sent as
+            ``Authorization: Bearer <token>`` (unless ``headers`` has an
+            ``Authorization``); default: ``$STADIUM_AUTH_TOKEN``; ``""``: none.
+        ssl: TLS context for ``wss://`` (``https://``) URLs; default: the
+            system's trusted certificates.
+        action_encoder: turns an action into its wire value (default: dicts as
+            they are; msgspec Structs, dataclasses and pydantic models to dicts).
+        resume: ask the server for a resumable session (Stadium servers grant it;
+            others ignore the ask): when the connection is lost, the client
+            reconnects and resumes the same session, its in-flight request answered
+            once; it raises only when the server's grace period is over.
+    """
+
+    def __init__(
+        self,
+        url: EndpointSpec,
+        *,
+        observation_type: type[ObsT] | None = None,
+        state_type: Any = None,
+        msgpack: bool = False,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        max_retries: int = 8,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        headers: dict[str, str] | None = None,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        action_encoder: Callable[[Any], Any] | None = None,
+        resume: bool = True,
+    ) -> None:
+        plain = is_plain(url)
+        #: the nodes to balance over; None for one plain URL (then nothing else happens)
+        self.endpoints: EndpointSpec | None = None if plain else url
+        #: the session's URL: the node it landed on once a balanced session is open
+        self.url = ws_url(url if isinstance(url, str) and is_url(url) else static_urls(url)[0])
+        self.endpoint: str | None = None  # the base URL of a balanced session's node
+        self._given_url = self.url
+        self._balancer: Balancer | None = None
+        self._lease: Lease | None = None
+        self.ssl = ssl
+        self.action_encoder = action_encoder or _to_builtins
+        self.observation_type = observation_type
+        self.state_type = state_type
+        self.msgpack = msgpack
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.max_message_bytes = max_message_bytes
+        self.headers = dict(headers or {})
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        if token and not any(k.lower() == "authorization" for k in self.headers):
+            self.headers["Authorization"] = f"Bearer {token}"
+        if msgpack:
+            self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
+            self._encode: Callable[[Any], bytes] = msgspec.msgpack.encode
+            self._decode: Callable[[bytes], Any] = msgspec.msgpack.decode
+            self._msg_type = WSMsgType.BINARY
+        else:
+            self._encode = msgspec.json.encode
+            self._decode = msgspec.json.decode
+            self._msg_type = WSMsgType.TEXT
+        self._transport: WSTransport | None = None
+        self._listener: Listener | None = None
+        self._answered = 0
+        self.resume = resume
+        self.session_id: str | None = None
+        """The server's id of this session, when it is resumable."""
+        self.resumes = 0
+        """How many times the session was resumed after losing its connection."""
+        self._resume_token = ""
+        self._resume_node = ""
+        self._resume_addr = ""
+        self._resume_grace = 0.0
+        self._sent = 0
+        self._resuming: asyncio.Task[None] | None = None
+        self._host_headers: dict[str, str] = {}
+        self._connect_kwargs: dict[str, Any] = {}
+
+    # -- connection -------------------------------------------------------------
+
+    async def connect(self) -> AsyncClient[ObsT]:
+        """Open the WebSocket (retrying with backoff while the server is unreachable)."""
+        if self._transport is not None and not self._transport.is_disconnected:
+            return self
+        if self.endpoints is not None:
+            balancer = self._balancer
+            if balancer is None:
+                balancer = self._balancer = balancer_for(self.endpoints, ssl=self.ssl)
+            if not await balancer.direct():
+                return await self._connect_balanced(balancer)
+            self._lease = self.endpoint = None  # one node after all: the URL as given
+            self.url = self._given_url
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with asyncio.timeout(self.connect_timeout):  # picows' covers no TCP connect
+                    transport, listener = await ws_connect(
+                        partial(Listener, None, None),
+                        self._asking(self.url),
+                        ssl_context=self.ssl,
+                        websocket_handshake_timeout=self.connect_timeout,
+                        max_frame_size=self.max_message_bytes,
+                        extra_headers=self.headers or None,
+                        enable_auto_ping=False,
+                        # uvloop's own connect: ~15 % less client CPU per session than
+                        # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
+                        use_aiofastnet=False,
+                    )
+                if transport.is_disconnected and not answered_before_closing(listener):
+                    # picows returns a dead transport when the peer hangs up in the handshake
+                    raise ConnectionResetError("the server closed the connection in the handshake")
+            except ssl_module.SSLCertVerificationError as exc:  # not transient
+                raise ConnectError(
+                    f"cannot open a session at {self.url}: {exc.verify_message or exc}; for a "
+                    "private or self-signed certificate pass "
+                    "ssl=ssl.create_default_context(cafile='cert.pem')",
+                    url=self.url,
+                ) from exc
+            except (TimeoutError, OSError) as exc:
+                last = exc
+                if attempt < self.max_retries:
+                    await asyncio.sleep(_backoff(attempt))
+                continue
+            except WSHandshakeError as exc:  # an HTTP answer instead of 101: not transient
+                raise _refused(exc, self.url) from exc
+            except Exception as exc:  # other picows handshake errors
+                raise ConnectError(
+                    f"cannot open a session at {self.url}: {exc}", url=self.url
+                ) from exc
+            self._opened(transport, cast(Listener, listener), {})
+            return self
+        hint = ""
+        if isinstance(last, ConnectionResetError) and self.url.startswith("ws://"):
+            hint = " (a TLS server? use https:// or wss://)"
+        raise ConnectError(
+            f"cannot reach {self.url} after {self.max_retries + 1} attempts: {last}{hint}",
+            url=self.url,
+        ) from last
+
+    async def _connect_balanced(self, balancer: Balancer) -> AsyncClient[ObsT]:
+        """Open the session on the best node; a node that refuses, times out or hangs up
+        is marked down and the next one tried; rounds over all nodes, with backoff between
+        them, up to ``max_retries`` + 1 rounds."""
+        last: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            tried: list[Endpoint] = []
+            while (lease := await balancer.acquire(tried)) is not None:
+                ep = lease.endpoint
+                tried.append(ep)
+                headers = self.headers
+                kwargs: dict[str, Any] = {}
+                if ep.host is not None:  # an address of a DNS name: keep the name for Host/SNI
+                    headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}", **headers}
+                    if ep.url.startswith("https"):
+                        kwargs["server_hostname"] = ep.host
+                try:
+                    async with asyncio.timeout(self.connect_timeout):
+                        transport, listener = await ws_connect(
+                            partial(Listener, lease, None),
+                            self._asking(ep.ws_url),
+                            ssl_context=self.ssl,
+                            websocket_handshake_timeout=self.connect_timeout,
+                            max_frame_size=self.max_message_bytes,
+                            extra_headers=headers or None,
+                            enable_auto_ping=False,
+                            use_aiofastnet=False,
+                            **kwargs,
+                        )
+                    if transport.is_disconnected and not answered_before_closing(listener):
+                        raise ConnectionResetError(
+                            "the server closed the connection in the handshake"
+                        )
+                except ssl_module.SSLCertVerificationError as exc:  # not transient
+                    lease.release()
+                    raise ConnectError(
+                        f"cannot open a session at {ep.ws_url}: {exc.verify_message or exc}; "
+                        "for a private or self-signed certificate pass "
+                        "ssl=ssl.create_default_context(cafile='cert.pem')",
+                        url=ep.ws_url,
+                    ) from exc
+                except (TimeoutError, OSError) as exc:
+                    lease.failed(repr(exc))
+                    last = exc
+                    continue
+                except WSHandshakeError as exc:
+                    refused = _refused(exc, ep.ws_url)
+                    if refused.context.get("status", 0) < 500:  # 401, 403...: not transient
+                        lease.release()
+                        raise refused from exc
+                    lease.failed(str(refused))  # 502/503 (e.g. draining): another node
+                    last = refused
+                    continue
+                except BaseException as exc:
+                    lease.release()
+                    if not isinstance(exc, Exception):
+                        raise
+                    raise ConnectError(
+                        f"cannot open a session at {ep.ws_url}: {exc}", url=ep.ws_url
+                    ) from exc
+                self._lease, self.url, self.endpoint = lease, ep.ws_url, ep.url
+                self._opened(transport, cast(Listener, listener), kwargs)
+                if ep.host is not None:
+                    self._host_headers = {"Host": headers["Host"]}
+                return self
+            if attempt < self.max_retries:
+                await asyncio.sleep(_backoff(attempt))
+        raise ConnectError(
+            f"cannot open a session on any of {len(balancer.endpoints)} nodes after "
+            f"{self.max_retries + 1} rounds ({balancer.describe()}): {last}",
+            url=self.url,
+            endpoints=[e.url for e in balancer.endpoints],
+        ) from last
+
+    async def close(self) -> None:
+        """Send ``close`` and end the session (idempotent)."""
+        self._stop_resuming(SessionClosedError("the session was closed while resuming"))
+        transport, self._transport = self._transport, None
+        if transport is None or transport.is_disconnected:
+            return
+        if self._listener is not None:
+            self._listener.closing = True
+        try:
+            transport.send(self._msg_type, self._encode({"type": "close"}))
+            await asyncio.wait_for(transport.wait_disconnected(), 5.0)
+        except (TimeoutError, OSError):
+            transport.disconnect(graceful=False)
+
+    async def __aenter__(self) -> AsyncClient[ObsT]:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._transport is not None and not self._transport.is_disconnected
+
+    # -- requests ---------------------------------------------------------------
+
+    async def reset(
+        self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
+    ) -> StepResult[ObsT]:
+        """Start an episode; extra keyword arguments are reset options."""
+        data: dict[str, Any] = dict(options)
+        if seed is not None:
+            data["seed"] = seed
+        if episode_id is not None:
+            data["episode_id"] = episode_id
+        reply = await self._request({"type": "reset", "data": data}, retry_capacity=True)
+        return self._result(reply)
+
+    async def step(self, action: Any) -> StepResult[ObsT]:
+        """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
+        reply = await self._request({"type": "step", "data": self.action_encoder(action)})
+        return self._result(reply)
+
+    async def state(self) -> Any:
+        """The session's state (a dict, or ``state_type``)."""
+        reply = await self._request({"type": "state"})
+        data = reply.get("data", {})
+        if self.state_type is not None:
+            return msgspec.convert(data, self.state_type, strict=False)
+        return data
+
+    async def fork(self) -> AsyncClient[ObsT]:
+        """A new session starting from this one's snapshot: the same env state, episode and
+        step count, on the same server; the two go on independently (tree search, GRPO
+        groups sharing a prefix). Needs a resumable session (a Stadium server). The new
+        client is connected; close it as any other.
+        """
+        if self.session_id is None:
+            await self.connect()
+        if self.session_id is None:
+            raise SessionError(
+                "fork needs a resumable session: this server did not grant one (not a "
+                "Stadium server, or it runs with --resume-grace 0)"
+            )
+        reply = await self._request({"type": "fork"})
+        data = reply.get("data") or {}
+        child: AsyncClient[ObsT] = AsyncClient(
+            self.url,
+            observation_type=self.observation_type,
+            state_type=self.state_type,
+            msgpack=self.msgpack,
+            connect_timeout=self.connect_timeout,
+            request_timeout=self.request_timeout,
+            max_retries=self.max_retries,
+            max_message_bytes=self.max_message_bytes,
+            headers=self.headers,
+            token="",
+            ssl=self.ssl,
+            action_encoder=self.action_encoder,
+        )
+        child.session_id = str(data.get("session", ""))
+        child._resume_token = str(data.get("token", ""))
+        child._resume_node, child._resume_addr = self._resume_node, self._resume_addr
+        child._resume_grace = float(data.get("grace", self._resume_grace))
+        child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
+        child.endpoint = self.endpoint
+        detached = Listener(None, None)
+        detached.unanswered = collections.deque()
+        await child._resume_session(detached)  # attach to it as to a lost session
+        if child._transport is None:
+            raise detached.closed or SessionClosedError("the forked session could not be opened")
+        return child
+
+    async def _request(self, message: dict[str, Any], retry_capacity: bool = False) -> Any:
+        if self._resuming is not None:  # the connection was lost: wait for the resume
+            await asyncio.shield(self._resuming)
+        listener = self._listener
+        if not retry_capacity and listener is not None and not self.connected:
+            # The session this client had is gone: a silent reconnect would start a
+            # new session with no episode, so say what happened instead.
+            raise listener.closed or SessionClosedError(
+                "the session is closed; reset to start anew"
+            )
+        for attempt in range(self.max_retries + 1):
+            await self.connect()
+            try:
+                reply = await self._roundtrip(message)
+            except CapacityError as exc:
+                fresh = self._answered == 0
+                if not fresh:  # a request refused (a fork with no free slot): the session goes on
+                    self._answered += 1
+                    raise
+                lease = self._lease
+                await self._drop()
+                if not (retry_capacity and fresh) or attempt >= self.max_retries:
+                    raise
+                if lease is not None:  # balanced: that node is full, another may have room
+                    lease.refused(exc.retry_after_s)
+                    if lease.balancer.any_available():
+                        continue
+                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                continue
+            self._answered += 1
+            return reply
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _roundtrip(self, message: dict[str, Any]) -> Any:
+        transport, listener = self._transport, self._listener
+        assert transport is not None
+        assert listener is not None
+        rid = None
+        if listener.early:
+            raw = listener.early.popleft()
+        else:
+            if listener.closed is not None:
+                raise listener.closed
+            fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+            listener.waiting.append(fut)
+            unanswered = listener.unanswered
+            if unanswered is not None:  # resumable: numbered, kept until answered
+                self._sent = rid = self._sent + 1
+                payload = self._encode({**message, "id": rid})
+                unanswered.append((rid, payload))
+            else:
+                payload = self._encode(message)
+            transport.send(self._msg_type, payload)
+            try:
+                raw = await asyncio.wait_for(fut, self.request_timeout)
+            except TimeoutError:
+                # The reply may still come; a later request would then read it.
+                # Drop the session rather than desynchronise it.
+                await self._drop()
+                raise SessionClosedError(
+                    f"no reply within {self.request_timeout:g}s; the session was dropped",
+                    timeout_s=self.request_timeout,
+                ) from None
+        reply = self._decode(raw)
+        if not isinstance(reply, dict):
+            raise SessionClosedError(f"server sent a non-object frame: {reply!r}")
+        if rid is not None and reply.get("id", rid) != rid:  # never another request's reply
+            await self._drop()
+            raise SessionClosedError(
+                f"reply to request {reply.get('id')!r} arrived for request {rid}; "
+                "the session was dropped"
+            )
+        if reply.get("type") == "error":
+            raise error_from_wire(reply.get("data"))
+        return reply
+
+    async def _drop(self) -> None:
+        self._stop_resuming(SessionClosedError("the session was dropped while resuming"))
+        transport, self._transport = self._transport, None
+        if self._listener is not None:
+            self._listener.closing = True
+        if transport is not None and not transport.is_disconnected:
+            transport.send_close(WSCloseCode.OK)
+            transport.disconnect()
+
+    # -- resume (see stadium._core.resume) ---------------------------------------------
+
+    def _asking(self, url: str) -> str:
+        """The URL that opens a session: asking for a resumable one when ``resume``."""
+        return _with_query(url, {RESUME_PARAM: "1"}) if self.resume else url
+
+    def _opened(self, transport: WSTransport, listener: Listener, kwargs: dict[str, Any]) -> None:
+        """A new session is open: note whether it is resumable (the server said so)."""
+        self._transport, self._listener = transport, listener
+        self._answered = 0
+        self._connect_kwargs = kwargs
+        headers = transport.response.headers if self.resume else None
+        sid = headers.get(SESSION_HEADER) if headers is not None else None
+        self.session_id = sid
+        if sid is None or headers is None:
+            return
+        self._resume_token = headers.get(TOKEN_HEADER, "")
+        self._resume_node = headers.get(NODE_HEADER, "")
+        self._resume_addr = headers.get(ADDR_HEADER, "")
+        try:
+            self._resume_grace = float(headers.get(GRACE_HEADER, "0"))
+        except ValueError:
+            self._resume_grace = 0.0
+        self._sent = 0
+        listener.unanswered = collections.deque()
+        listener.on_lost = self._lost
+
+    def _lost(self, listener: Listener) -> None:
+        """The connection of a resumable session is gone: resume it in the background;
+        requests wait for it."""
+        if self._resuming is None:
+            self._resuming = asyncio.get_running_loop().create_task(self._resume_session(listener))
+
+    def _stop_resuming(self, err: SessionClosedError) -> None:
+        task, self._resuming = self._resuming, None
+        if task is not None and not task.done():
+            task.cancel()
+            if self._listener is not None:
+                self._fail_session(self._listener, err)
+
+    async def _resume_session(self, lost: Listener) -> None:
+        """Reconnect and resume until the server's grace period is over (then fail the
+        session's requests with :class:`ResumeError`)."""
+        try:
+            await self._resume_loop(lost)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug or an unforeseen error: never leave requests hanging
+            self._fail_session(lost, _resume_failed(self.session_id, repr(exc)))
+
+    async def _resume_loop(self, lost: Listener) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._resume_grace + 1.0
+        last: BaseException | None = None
+        attempt = 0
+        while True:
+            base, host_headers, kwargs = self.url, self._host_headers, self._connect_kwargs
+            lease = None
+            balancer = self._balancer
+            if attempt % 2 == 1 and balancer is not None:
+                # Every other attempt on another node: the session's may be gone for good, and
+                # another node sharing its store restores a durable session.
+                lease = await balancer.acquire([])
+                if lease is not None:
+                    ep = lease.endpoint
+                    base, host_headers, kwargs = ep.ws_url, {}, {}
+                    if ep.host is not None:
+                        host_headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}"}
+                        if ep.url.startswith("https"):
+                            kwargs = {"server_hostname": ep.host}
+            url = _with_query(
+                base,
+                {
+                    RESUME_PARAM: self.session_id or "",
+                    RECEIVED_PARAM: str(lost.received),
+                    NODE_PARAM: self._resume_node,
+                    ADDR_PARAM: self._resume_addr,
+                },
+            )
+            headers = {**self.headers, **host_headers, TOKEN_HEADER: self._resume_token}
+            try:
+                async with asyncio.timeout(
+                    max(0.05, min(self.connect_timeout, deadline - loop.time()))
+                ):
+                    transport, resumed = await ws_connect(
+                        partial(Listener, lease, lost),
+                        url,
+                        ssl_context=self.ssl,
+                        websocket_handshake_timeout=self.connect_timeout,
+                        max_frame_size=self.max_message_bytes,
+                        extra_headers=headers,
+                        enable_auto_ping=False,
+                        use_aiofastnet=False,
+                        **kwargs,
+                    )
+                    listener = cast(Listener, resumed)
+                    if listener is None or listener.greeting is None or transport.is_disconnected:
+                        raise ConnectionResetError("the connection closed in the handshake")
+                    hello = await listener.greeting
+            except WSHandshakeError as exc:
+                refused = _refused(exc, url)
+                if refused.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403
+                    self._fail_session(lost, _resume_failed(self.session_id, str(refused)))
+                    return
+                last = refused
+            except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
+                last = exc
+            else:
+                reply = self._decode(hello)
+                kind = reply.get("type") if isinstance(reply, dict) else None
+                if kind == "resumed":
+                    data = reply.get("data") or {}
+                    self._resume_token = str(data.get("token", ""))
+                    # A durable session restored elsewhere has a new id, node and address.
+                    self.session_id = str(data.get("session") or self.session_id)
+                    self._resume_node = str(data.get("node") or self._resume_node)
+                    self._resume_addr = str(data.get("address") or self._resume_addr)
+                    if lease is not None:  # on another node from now on
+                        if lost.lease is not None and lost.lease is not lease:
+                            lost.lease.release()
+                        self._lease, self.url, self.endpoint = lease, base, lease.endpoint.url
+                        self._host_headers, self._connect_kwargs = host_headers, kwargs
+                    requests = int(data.get("requests", 0))
+                    assert listener.unanswered is not None
+                    for index, payload in listener.unanswered:
+                        if index > requests:  # lost on the way in: send again
+                            transport.send(self._msg_type, payload)
+                    listener.on_lost = self._lost
+                    listener.adopted = True
+                    self._transport, self._listener = transport, listener
+                    self._resuming = None
+                    self.resumes += 1
+                    return
+                transport.disconnect()
+                err = error_from_wire(reply.get("data")) if kind == "error" else None
+                if not isinstance(err, ResumeError):
+                    err = _resume_failed(self.session_id, f"the server answered {reply!r:.200}")
+                if lease is None:  # the session's own node says it is gone: it is
+                    self._fail_session(lost, err)
+                    return
+                last = err  # another node does not have it: its own may still come back
+            if lease is not None and self._lease is not lease:
+                lease.release()
+            attempt += 1
+            delay = _backoff(attempt)
+            if loop.time() + delay >= deadline:
+                self._fail_session(
+                    lost,
+                    _resume_failed(
+                        self.session_id,
+                        f"no server took it back within its {self._resume_grace:g} s grace "
+                        f"period (last: {last!r})",
+                    ),
+                )
+                return
+            await asyncio.sleep(delay)
+
+    def _fail_session(self, lost: Listener, err: SessionClosedError) -> None:
+        """The session cannot be resumed: its requests fail with ``err``."""
+        self._resuming = None
+        self._transport = None
+        lost.on_lost = None
+        lost.closed = err
+        if lost.lease is not None:
+            lost.lease.release(suspect=True)
+            lost.lease = None
+        while lost.waiting:
+            fut = lost.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _result(self, reply: dict[str, Any]) -> StepResult[ObsT]:
+        data = reply.get("data") or {}
+        obs = data.get("observation", {})
+        if self.observation_type is not None:
+            obs = msgspec.convert(obs, self.observation_type, strict=False)
+        return StepResult(
+            obs,
+            data.get("reward"),
+            bool(data.get("done", False)),
+            truncated=bool(data.get("truncated", False)),
+            info=data.get("info") or data.get("metadata"),
+        )
+
+
+def _refused(exc: WSHandshakeError, url: str) -> ConnectError:
+    """A :class:`ConnectError` for an upgrade answered with an HTTP error, saying what to do."""
+    response = exc.response
+    status = int(response.status) if response is not None else 0
+    detail = ""
+    try:
+        body = msgspec.json.decode(exc.raw_body or b"{}")
+        if isinstance(body, dict):
+            detail = str(body.get("message") or body.get("detail") or "")
+    except msgspec.DecodeError:
+        detail = (exc.raw_body or b"").decode(errors="replace")[:200]
+    if status == 401:
+        hint = (
+            "the server requires a bearer token: pass token=... (or set "
+            f"{TOKEN_ENV}) with the server's --auth-token"
+        )
+    elif status == 403:
+        hint = "the server refused this client's Origin or Host header"
+    else:
+        hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
+    message = f"cannot open a session at {url}: {hint}"
+    return ConnectError(f"{message} ({detail})" if detail else message, url=url, status=status)
+
+
+def _resume_failed(sid: str | None, why: str) -> ResumeError:
+    return ResumeError(f"session {sid} could not be resumed: {why}", session=sid)
+
+
+def _with_query(url: str, params: dict[str, str]) -> str:
+    """``url`` with ``params`` set in its query (replacing any of the same names)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k not in params]
+    query.extend(params.items())
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+def _backoff(attempt: int) -> float:
+    """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
+    return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+
+
+def _to_builtins(action: Any) -> Any:
+    if isinstance(action, dict):
+        return action
+    dump = getattr(action, "model_dump", None)
+    if callable(dump):
+        return dump()
+    return msgspec.to_builtins(action)
+
+
+__all__ = ["TOKEN_ENV", "AsyncClient", "StadiumError", "ws_url"]

@@ -1,0 +1,489 @@
+"""The session protocol core: messages in, calls and reply frames out. No I/O, no clocks.
+
+Wire format (OpenEnv's, see docs/PROTOCOL.md)::
+
+    client → {"type": "reset", "data": {"seed": 1, ...}, "id": 7}
+             {"type": "step",  "data": {<action>}}
+             {"type": "state"} | {"type": "close"}
+             {"type": "mcp", "data": {<JSON-RPC request>}}    (tools: see _mcp)
+             {"type": "fork"}                                  (Stadium's: see _resume)
+    server → {"type": "observation", "data": {"observation": {...}, "reward": r, "done": d}}
+             {"type": "state", "data": {"episode_id": ..., "step_count": ..., ...}}
+             {"type": "error", "data": {"message": ..., "code": ...}}
+             {"type": "mcp", "data": {<JSON-RPC response>}}
+             {"type": "forked", "data": {"session": ..., "token": ..., ...}}
+
+``id`` is Stadium's extension: when a request carries one, the reply echoes it.
+A step may carry ``"timeout_s": 30.0`` (OpenEnv's HTTP field): its own time limit.
+
+A transport feeds each complete WebSocket message to :meth:`SessionProtocol.receive`,
+which returns either a :class:`Call` to carry out on the environment or the bytes
+of an error reply. Once the call is done the transport asks for the reply frame
+(:meth:`~SessionProtocol.observation_reply`, :meth:`~SessionProtocol.state_reply`,
+:meth:`~SessionProtocol.error_reply`). The protocol tracks the episode id and
+step count, and the session lifecycle (:class:`SessionState`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from stadium._env.codecs import enc_hook_default, validation_error
+from stadium._env.contract import StepResult
+from stadium._env.spec import EnvSpec
+from stadium._errors import (
+    InvalidMessageError,
+    SessionClosedError,
+    SessionError,
+    StadiumError,
+    UnknownTypeError,
+    describe_exception,
+)
+from stadium._errors import ValidationError as StadiumValidationError
+
+#: WebSocket subprotocol that switches a session to MessagePack frames.
+MSGPACK_SUBPROTOCOL = "stadium.msgpack"
+#: WebSocket subprotocols of a batch connection (many sessions, batch frames; ``batch``).
+BATCH_SUBPROTOCOL = "stadium.batch"
+BATCH_MSGPACK_SUBPROTOCOL = "stadium.batch.msgpack"
+#: Version of the wire protocol (OpenEnv's frames plus Stadium's extensions).
+PROTOCOL_VERSION = "1.0"
+
+RequestId = int | str | None
+
+
+class Encoding(enum.Enum):
+    """How a session's frames are encoded."""
+
+    JSON = "json"
+    MSGPACK = "msgpack"
+
+
+class Op(enum.IntEnum):
+    """The requests a client can make."""
+
+    RESET = 1
+    STEP = 2
+    STATE = 3
+    CLOSE = 4
+    MCP = 5
+    """A JSON-RPC request for the env's tools (``mcp``), in ``data``."""
+    FORK = 6
+    """A new session from this one's snapshot (Stadium's; see ``resume``)."""
+
+
+class SessionState(enum.IntEnum):
+    """Lifecycle of one session, as the protocol sees it."""
+
+    NEW = 0
+    """Admitted; no episode yet (``step`` is refused until ``reset``)."""
+    READY = 1
+    """An episode is running."""
+    CLOSED = 2
+    """``close`` was received or the session was ended; no more requests."""
+
+
+_OPS = {
+    "reset": Op.RESET,
+    "step": Op.STEP,
+    "state": Op.STATE,
+    "close": Op.CLOSE,
+    "mcp": Op.MCP,
+    "fork": Op.FORK,
+}
+
+
+#: ``timeout_s`` of a step frame: seconds, over 0 (under a billion: a finite timer).
+_TimeoutS = Annotated[float, msgspec.Meta(gt=0, lt=1e9)]
+
+
+class _Envelope(msgspec.Struct):
+    type: str = ""
+    data: msgspec.Raw = msgspec.Raw(b"")
+    id: int | str | None = None
+    timeout_s: _TimeoutS | None = None
+
+
+class BatchCall(_Envelope):
+    """One call of a batch frame (``batch``): a session's request with its ``session``
+    number; a session takes it as it takes a decoded frame (:meth:`SessionProtocol.receive`)."""
+
+    session: int = -1
+
+    def __len__(self) -> int:
+        """Its weight in a session's queue (``Session.feed`` bounds queued bytes)."""
+        return len(self.data) + 64
+
+
+class BatchFrame(msgspec.Struct):
+    """A batch frame: calls on many sessions of one connection (docs/PROTOCOL.md)."""
+
+    type: str = ""
+    id: int | str | None = None
+    calls: list[BatchCall] = msgspec.field(default_factory=list)
+    first: int | None = None
+
+
+_RESET_KEYS = frozenset({"seed", "episode_id", "options"})
+
+
+class _NoKwargs(Mapping[str, Any]):
+    """An empty, immutable, hashable mapping: a dataclass default Python 3.11 accepts
+    (it refuses an unhashable one such as ``MappingProxyType``)."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_NO_KWARGS: Mapping[str, Any] = _NoKwargs()
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    """One request the session must carry out on its environment."""
+
+    op: Op
+    id: RequestId = None
+    action: Any = None
+    seed: int | None = None
+    options: dict[str, Any] | None = None
+    episode_id: str | None = None
+    client_episode_id: bool = False
+    """Whether ``episode_id`` came from the client (else the server made it)."""
+    timeout_s: float | None = None
+    """A step's own time limit (OpenEnv's ``timeout_s``; the smaller of it and
+    ``--step-timeout`` applies)."""
+    reset_kwargs: Mapping[str, Any] = _NO_KWARGS
+    """A reset's keyword arguments for ``env.reset``: ``seed``, ``options`` and, when
+    the client chose it and the env's ``reset`` accepts it, ``episode_id``."""
+
+
+def reset_call(
+    rid: RequestId,
+    data: Any,
+    new_episode_id: Callable[[], str],
+    *,
+    takes_episode_id: bool,
+    where: str = "$.data",
+) -> Call:
+    """The :class:`Call` of a reset whose arguments are ``data`` (decoded JSON/MessagePack).
+
+    The one reading of reset arguments, for WebSocket and HTTP alike: ``seed``
+    (an integer or null), ``episode_id`` (a string) and ``options`` (an object);
+    any other key is an option too, merged under the explicit ``options`` (which
+    win on a clash), so ``{"seed": 1, "level": 2}`` and ``{"seed": 1, "options":
+    {"level": 2}}`` mean the same. ``where`` is the JSON path of ``data`` in the
+    request, for error messages; ``takes_episode_id`` says whether the env's
+    ``reset`` accepts ``episode_id`` (OpenEnv's signature filtering).
+
+    Raises:
+        ValidationError: naming the offending field.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise StadiumValidationError(
+            'reset data must be an object such as {"seed": 1}', field=where
+        )
+    seed = data.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise StadiumValidationError(
+            f"seed must be an integer or null, got {seed!r}", field=f"{where}.seed"
+        )
+    episode_id = data.get("episode_id")
+    if episode_id is not None and not isinstance(episode_id, str):
+        raise StadiumValidationError(
+            f"episode_id must be a string, got {episode_id!r}", field=f"{where}.episode_id"
+        )
+    options = data.get("options")
+    if options is not None and not isinstance(options, dict):
+        raise StadiumValidationError(
+            f"options must be an object, got {options!r}", field=f"{where}.options"
+        )
+    extra = {k: v for k, v in data.items() if k not in _RESET_KEYS}
+    if extra:
+        options = {**extra, **(options or {})}
+    kwargs: dict[str, Any] = {"seed": seed, "options": options}
+    if episode_id and takes_episode_id:
+        kwargs["episode_id"] = episode_id
+    return Call(
+        Op.RESET,
+        rid,
+        seed=seed,
+        options=options,
+        episode_id=episode_id or new_episode_id(),
+        client_episode_id=bool(episode_id),
+        reset_kwargs=kwargs,
+    )
+
+
+class SessionProtocol:
+    """The protocol state of one session (one WebSocket connection).
+
+    Args:
+        spec: the environment's compiled spec (decoders, encoders).
+        encoding: JSON (OpenEnv's) or MessagePack (negotiated subprotocol).
+        new_episode_id: makes an episode id when ``reset`` does not bring one.
+    """
+
+    __slots__ = (
+        "_action_decoder",
+        "_encode",
+        "_envelope_decoder",
+        "_info_prefix",
+        "_new_episode_id",
+        "_raw_decode",
+        "encoding",
+        "episode_id",
+        "last_error",
+        "spec",
+        "state",
+        "step_count",
+    )
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        encoding: Encoding,
+        new_episode_id: Callable[[], str],
+    ) -> None:
+        self.spec = spec
+        self.encoding = encoding
+        self.state = SessionState.NEW
+        self.episode_id: str | None = None
+        self.step_count = 0
+        self.last_error: str | None = None
+        """Code of the last error reply made (for counters)."""
+        self._new_episode_id = new_episode_id
+        self._info_prefix = b',"' + spec.info_key.encode() + b'":'
+        if encoding is Encoding.JSON:
+            self._envelope_decoder: Any = _JSON_ENVELOPE
+            self._action_decoder: Any = spec.action.json_decoder
+            self._raw_decode: Callable[[Any], Any] = msgspec.json.decode
+            self._encode: Callable[[Any], bytes] = spec.json_encoder.encode
+        else:
+            self._envelope_decoder = _MSGPACK_ENVELOPE
+            self._action_decoder = spec.action.msgpack_decoder
+            self._raw_decode = msgspec.msgpack.decode
+            self._encode = spec.msgpack_encoder.encode
+
+    # -- input ---------------------------------------------------------------
+
+    def receive(self, message: bytes | str | BatchCall) -> Call | bytes:
+        """Decode one message: a :class:`Call` to carry out, or an error reply's bytes.
+
+        Never raises for what the peer sent: any message that cannot be read
+        (bad encoding, invalid UTF-8, nesting deeper than the decoder allows,
+        numbers out of range, values a validator rejects) gets an error reply
+        that says what was wrong, echoing the request id when it could be read,
+        and the session stays usable.
+        """
+        if self.state is SessionState.CLOSED:
+            return self.error_reply(None, SessionClosedError("the session is closed"))
+        if message.__class__ is BatchCall:  # decoded already, with its batch frame
+            envelope: _Envelope = message
+        else:
+            try:
+                envelope = self._envelope_decoder.decode(message)
+            except msgspec.ValidationError as exc:
+                return self.error_reply(None, self._envelope_error(exc))
+            except Exception as exc:
+                return self.error_reply(None, self._unreadable(exc))
+        op = _OPS.get(envelope.type)
+        rid = envelope.id
+        if op is None:
+            return self.error_reply(
+                rid,
+                UnknownTypeError(
+                    f"Unknown message type: {envelope.type!r}; expected one of "
+                    "reset, step, state, close, mcp, fork",
+                    type=envelope.type,
+                ),
+            )
+        try:
+            if op is Op.STEP:
+                if self.state is not SessionState.READY:
+                    raise SessionError("no episode is running: send reset before step")
+                return Call(
+                    op, rid, action=self._decode_action(envelope.data), timeout_s=envelope.timeout_s
+                )
+            if op is Op.RESET:
+                raw = envelope.data
+                return reset_call(
+                    rid,
+                    self._raw_decode(raw) if raw else None,
+                    self._new_episode_id,
+                    takes_episode_id=self.spec.reset_takes_episode_id,
+                )
+            if op is Op.CLOSE:
+                self.state = SessionState.CLOSED
+            elif op is Op.MCP:  # the JSON-RPC request, decoded; _mcp validates it
+                raw = envelope.data
+                return Call(op, rid, action=self._raw_decode(raw) if raw else None)
+            return Call(op, rid)
+        except StadiumError as exc:
+            return self.error_reply(rid, exc)
+        except msgspec.ValidationError as exc:  # e.g. a number out of range in reset data
+            return self.error_reply(rid, validation_error(exc, f"{envelope.type} data"))
+        except Exception as exc:
+            return self.error_reply(rid, self._unreadable(exc))
+
+    def request_id(self, message: bytes | str | BatchCall) -> RequestId:
+        """The ``id`` of a request not carried out (e.g. refused by a rate limit), if readable."""
+        if message.__class__ is BatchCall:
+            return message.id
+        try:
+            rid: RequestId = self._envelope_decoder.decode(message).id
+        except Exception:
+            return None
+        return rid
+
+    def _unreadable(self, exc: Exception) -> StadiumError:
+        """The error for a message the decoders (or a validator) could not read."""
+        kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
+        if isinstance(exc, RecursionError):
+            detail = "values are nested more deeply than the decoder allows"
+        elif isinstance(exc, UnicodeDecodeError):
+            detail = f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        elif isinstance(exc, msgspec.DecodeError):
+            detail = str(exc)
+        else:
+            detail = describe_exception(exc)  # e.g. a validator that raised: no server paths
+        return InvalidMessageError(f"Invalid {kind}: {detail}", encoding=self.encoding.value)
+
+    def _envelope_error(self, exc: msgspec.ValidationError) -> StadiumError:
+        text = str(exc)
+        if text.endswith("`$.type`"):
+            return UnknownTypeError(f"Invalid message type: {text}", field="$.type")
+        if text.endswith("`$.id`"):
+            return validation_error(exc, "request id")
+        if text.endswith("`$.timeout_s`"):
+            return validation_error(exc, "timeout_s")
+        return InvalidMessageError(f"Invalid message: a frame must be an object ({text})")
+
+    def step_call(self, envelope: BatchCall) -> Call | None:
+        """The step :class:`Call` of a batch's call, the short way (``batch``): ``None``
+        unless an episode runs and the call is a plain step with a valid action (then
+        :meth:`receive` answers it, errors included)."""
+        if self.state is not SessionState.READY or envelope.type != "step":
+            return None
+        if envelope.timeout_s is not None or not envelope.data:
+            return None
+        try:
+            return Call(Op.STEP, envelope.id, self._action_decoder.decode(envelope.data))
+        except Exception:
+            return None
+
+    def _decode_action(self, raw: msgspec.Raw) -> Any:
+        if not raw:
+            raise StadiumValidationError(
+                'step needs an action in "data"; see GET /schema for its shape', field="$.data"
+            )
+        try:
+            return self._action_decoder.decode(raw)
+        except msgspec.ValidationError as exc:
+            raise validation_error(exc, "action") from None
+
+    # -- output --------------------------------------------------------------
+
+    def observation_reply(self, call: Call, result: Any) -> bytes:
+        """The reply to a successful reset or step; advances the episode counters."""
+        if call.op is Op.RESET:
+            self.state = SessionState.READY
+            self.episode_id = call.episode_id
+            self.step_count = 0
+        else:
+            self.step_count += 1
+        if isinstance(result, StepResult):
+            obs, reward, done = result.observation, result.reward, result.done
+            truncated, info = result.truncated, result.info
+        else:
+            obs, reward, done, truncated, info = result, None, False, False, None
+        if self.encoding is Encoding.JSON:
+            enc = self._encode
+            parts = [
+                b'{"type":"observation","data":{"observation":',
+                enc(obs),
+                b',"reward":',
+                enc(reward),
+                b',"done":true' if done else b',"done":false',
+            ]
+            if truncated:
+                parts.append(b',"truncated":true')
+            if info:
+                parts.append(self._info_prefix)
+                parts.append(enc(info))
+            parts.append(b"}")
+            if call.id is not None:
+                parts.append(b',"id":')
+                parts.append(enc(call.id))
+            parts.append(b"}")
+            return b"".join(parts)
+        data: dict[str, Any] = {"observation": obs, "reward": reward, "done": done}
+        if truncated:
+            data["truncated"] = True
+        if info:
+            data[self.spec.info_key] = info
+        return self._frame("observation", data, call.id)
+
+    def state_reply(self, call: Call, state: Any) -> bytes:
+        """The reply to ``state``: the env's state with episode id and step count filled in."""
+        data = msgspec.to_builtins(state, enc_hook=enc_hook_default)
+        if not isinstance(data, dict):
+            data = {"value": data}
+        if data.get("episode_id") is None:
+            data["episode_id"] = self.episode_id
+        if not data.get("step_count"):
+            data["step_count"] = self.step_count
+        return self._frame("state", data, call.id)
+
+    def mcp_reply(self, call: Call, response: Any) -> bytes:
+        """The reply to an ``mcp`` request: ``{"type": "mcp", "data": <JSON-RPC response>}``."""
+        return self._frame("mcp", response, call.id)
+
+    def forked_reply(self, call: Call, data: dict[str, Any]) -> bytes:
+        """The reply to ``fork``: the new session's id and resume token (``resume``)."""
+        return self._frame("forked", data, call.id)
+
+    def closed_reply(self, code: int, reason: str) -> bytes:
+        """A batch's result for a call on a session that is closed (``batch``)."""
+        return self._frame("closed", {"code": code, "reason": reason}, None)
+
+    def resumed_reply(self, data: dict[str, Any]) -> bytes:
+        """The first frame on a resumed session's new connection (``resume``)."""
+        return self._frame("resumed", data, None)
+
+    def error_reply(self, rid: RequestId | Call, error: StadiumError) -> bytes:
+        """An error frame carrying ``error``'s code, message and context."""
+        if isinstance(rid, Call):
+            rid = rid.id
+        self.last_error = str(error.code)
+        return self._frame("error", error.to_wire(), rid)
+
+    def close(self) -> None:
+        """Mark the session closed (the connection is gone or the server ended it)."""
+        self.state = SessionState.CLOSED
+
+    def _frame(self, kind: str, data: Any, rid: RequestId) -> bytes:
+        frame: dict[str, Any] = {"type": kind, "data": data}
+        if rid is not None:
+            frame["id"] = rid
+        return self._encode(frame)
+
+
+_JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)
+_MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)

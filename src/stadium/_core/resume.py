@@ -1,0 +1,248 @@
+"""Session resume: the wire extension's names, ids and tokens, and the replay channel.
+
+No I/O, no clocks. A client opts in when it opens a session (plain OpenEnv clients
+never do, so nothing changes for them)::
+
+    GET /ws?stadium_resume=1                          (a new, resumable session)
+    ← 101 + X-Stadium-Session: <id>
+            X-Stadium-Resume-Token: <secret>
+            X-Stadium-Node: <the node's name, as /health reports it>
+            X-Stadium-Address: <host:port the connection reached>
+            X-Stadium-Resume-Grace: <seconds>
+
+After losing the connection, it resumes on a new one::
+
+    GET /ws?stadium_resume=<id>&stadium_received=<replies it got>
+           &stadium_node=<node>&stadium_addr=<host:port>
+        X-Stadium-Resume-Token: <secret>
+    ← 101, then {"type": "resumed", "data": {"session": <id>, "token": <new secret>,
+                 "requests": <requests the server got>, "replayed": <k>}}
+      then the k replies the client missed, in order, then the session goes on.
+
+The client resends the requests numbered above ``requests`` (lost on the way in);
+a request the server got is never run twice and its reply is delivered once, after
+the resume. Routers send a resume to the node that holds the session by
+``stadium_node`` (a Kubernetes route, by pod name) or ``stadium_addr`` (HAProxy,
+by server address). Tokens rotate on every resume (an old one is refused), travel in a
+header (never in a URL a proxy logs), and are compared in constant time.
+
+The session id starts with the worker's pid in hex, so a worker that receives a
+resume for another worker's session hands the connection to it
+(:mod:`stadium._server.transports.handoff`).
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import secrets
+import urllib.parse
+from collections.abc import Callable
+from typing import Protocol
+
+from stadium._errors import ResumeError
+
+RESUME_PARAM = "stadium_resume"
+"""Query parameter: ``1`` asks for a resumable session; a session id resumes it."""
+RECEIVED_PARAM = "stadium_received"
+"""Query parameter of a resume: how many replies the client got on the session."""
+NODE_PARAM = "stadium_node"
+"""Query parameter of a resume: the name of the node holding the session (routers route on it)."""
+ADDR_PARAM = "stadium_addr"
+"""Query parameter of a resume: the ``host:port`` of the node holding the session."""
+TOKEN_HEADER = "X-Stadium-Resume-Token"
+"""Header: the resume token (in the 101 of a new session, and in a resume request)."""
+SESSION_HEADER = "X-Stadium-Session"
+NODE_HEADER = "X-Stadium-Node"
+ADDR_HEADER = "X-Stadium-Address"
+GRACE_HEADER = "X-Stadium-Resume-Grace"
+
+#: Replies a resumable session keeps after sending them, to replay to a client that
+#: lost them with the connection (a client that pipelines more than this may not resume).
+REPLAY_FRAMES = 8
+
+_MAX_ID = 64
+
+
+class Target(Protocol):
+    """The transport's side of a channel."""
+
+    def send(self, data: bytes) -> None: ...
+
+    def close(self, code: int, reason: str) -> None: ...
+
+
+class _Nowhere:
+    """The target of a session no connection holds yet (a fork before its client comes)."""
+
+    def send(self, data: bytes) -> None:
+        pass
+
+    def close(self, code: int, reason: str) -> None:
+        pass
+
+
+NOWHERE: Target = _Nowhere()
+
+
+class ResumeAsk:
+    """What a ``/ws`` request asked for: a new resumable session (``sid`` None) or a
+    resume of session ``sid`` with ``token``, the client having got ``received`` replies;
+    ``batched``: a ``resume`` call of a batch (``batch``)."""
+
+    __slots__ = ("batched", "received", "sid", "token")
+
+    def __init__(
+        self, sid: str | None, token: str = "", received: int = 0, *, batched: bool = False
+    ) -> None:
+        self.sid = sid
+        self.token = token
+        self.received = received
+        self.batched = batched
+
+
+def resume_ask(query: str, token: str | None) -> ResumeAsk | str | None:
+    """Read a ``/ws`` query string: ``None`` when it asks nothing of resume, a
+    :class:`ResumeAsk`, or a sentence saying what is wrong with the request."""
+    if RESUME_PARAM not in query:
+        return None
+    params = urllib.parse.parse_qs(query)
+    value = (params.get(RESUME_PARAM) or [""])[0]
+    if value in ("1", "true", "new"):
+        return ResumeAsk(None)
+    if not value or len(value) > _MAX_ID or owner_pid(value) is None:
+        return f"{RESUME_PARAM}={value!r} is not a session id (use 1 to open a resumable session)"
+    if not token:
+        return f"resuming session {value} needs its token in the {TOKEN_HEADER} header"
+    received = (params.get(RECEIVED_PARAM) or ["0"])[0]
+    if not received.isdigit():
+        return f"{RECEIVED_PARAM} must be a count of replies, got {received!r}"
+    return ResumeAsk(value, token, int(received))
+
+
+def new_session_id(pid: int) -> str:
+    """A session id: the worker's pid (hex), then 64 random bits."""
+    return f"{pid:x}-{secrets.token_hex(8)}"
+
+
+def owner_pid(sid: str) -> int | None:
+    """The pid of the worker that opened session ``sid``; ``None`` if ``sid`` is malformed."""
+    head, sep, tail = sid.partition("-")
+    if not sep or not tail or not tail.isalnum() or not head.isalnum():
+        return None
+    try:
+        return int(head, 16)
+    except ValueError:
+        return None
+
+
+def resume_target_sid(request_line: bytes) -> str | None:
+    """The id of the session a raw request line (``GET /ws?... HTTP/1.1``) resumes, if any."""
+    target = request_line.split(b" ", 2)[1] if request_line.count(b" ") >= 2 else b""
+    query = target.partition(b"?")[2].decode("latin-1")
+    value = (urllib.parse.parse_qs(query).get(RESUME_PARAM) or [""])[0]
+    return value if owner_pid(value) is not None else None
+
+
+def unknown_session(sid: str | None) -> ResumeError:
+    """One answer for an unknown session and a wrong token (no oracle for guessing)."""
+    return ResumeError(
+        f"session {sid} cannot be resumed: no session with that id and token is held "
+        "here (it was closed, its grace period passed, or its server restarted); open a "
+        "new session",
+        session=sid,
+    )
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(24)
+
+
+def token_matches(expected: str, given: str) -> bool:
+    """Constant-time comparison of resume tokens."""
+    return hmac.compare_digest(expected.encode(), given.encode())
+
+
+class ResumeChannel:
+    """The channel of a resumable session, between it and the transport.
+
+    While attached it forwards every reply and keeps the last :data:`REPLAY_FRAMES`;
+    while detached (the connection lost) it holds the replies. :meth:`attach` binds
+    a new connection and says which replies the client missed.
+    """
+
+    __slots__ = ("after_held", "count", "held", "persist", "recent", "target")
+
+    def __init__(self, target: Target) -> None:
+        self.target: Target | None = target
+        self.persist: Callable[[bytes | None], None] | None = None
+        """A durable session's writer (``durable``), called with each reply before it is
+        sent (``count`` already includes it)."""
+        self.after_held: Callable[[], None] | None = None
+        """Called once, after the next reply held (a batch's resume waiting for it)."""
+        self.recent: collections.deque[bytes] = collections.deque(maxlen=REPLAY_FRAMES)
+        self.held: list[bytes] = []
+        self.count = 0
+        """Replies made on the session, from its start."""
+
+    def send(self, data: bytes) -> None:
+        self.count += 1
+        if self.persist is not None:
+            self.persist(data)
+        target = self.target
+        if target is None:
+            self.held.append(data)
+            if self.after_held is not None:
+                after, self.after_held = self.after_held, None
+                after()
+            return
+        self.recent.append(data)
+        target.send(data)
+
+    def close(self, code: int, reason: str) -> None:
+        if self.target is not None:
+            self.target.close(code, reason)
+
+    def detach(self) -> None:
+        self.target = None
+
+    def replay(self, received: int) -> list[bytes] | None:
+        """The replies a client that got ``received`` of them missed, oldest first;
+        ``None`` when it claims more than were sent or missed more than are kept."""
+        missing = self.count - received
+        kept = len(self.recent) + len(self.held)
+        if missing < 0 or missing > kept:
+            return None
+        if not missing:
+            return []
+        return [*self.recent, *self.held][kept - missing :]
+
+    def attach(self, target: Target) -> None:
+        """Bind a new connection (after :meth:`replay`); held replies become recent."""
+        self.recent.extend(self.held)
+        self.held.clear()
+        self.target = target
+
+
+__all__ = [
+    "ADDR_HEADER",
+    "ADDR_PARAM",
+    "GRACE_HEADER",
+    "NODE_HEADER",
+    "NODE_PARAM",
+    "NOWHERE",
+    "RECEIVED_PARAM",
+    "REPLAY_FRAMES",
+    "RESUME_PARAM",
+    "SESSION_HEADER",
+    "TOKEN_HEADER",
+    "ResumeAsk",
+    "ResumeChannel",
+    "new_session_id",
+    "new_token",
+    "owner_pid",
+    "resume_ask",
+    "resume_target_sid",
+    "token_matches",
+    "unknown_session",
+]

@@ -1,0 +1,392 @@
+"""Server configuration: one validated dataclass, fed by options, env vars or code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from stadium._errors import ConfigError
+
+DEFAULT_MAX_SESSIONS = 8192
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything ``stadium serve`` can be told.
+
+    Attributes:
+        target: built-in env name, ``package.module:Class`` or ``file.py:Class``.
+        host, port: where to listen (port 0 picks a free port).
+        workers: processes sharing the listening socket.
+        max_sessions: concurrent sessions for the whole server, across workers.
+        admission_timeout: seconds a new session waits for a free slot before
+            ``CAPACITY_REACHED``.
+        idle_timeout: seconds without a request before a session is closed (0: never).
+        max_message_bytes: largest accepted WebSocket message.
+        drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
+        resume_grace: seconds a resumable session (one a Stadium client opened) keeps
+            its env and slot after losing its connection, for the client to resume it
+            (0: no session is resumable).
+        ping_interval, ping_timeout: keepalive pings that detect half-open peers (0: off).
+        executor_threads: size of the shared pool for blocking sync environments.
+        restart_max_delay: with several workers, the longest wait before a worker
+            that keeps crashing is restarted (the wait doubles from 0.05 s with
+            each quick crash of that worker).
+        step_timeout: seconds an env call that waits (create, reset, step; over
+            HTTP also ``GET /state``) may run before its request is answered
+            ``TIMEOUT`` and its session closed (1011) (0: no limit). OpenEnv's
+            per-request ``timeout_s`` may shorten it, never lengthen it. Calls
+            that never yield the event loop are the watchdog's (``stall_limit``).
+        stall_limit: seconds a worker's event loop may be stuck (an env that
+            never yields) before the worker is ended and replaced, its sessions
+            lost (exit code 75; one worker: for a process manager to restart);
+            stalls over a second are logged with the loop's stack (0: off).
+        max_worker_memory: MiB of resident memory after which a worker stops
+            taking sessions, drains and is replaced (0: no cap; sampled every
+            second; ignored, with an error, when a worker starts above it).
+        header_timeout: seconds a new connection has to send its request line and
+            headers (HTTP and the WebSocket upgrade).
+        body_timeout: seconds an HTTP request has to send its body once its
+            headers are in.
+        keepalive_timeout: seconds an HTTP keep-alive connection may sit idle
+            between requests.
+        auth_token: a bearer token every WebSocket upgrade and HTTP request must
+            carry (``Authorization: Bearer ...``); ``None``: no authentication.
+            Never shown in logs or ``repr``.
+        allowed_origins: browser origins allowed to open WebSocket sessions
+            (exact ``scheme://host[:port]`` or ``*``); same-host origins are always
+            allowed, requests without ``Origin`` (non-browser clients) too. Their
+            hosts are also accepted as ``Host`` on loopback connections, which
+            otherwise only accept ``localhost`` and IP literals (DNS rebinding);
+            ``*`` turns both checks off. See :mod:`stadium._core.access`.
+        max_sessions_per_client: concurrent sessions one client address may hold
+            (0: no per-client limit).
+        rate_limit: requests per second one client address may send, on average,
+            with bursts of ``rate_burst`` (0: no limit).
+        rate_burst: requests a client may send at once above ``rate_limit``.
+        tls_cert, tls_key: PEM files; with both, the server speaks TLS (wss://, https://).
+        debug_errors: error replies carry exceptions' full text (else absolute
+            paths are cut to their last part), and every exception an env raises
+            is logged at ERROR with its traceback (else at most one WARNING per
+            10 s); may reveal server paths: for debugging only.
+        durable: write each resumable session's env snapshot and counters to
+            ``session_store`` before each reply, so that a session whose worker or
+            node died is restored when its client resumes (``durable``).
+        session_store: where durable sessions are written: a directory (``dir:/path``
+            or a path; shared between nodes on a cluster). Default: a directory in
+            the system's temporary directory, for this user.
+    """
+
+    target: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+    admission_timeout: float = 5.0
+    idle_timeout: float = 300.0
+    max_message_bytes: int = 10 * 1024 * 1024
+    drain_timeout: float = 30.0
+    resume_grace: float = 60.0
+    ping_interval: float = 20.0
+    ping_timeout: float = 20.0
+    executor_threads: int = min(32, (os.cpu_count() or 1) + 4)
+    restart_max_delay: float = 30.0
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    log_level: str = "info"
+    log_format: str = "text"
+    """``text`` or ``json`` (one JSON object per line; ``server._setup_logging``)."""
+    # Envs that misbehave.
+    step_timeout: float = 0.0
+    stall_limit: float = 60.0
+    max_worker_memory: int = 0
+    # Sockets.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 15.0
+    # Access control.
+    auth_token: str | None = dataclasses.field(default=None, repr=False)
+    allowed_origins: tuple[str, ...] = ()
+    max_sessions_per_client: int = 0
+    rate_limit: float = 0.0
+    rate_burst: int = 100
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    debug_errors: bool = False
+    durable: bool = False
+    session_store: str = ""
+    """``""``: :func:`default_session_store`, looked up only with ``durable``."""
+
+    def __post_init__(self) -> None:
+        _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
+        _check(1 <= self.workers <= 256, "--workers must be 1..256", workers=self.workers)
+        _check(self.max_sessions >= 1, "--max-sessions must be at least 1", value=self.max_sessions)
+        _check(self.admission_timeout >= 0, "--admission-timeout must be >= 0")
+        _check(self.idle_timeout >= 0, "--idle-timeout must be >= 0 (0 disables it)")
+        _check(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        _check(
+            0 <= self.resume_grace <= 86400,
+            "--resume-grace must be between 0 (no resume) and 86400 seconds",
+            value=self.resume_grace,
+        )
+        _check(
+            not (self.durable and self.resume_grace == 0),
+            "--durable needs resumable sessions: give --resume-grace above 0",
+        )
+        _check(self.ping_interval >= 0 and self.ping_timeout >= 0, "ping settings must be >= 0")
+        _check(
+            1024 <= self.max_message_bytes <= 1 << 30,
+            "--max-message-bytes must be between 1024 and 1 GiB",
+            value=self.max_message_bytes,
+        )
+        _check(1 <= self.executor_threads <= 1024, "--executor-threads must be 1..1024")
+        _check(
+            0.05 <= self.restart_max_delay <= 3600,
+            "--restart-max-delay must be between 0.05 and 3600 seconds",
+            value=self.restart_max_delay,
+        )
+        _check(
+            self.log_level in ("debug", "info", "warning", "error"),
+            "--log-level must be debug, info, warning or error",
+        )
+        _check(self.log_format in ("text", "json"), "--log-format must be text or json")
+        _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
+        _check(
+            self.stall_limit == 0 or self.stall_limit >= 1,
+            "--stall-limit must be 0 (off) or at least 1 second",
+            value=self.stall_limit,
+        )
+        _check(
+            self.max_worker_memory == 0 or self.max_worker_memory >= 32,
+            "--max-worker-memory must be 0 (off) or at least 32 MiB",
+            value=self.max_worker_memory,
+        )
+        for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
+            _check(
+                getattr(self, name) > 0,
+                f"--{name.replace('_', '-')} must be > 0",
+                value=getattr(self, name),
+            )
+        _check(
+            self.auth_token is None or len(self.auth_token) >= 16,
+            "the auth token must be at least 16 characters (try: "
+            "python -c 'import secrets; print(secrets.token_urlsafe())')",
+        )
+        _check(
+            self.auth_token is None
+            or (self.auth_token.isprintable() and " " not in self.auth_token),
+            "the auth token must be printable, without spaces",
+        )
+        for origin in self.allowed_origins:
+            _check(
+                origin == "*" or ("://" in origin and not origin.endswith("/")),
+                "--allow-origin takes 'scheme://host[:port]' (no path, no trailing /) or '*'",
+                value=origin,
+            )
+        _check(self.max_sessions_per_client >= 0, "--max-sessions-per-client must be >= 0")
+        _check(self.rate_limit >= 0, "--rate-limit must be >= 0 (0 disables it)")
+        _check(self.rate_burst >= 1, "--rate-burst must be at least 1")
+        _check(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "--tls-cert and --tls-key go together: give both or neither",
+        )
+        for path in (self.tls_cert, self.tls_key):
+            _check(
+                path is None or os.path.isfile(path),
+                "TLS file not found",
+                path=path,
+            )
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ServerConfig:
+        """Build from click options (``None`` means: use the default)."""
+        raw = options.pop("env_kwargs", None)
+        kwargs = {k: v for k, v in options.items() if v is not None}
+        if raw:
+            try:
+                env_kwargs = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--env-kwargs is not valid JSON: {exc}") from None
+            if not isinstance(env_kwargs, dict):
+                raise ConfigError("--env-kwargs must be a JSON object, e.g. '{\"size\": 4}'")
+            kwargs["env_kwargs"] = env_kwargs
+        token_file = kwargs.pop("auth_token_file", None)
+        if token_file is not None:
+            if "auth_token" in kwargs:
+                raise ConfigError("give --auth-token or --auth-token-file, not both")
+            kwargs["auth_token"] = read_token_file(token_file)
+        if "allowed_origins" in kwargs:
+            kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
+        return cls(**kwargs)
+
+
+def default_session_store() -> str:
+    """``--session-store``'s default: a directory of this user's in the temporary directory.
+
+    Raises:
+        ConfigError: there is no usable temporary directory (e.g. a read-only root).
+    """
+    try:
+        tmp = tempfile.gettempdir()
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"--durable: no writable temporary directory for the session store ({exc}); "
+            "give --session-store DIR"
+        ) from None
+    return os.path.join(tmp, f"stadium-sessions-{os.getuid()}")
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (its first line, stripped); ConfigError if unreadable or empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.readline().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read --auth-token-file: {exc.strerror}", path=path) from None
+    if not token:
+        raise ConfigError("--auth-token-file is empty", path=path)
+    return token
+
+
+def _check(ok: bool, message: str, **context: Any) -> None:
+    if not ok:
+        raise ConfigError(message, **context)
+
+
+def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of ``stadium serve`` (env vars as OpenEnv deployments name them)."""
+    options = [
+        click.option("--host", envvar="HOST", help="Address to bind [env HOST; 127.0.0.1]."),
+        click.option("--port", type=int, envvar="PORT", help="Port; 0 picks one [env PORT; 8000]."),
+        click.option(
+            "--workers", type=int, envvar="WORKERS", help="Worker processes [env WORKERS; 1]."
+        ),
+        click.option(
+            "--max-sessions",
+            type=int,
+            envvar="MAX_CONCURRENT_ENVS",
+            help=f"Concurrent sessions, server-wide [env MAX_CONCURRENT_ENVS; "
+            f"{DEFAULT_MAX_SESSIONS}].",
+        ),
+        click.option(
+            "--admission-timeout", type=float, help="Seconds to wait for a free slot [5]."
+        ),
+        click.option(
+            "--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."
+        ),
+        click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
+        click.option(
+            "--drain-timeout", type=float, help="Seconds to finish in-flight work on SIGTERM [30]."
+        ),
+        click.option(
+            "--resume-grace",
+            type=float,
+            help="Seconds a lost session waits for its client to resume it; 0 off [60].",
+        ),
+        click.option(
+            "--ping-interval", type=float, help="Keepalive ping when idle this long; 0 off [20]."
+        ),
+        click.option(
+            "--ping-timeout", type=float, help="Drop a peer that does not pong in time [20]."
+        ),
+        click.option(
+            "--executor-threads", type=int, help="Threads for blocking sync envs [cpus+4]."
+        ),
+        click.option(
+            "--restart-max-delay",
+            type=float,
+            help="Longest wait before restarting a worker that keeps crashing [30].",
+        ),
+        click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
+        click.option(
+            "--log-level",
+            type=click.Choice(["debug", "info", "warning", "error"]),
+            help="Logging level [info].",
+        ),
+        click.option(
+            "--log-format",
+            type=click.Choice(["text", "json"]),
+            help="Log lines as text, or as one JSON object per line (time, level, logger, "
+            "message, pid, session) [text].",
+        ),
+        click.option(
+            "--step-timeout",
+            type=float,
+            help="Seconds an env call may run before it is answered TIMEOUT and its "
+            "session closed; 0 off [0].",
+        ),
+        click.option(
+            "--stall-limit",
+            type=float,
+            help="Replace a worker whose event loop is stuck this long (its sessions are "
+            "lost); 0 off [60].",
+        ),
+        click.option(
+            "--max-worker-memory",
+            type=int,
+            help="MiB of RSS after which a worker drains and is replaced; 0 off [0].",
+        ),
+        click.option("--header-timeout", type=float, help="Seconds to send request headers [10]."),
+        click.option("--body-timeout", type=float, help="Seconds to send a request body [30]."),
+        click.option(
+            "--keepalive-timeout",
+            type=float,
+            help="Seconds an idle HTTP keep-alive connection is kept [15].",
+        ),
+        click.option(
+            "--auth-token",
+            envvar="STADIUM_AUTH_TOKEN",
+            help="Bearer token clients must send [env STADIUM_AUTH_TOKEN; none].",
+        ),
+        click.option(
+            "--auth-token-file",
+            type=click.Path(dir_okay=False),
+            help="Read the bearer token from this file's first line.",
+        ),
+        click.option(
+            "--allow-origin",
+            "allowed_origins",
+            multiple=True,
+            help="Browser Origin allowed to open sessions (repeatable; '*' any) [same host].",
+        ),
+        click.option(
+            "--max-sessions-per-client",
+            type=int,
+            help="Concurrent sessions per client address; 0 off [0].",
+        ),
+        click.option(
+            "--rate-limit", type=float, help="Requests per second per client address; 0 off [0]."
+        ),
+        click.option("--rate-burst", type=int, help="Burst above --rate-limit [100]."),
+        click.option(
+            "--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate: serve TLS."
+        ),
+        click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key."),
+        click.option(
+            "--debug-errors",
+            is_flag=True,
+            default=None,
+            help="Full exception text (paths) in error replies; log every env traceback.",
+        ),
+        click.option(
+            "--durable",
+            is_flag=True,
+            default=None,
+            help="Snapshot sessions to --session-store after each reply; a session whose "
+            "worker or node dies is restored when its client resumes.",
+        ),
+        click.option(
+            "--session-store",
+            metavar="DIR",
+            help="Where --durable writes sessions (a directory, shared between nodes on a "
+            "cluster) [$TMPDIR/stadium-sessions-UID].",
+        ),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn

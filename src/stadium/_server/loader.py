@@ -1,0 +1,199 @@
+"""Resolve ``stadium serve TARGET`` to an environment class.
+
+TARGET is a built-in name (``echo``), ``package.module:Class``, ``path/to/file.py:Class``
+or ``gymnasium:ENV_ID``. The class may be a Stadium ``Environment``, an OpenEnv
+``Environment`` (wrapped by :mod:`stadium.integrations.openenv`) or a
+``gymnasium.Env`` (wrapped by :mod:`stadium.integrations.gymnasium`).
+
+Where imports look (as uvicorn and ``python`` do, so projects serve as laid out):
+
+* ``package.module:Class``: the working directory is put first on ``sys.path``.
+* ``path/to/file.py:Class`` in a package (its directory has an ``__init__.py``):
+  imported by its dotted name (``pkg.sub.file``), the directory above the
+  outermost package first on ``sys.path``, so its relative imports work
+  (``openenv init my_env``, then ``stadium serve
+  my_env/server/my_env_environment.py:MyEnvironment``: ``from ..models import``).
+  The outermost package is the last directory upward with an ``__init__.py`` and
+  an identifier for a name: in a project directory named ``my-env``, ``server`` is
+  the package and ``my-env`` goes on the path, so OpenEnv's fallback
+  ``from models import ...`` works.
+* any other ``file.py``: imported as a script runs, its directory first on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from stadium._env.contract import Environment
+from stadium._errors import TargetError
+
+GYMNASIUM_PREFIX = "gymnasium:"
+
+
+def load_target(
+    target: str, *, env_kwargs: dict[str, Any] | None = None
+) -> type[Environment[Any, Any, Any]]:
+    """Import TARGET and return the environment class it names.
+
+    Args:
+        target: see the module docstring.
+        env_kwargs: the server's ``--env-kwargs``. Only Gymnasium targets use them
+            here (their spaces are read from an instance built with them); every
+            target's instances are built with them by the server.
+
+    Raises:
+        TargetError: the module or attribute does not exist, is not an environment,
+            or an optional dependency (gymnasium, openenv) is missing.
+    """
+    from stadium.envs import BUILTIN
+
+    if target.startswith(GYMNASIUM_PREFIX):
+        env_id = target[len(GYMNASIUM_PREFIX) :]
+        if not env_id:
+            raise TargetError(
+                "gymnasium: needs an environment id, e.g. gymnasium:CartPole-v1", target=target
+            )
+        cls: type[Environment[Any, Any, Any]] = _gymnasium(target).gymnasium_environment(
+            env_id, env_kwargs
+        )
+        return cls
+    spec = BUILTIN.get(target, target)
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr:
+        raise TargetError(
+            f"cannot understand target {target!r}: use a built-in name "
+            f"({', '.join(sorted(BUILTIN))}), package.module:Class or path/to/file.py:Class",
+            target=target,
+        )
+    module = _import(module_part, target)
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise TargetError(
+                f"{module_part!r} has no attribute {attr!r} (target {target!r})", target=target
+            ) from None
+    if isinstance(obj, type) and issubclass(obj, Environment):
+        return obj
+    from stadium.integrations.openenv import is_openenv_environment
+
+    if is_openenv_environment(obj):
+        from stadium.integrations.openenv import openenv_environment
+
+        return openenv_environment(obj)
+    gym = sys.modules.get("gymnasium")
+    if gym is not None and isinstance(obj, type) and issubclass(obj, gym.Env):
+        gym_cls: type[Environment[Any, Any, Any]] = _gymnasium(target).gymnasium_environment(
+            obj, env_kwargs
+        )
+        return gym_cls
+    raise TargetError(
+        f"{target!r} is {obj!r}, not a stadium.Environment subclass (nor an OpenEnv "
+        "Environment or gymnasium.Env subclass, which Stadium can also serve)",
+        target=target,
+    )
+
+
+def _gymnasium(target: str) -> Any:
+    """The Gymnasium integration module, or a TargetError saying what to install."""
+    try:
+        from stadium.integrations import gymnasium
+    except ModuleNotFoundError as exc:
+        raise TargetError(
+            f"serving {target!r} needs {exc.name}: pip install 'stadium-rl[gym]'", target=target
+        ) from exc
+    return gymnasium
+
+
+def _import(module_part: str, target: str) -> Any:
+    if module_part.endswith(".py") or "/" in module_part:
+        return _import_file(Path(module_part).expanduser().resolve(), target)
+    add_to_path(os.getcwd())  # as uvicorn and ``python -m`` do
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as exc:
+        raise TargetError(
+            f"no module named {exc.name!r} while importing {module_part!r} (target {target!r}); "
+            "is it installed, or on PYTHONPATH? (the working directory is searched too)",
+            target=target,
+        ) from exc
+    except Exception as exc:
+        raise TargetError(
+            f"importing {module_part!r} failed: {type(exc).__name__}: {exc}", target=target
+        ) from exc
+
+
+def add_to_path(directory: str) -> None:
+    """Put ``directory`` first on ``sys.path`` unless it is already there."""
+    if directory not in sys.path and not (directory == os.getcwd() and "" in sys.path):
+        sys.path.insert(0, directory)
+
+
+def package_module(path: Path) -> tuple[Path, str] | None:
+    """Where a file inside a package is imported from: ``(root, "pkg.sub.module")``.
+
+    The package is every directory upward that holds an ``__init__.py`` and whose
+    name is an identifier; ``root`` is the directory above the outermost one.
+    ``None`` when the file's own directory is not a package.
+    """
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file() and folder.name.isidentifier():
+        parts.append(folder.name)
+        folder = folder.parent
+    if len(parts) == 1 or not path.stem.isidentifier():
+        return None
+    return folder, ".".join(reversed(parts))
+
+
+def _import_file(path: Path, target: str) -> Any:
+    """Import ``path`` so that its sibling imports work.
+
+    A file in a package (see :func:`package_module`) is imported by its dotted
+    name with the package's parent first on ``sys.path``, so relative imports
+    work. Any other file is imported as a script runs: its directory first on the path.
+    """
+    if not path.is_file():
+        raise TargetError(f"no such file: {path} (target {target!r})", target=target)
+    found = package_module(path)
+    if found is not None:
+        root, dotted = found
+        add_to_path(str(root))
+        try:
+            module = importlib.import_module(dotted)
+        except Exception as exc:
+            raise TargetError(
+                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}",
+                target=target,
+            ) from exc
+        where = getattr(module, "__file__", None)
+        if where is None or Path(where).resolve() != path:
+            raise TargetError(
+                f"importing {path} as {dotted} found {where} instead: another {dotted!r} comes "
+                "first on sys.path; serve it as a module target from its project directory",
+                target=target,
+            )
+        return module
+    add_to_path(str(path.parent))
+    name = f"_stadium_target_{path.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise TargetError(f"cannot import {path} (target {target!r})", target=target)
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    try:
+        mod_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise TargetError(
+            f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
+        ) from exc
+    return module

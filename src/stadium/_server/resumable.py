@@ -1,0 +1,230 @@
+"""Resuming, restoring and persisting a session: the resumable half of ``Session``.
+
+:class:`ResumableSession` is a mixin of :class:`stadium._server.session.Session` (it holds no
+state of its own: ``__slots__`` is empty, the attributes are the session's). See
+:mod:`stadium._core.resume` for the wire extension and :mod:`stadium._server.durable` for records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from stadium._core.protocol import Call, SessionProtocol, SessionState
+from stadium._core.resume import (
+    REPLAY_FRAMES,
+    ResumeAsk,
+    ResumeChannel,
+    Target,
+    new_token,
+    token_matches,
+    unknown_session,
+)
+from stadium._env.snapshot import snapshot_env
+from stadium._errors import ResumeError, StadiumError
+from stadium._server.durable import RECORD_VERSION, SessionRecord, token_digest
+from stadium._server.runtime import CLOSE_GOING_AWAY, CLOSE_POLICY, Channel, Phase, Runtime
+from stadium._util.throttle import ThrottledLog
+
+log = logging.getLogger("stadium.session")
+
+Where = tuple[str, str]
+"""Where a session is served: the node's name and the ``host:port`` a connection reached."""
+
+
+class ResumableSession:
+    """The resume, restore and durable-record methods of a session (a mixin)."""
+
+    # The session's state this half writes (the rest is the session's own).
+    __slots__ = ("_expiry", "_restoring", "_token", "last_active", "outcome", "phase", "resume_id")
+
+    runtime: Runtime
+    loop: asyncio.AbstractEventLoop
+    channel: Channel
+    protocol: SessionProtocol
+    phase: Phase
+    env: Any
+    last_active: float
+    resume_id: str | None
+    _token: str
+    _expiry: asyncio.TimerHandle | None
+    _call: Call | None
+    _pending: Any
+    _restoring: tuple[SessionRecord, ResumeAsk, Where] | None
+
+    if TYPE_CHECKING:
+
+        def close(self, code: int = ..., reason: str = ...) -> None: ...
+
+        def _send_error(self, call: Call | None, err: StadiumError) -> None: ...
+
+        def _drain_pending(self) -> None: ...
+
+        def start(self) -> None: ...
+
+    def _detach(self, channel: ResumeChannel) -> None:
+        """The connection is lost: keep the env, slot and in-flight call for the grace
+        period; replies made meanwhile are held for the resume."""
+        channel.detach()
+        self.phase = Phase.DETACHED
+        self._expiry = self.loop.call_later(self.runtime.resume_grace, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry = None
+        if self.phase is Phase.DETACHED:
+            self.outcome = "expired"
+            self.close(CLOSE_GOING_AWAY, "not resumed within the grace period")
+
+    def resume(self, ask: ResumeAsk, target: Target, where: Where) -> StadiumError | None:
+        """Bind the session to the connection ``target`` (a resume): the ``resumed``
+        frame, the replies the client missed, then the requests that queued.
+
+        A session still attached to another connection (whose loss this server has
+        not seen yet) is taken from it. Returns the error to answer instead.
+
+        ``ask.batched`` (a ``resume`` call of a batch, ``batch``): one ``resumed`` frame
+        carrying the missed replies (``replies``), sent once the call in flight, if any,
+        is done (its reply is among them); queued requests are dropped (not run: the
+        client sends them again, as ``requests`` tells it).
+        """
+        channel = self.channel
+        assert isinstance(channel, ResumeChannel)
+        if not token_matches(self._token, ask.token):
+            log.debug("resume of %s refused: wrong token", ask.sid)
+            return unknown_session(ask.sid)
+        if self.phase is not Phase.OPEN and self.phase is not Phase.DETACHED:
+            log.debug("resume of %s refused: session is %s", ask.sid, self.phase.name)
+            return unknown_session(ask.sid)
+        batched = ask.batched
+        if batched:
+            self._pending = None
+            if self._call is not None:  # answer once it is done
+                self._take(channel, target)
+                self.phase = Phase.DETACHED
+                channel.after_held = functools.partial(self._resume_later, ask, target, where)
+                return None
+        frames = channel.replay(ask.received)
+        if frames is None:
+            return ResumeError(
+                f"session {ask.sid} cannot be resumed: the client says it got "
+                f"{ask.received} replies, the server sent {channel.count} and keeps only the "
+                "last few; open a new session",
+                session=ask.sid,
+            )
+        self._take(channel, target)
+        self._token = new_token()
+        if channel.persist is not None:  # the store must know the new token
+            self._persist(None)
+        requests = channel.count + (self._call is not None) + len(self._pending or ())
+        data: dict[str, Any] = {
+            "session": self.resume_id,
+            "token": self._token,
+            "requests": requests,
+            "replayed": len(frames),
+            "node": where[0],
+            "address": where[1],
+        }
+        if batched:
+            data["replies"] = [msgspec.Raw(frame) for frame in frames]
+            target.send(self.protocol.resumed_reply(data))
+        else:
+            target.send(self.protocol.resumed_reply(data))
+            for frame in frames:
+                target.send(frame)
+        channel.attach(target)
+        self.phase = Phase.OPEN
+        self.last_active = self.loop.time()
+        self.runtime.outcomes["resumed"] += 1
+        if self._pending and self._call is None:
+            self._drain_pending()
+        return None
+
+    def _take(self, channel: ResumeChannel, target: Target) -> None:
+        """Take the session from a connection still attached (stale), stop its expiry."""
+        old = channel.target
+        if old is not None and old is not target:
+            channel.detach()
+            old.close(CLOSE_POLICY, "session resumed on another connection")
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _resume_later(self, ask: ResumeAsk, target: Target, where: Where) -> None:
+        """A batch's resume waited for the call in flight: it is done, answer now."""
+        error = self.resume(ask, target, where)
+        if error is not None:
+            target.send(self.protocol.error_reply(None, error))
+            target.close(CLOSE_POLICY, "session cannot be resumed")
+
+    def start_restoring(self, record: SessionRecord, ask: ResumeAsk, where: Where) -> None:
+        """:meth:`start` a session whose env comes from ``record`` (``reattach``), and
+        resume it on its connection once it is back."""
+        self._restoring = (record, ask, where)
+        self.start()
+
+    def _restored(
+        self, channel: ResumeChannel, record: SessionRecord, ask: ResumeAsk, where: Where
+    ) -> None:
+        """The env is back from its snapshot: the protocol's counters and the replies to
+        replay too, then the resume handshake; the record moves to the new id."""
+        self._restoring = None
+        protocol = self.protocol
+        protocol.episode_id = record.episode_id
+        protocol.step_count = record.step_count
+        protocol.state = SessionState.READY if record.ready else SessionState.NEW
+        channel.count = record.replies
+        channel.recent.extend(record.recent)
+        ask.sid = self.resume_id
+        target = channel.target
+        assert target is not None
+        error = self.resume(ask, target, where)
+        durable = self.runtime.durable
+        assert durable is not None
+        if error is not None:
+            self._send_error(None, error)
+            self.close(CLOSE_POLICY, "session cannot be resumed")
+            return
+        durable.drop(record.sid)
+        self.runtime.outcomes["restored"] += 1
+
+    def _persist(self, frame: bytes | None) -> None:
+        """Write this durable session's record (``durable``): before ``frame`` is sent."""
+        channel = self.channel
+        durable = self.runtime.durable
+        assert isinstance(channel, ResumeChannel)
+        assert durable is not None
+        assert self.resume_id is not None
+        try:
+            blob = snapshot_env(self.env)
+        except StadiumError as exc:  # this env cannot be durable: say so once, go on without
+            _SNAPSHOT_ERRORS("session %s is no longer durable: %s", self.resume_id, exc)
+            channel.persist = None
+            durable.drop(self.resume_id)
+            return
+        recent = [*channel.recent, *channel.held]
+        if frame is not None:
+            recent.append(frame)
+        protocol = self.protocol
+        durable.save(
+            SessionRecord(
+                RECORD_VERSION,
+                self.resume_id,
+                token_digest(self._token),
+                protocol.encoding.value,
+                blob,
+                protocol.episode_id,
+                protocol.step_count,
+                protocol.state is SessionState.READY,
+                channel.count,
+                recent[-REPLAY_FRAMES:],
+            )
+        )
+
+
+_SNAPSHOT_ERRORS = ThrottledLog(log, logging.WARNING)
+
+__all__ = ["ResumableSession", "Where"]

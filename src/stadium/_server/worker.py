@@ -1,0 +1,140 @@
+"""One worker's serving parts, built once from a configuration, for every transport.
+
+``stadium serve`` (picows) and the ASGI app both serve through a :class:`Worker`:
+the target loaded, its class compiled to an :class:`~stadium._env.spec.EnvSpec`, the
+:class:`~stadium._server.runtime.Runtime` (admission, env calls, idle reaping) and the
+:class:`~stadium._server.endpoints.HttpEndpoints`. Transports add only the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from stadium._core.limits import ClientLimits
+from stadium._env.contract import Environment
+from stadium._env.snapshot import why_not_durable
+from stadium._env.spec import CallMode, EnvSpec
+from stadium._errors import ConfigError
+from stadium._server.admission import Admission, LocalSlots, Slots
+from stadium._server.config import ServerConfig, default_session_store
+from stadium._server.durable import Durable
+from stadium._server.endpoints import HttpEndpoints
+from stadium._server.loader import load_target
+from stadium._server.metrics import MetricsBoard
+from stadium._server.runtime import Runtime
+from stadium._server.store import store_from_url
+from stadium._server.watchdog import Watchdog
+
+
+def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
+    """The session store of ``--durable``, once a probe env showed it can be snapshotted.
+
+    Raises:
+        ConfigError: the env cannot be durable (the message says why), or the store
+            cannot be opened.
+    """
+    try:
+        env = spec.factory(**config.env_kwargs)
+    except Exception as exc:  # the server would fail to create sessions just the same
+        raise ConfigError(f"--durable: creating a probe {spec.name} env failed: {exc!r}") from exc
+    try:
+        why = why_not_durable(env)
+    finally:
+        if spec.has_close and spec.close_mode is not CallMode.TASK:
+            env.close()
+    if why is not None:
+        raise ConfigError(
+            f"--durable: {spec.name} sessions cannot be made durable: {why}; implement "
+            "snapshot() and restore() on the env, or serve it without --durable"
+        )
+    return Durable(store_from_url(config.session_store or default_session_store()))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Worker:
+    """What one worker process serves with (see the module docstring)."""
+
+    config: ServerConfig
+    spec: EnvSpec
+    runtime: Runtime
+    endpoints: HttpEndpoints
+
+    @classmethod
+    def build(
+        cls,
+        config: ServerConfig,
+        env_cls: type[Environment[Any, Any, Any]] | None = None,
+        *,
+        slots: Slots | None = None,
+        board: MetricsBoard | None = None,
+    ) -> Worker:
+        """Load ``config.target`` (unless ``env_cls`` is given) and build the worker's parts.
+
+        Args:
+            config: the validated server configuration.
+            env_cls: the environment class, already loaded.
+            slots: the server-wide session slots (shared across forked workers);
+                default: this process's own, ``config.max_sessions`` of them.
+            board: where the worker publishes its metrics (shared across forked
+                workers); default: a board of its own.
+
+        Raises:
+            TargetError: the target cannot be loaded or breaks the env contract.
+        """
+        if env_cls is None:
+            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+        spec = EnvSpec.of(env_cls)
+        durable = _durable(config, spec) if config.durable else None
+        admission = Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout)
+        runtime = Runtime(
+            spec,
+            admission,
+            executor_threads=config.executor_threads,
+            step_timeout=config.step_timeout,
+            env_kwargs=config.env_kwargs,
+            limits=ClientLimits.of(
+                config.max_sessions_per_client, config.rate_limit, config.rate_burst
+            ),
+            debug_errors=config.debug_errors,
+            board=board,
+            resume_grace=config.resume_grace,
+            durable=durable,
+        )
+        return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
+
+    def start(self) -> None:
+        """Start the worker's timers (idle reaping, metrics, the session store's sweep)
+        on the running event loop."""
+        self.runtime.start_reaper(self.config.idle_timeout)
+        self.runtime.start_metrics()
+        durable = self.runtime.durable
+        if durable is not None:
+            # Records of sessions nobody resumed (their server was drained or died): gone
+            # once older than any live session's could be (idle sessions are reaped).
+            idle = self.config.idle_timeout or 86400.0
+            durable.start_sweeping(idle + self.config.resume_grace + 60.0)
+
+    def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
+        """Start the worker's :class:`~stadium._server.watchdog.Watchdog` on the running loop.
+
+        For a process that owns its worker (``stadium serve``): past ``--stall-limit``
+        it ends the process; past ``--max-worker-memory``, or with too many stuck
+        threads, it calls ``on_recycle(reason)`` once (drain, then exit with
+        :data:`~stadium._util.process.RECYCLE_EXIT_CODE`). In-process servers and the
+        ASGI app do not start one: their process is not theirs to end.
+        """
+        config = self.config
+        invoke = self.runtime.invoke
+        watchdog = Watchdog(
+            asyncio.get_running_loop(),
+            stall_limit=config.stall_limit,
+            max_memory_mib=config.max_worker_memory,
+            stuck_threads=lambda: (invoke.stuck, invoke.stuck_limit),
+            on_recycle=on_recycle,
+        )
+        watchdog.start()
+        self.runtime.watchdog = watchdog
+        return watchdog

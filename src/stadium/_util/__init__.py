@@ -1,0 +1,1 @@
+"""Process-level helpers shared by the server and the load generators (no protocol)."""
