@@ -33,6 +33,11 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# The inner loop while working (~1 minute): style and contracts, then every test not marked
+# slow (no subprocess servers, clusters, containers, browsers, fresh venvs). `make test` runs all.
+check: lint
+	$(PY) -m pytest -q -m "not slow" -x
+
 # The emulated cluster's packages (SLURM, munge, HAProxy) for tests/cluster: installed when
 # root and missing, a no-op otherwise (the cluster tests then skip with the reason).
 cluster-deps:

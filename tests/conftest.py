@@ -82,6 +82,16 @@ async def serve(
 
 TRANSPORTS = ["picows", "asgi"]
 
+#: Markers of tiers that are process-level by nature; their tests are ``slow`` too.
+SLOW_TIERS = frozenset({"cluster", "container", "stress"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``slow`` covers the cluster, container and stress tiers (``make check`` skips them)."""
+    for item in items:
+        if any(mark.name in SLOW_TIERS for mark in item.iter_markers()):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture
 def unit() -> float:

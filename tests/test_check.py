@@ -126,11 +126,12 @@ def test_check_env_inside_a_running_loop() -> None:
 
 
 def test_exports_are_complete() -> None:
+    """``__all__`` is every public name: those loaded at import and those loaded on first use."""
     import types
 
     public = {
         name
-        for name, value in vars(stadium).items()
-        if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        for name in dir(stadium)
+        if not name.startswith("_") and not isinstance(getattr(stadium, name), types.ModuleType)
     }
     assert set(stadium.__all__) - {"__version__"} == public

@@ -106,28 +106,30 @@ def _stadium_serve(args: list[str], cwd: Path) -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # The console script, not `python -m stadium` (which would put the directory on the path).
     cmd = [str(Path(sys.executable).parent / "stadium"), "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30 * UNIT
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=UNIT):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    out = proc.communicate()[0].decode(errors="replace")
-                    pytest.fail(f"stadium serve {' '.join(args)} did not start:\n{out[-2000:]}")
-                time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
+    with subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as proc:
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(10 * UNIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            deadline = time.monotonic() + 30 * UNIT
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=UNIT):
+                        break
+                except OSError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        proc.kill()
+                        out = proc.communicate()[0].decode(errors="replace")
+                        pytest.fail(f"stadium serve {' '.join(args)} did not start:\n{out[-2000:]}")
+                    time.sleep(0.05)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(10 * UNIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 async def test_stadium_serve_in_the_openenv_project_needs_no_pythonpath(

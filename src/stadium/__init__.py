@@ -19,13 +19,16 @@ Write an environment::
 
 serve it with ``stadium serve my_module:Parrot`` and drive it with
 :class:`stadium.Client` or any OpenEnv client.
+
+``import stadium`` is light: the env contract and the errors load at once; the clients,
+the server and ``launch`` load on first use of their names (a trainer that only wants
+:class:`stadium.AsyncClient` never loads the server, prometheus-client or click).
 """
 
-from stadium._cli.check import check_env
-from stadium._client.pool import Client, SessionPool
-from stadium._client.session import AsyncClient
+import importlib as _importlib
+import typing as _typing
+
 from stadium._env.contract import Environment, State, StepResult
-from stadium._env.tools import ToolEnvironment, tool
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
@@ -47,13 +50,48 @@ from stadium._errors import (
     UnknownTypeError,
     ValidationError,
 )
-from stadium._server.config import ServerConfig
-from stadium._server.server import Server, ServerState, run_server
-from stadium._server.transports.asgi import AsgiApp, asgi_app
 from stadium._version import __version__
 
-# Light: the engines (subprocesses, SLURM, Ray, Podman) are imported when launch() runs.
-from stadium.deploy.launch import launch
+if _typing.TYPE_CHECKING:
+    from stadium._cli.check import check_env
+    from stadium._client.pool import Client, SessionPool
+    from stadium._client.session import AsyncClient
+    from stadium._env.tools import ToolEnvironment, tool
+    from stadium._server.config import ServerConfig
+    from stadium._server.server import Server, ServerState, run_server
+    from stadium._server.transports.asgi import AsgiApp, asgi_app
+    from stadium.deploy.launch import launch
+
+#: The names loaded on first use, and the module each comes from.
+_LAZY = {
+    "AsyncClient": "stadium._client.session",
+    "Client": "stadium._client.pool",
+    "SessionPool": "stadium._client.pool",
+    "ToolEnvironment": "stadium._env.tools",
+    "tool": "stadium._env.tools",
+    "ServerConfig": "stadium._server.config",
+    "Server": "stadium._server.server",
+    "ServerState": "stadium._server.server",
+    "run_server": "stadium._server.server",
+    "AsgiApp": "stadium._server.transports.asgi",
+    "asgi_app": "stadium._server.transports.asgi",
+    "check_env": "stadium._cli.check",
+    "launch": "stadium.deploy.launch",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stadium' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "AsgiApp",

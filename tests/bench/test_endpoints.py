@@ -51,7 +51,7 @@ def servers() -> Iterator[list[tuple[int, str]]]:
 
 
 def _rows(out: Path) -> list[dict[str, str]]:
-    return list(csv.DictReader((out / "summary.csv").open()))
+    return list(csv.DictReader((out / "summary.csv").read_text().splitlines()))
 
 
 def _raw(out: Path) -> list[dict[str, object]]:

@@ -27,15 +27,16 @@ time.sleep(60)
 @pytest.fixture
 def parent_and_child() -> Iterator[tuple[int, int]]:
     """A process with one child process, both asleep."""
-    proc = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    child = int(proc.stdout.readline())
-    try:
-        yield proc.pid, child
-    finally:
-        for pid in (child, proc.pid):
-            os.kill(pid, 9)
-        proc.wait()
+    cmd = [sys.executable, "-c", _PARENT]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        try:
+            yield proc.pid, child
+        finally:
+            for pid in (child, proc.pid):
+                os.kill(pid, 9)
+            proc.wait()
 
 
 def test_read_stat_of_this_process() -> None:

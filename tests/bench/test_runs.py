@@ -219,7 +219,7 @@ def test_compare_against_a_git_ref(tmp_path: Path) -> None:
          "--reps", "1", "--output-dir", str(out), "--no-progress"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    rows = list(csv.DictReader((out / "summary.csv").open()))
+    rows = list(csv.DictReader((out / "summary.csv").read_text().splitlines()))
     assert sorted(r["arm"] for r in rows) == ["stadium", "stadium@HEAD"]
     assert all(r["success_rate"] == "1.0" for r in rows)
     md = (out / "compare.md").read_text()
