@@ -80,7 +80,9 @@ resumable connection: reading a socket's address costs a system call)."""
 
 class Headers(Protocol):
     """A request's headers, looked up by lower-case name (``multidict.CIMultiDict``,
-    picows', is one; :func:`header_map` makes one from raw ASGI/h11 headers)."""
+    picows', is one; :func:`header_map` makes one from raw ASGI/h11 headers). The first
+    value of a repeated header counts, except ``Sec-WebSocket-Protocol``'s: all of them
+    (from ``getall`` when the mapping has it)."""
 
     def get(self, key: str, /) -> str | None: ...
 
@@ -169,7 +171,7 @@ def negotiate(
         websocket = (headers.get("upgrade") or "").strip().lower() == "websocket"
     if not websocket:
         return None
-    protocols = _offered(headers.get("sec-websocket-protocol")) if offered is None else offered
+    protocols = _offered(headers) if offered is None else offered
     protocols = protocols if isinstance(protocols, tuple | list) else tuple(protocols)
     if not query and not protocols:
         return PLAIN  # OpenEnv's clients: nothing more to read
@@ -242,10 +244,15 @@ def host_port(sockname: object) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _offered(header: str | None) -> tuple[str, ...]:
-    if not header:
-        return ()
-    return tuple(p.strip() for p in header.split(","))
+def _offered(headers: Headers) -> tuple[str, ...]:
+    """The subprotocols of ``Sec-WebSocket-Protocol``, a list header a client may repeat."""
+    getall = getattr(headers, "getall", None)  # picows' CIMultiDict: each repetition
+    values = (
+        getall("sec-websocket-protocol", ())
+        if getall is not None
+        else (headers.get("sec-websocket-protocol"),)
+    )
+    return tuple(p.strip() for value in values if value for p in value.split(","))
 
 
 def _where(terms: Terms, address: Address) -> tuple[tuple[str, str], ...]:
