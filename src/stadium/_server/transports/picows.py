@@ -35,7 +35,7 @@ from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
 from stadium._core.access import AccessPolicy, Refusal, header_values
-from stadium._core.handshake import Terms, Upgrade, host_port, negotiate
+from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
 from stadium._core.resume import new_session_id, new_token
@@ -176,7 +176,7 @@ class _SessionListener(WSListener):
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
         runtime = self._owner.runtime
-        upgrade = self._upgrade
+        upgrade, self._upgrade = self._upgrade, PLAIN  # decided: not kept per session
         client = None
         if runtime.limits is not None and upgrade.resume is None:  # per-client limits
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
