@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import urllib.parse
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from stadium._core.access import AccessPolicy, LocalAddr, Refusal
 from stadium._core.protocol import (
@@ -101,9 +101,12 @@ class Terms:
     """A new resumable session's id and token."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Upgrade:
-    """Accept the upgrade: what the connection carries and the 101's extra headers."""
+class Upgrade(NamedTuple):
+    """Accept the upgrade: what the connection carries and the 101's extra headers.
+
+    Immutable (the common ones are built once: :data:`PLAIN`, :data:`MSGPACK`,
+    :data:`BATCH`, :data:`BATCH_MSGPACK`); a named tuple, which is built in a fraction of
+    a frozen dataclass's time (once per connection)."""
 
     encoding: Encoding = Encoding.JSON
     subprotocol: str | None = None
@@ -123,8 +126,15 @@ class Upgrade:
     """The existing session this connection resumes."""
 
 
+# The upgrades most connections get, built once (an Upgrade is immutable).
 PLAIN = Upgrade()
-"""An OpenEnv client's session: JSON frames, no extension (one object, never rebuilt)."""
+"""An OpenEnv client's session: JSON frames, no extension."""
+MSGPACK = Upgrade(Encoding.MSGPACK, MSGPACK_SUBPROTOCOL)
+"""A session in MessagePack frames."""
+BATCH = Upgrade(Encoding.JSON, BATCH_SUBPROTOCOL, batch=True)
+"""A batch connection in JSON frames (its sessions not resumable)."""
+BATCH_MSGPACK = Upgrade(Encoding.MSGPACK, BATCH_MSGPACK_SUBPROTOCOL, batch=True)
+"""A batch connection in MessagePack frames (its sessions not resumable)."""
 
 
 def negotiate(
@@ -171,43 +181,40 @@ def negotiate(
         websocket = (headers.get("upgrade") or "").strip().lower() == "websocket"
     if not websocket:
         return None
-    protocols = _offered(headers) if offered is None else offered
-    protocols = protocols if isinstance(protocols, tuple | list) else tuple(protocols)
+    protocols = _offered(headers) if offered is None else list(offered)
     if not query and not protocols:
         return PLAIN  # OpenEnv's clients: nothing more to read
     attach = attach_id(query)
     json = BATCH_SUBPROTOCOL in protocols  # a batch in JSON frames, preferred
     if attach is None and (json or BATCH_MSGPACK_SUBPROTOCOL in protocols):
-        resumable = RESUME_PARAM in query and terms.resume_grace > 0
-        # A batch's sessions get their ids and tokens in batch replies; a resume's id in
-        # the query only routes the connection to the worker that holds them (``handoff``).
-        return Upgrade(
-            encoding=Encoding.JSON if json else Encoding.MSGPACK,
-            subprotocol=BATCH_SUBPROTOCOL if json else BATCH_MSGPACK_SUBPROTOCOL,
-            headers=_where(terms, address) if resumable else (),
-            batch=True,
-            resumable=resumable,
-        )
+        if RESUME_PARAM in query and terms.resume_grace > 0:
+            # A batch's sessions get their ids and tokens in batch replies; a resume's id
+            # in the query only routes the connection to the worker holding them (``handoff``).
+            base = BATCH if json else BATCH_MSGPACK
+            return Upgrade(
+                base.encoding, base.subprotocol, _where(terms, address), batch=True, resumable=True
+            )
+        return BATCH if json else BATCH_MSGPACK
     msgpack = MSGPACK_SUBPROTOCOL in protocols
-    encoding = Encoding.MSGPACK if msgpack else Encoding.JSON
-    subprotocol = MSGPACK_SUBPROTOCOL if msgpack else None
-    ask = resume_ask(query, headers.get(TOKEN_HEADER.lower()))
-    if isinstance(ask, str):
-        return Refusal(400, "RESUME_FAILED", ask)
-    if ask is not None and ask.sid is not None:
-        return Upgrade(encoding, subprotocol, attach=attach, resumable=True, resume=ask)
-    if ask is not None and terms.resume_grace > 0 and attach is None:
-        sid, token = terms.mint()
-        return Upgrade(
-            encoding,
-            subprotocol,
-            ((SESSION_HEADER, sid), (TOKEN_HEADER, token), *_where(terms, address)),
-            resumable=True,
-            session=(sid, token),
-        )
-    if attach is None and not msgpack:
-        return PLAIN
-    return Upgrade(encoding, subprotocol, attach=attach)
+    if RESUME_PARAM in query:
+        ask = resume_ask(query, headers.get(TOKEN_HEADER.lower()))
+        if isinstance(ask, str):
+            return Refusal(400, "RESUME_FAILED", ask)
+        encoding = Encoding.MSGPACK if msgpack else Encoding.JSON
+        subprotocol = MSGPACK_SUBPROTOCOL if msgpack else None
+        if ask is not None and ask.sid is not None:
+            return Upgrade(encoding, subprotocol, attach=attach, resumable=True, resume=ask)
+        if ask is not None and terms.resume_grace > 0 and attach is None:
+            sid, token = terms.mint()
+            return Upgrade(
+                encoding,
+                subprotocol,
+                ((SESSION_HEADER, sid), (TOKEN_HEADER, token), *_where(terms, address)),
+                resumable=True,
+                session=(sid, token),
+            )
+    base = MSGPACK if msgpack else PLAIN
+    return base if attach is None else Upgrade(base.encoding, base.subprotocol, attach=attach)
 
 
 def attach_id(query: str) -> str | None:
@@ -244,15 +251,15 @@ def host_port(sockname: object) -> str | None:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _offered(headers: Headers) -> tuple[str, ...]:
+def _offered(headers: Headers) -> list[str]:
     """The subprotocols of ``Sec-WebSocket-Protocol``, a list header a client may repeat."""
+    value = headers.get("sec-websocket-protocol")
+    if value is None:
+        return []
     getall = getattr(headers, "getall", None)  # picows' CIMultiDict: each repetition
-    values = (
-        getall("sec-websocket-protocol", ())
-        if getall is not None
-        else (headers.get("sec-websocket-protocol"),)
-    )
-    return tuple(p.strip() for value in values if value for p in value.split(","))
+    if getall is not None:
+        value = ",".join(getall("sec-websocket-protocol"))
+    return [p.strip() for p in value.split(",")]
 
 
 def _where(terms: Terms, address: Address) -> tuple[tuple[str, str], ...]:
@@ -267,6 +274,9 @@ def _where(terms: Terms, address: Address) -> tuple[tuple[str, str], ...]:
 
 __all__ = [
     "ATTACH_PARAM",
+    "BATCH",
+    "BATCH_MSGPACK",
+    "MSGPACK",
     "PLAIN",
     "WS_PATH",
     "Address",
