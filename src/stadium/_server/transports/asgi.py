@@ -6,12 +6,20 @@ Mount it in your own deployment::
     # uvicorn my_module:app        or   fastapi_app.mount("/env", app)
 
 It speaks the same protocol as ``stadium serve`` (both pass one conformance
-suite); ``stadium serve`` is faster (picows), this path is for fitting into an
-existing ASGI stack. Graceful drain on SIGTERM is the hosting server's job here,
-and so are socket timeouts (``header_timeout``, ``body_timeout`` and
-``keepalive_timeout`` apply to ``stadium serve`` only; use e.g. uvicorn's
-``--timeout-keep-alive`` or a proxy's client header and body timeouts). HTTP
-requests that build an environment hold a session slot here too (``endpoints``).
+suite, and the same resume, batch and fork tests): each ``/ws`` upgrade is decided
+by :func:`stadium._core.handshake.negotiate` and opened by
+:func:`stadium._server.connect.open_upgrade`, as picows does. ``stadium serve`` is
+faster (picows), this path is for fitting into an existing ASGI stack. One thing it
+cannot do: hand a resume to the process holding the session (``stadium serve``'s
+workers pass the socket to each other; an ASGI app is one process and cannot), so
+under an ASGI server with several worker processes on one address a resume that
+lands on another process is refused: run one process per address.
+
+Graceful drain on SIGTERM is the hosting server's job here, and so are socket
+timeouts (``header_timeout``, ``body_timeout`` and ``keepalive_timeout`` apply to
+``stadium serve`` only; use e.g. uvicorn's ``--timeout-keep-alive`` or a proxy's
+client header and body timeouts). HTTP requests that build an environment hold a
+session slot here too (``endpoints``).
 """
 
 from __future__ import annotations
