@@ -221,13 +221,14 @@ async def test_resume_off_on_the_server(transport: str) -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_malformed_resume_requests_get_a_400(transport: str) -> None:
     async with serve("benchmark", transport=transport) as server:
-        for query, why in [
-            ("stadium_resume=../../etc", "is not a session id"),
-            ("stadium_resume=1f-abc", "needs its token"),
+        for query, token, why in [
+            ("stadium_resume=../../etc", {}, "is not a session id"),
+            ("stadium_resume=1f-abc", {}, "needs its token"),
+            ("stadium_resume=1f-abc&stadium_received=%C2%B2", {TOKEN_HEADER: "t"}, "ASCII digits"),
         ]:
             ws_url = server.url.replace("http", "ws") + "/ws?" + query
             with pytest.raises(websockets.InvalidStatus) as info:
-                async with websockets.connect(ws_url):
+                async with websockets.connect(ws_url, additional_headers=token):
                     pass
             assert info.value.response.status_code == 400
             assert why in info.value.response.body.decode()
