@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import websockets
 
-from tests.conftest import UNIT, serve, wait_until
+from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 
 pytestmark = pytest.mark.asyncio
 
@@ -32,8 +32,9 @@ def _codes(reply: dict[str, Any]) -> list[str]:
     return [r["type"] if r["type"] != "error" else r["data"]["code"] for r in reply["results"]]
 
 
-async def test_a_mixed_batch_keeps_errors_per_session() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_mixed_batch_keeps_errors_per_session(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             assert ws.subprotocol == "stadium.batch"
             opened = await _batch(
@@ -73,8 +74,9 @@ async def test_a_mixed_batch_keeps_errors_per_session() -> None:
         assert server.runtime.admission.slots.active() == 0
 
 
-async def test_msgpack_batches() -> None:
-    async with serve("wordguess") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_msgpack_batches(transport: str) -> None:
+    async with serve("wordguess", transport=transport) as server:
         url = _ws(server.url)
         async with websockets.connect(url, subprotocols=["stadium.batch.msgpack"]) as ws:
             assert ws.subprotocol == "stadium.batch.msgpack"
@@ -89,8 +91,9 @@ async def test_msgpack_batches() -> None:
             assert len({r["data"]["observation"]["feedback"] for r in reply["results"]}) == 1
 
 
-async def test_first_k_streams_ready_results() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_first_k_streams_ready_results(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(4)])
             waits = [0.3, 0.0, 0.2, 0.0]
@@ -108,8 +111,11 @@ async def test_first_k_streams_ready_results() -> None:
             assert all(len(f["results"]) == len(f["index"]) for f in frames)
 
 
-async def test_a_session_waits_for_a_slot_and_is_refused_when_none_frees() -> None:
-    async with serve("benchmark", max_sessions=2, admission_timeout=0.2 * UNIT) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_session_waits_for_a_slot_and_is_refused_when_none_frees(transport: str) -> None:
+    async with serve(
+        "benchmark", transport=transport, max_sessions=2, admission_timeout=0.2 * UNIT
+    ) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             reply = await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(3)])
             codes = _codes(reply)
@@ -126,8 +132,9 @@ async def test_a_session_waits_for_a_slot_and_is_refused_when_none_frees() -> No
         await wait_until(lambda: not server.runtime.sessions, 5 * UNIT, "all sessions ended")
 
 
-async def test_bad_frames_get_one_error_and_the_connection_goes_on() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_bad_frames_get_one_error_and_the_connection_goes_on(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             for frame, code in [
                 ("{not json", "INVALID_JSON"),
@@ -150,6 +157,8 @@ async def test_bad_frames_get_one_error_and_the_connection_goes_on() -> None:
 
 
 async def test_drain_answers_in_flight_calls_and_closes_the_rest() -> None:
+    """``stadium serve`` only: under ASGI the hosting server drains (uvicorn closes its
+    WebSockets with 1012 before the app's lifespan shutdown)."""
     async with serve("benchmark", drain_timeout=1.0 * UNIT) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(2)])
@@ -168,8 +177,9 @@ async def test_drain_answers_in_flight_calls_and_closes_the_rest() -> None:
             await stopping
 
 
-async def test_plain_sessions_and_openenv_clients_are_unchanged() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_plain_sessions_and_openenv_clients_are_unchanged(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with websockets.connect(_ws(server.url)) as ws:  # no subprotocol: one session
             assert ws.subprotocol is None
             await ws.send(json.dumps({"type": "reset"}))
@@ -178,8 +188,9 @@ async def test_plain_sessions_and_openenv_clients_are_unchanged() -> None:
             assert ws.subprotocol is None
 
 
-async def test_resumable_batch_sessions_survive_a_lost_connection() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_resumable_batch_sessions_survive_a_lost_connection(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         url = _ws(server.url) + "?stadium_resume=1"
         ws = await websockets.connect(url, subprotocols=["stadium.batch"])
         assert ws.response.headers["X-Stadium-Resume-Grace"] == "60"
@@ -231,8 +242,9 @@ async def test_resumable_batch_sessions_survive_a_lost_connection() -> None:
         assert server.runtime.outcomes["resumed"] == 3
 
 
-async def test_time_limits_and_env_errors_stay_per_entry() -> None:
-    async with serve("benchmark", step_timeout=0.2 * UNIT) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_time_limits_and_env_errors_stay_per_entry(transport: str) -> None:
+    async with serve("benchmark", transport=transport, step_timeout=0.2 * UNIT) as server:
         async with websockets.connect(_ws(server.url), subprotocols=["stadium.batch"]) as ws:
             await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(2)])
             reply = await _batch(ws, 2, [
@@ -249,10 +261,11 @@ async def test_time_limits_and_env_errors_stay_per_entry() -> None:
             assert server.runtime.errors_total["TIMEOUT"] == 1
 
 
-async def test_a_vanished_batch_client_gives_its_slots_back() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_vanished_batch_client_gives_its_slots_back(transport: str) -> None:
     """Without resume (no ``?stadium_resume=1``) a lost batch connection ends its sessions:
     envs closed, slots freed, even with a step still running."""
-    async with serve("benchmark") as server:
+    async with serve("benchmark", transport=transport) as server:
         ws = await websockets.connect(_ws(server.url), subprotocols=["stadium.batch"])
         await _batch(ws, 1, [{"session": i, "type": "reset"} for i in range(3)])
         await ws.send(json.dumps({"type": "batch", "id": 2, "calls": [

@@ -18,14 +18,15 @@ import websockets
 import stadium
 from stadium._core.resume import GRACE_HEADER, SESSION_HEADER, TOKEN_HEADER
 from stadium._errors import ResumeError
-from tests.conftest import UNIT, serve, wait_until
+from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 from tests.relay import relay_to
 
 pytestmark = pytest.mark.asyncio
 
 
-async def test_in_flight_step_is_answered_once_after_the_resume() -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_in_flight_step_is_answered_once_after_the_resume(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url) as env:
             assert env.session_id is not None
             await env.reset(seed=1)
@@ -44,8 +45,9 @@ async def test_in_flight_step_is_answered_once_after_the_resume() -> None:
         assert server.runtime.admission.slots.active() == 0
 
 
-async def test_request_lost_on_the_way_in_is_sent_again() -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_request_lost_on_the_way_in_is_sent_again(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url) as env:
             await env.reset(seed=1)
             relay.drop_up = True  # the step never reaches the server
@@ -59,8 +61,9 @@ async def test_request_lost_on_the_way_in_is_sent_again() -> None:
         assert server.runtime.steps_total == 2  # sent twice, run once
 
 
-async def test_reply_lost_on_the_way_out_is_replayed() -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_reply_lost_on_the_way_out_is_replayed(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url) as env:
             await env.reset(seed=1)
             relay.drop_down = True  # the step runs; its reply is lost
@@ -74,8 +77,9 @@ async def test_reply_lost_on_the_way_out_is_replayed() -> None:
         assert server.runtime.steps_total == 2
 
 
-async def test_pipelined_requests_survive_a_cut() -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_pipelined_requests_survive_a_cut(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url, msgpack=True) as env:
             await env.reset(seed=1)
             steps = [asyncio.create_task(env.step({"wait_seconds": 0.05 * UNIT})) for _ in range(5)]
@@ -86,9 +90,10 @@ async def test_pipelined_requests_survive_a_cut() -> None:
         assert server.runtime.steps_total == 5
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("batch", [True, False], ids=["batched", "one-connection-each"])
-async def test_pool_sessions_resume_transparently(batch: bool) -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+async def test_pool_sessions_resume_transparently(transport: str, batch: bool) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.SessionPool(relay.url, size=4, batch=batch) as pool:
             assert pool.batching is batch
             await pool.reset(seeds=range(4))
@@ -101,8 +106,12 @@ async def test_pool_sessions_resume_transparently(batch: bool) -> None:
         assert server.runtime.outcomes["resumed"] == 4
 
 
-async def test_resume_after_the_grace_period_fails_clearly() -> None:
-    async with serve("benchmark", resume_grace=0.3 * UNIT) as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_resume_after_the_grace_period_fails_clearly(transport: str) -> None:
+    async with (
+        serve("benchmark", transport=transport, resume_grace=0.3 * UNIT) as server,
+        relay_to(server.url) as relay,
+    ):
         env = stadium.AsyncClient(relay.url)
         await env.connect()
         await env.reset(seed=1)
@@ -131,8 +140,9 @@ async def _raw_resume(
         return frame, None
 
 
-async def test_forged_and_stale_tokens_are_refused() -> None:
-    async with serve("benchmark") as server, relay_to(server.url) as relay:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_forged_and_stale_tokens_are_refused(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url) as env:
             await env.reset(seed=1)
             sid, first_token = env.session_id, env._resume_token
@@ -153,8 +163,9 @@ async def test_forged_and_stale_tokens_are_refused() -> None:
         assert server.runtime.errors_total["RESUME_FAILED"] == 2
 
 
-async def test_a_resume_takes_the_session_from_a_stale_connection() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_resume_takes_the_session_from_a_stale_connection(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         async with stadium.AsyncClient(server.url) as env:
             await env.reset(seed=1)
             await env.step({"wait_seconds": 0.0})
@@ -179,8 +190,9 @@ async def test_a_resume_takes_the_session_from_a_stale_connection() -> None:
                 await env.step({"wait_seconds": 0.0})
 
 
-async def test_plain_clients_are_not_resumable() -> None:
-    async with serve("benchmark") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_plain_clients_are_not_resumable(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
         ws_url = server.url.replace("http", "ws") + "/ws"
         async with websockets.connect(ws_url) as ws:
             assert SESSION_HEADER not in ws.response.headers
@@ -195,8 +207,9 @@ async def test_plain_clients_are_not_resumable() -> None:
         await env.close()
 
 
-async def test_resume_off_on_the_server() -> None:
-    async with serve("benchmark", resume_grace=0) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_resume_off_on_the_server(transport: str) -> None:
+    async with serve("benchmark", transport=transport, resume_grace=0) as server:
         ws_url = server.url.replace("http", "ws") + "/ws?stadium_resume=1"
         async with websockets.connect(ws_url) as ws:
             assert GRACE_HEADER not in ws.response.headers
@@ -205,15 +218,17 @@ async def test_resume_off_on_the_server() -> None:
             await env.reset()
 
 
-async def test_malformed_resume_requests_get_a_400() -> None:
-    async with serve("benchmark") as server:
-        for query, why in [
-            ("stadium_resume=../../etc", "is not a session id"),
-            ("stadium_resume=1f-abc", "needs its token"),
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_malformed_resume_requests_get_a_400(transport: str) -> None:
+    async with serve("benchmark", transport=transport) as server:
+        for query, token, why in [
+            ("stadium_resume=../../etc", {}, "is not a session id"),
+            ("stadium_resume=1f-abc", {}, "needs its token"),
+            ("stadium_resume=1f-abc&stadium_received=%C2%B2", {TOKEN_HEADER: "t"}, "ASCII digits"),
         ]:
             ws_url = server.url.replace("http", "ws") + "/ws?" + query
             with pytest.raises(websockets.InvalidStatus) as info:
-                async with websockets.connect(ws_url):
+                async with websockets.connect(ws_url, additional_headers=token):
                     pass
             assert info.value.response.status_code == 400
             assert why in info.value.response.body.decode()
@@ -227,8 +242,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 async def test_resume_reaches_the_worker_that_holds_the_session() -> None:
-    """With several workers a resume lands on any of them; it is handed to the owner."""
+    """With several workers a resume lands on any of them; it is handed to the owner
+    (``stadium serve`` only: the hand-off is picows'; an ASGI app is one process)."""
     port = _free_port()
     proc = subprocess.Popen(  # noqa: ASYNC220  (started once, not awaited)
         [sys.executable, "-m", "stadium", "serve", "benchmark", "--port", str(port),
@@ -263,8 +280,9 @@ async def test_resume_reaches_the_worker_that_holds_the_session() -> None:
         proc.wait(30)
 
 
-async def test_fork_starts_a_session_from_this_ones_snapshot() -> None:
-    async with serve("wordguess") as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_fork_starts_a_session_from_this_ones_snapshot(transport: str) -> None:
+    async with serve("wordguess", transport=transport) as server:
         async with stadium.AsyncClient(server.url) as parent:
             await parent.reset(seed=5)
             first = await parent.step({"word": "crane"})
@@ -288,14 +306,15 @@ async def test_fork_starts_a_session_from_this_ones_snapshot() -> None:
         assert server.runtime.admission.slots.active() == 0
 
 
-async def test_fork_needs_a_slot_and_a_resumable_session() -> None:
-    async with serve("echo", max_sessions=1) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_fork_needs_a_slot_and_a_resumable_session(transport: str) -> None:
+    async with serve("echo", transport=transport, max_sessions=1) as server:
         async with stadium.AsyncClient(server.url) as env:
             await env.reset()
             with pytest.raises(stadium.CapacityError):
                 await env.fork()
             assert (await env.step({"message": "still here"})).observation is not None
-    async with serve("echo", resume_grace=0) as server:
+    async with serve("echo", transport=transport, resume_grace=0) as server:
         async with stadium.AsyncClient(server.url) as env:
             await env.reset()
             with pytest.raises(stadium.SessionError, match="resumable"):

@@ -115,8 +115,11 @@ def resume_ask(query: str, token: str | None) -> ResumeAsk | str | None:
     if not token:
         return f"resuming session {value} needs its token in the {TOKEN_HEADER} header"
     received = (params.get(RECEIVED_PARAM) or ["0"])[0]
-    if not received.isdigit():
-        return f"{RECEIVED_PARAM} must be a count of replies, got {received!r}"
+    if not (received.isascii() and received.isdigit()):  # "²" is a digit int() refuses
+        return (
+            f"{RECEIVED_PARAM} must be a count of replies in ASCII digits (how many replies "
+            f"the client got on the session), got {received!r}"
+        )
     return ResumeAsk(value, token, int(received))
 
 

@@ -1,7 +1,8 @@
 """Resuming a session on a new connection: this worker's, or one restored from the store.
 
-The picows transport calls :func:`resume_session` when a ``/ws`` request names a
-session to resume (:mod:`stadium._core.resume` has the wire extension).
+Both transports call :func:`resume_session` (through :mod:`stadium._server.connect`)
+when the handshake says a ``/ws`` request resumes a session (:mod:`stadium._core.resume`
+has the wire extension).
 """
 
 from __future__ import annotations

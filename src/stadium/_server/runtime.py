@@ -14,7 +14,6 @@ import enum
 import inspect
 import logging
 import socket
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -81,15 +80,6 @@ class Phase(enum.IntEnum):
     """Finishing the in-flight request, then closing (close frame, drain, idle)."""
     CLOSED = 5
     """Slot and environment released."""
-
-
-def attach_id(query: str) -> str | None:
-    """The ``session_id`` of a ``/ws`` URL's query string (OpenEnv's attach to an HTTP MCP
-    session), or ``None``."""
-    if "session_id=" not in query:
-        return None
-    values = urllib.parse.parse_qs(query).get("session_id")
-    return values[0] if values else None
 
 
 class SessionLike(Protocol):

@@ -6,29 +6,41 @@ Mount it in your own deployment::
     # uvicorn my_module:app        or   fastapi_app.mount("/env", app)
 
 It speaks the same protocol as ``stadium serve`` (both pass one conformance
-suite); ``stadium serve`` is faster (picows), this path is for fitting into an
-existing ASGI stack. Graceful drain on SIGTERM is the hosting server's job here,
-and so are socket timeouts (``header_timeout``, ``body_timeout`` and
-``keepalive_timeout`` apply to ``stadium serve`` only; use e.g. uvicorn's
-``--timeout-keep-alive`` or a proxy's client header and body timeouts). HTTP
-requests that build an environment hold a session slot here too (``endpoints``).
+suite, and the same resume, batch and fork tests): each ``/ws`` upgrade is decided
+by :func:`stadium._core.handshake.negotiate` and opened by
+:func:`stadium._server.connect.open_upgrade`, as picows does. ``stadium serve`` is
+faster (picows), this path is for fitting into an existing ASGI stack. One thing it
+cannot do: hand a resume to the process holding the session (``stadium serve``'s
+workers pass the socket to each other; an ASGI app is one process and cannot), so
+under an ASGI server with several worker processes on one address a resume that
+lands on another process is refused: run one process per address.
+
+Graceful drain on SIGTERM is the hosting server's job here, and so are socket
+timeouts (``header_timeout``, ``body_timeout`` and ``keepalive_timeout`` apply to
+``stadium serve`` only; use e.g. uvicorn's ``--timeout-keep-alive`` or a proxy's
+client header and body timeouts). HTTP requests that build an environment hold a
+session slot here too (``endpoints``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from stadium._core.access import AccessPolicy, Refusal, header_values
+from stadium._core.handshake import WS_PATH, Terms, header_map, host_port, negotiate
 from stadium._core.limits import client_address
-from stadium._core.protocol import MSGPACK_SUBPROTOCOL, Encoding
+from stadium._core.protocol import Encoding
+from stadium._core.resume import new_session_id, new_token
 from stadium._env.contract import Environment
 from stadium._server.config import ServerConfig
+from stadium._server.connect import open_upgrade
 from stadium._server.endpoints import TOO_LARGE, HttpResponse
-from stadium._server.runtime import MAX_UNSENT_BYTES, attach_id
-from stadium._server.session import Session
+from stadium._server.runtime import MAX_UNSENT_BYTES, NODE_NAME
 from stadium._server.worker import Worker
 
 Scope = MutableMapping[str, Any]
@@ -99,6 +111,8 @@ class AsgiApp:
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
         self.access = AccessPolicy.from_config(config)
+        self.terms = Terms(self.access, NODE_NAME, self.runtime.resume_grace, _mint)
+        """What the handshake offers every connection (``stadium._core.handshake``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -113,16 +127,25 @@ class AsgiApp:
     # -- WebSocket sessions -------------------------------------------------------
 
     async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope.get("path", "").rstrip("/").rsplit("/", 1)[-1] != "ws":
-            await receive()
-            await send({"type": "websocket.close", "code": 1008, "reason": "sessions live at /ws"})
-            return
         message = await receive()
         if message["type"] != "websocket.connect":
             return
-        refusal = self._refusal(scope, scope.get("path", "/ws"))
-        if refusal is not None:  # before any env or slot: see stadium._core.access
-            await _refuse_websocket(scope, send, refusal)
+        headers = header_map(scope.get("headers") or ())
+        server = scope.get("server")  # the local address the connection arrived on
+        decided = negotiate(
+            self.terms,
+            _ws_target(scope),
+            headers,
+            local_addr=server[0] if server and server[1] is not None else None,
+            address=functools.partial(_address, server),
+            offered=scope.get("subprotocols") or (),
+            websocket=True,
+        )
+        if decided is None:
+            await send({"type": "websocket.close", "code": 1008, "reason": "sessions live at /ws"})
+            return
+        if isinstance(decided, Refusal):  # before any env or slot: see stadium._core.access
+            await _refuse_websocket(scope, send, decided)
             return
         client = None
         if self.runtime.limits is not None:  # per-client limits: the upgrade is a request too
@@ -131,16 +154,22 @@ class AsgiApp:
             if over is not None:
                 await _refuse_websocket(scope, send, _over_rate(over))
                 return
-        msgpack = MSGPACK_SUBPROTOCOL in scope.get("subprotocols", ())
         await send(
-            {"type": "websocket.accept", "subprotocol": MSGPACK_SUBPROTOCOL if msgpack else None}
+            {
+                "type": "websocket.accept",
+                "subprotocol": decided.subprotocol,
+                "headers": [(k.encode("latin-1"), v.encode("latin-1")) for k, v in decided.headers],
+            }
         )
-        channel = _AsgiChannel(binary=msgpack)
+        channel = _AsgiChannel(binary=decided.encoding is Encoding.MSGPACK)
         writer = asyncio.get_running_loop().create_task(channel.writer(send))
-        encoding = Encoding.MSGPACK if msgpack else Encoding.JSON
-        query = scope.get("query_string", b"").decode("latin-1")
-        session = Session(self.runtime, channel, encoding, client=client, attach=attach_id(query))
-        session.start()
+        session = open_upgrade(
+            self.runtime,
+            decided,
+            channel,
+            client=None if decided.resume is not None else client,
+            address=functools.partial(_address, server),
+        )
         limit = self.config.max_message_bytes
         try:
             while not writer.done():
@@ -158,9 +187,11 @@ class AsgiApp:
                 if len(data) > limit:
                     channel.close(1009, f"message exceeds {limit} bytes")
                     continue
-                session.feed(data)
+                if session is not None:
+                    session.feed(data)
         finally:
-            session.connection_lost()
+            if session is not None:  # a resumed session stays if another connection took it
+                session.connection_lost(channel)
             channel.closed = True
             if not writer.done():
                 writer.cancel()
@@ -222,6 +253,30 @@ class AsgiApp:
                 self.runtime.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _ws_target(scope: Scope) -> str:
+    """A WebSocket scope's target for the handshake: its path without the mount point
+    (``root_path``; any path ending in ``/ws``, for servers that do not set it), and its
+    query string."""
+    path = scope.get("path", "/")
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    if path.rstrip("/").rsplit("/", 1)[-1] == "ws":
+        path = WS_PATH
+    query = scope.get("query_string", b"").decode("latin-1")
+    return f"{path}?{query}" if query else path
+
+
+def _address(server: Any) -> str:
+    """This server as a router addresses it: the ``host:port`` the connection arrived on."""
+    return host_port(server) or NODE_NAME
+
+
+def _mint() -> tuple[str, str]:
+    """A new resumable session's id and token."""
+    return new_session_id(os.getpid()), new_token()
 
 
 def _over_rate(resp: HttpResponse) -> Refusal:

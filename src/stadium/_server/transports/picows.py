@@ -35,37 +35,14 @@ from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
 from stadium._core.access import AccessPolicy, Refusal, header_values
+from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
-from stadium._core.protocol import (
-    BATCH_MSGPACK_SUBPROTOCOL,
-    BATCH_SUBPROTOCOL,
-    MSGPACK_SUBPROTOCOL,
-    Encoding,
-    SessionProtocol,
-)
-from stadium._core.resume import (
-    ADDR_HEADER,
-    GRACE_HEADER,
-    NODE_HEADER,
-    SESSION_HEADER,
-    TOKEN_HEADER,
-    ResumeAsk,
-    new_session_id,
-    new_token,
-    resume_ask,
-)
-from stadium._errors import StadiumError
+from stadium._core.protocol import Encoding
+from stadium._core.resume import new_session_id, new_token
 from stadium._server.batch import BatchServerConnection
-from stadium._server.endpoints import HttpEndpoints, HttpResponse, error_response
-from stadium._server.reattach import resume_session
-from stadium._server.runtime import (
-    CLOSE_POLICY,
-    MAX_FRAGMENTS,
-    MAX_UNSENT_BYTES,
-    NODE_NAME,
-    Runtime,
-    attach_id,
-)
+from stadium._server.connect import open_upgrade
+from stadium._server.endpoints import HttpEndpoints, HttpResponse
+from stadium._server.runtime import MAX_FRAGMENTS, MAX_UNSENT_BYTES, NODE_NAME, Runtime
 from stadium._server.session import Session
 from stadium._server.transports.h11 import HttpProtocol, encode_response, timeout_response
 from stadium._server.transports.handoff import Handoff
@@ -171,34 +148,22 @@ class _SessionListener(WSListener):
     """
 
     __slots__ = (
-        "_attach",
-        "_batch",
         "_frag_size",
         "_frags",
         "_msg_type",
         "_owner",
         "_paused",
-        "_resume",
+        "_upgrade",
         "encoding",
         "session",
         "transport",
     )
 
-    def __init__(
-        self,
-        owner: PicowsTransport,
-        encoding: Encoding,
-        attach: str | None = None,
-        resume: ResumeAsk | tuple[str, str] | bool | None = None,
-        *,
-        batch: bool = False,
-    ) -> None:
+    def __init__(self, owner: PicowsTransport, upgrade: Upgrade) -> None:
         self._owner = owner
-        self._attach = attach
-        self._batch = batch
-        self._resume = resume
-        """A resume of a session (``ResumeAsk``), or a new resumable session's id and token."""
-        self.encoding = encoding
+        self._upgrade = upgrade
+        """What the handshake decided this connection carries (``stadium._core.handshake``)."""
+        self.encoding = encoding = upgrade.encoding
         self._msg_type = _TEXT if encoding is Encoding.JSON else _BINARY
         self._frags: list[bytes] | None = None
         self._frag_size = 0
@@ -211,42 +176,17 @@ class _SessionListener(WSListener):
     def on_ws_connected(self, transport: WSTransport) -> None:
         self.transport = transport
         runtime = self._owner.runtime
+        upgrade, self._upgrade = self._upgrade, PLAIN  # decided: not kept per session
         client = None
-        resume = self._resume
-        if type(resume) is ResumeAsk:
-            self._resumed(runtime, resume)
-            return
-        if runtime.limits is not None:  # per-client limits: the peer's address
+        if runtime.limits is not None and upgrade.resume is None:  # per-client limits
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
-        if self._batch:
-            where = None
-            if self._resume is True:  # resumable sessions
-                where = (NODE_NAME, _address(transport.underlying_transport))
-            self.session = BatchServerConnection(runtime, self, self.encoding, client, where)
-            return
-        self.session = Session(
+        self.session = open_upgrade(
             runtime,
+            upgrade,
             self,
-            self.encoding,
             client=client,
-            attach=self._attach,
-            resume=resume,  # type: ignore[arg-type]  # a tuple or None here
+            address=functools.partial(_address, transport.underlying_transport),
         )
-        self.session.start()
-
-    def _resumed(self, runtime: Runtime, ask: ResumeAsk) -> None:
-        """Bind this connection to the session it resumes, or say why not and close."""
-        transport = self.transport
-        assert transport is not None
-        where = (NODE_NAME, _address(transport.underlying_transport))
-        result = resume_session(runtime, ask, self, self.encoding, where)
-        if isinstance(result, StadiumError):
-            runtime.errors_total[str(result.code)] += 1
-            protocol = SessionProtocol(runtime.spec, self.encoding, str)
-            self.send(protocol.error_reply(None, result))
-            self.close(CLOSE_POLICY, "session cannot be resumed")
-            return
-        self.session = result
 
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
@@ -394,6 +334,8 @@ class PicowsTransport:
     ) -> None:
         self.access = access or AccessPolicy()
         self.runtime = runtime
+        self.terms = Terms(self.access, NODE_NAME, runtime.resume_grace, _mint)
+        """What the handshake offers every connection (``stadium._core.handshake``)."""
         self.endpoints = endpoints
         self.max_message_bytes = max_message_bytes
         self.max_unsent_bytes = max_unsent_bytes
@@ -418,71 +360,27 @@ class PicowsTransport:
     def _route(
         self, request: WSUpgradeRequest, transport: asyncio.BaseTransport | None = None
     ) -> Any:
+        """picows' listener factory: the handshake's answer (``stadium._core.handshake``)."""
         path = request.path.decode("latin-1")
-        headers = request.headers
-        refusal = self.access.check(
+        decided = negotiate(
+            self.terms,
             path,
-            authorization=headers.get("Authorization"),
-            origin=headers.get("Origin"),
-            host=headers.get("Host"),
+            request.headers,
             local_addr=None if transport is None else functools.partial(_local_addr, transport),
+            address=functools.partial(_address, transport),
         )
-        if refusal is not None:  # before any env or slot: see stadium._core.access
-            return _response(_refused(refusal))
-        if (
-            path.split("?", 1)[0] == "/ws"
-            and request.headers.get("Upgrade", "").lower() == "websocket"
-        ):
-            query = path.partition("?")[2]
-            attach = attach_id(query)  # OpenEnv's MCP session, if named
-            extra: dict[str, str] = {}
-            resume: ResumeAsk | tuple[str, str] | bool | None = None
-            offered = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",")]
-            batched = BATCH_SUBPROTOCOL in offered or BATCH_MSGPACK_SUBPROTOCOL in offered
-            if batched and attach is None and "stadium_resume" in query:
-                # A batch connection whose sessions are resumable (their ids and tokens come
-                # in batch replies: ``batch``); a resume's id only routes it (``handoff``).
-                if self.runtime.resume_grace > 0:
-                    resume = True
-                    extra = {
-                        NODE_HEADER: NODE_NAME,
-                        ADDR_HEADER: _address(transport),
-                        GRACE_HEADER: f"{self.runtime.resume_grace:g}",
-                    }
-            elif "stadium_resume" in query:  # Stadium's clients: see stadium._core.resume
-                ask = resume_ask(query, headers.get(TOKEN_HEADER))
-                if isinstance(ask, str):
-                    return _response(error_response(400, ask, "RESUME_FAILED"))
-                if ask is not None and ask.sid is not None:
-                    resume = ask
-                elif ask is not None and self.runtime.resume_grace > 0 and attach is None:
-                    resume = (new_session_id(os.getpid()), new_token())
-                    extra = {
-                        SESSION_HEADER: resume[0],
-                        TOKEN_HEADER: resume[1],
-                        NODE_HEADER: NODE_NAME,
-                        ADDR_HEADER: _address(transport),
-                        GRACE_HEADER: f"{self.runtime.resume_grace:g}",
-                    }
-            encoding = Encoding.JSON
-            batch = False
-            if batched and attach is None and resume in (None, True):
-                # many sessions on this connection (``batch``)
-                batch = True
-                chosen = BATCH_SUBPROTOCOL if BATCH_SUBPROTOCOL in offered else ""
-                if BATCH_MSGPACK_SUBPROTOCOL in offered and not chosen:
-                    chosen, encoding = BATCH_MSGPACK_SUBPROTOCOL, Encoding.MSGPACK
-                extra["Sec-WebSocket-Protocol"] = chosen
-            elif MSGPACK_SUBPROTOCOL in offered:
-                encoding = Encoding.MSGPACK
-                extra["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
-            listener = _SessionListener(self, encoding, attach, resume, batch=batch)
-            if not extra:
-                return listener
-            return WSUpgradeResponseWithListener(
-                WSUpgradeResponse.create_101_response(extra), listener
-            )
-        return _response(self.endpoints.get(path))
+        if decided is None:  # not a session: one of the GET endpoints
+            return _response(self.endpoints.get(path))
+        if isinstance(decided, Refusal):  # before any env or slot
+            return _response(_refused(decided))
+        listener = _SessionListener(self, decided)
+        headers = decided.headers
+        if decided.subprotocol is None and not headers:
+            return listener
+        extra = dict(headers)
+        if decided.subprotocol is not None:
+            extra["Sec-WebSocket-Protocol"] = decided.subprotocol
+        return WSUpgradeResponseWithListener(WSUpgradeResponse.create_101_response(extra), listener)
 
     def http_refusal(
         self, request: h11.Request, transport: asyncio.BaseTransport
@@ -567,10 +465,12 @@ def _refused(refusal: Refusal) -> HttpResponse:
 def _address(transport: asyncio.BaseTransport | None) -> str:
     """This server as a router addresses it: the ``host:port`` the connection arrived on."""
     sockname = None if transport is None else transport.get_extra_info("sockname")
-    if isinstance(sockname, tuple) and len(sockname) >= 2:
-        host = sockname[0]
-        return f"[{host}]:{sockname[1]}" if ":" in host else f"{host}:{sockname[1]}"
-    return NODE_NAME
+    return host_port(sockname) or NODE_NAME
+
+
+def _mint() -> tuple[str, str]:
+    """A new resumable session's id (this worker's pid first, for ``handoff``) and token."""
+    return new_session_id(os.getpid()), new_token()
 
 
 def _local_addr(transport: asyncio.BaseTransport) -> str | None:

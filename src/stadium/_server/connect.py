@@ -1,0 +1,62 @@
+"""What an accepted upgrade opens on its connection: a session, a batch, or a resumed session.
+
+:func:`stadium._core.handshake.negotiate` decides a ``/ws`` request; once the
+transport has sent the 101 it calls :func:`open_upgrade` with the connection's
+channel, so that picows and the ASGI app open the same things the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from stadium._core.handshake import Upgrade
+from stadium._core.protocol import SessionProtocol
+from stadium._errors import StadiumError
+from stadium._server.batch import BatchServerConnection
+from stadium._server.reattach import resume_session
+from stadium._server.runtime import CLOSE_POLICY, NODE_NAME, Channel, Runtime
+from stadium._server.session import Session
+
+
+def open_upgrade(
+    runtime: Runtime,
+    upgrade: Upgrade,
+    channel: Channel,
+    *,
+    client: str | None,
+    address: Callable[[], str],
+) -> Session | BatchServerConnection | None:
+    """Open what ``upgrade`` names on ``channel``; ``None`` when a resume is refused
+    (the client was told why, with ``RESUME_FAILED``, and the connection is closing).
+
+    Args:
+        client: the peer's address, for the per-client limits (``None``: no limits).
+        address: reads the ``host:port`` the connection reached (a resumable session's
+            address, which routers send its resume to).
+    """
+    if upgrade.resume is not None:
+        here = (NODE_NAME, address())
+        result = resume_session(runtime, upgrade.resume, channel, upgrade.encoding, here)
+        if isinstance(result, StadiumError):
+            runtime.errors_total[str(result.code)] += 1
+            protocol = SessionProtocol(runtime.spec, upgrade.encoding, str)
+            channel.send(protocol.error_reply(None, result))
+            channel.close(CLOSE_POLICY, "session cannot be resumed")
+            return None
+        return result
+    if upgrade.batch:
+        where = (NODE_NAME, address()) if upgrade.resumable else None
+        return BatchServerConnection(runtime, channel, upgrade.encoding, client, where)
+    session = Session(
+        runtime,
+        channel,
+        upgrade.encoding,
+        client=client,
+        attach=upgrade.attach,
+        resume=upgrade.session,
+    )
+    session.start()
+    return session
+
+
+__all__ = ["open_upgrade"]
