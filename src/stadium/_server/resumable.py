@@ -20,12 +20,12 @@ from stadium._core.resume import (
     ResumeAsk,
     ResumeChannel,
     Target,
-    new_token,
     token_matches,
     unknown_session,
 )
 from stadium._env.snapshot import snapshot_env
 from stadium._errors import ResumeError, StadiumError
+from stadium._server.doorway import Door
 from stadium._server.durable import RECORD_VERSION, SessionRecord, token_digest
 from stadium._server.runtime import CLOSE_GOING_AWAY, CLOSE_POLICY, Channel, Phase, Runtime
 from stadium._util.throttle import ThrottledLog
@@ -64,7 +64,7 @@ class ResumableSession:
 
         def _drain_pending(self) -> None: ...
 
-        def start(self) -> None: ...
+        def start(self, door: Door = ...) -> None: ...
 
     def _detach(self, channel: ResumeChannel) -> None:
         """The connection is lost: keep the env, slot and in-flight call for the grace
@@ -116,7 +116,7 @@ class ResumableSession:
                 session=ask.sid,
             )
         self._take(channel, target)
-        self._token = new_token()
+        self._token = self.runtime.doors.new_token()
         if channel.persist is not None:  # the store must know the new token
             self._persist(None)
         requests = channel.count + (self._call is not None) + len(self._pending or ())
@@ -164,7 +164,7 @@ class ResumableSession:
         """:meth:`start` a session whose env comes from ``record`` (``reattach``), and
         resume it on its connection once it is back."""
         self._restoring = (record, ask, where)
-        self.start()
+        self.start(Door.RESTORE)
 
     def _restored(
         self, channel: ResumeChannel, record: SessionRecord, ask: ResumeAsk, where: Where

@@ -14,7 +14,6 @@ import asyncio
 import collections
 import functools
 import logging
-import os
 import socket
 import sys
 from http import HTTPStatus
@@ -50,8 +49,6 @@ from stadium._core.resume import (
     SESSION_HEADER,
     TOKEN_HEADER,
     ResumeAsk,
-    new_session_id,
-    new_token,
     resume_ask,
 )
 from stadium._errors import StadiumError
@@ -212,12 +209,12 @@ class _SessionListener(WSListener):
         self.transport = transport
         runtime = self._owner.runtime
         client = None
-        resume = self._resume
-        if type(resume) is ResumeAsk:
-            self._resumed(runtime, resume)
-            return
         if runtime.limits is not None:  # per-client limits: the peer's address
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
+        resume = self._resume
+        if type(resume) is ResumeAsk:
+            self._resumed(runtime, resume, client)
+            return
         if self._batch:
             where = None
             if self._resume is True:  # resumable sessions
@@ -234,12 +231,12 @@ class _SessionListener(WSListener):
         )
         self.session.start()
 
-    def _resumed(self, runtime: Runtime, ask: ResumeAsk) -> None:
+    def _resumed(self, runtime: Runtime, ask: ResumeAsk, client: str | None) -> None:
         """Bind this connection to the session it resumes, or say why not and close."""
         transport = self.transport
         assert transport is not None
         where = (NODE_NAME, _address(transport.underlying_transport))
-        result = resume_session(runtime, ask, self, self.encoding, where)
+        result = resume_session(runtime, ask, self, self.encoding, where, client)
         if isinstance(result, StadiumError):
             runtime.errors_total[str(result.code)] += 1
             protocol = SessionProtocol(runtime.spec, self.encoding, str)
@@ -456,7 +453,7 @@ class PicowsTransport:
                 if ask is not None and ask.sid is not None:
                     resume = ask
                 elif ask is not None and self.runtime.resume_grace > 0 and attach is None:
-                    resume = (new_session_id(os.getpid()), new_token())
+                    resume = self.runtime.doors.mint()
                     extra = {
                         SESSION_HEADER: resume[0],
                         TOKEN_HEADER: resume[1],
