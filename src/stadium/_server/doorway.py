@@ -137,12 +137,12 @@ class Doorway:
 
     def admit_now(self, door: Door, client: str | None, now: float) -> Pass:
         """A session that takes its slot now or not at all (a fork): raises
-        :class:`~stadium.CapacityError` (nothing taken) over the quota or with no free slot."""
+        :class:`~stadium.CapacityError` (nothing taken) over the quota or with no free slot.
+        The caller counts it (:meth:`open`) once it exists (its env restored)."""
         charged = self.enter(door, client, now)
         if not self.admission.slots.try_acquire():
             self.leave(charged, now)
             raise self.capacity_error()
-        self.open(door)
         return charged
 
     async def admit_waiting(self, door: Door, client: str | None, now: float) -> Pass:
