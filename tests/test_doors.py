@@ -423,6 +423,7 @@ async def test_restore_door_rate(tmp_path: Path) -> None:
         restored = await _resume(second.url, sid, token)  # a token for the upgrade
         try:
             assert (await _recv(restored))["type"] == "resumed"
+            assert second.runtime.limits.sessions("127.0.0.1") == 1  # charged to its client
             _rate_held(*await _pipelined(restored, _requests()))
         finally:
             await restored.close()
