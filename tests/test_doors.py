@@ -15,17 +15,22 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import websockets
+from websockets.typing import Subprotocol
 
-from stadium._core.resume import SESSION_HEADER, TOKEN_HEADER
+from stadium._core.limits import ClientLimits
+from stadium._core.resume import SESSION_HEADER, TOKEN_HEADER, owner_pid
+from stadium._errors import CapacityError
 from stadium._server.doorway import Door
 from stadium._server.metrics import DOORS
 from stadium._server.runtime import CLOSE_TRY_AGAIN_LATER
+from stadium.testing import memory_runtime
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 
 RATE = 1.0
@@ -34,6 +39,7 @@ BURST = 4
 """``--rate-burst`` of the rate tests."""
 SENT = 12
 """Requests sent at once on the session a door opened, in the rate tests."""
+BATCH = Subprotocol("stadium.batch")
 OTHER = ("127.0.0.2", 0)
 """Another client's address (its own quota and bucket)."""
 
@@ -101,7 +107,7 @@ def _requests(n: int = SENT) -> list[dict[str, Any]]:
 def _opened(server: Any, door: Door) -> float:
     """``stadium_sessions_opened_total{door=...}`` of the server's board (its one worker)."""
     server.runtime.publish_metrics()
-    return server.runtime.counts.opened[door]
+    return float(server.runtime.counts.opened[door])
 
 
 async def _other_client_is_served(url: str) -> None:
@@ -190,7 +196,7 @@ def _batch(rid: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
 async def test_batch_door_quota() -> None:
     async with serve("benchmark", max_sessions_per_client=1) as server:
         url = _ws(server.url)
-        async with websockets.connect(url, subprotocols=["stadium.batch"]) as ws:
+        async with websockets.connect(url, subprotocols=[BATCH]) as ws:
             calls = [{"session": i, "type": "reset", "data": {"seed": i}} for i in range(3)]
             reply = await _ask(ws, _batch(1, calls))
             results = reply["results"]
@@ -198,7 +204,7 @@ async def test_batch_door_quota() -> None:
             for refused in results[1:]:
                 _quota_refusal(refused)
             # A second batch connection of the same client: no more entries either.
-            async with websockets.connect(url, subprotocols=["stadium.batch"]) as other:
+            async with websockets.connect(url, subprotocols=[BATCH]) as other:
                 again = await _ask(other, _batch(2, calls[1:2]))
                 _quota_refusal(again["results"][0])
             step = await _ask(ws, _batch(3, [{"session": 0, "type": "step", "data": {}}]))
@@ -211,7 +217,7 @@ async def test_batch_door_quota() -> None:
 async def test_batch_door_rate() -> None:
     async with serve("benchmark", rate_limit=RATE, rate_burst=BURST) as server:
         url = _ws(server.url)
-        async with websockets.connect(url, subprotocols=["stadium.batch"]) as ws:
+        async with websockets.connect(url, subprotocols=[BATCH]) as ws:
             loop = asyncio.get_running_loop()
             start = loop.time()
             frames = [_batch(0, [{"session": 0, "type": "reset"}])]
@@ -388,10 +394,11 @@ async def _stored_session(url: str) -> tuple[str, str]:
 
 
 async def test_restore_door_quota(tmp_path: Path) -> None:
-    store = {"durable": True, "session_store": str(tmp_path / "store")}
-    async with serve("wordguess", **store) as first, serve(
-        "wordguess", max_sessions_per_client=1, **store
-    ) as second:
+    store: dict[str, Any] = {"durable": True, "session_store": str(tmp_path / "store")}
+    async with (
+        serve("wordguess", **store) as first,
+        serve("wordguess", max_sessions_per_client=1, **store) as second,
+    ):
         sid, token = await _stored_session(first.url)
         async with websockets.connect(_ws(second.url)) as held:
             assert (await _ask(held, {"type": "reset"}))["type"] == "observation"
@@ -415,10 +422,11 @@ async def test_restore_door_quota(tmp_path: Path) -> None:
 
 
 async def test_restore_door_rate(tmp_path: Path) -> None:
-    store = {"durable": True, "session_store": str(tmp_path / "store")}
-    async with serve("wordguess", **store) as first, serve(
-        "wordguess", rate_limit=RATE, rate_burst=BURST, **store
-    ) as second:
+    store: dict[str, Any] = {"durable": True, "session_store": str(tmp_path / "store")}
+    async with (
+        serve("wordguess", **store) as first,
+        serve("wordguess", rate_limit=RATE, rate_burst=BURST, **store) as second,
+    ):
         sid, token = await _stored_session(first.url)
         restored = await _resume(second.url, sid, token)  # a token for the upgrade
         try:
@@ -428,3 +436,55 @@ async def test_restore_door_rate(tmp_path: Path) -> None:
         finally:
             await restored.close()
         await _other_client_is_served(second.url)
+
+
+# -- the doorway itself, in memory ----------------------------------------------------------
+
+
+async def test_a_pass_is_given_back_once_and_a_refused_fork_takes_nothing() -> None:
+
+    async with memory_runtime("echo", max_sessions=1, max_sessions_per_client=2) as rt:
+        doors, limits = rt.doors, rt.limits
+        assert limits is not None
+        first = doors.admit_now(Door.FORK, "10.0.0.1", 0.0)
+        assert limits.sessions("10.0.0.1") == 1
+        with pytest.raises(CapacityError, match="at capacity"):  # no slot: no charge either
+            doors.admit_now(Door.FORK, "10.0.0.1", 0.0)
+        assert limits.sessions("10.0.0.1") == 1
+        doors.release(first, 1.0)
+        doors.leave(first, 1.0)  # again: nothing more given back
+        assert limits.sessions("10.0.0.1") == 0
+        assert rt.admission.slots.active() == 0
+        a, b = doors.enter(Door.HTTP, "10.0.0.1", 2.0), doors.enter(Door.HTTP, "10.0.0.1", 2.0)
+        with pytest.raises(CapacityError, match="--max-sessions-per-client"):
+            doors.enter(Door.MCP_CREATE, "10.0.0.1", 2.0)
+        attached = doors.enter(Door.MCP_ATTACH, "10.0.0.1", 2.0, counted=False)  # not charged
+        assert limits.sessions("10.0.0.1") == 2
+        for charged in (a, b, attached):
+            doors.leave(charged, 3.0)
+        assert limits.sessions("10.0.0.1") == 0
+        assert len(limits) == 0
+
+
+def test_an_uncounted_hold_keeps_the_bucket_of_its_client() -> None:
+
+    limits = ClientLimits(max_sessions=1, rate=1.0, burst=2, max_idle=0)
+    held = limits.open_session("a", 0.0, counted=False)
+    assert held is not None
+    assert held.bucket is not None
+    assert held.bucket.take(0.0) == 0.0
+    assert limits.take("a", 0.0) == 0.0
+    assert limits.take("a", 0.0) > 0  # the same bucket, kept though no idle record is
+    assert limits.open_session("a", 0.0) is not None  # the quota is untouched by the hold
+    assert limits.sessions("a") == 1
+
+
+async def test_ids_and_tokens_are_minted_by_the_doorway() -> None:
+
+    async with memory_runtime("echo") as rt:
+        sid, token = rt.doors.mint()
+        assert owner_pid(sid) == os.getpid()
+        assert len(token) >= 32
+        assert rt.doors.new_token() != token
+        assert owner_pid(rt.doors.new_id()) == os.getpid()
+        assert rt.doors.mcp_id() != rt.doors.mcp_id()
