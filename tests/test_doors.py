@@ -488,3 +488,26 @@ async def test_ids_and_tokens_are_minted_by_the_doorway() -> None:
         assert rt.doors.new_token() != token
         assert owner_pid(rt.doors.new_id()) == os.getpid()
         assert rt.doors.mcp_id() != rt.doors.mcp_id()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_door_counts_in_metrics_the_same_way(transport: str) -> None:
+    async with serve("tools", transport) as server, httpx.AsyncClient() as http:
+        async with websockets.connect(_ws(server.url)) as ws:
+            assert (await _ask(ws, {"type": "reset"}))["type"] == "observation"
+        assert (await http.post(server.url + "/reset", json={})).status_code == 200
+        sid = (await _create(http, server.url))["result"]["session_id"]
+        async with websockets.connect(_ws(server.url, f"session_id={sid}")) as attached:
+            assert (await _ask(attached, {"type": "state"}))["type"] == "state"
+        text = (await http.get(server.url + "/metrics")).text
+        opened = {
+            line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("stadium_sessions_opened_total{")
+        }
+        assert opened == {
+            "websocket": 1.0, "batch": 0.0, "http": 1.0, "fork": 0.0,
+            "mcp_create": 1.0, "mcp_attach": 1.0, "restore": 0.0,
+        }  # fmt: skip
+        metadata = (await http.get(server.url + "/metadata")).json()
+        assert metadata["worker"]["sessions_total"] == 4
