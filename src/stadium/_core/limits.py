@@ -9,8 +9,10 @@ run without the proxy); PROXY-protocol support is future work.
 Two limits, each off unless configured (``--max-sessions-per-client``,
 ``--rate-limit`` / ``--rate-burst``):
 
-* **sessions per client**: a WebSocket session (or a ``POST /reset`` / ``POST
-  /step`` while it runs) beyond the quota is refused at once;
+* **sessions per client**: a session beyond the quota is refused at once, whichever
+  door it comes through (a WebSocket or batch session, a ``fork``, a ``POST /reset`` /
+  ``POST /step`` / ``GET /state`` while it runs, an MCP ``openenv/session/create``, a
+  restore: ``stadium._server.doorway``);
 * **request rate**: a token bucket per client (``rate`` tokens a second, at most
   ``burst`` saved up), one token per WebSocket request or HTTP request; a request
   that finds the bucket empty is refused, with the seconds until a token is due.
@@ -85,14 +87,20 @@ class TokenBucket:
 
 
 class ClientRecord:
-    """One client address's record: its open sessions and its bucket (``None``: no rate limit)."""
+    """One client address's record: its open sessions and its bucket (``None``: no rate limit).
 
-    __slots__ = ("address", "bucket", "sessions")
+    ``holds`` counts everything that keeps the record (and so its bucket) alive: its
+    sessions, and holders not counted against the quota (a WebSocket attached to an MCP
+    session, which rides on that session's slot).
+    """
+
+    __slots__ = ("address", "bucket", "holds", "sessions")
 
     def __init__(self, address: str | None, bucket: TokenBucket | None) -> None:
         self.address = address
         self.bucket = bucket
         self.sessions = 0
+        self.holds = 0
 
 
 class ClientLimits:
@@ -143,21 +151,28 @@ class ClientLimits:
             self._active[address] = client
         return client
 
-    def open_session(self, address: str | None, now: float) -> ClientRecord | None:
+    def open_session(
+        self, address: str | None, now: float, *, counted: bool = True
+    ) -> ClientRecord | None:
         """Count a new session of ``address``; ``None`` (nothing counted) when over the quota.
 
-        Give the record back with :meth:`close_session` when the session ends.
+        ``counted=False``: hold the record (its bucket) without a session of the quota.
+        Give the record back with :meth:`close_session` (the same ``counted``) when done.
         """
         client = self._client(address, now)
-        if self.max_sessions and client.sessions >= self.max_sessions:
-            self._settle(client, now)
-            return None
-        client.sessions += 1
+        if counted:
+            if self.max_sessions and client.sessions >= self.max_sessions:
+                self._settle(client, now)
+                return None
+            client.sessions += 1
+        client.holds += 1
         return client
 
-    def close_session(self, client: ClientRecord, now: float) -> None:
-        """A session of ``client`` (from :meth:`open_session`) ended."""
-        client.sessions -= 1
+    def close_session(self, client: ClientRecord, now: float, *, counted: bool = True) -> None:
+        """A session of ``client`` (from :meth:`open_session`, same ``counted``) ended."""
+        if counted:
+            client.sessions -= 1
+        client.holds -= 1
         self._settle(client, now)
 
     def take(self, address: str | None, now: float) -> float:
@@ -194,8 +209,8 @@ class ClientLimits:
         )
 
     def _settle(self, client: ClientRecord, now: float) -> None:
-        """File a record without sessions among the idle ones, or drop it; bound the table."""
-        if client.sessions > 0:
+        """File a record without holders among the idle ones, or drop it; bound the table."""
+        if client.holds > 0:
             return
         address = client.address
         self._active.pop(address, None)

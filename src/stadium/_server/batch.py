@@ -21,15 +21,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 from typing import Any
 
 import msgspec
 
 from stadium._core.protocol import BatchCall, BatchFrame, Encoding, SessionProtocol
-from stadium._core.resume import ResumeAsk, new_session_id, new_token
+from stadium._core.resume import ResumeAsk
 from stadium._errors import InvalidMessageError, SessionError, StadiumError
 from stadium._errors import ValidationError as StadiumValidationError
+from stadium._server.doorway import Door
 from stadium._server.reattach import resume_session
 from stadium._server.resumable import Where
 from stadium._server.runtime import CLOSE_GOING_AWAY, Channel, Runtime
@@ -222,7 +222,7 @@ class BatchServerConnection:
                 member = members[number] = _Member(self, number)
                 resume = None
                 if self.where is not None:
-                    resume = (new_session_id(os.getpid()), new_token())
+                    resume = self.runtime.doors.mint()
                     if batch.opened is None:
                         batch.opened = []
                     batch.opened.append((index, *resume))
@@ -231,7 +231,7 @@ class BatchServerConnection:
                     resume=resume,
                 )  # fmt: skip
                 member.slots.append((batch, index))
-                session.start()
+                session.start(Door.BATCH)
                 session.feed(call)
                 continue
             members[number].slots.append((batch, index))
@@ -310,7 +310,7 @@ class BatchServerConnection:
             member.send(self.protocol.error_reply(None, err))
             return
         ask = ResumeAsk(data.id, data.token, data.received, batched=True)
-        result = resume_session(self.runtime, ask, member, self.encoding, self.where)
+        result = resume_session(self.runtime, ask, member, self.encoding, self.where, self.client)
         if isinstance(result, StadiumError):
             self.runtime.errors_total[str(result.code)] += 1
             member.send(self.protocol.error_reply(None, result))

@@ -36,7 +36,7 @@ def open_upgrade(
     """
     if upgrade.resume is not None:
         here = (NODE_NAME, address())
-        result = resume_session(runtime, upgrade.resume, channel, upgrade.encoding, here)
+        result = resume_session(runtime, upgrade.resume, channel, upgrade.encoding, here, client)
         if isinstance(result, StadiumError):
             runtime.errors_total[str(result.code)] += 1
             protocol = SessionProtocol(runtime.spec, upgrade.encoding, str)

@@ -37,6 +37,7 @@ from stadium._errors import (
     StadiumError,
     ValidationError,
 )
+from stadium._server.doorway import Door, Pass
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
 from stadium._util.throttle import ThrottledLog
@@ -122,33 +123,20 @@ class HttpEndpoints:
         ``client`` is the peer's address, for the per-client limits (when on): a
         request over its client's ``--rate-limit`` is answered ``429 RATE_LIMITED``
         with ``Retry-After``; one that builds an environment (``POST /reset``,
-        ``POST /step``, ``GET /state``) counts as a session of its client while it
-        runs, ``429 CAPACITY_REACHED`` over ``--max-sessions-per-client``.
+        ``POST /step``, ``GET /state``, a stateless ``POST /mcp`` tool call) is a session
+        of its client while it runs, and an MCP ``openenv/session/create`` one until it
+        is closed (``doorway``): ``429 CAPACITY_REACHED`` over ``--max-sessions-per-client``.
         """
-        limits = self.runtime.limits
-        if limits is None:
-            return await self._answer(method, path, body)
-        refused = self.over_rate(client)
-        if refused is not None:
-            return refused
-        if not limits.max_sessions or not (method == "POST" or self.builds_env(path)):
-            return await self._answer(method, path, body)
-        loop = asyncio.get_running_loop()
-        holder = limits.open_session(client, loop.time())
-        if holder is None:
-            return self._refusal(429, limits.quota_error())
-        try:
-            return await self._answer(method, path, body)
-        finally:
-            limits.close_session(holder, loop.time())
+        if self.runtime.limits is not None:
+            refused = self.over_rate(client)
+            if refused is not None:
+                return refused
+        return await self._answer(method, path, body, client)
 
     def over_rate(self, client: str | None) -> HttpResponse | None:
         """``429 RATE_LIMITED`` if ``client``'s bucket is empty (a token is spent if not)."""
-        limits = self.runtime.limits
-        if limits is None or not limits.rate:
-            return None
-        wait = limits.take(client, asyncio.get_running_loop().time())
-        return self._refusal(429, limits.rate_error(wait)) if wait else None
+        err = self.runtime.doors.request(client, asyncio.get_running_loop().time())
+        return None if err is None else self._refusal(429, err)
 
     def _refusal(self, status: int, err: StadiumError) -> HttpResponse:
         """A request refused by a limit: ``err`` as JSON, with ``Retry-After`` (whole seconds)."""
@@ -157,15 +145,17 @@ class HttpEndpoints:
         body = msgspec.json.encode({"detail": err.message, **err.to_wire()})
         return HttpResponse(status, body, headers=(("Retry-After", str(max(1, math.ceil(retry)))),))
 
-    async def _answer(self, method: str, path: str, body: bytes) -> HttpResponse:
+    async def _answer(
+        self, method: str, path: str, body: bytes, client: str | None
+    ) -> HttpResponse:
         if method == "GET":
             if self.builds_env(path):
-                return await self.state()
+                return await self.state(client)
             return self.get(path)
         if method != "POST":
             return _error(405, f"{method} is not supported: use GET or POST", "METHOD_NOT_ALLOWED")
         try:
-            return await self.post(path, body)
+            return await self.post(path, body, client)
         except Exception as exc:
             return self._internal_error(method, path, exc)
 
@@ -259,11 +249,11 @@ class HttpEndpoints:
             },
         }
 
-    async def post(self, path: str, body: bytes) -> HttpResponse:
-        """Answer a POST: OpenEnv's stateless reset and step."""
+    async def post(self, path: str, body: bytes, client: str | None = None) -> HttpResponse:
+        """Answer a POST: OpenEnv's stateless reset and step, MCP; ``client``: the peer."""
         path = path.split("?", 1)[0].rstrip("/")
         if path == "/mcp":
-            return await self.mcp(body)
+            return await self.mcp(body, client)
         if path not in self.POST_PATHS or (self.production and path in self.SIMULATION_PATHS):
             if path in self.GET_PATHS:
                 return _error(405, f"{path} takes GET", "METHOD_NOT_ALLOWED")
@@ -286,7 +276,7 @@ class HttpEndpoints:
                     where="$",
                 )
                 reset = functools.partial(_reset, kwargs=call.reset_kwargs)
-                result = await self._run(spec.reset_mode, reset, what="reset")
+                result = await self._run(spec.reset_mode, reset, what="reset", client=client)
             else:
                 if "action" not in data:
                     raise ValidationError('body needs an "action" object', field="$.action")
@@ -297,8 +287,9 @@ class HttpEndpoints:
                 else:
                     step = functools.partial(_step, action=action)
                 result = await self._run(
-                    spec.step_mode, step, limit=rt.invoke.bound(timeout_s), what="step"
-                )
+                    spec.step_mode, step, limit=rt.invoke.bound(timeout_s), what="step",
+                    client=client,
+                )  # fmt: skip
         except StadiumError as exc:
             return self._stadium_error(exc)
         except Exception as exc:
@@ -313,14 +304,15 @@ class HttpEndpoints:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
 
-    async def mcp(self, body: bytes) -> HttpResponse:
+    async def mcp(self, body: bytes, client: str | None = None) -> HttpResponse:
         """Answer ``POST /mcp`` (always 200 with a JSON-RPC response, as OpenEnv does).
 
         ``tools/list`` / ``tools/call`` run on the OpenEnv MCP session named by
         ``params.session_id``, else on a fresh env built for the request (holding a
         session slot, as ``POST /step`` does). ``openenv/session/create`` and
         ``openenv/session/close`` open and close such sessions (OpenEnv's
-        ``MCPToolClient`` does so); each holds a slot while it lives.
+        ``MCPToolClient`` does so); each holds a slot while it lives, and counts
+        against ``client``'s ``--max-sessions-per-client`` until closed.
         """
         req = _mcp.parse(body)
         if isinstance(req, dict):
@@ -332,7 +324,8 @@ class HttpEndpoints:
         )
         try:
             if req.method == "openenv/session/create":
-                return _json(200, _mcp.success(req.id, {"session_id": await sessions.create()}))
+                created = await sessions.create(client)
+                return _json(200, _mcp.success(req.id, {"session_id": created}))
             sid = req.params.get("session_id")
             if sid is not None and not isinstance(sid, str):
                 return _rpc_error(req.id, _mcp.INVALID_PARAMS, "session_id must be a string")
@@ -349,7 +342,7 @@ class HttpEndpoints:
                     )  # fmt: skip
                 return HttpResponse(200, rt.spec.json_encoder.encode(response))
             if req.method in _MCP_ENV_METHODS:  # a fresh env for the request (OpenEnv's)
-                response = await self._run(CallMode.TASK, dispatch, what="mcp")
+                response = await self._run(CallMode.TASK, dispatch, what="mcp", client=client)
             else:  # initialize, ping, unknown methods: no env needed
                 response = await dispatch(None)
             return HttpResponse(200, rt.spec.json_encoder.encode(response))
@@ -363,12 +356,12 @@ class HttpEndpoints:
             data = {"exception": type(exc).__name__}
             return _rpc_error(req.id, _mcp.INTERNAL_ERROR, rt.describe(exc), data)
 
-    async def state(self) -> HttpResponse:
+    async def state(self, client: str | None = None) -> HttpResponse:
         """Answer ``GET /state``: a fresh env's state, built and read as its create mode says
         (on the thread pool for a blocking env, never inline on the loop)."""
         spec = self.runtime.spec
         try:
-            state = await self._run(spec.create_mode, _state, what="state")
+            state = await self._run(spec.create_mode, _state, what="state", client=client)
             return HttpResponse(200, spec.json_encoder.encode(state))
         except StadiumError as exc:
             return self._stadium_error(exc)
@@ -380,7 +373,9 @@ class HttpEndpoints:
         if isinstance(exc, CapacityError):
             self.runtime.errors_total[str(exc.code)] += 1
             retry = str(max(1, math.ceil(exc.retry_after_s)))
-            return HttpResponse(503, body, headers=(("Retry-After", retry),))
+            # The client's own quota is 429 (too many of its requests); the server's 503.
+            status = 429 if "max_sessions_per_client" in exc.context else 503
+            return HttpResponse(status, body, headers=(("Retry-After", retry),))
         if isinstance(exc, CallTimeoutError):
             self.runtime.errors_total[str(exc.code)] += 1
             return HttpResponse(504, body)
@@ -415,22 +410,23 @@ class HttpEndpoints:
         *,
         limit: float | None = None,
         what: str = "call",
+        client: str | None = None,
     ) -> Any:
         """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after.
 
-        Holds a session slot throughout (waiting for one as a WebSocket session
-        does); raises :class:`~stadium.CapacityError` when none frees in time, and
+        A session of ``client`` through the doorway (``Door.HTTP``): holds a session slot
+        throughout (waiting for one as a WebSocket session does) and counts against the
+        client's quota; raises :class:`~stadium.CapacityError` over the quota or when no
+        slot frees in time, and
         :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
         runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
         without waiting (the abandoned call may still be running on it).
         """
         rt = self.runtime
-        admission = rt.admission
-        if not await admission.acquire():
-            raise rt.capacity_error()
+        loop = asyncio.get_running_loop()
+        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time())
         try:
             spec = rt.spec
-            loop = asyncio.get_running_loop()
             try:
                 env = await rt.invoke.call(loop, spec.create_mode, rt.new_env)
             except CallTimeoutError as exc:
@@ -447,7 +443,7 @@ class HttpEndpoints:
                 elif spec.has_close:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            admission.release()
+            rt.doors.release(charged, loop.time())
 
 
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
@@ -496,6 +492,8 @@ class _McpSession:
     env: Any
     lock: asyncio.Lock
     last_used: float
+    charged: Pass
+    """Its slot and its creator's quota (``doorway``), given back when it closes."""
 
 
 class McpSessions:
@@ -542,22 +540,21 @@ class McpSessions:
         if not task.cancelled() and task.exception() is not None:
             log.warning("closing idle MCP sessions failed: %r", task.exception())
 
-    async def create(self) -> str:
-        """Open a session: its id. Raises :class:`~stadium.CapacityError` when no slot frees."""
+    async def create(self, client: str | None = None) -> str:
+        """Open a session of ``client`` (``Door.MCP_CREATE``: its quota until it closes): its
+        id. Raises :class:`~stadium.CapacityError` over the quota or when no slot frees."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
         now = loop.time()
         await self._sweep()
-        if not await rt.admission.acquire():
-            raise rt.capacity_error()
+        charged = await rt.doors.admit_waiting(Door.MCP_CREATE, client, now)
         try:
             env = await rt.invoke.call(loop, rt.spec.create_mode, rt.new_env)
         except BaseException:
-            rt.admission.release()
+            rt.doors.release(charged, loop.time())
             raise
-        rt.sessions_total += 1
-        sid = uuid.uuid4().hex
-        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now)
+        sid = rt.doors.mcp_id()
+        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged)
         rt.attachable[sid] = env
         return sid
 
@@ -591,7 +588,7 @@ class McpSessions:
         except Exception as exc:
             rt.env_raised("closing an MCP session's environment raised", exc)
         finally:
-            rt.admission.release()
+            rt.doors.release(session.charged, asyncio.get_running_loop().time())
         return True
 
 

@@ -43,6 +43,7 @@ from stadium._errors import ErrorCode
 
 __all__ = [
     "CONTENT_TYPE_LATEST",
+    "DOORS",
     "ERROR_CODES",
     "OUTCOMES",
     "Histogram",
@@ -70,6 +71,11 @@ OUTCOMES = (
 resumed within ``--resume-grace``); ``resumed`` counts resumes and ``restored`` the
 resumes of durable sessions from the store, ``forked`` the sessions started by a fork
 (a session may resume several times, and ends later with one of the others)."""
+
+DOORS = ("websocket", "batch", "http", "fork", "mcp_create", "mcp_attach", "restore")
+"""``stadium_sessions_opened_total`` doors: how sessions came into being (the values of
+:class:`stadium._server.doorway.Door`; ``http``: a request that builds an env for its
+duration; ``mcp_attach``: a WebSocket attached to an MCP session, on that session's env)."""
 
 _WIRE_CODES = list(ErrorCode)[: list(ErrorCode).index(ErrorCode.CONNECT_ERROR)]
 ERROR_CODES: tuple[str, ...] = (*(str(c) for c in _WIRE_CODES), "other")
@@ -131,14 +137,15 @@ class RowCounter(collections.Counter[str]):
         super().__setitem__(key, value)
 
 
-# Row layout: scalar fields, the outcomes, the error codes, then the histograms.
+# Row layout: scalar fields, the outcomes, the error codes, the doors, then the histograms.
 # The step count is the step duration histogram's count (one write less per step).
 _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT = range(8)
 _GAUGES = (_PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT)
 """Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 _OUTCOMES = 8
 _ERRORS = _OUTCOMES + len(OUTCOMES)
-_STEP_H = _ERRORS + len(ERROR_CODES)
+_DOORS = _ERRORS + len(ERROR_CODES)
+_STEP_H = _DOORS + len(DOORS)
 _RESET_H = _STEP_H + len(STEP_BUCKETS) + 2  # counts (+Inf included), then the sum
 _WAIT_H = _RESET_H + len(STEP_BUCKETS) + 2
 WIDTH = _WAIT_H + len(WAIT_BUCKETS) + 2
@@ -207,7 +214,15 @@ class MetricsBoard:
 class WorkerCounts:
     """One worker's counts, in its row of ``board`` (bound to this process's row)."""
 
-    __slots__ = ("admission_wait", "errors", "outcomes", "reset_seconds", "row", "step_seconds")
+    __slots__ = (
+        "admission_wait",
+        "errors",
+        "opened",
+        "outcomes",
+        "reset_seconds",
+        "row",
+        "step_seconds",
+    )
 
     def __init__(self, board: MetricsBoard) -> None:
         self.row = row = board.row()
@@ -218,6 +233,8 @@ class WorkerCounts:
         """Error replies by code (``Runtime.errors_total``)."""
         self.outcomes = RowCounter(row, _OUTCOME_FIELDS)
         """Sessions ended by outcome (``Runtime.outcomes``)."""
+        self.opened = row[_DOORS:_STEP_H]
+        """Sessions opened, one count per door of :data:`DOORS` (``Doorway.open``)."""
 
     @property
     def steps(self) -> int:
@@ -288,6 +305,14 @@ class StadiumCollector(Collector):
         for i, outcome in enumerate(OUTCOMES):
             sessions.add_metric([outcome], total(_OUTCOMES + i))
         yield sessions
+        opened = CounterMetricFamily(
+            "stadium_sessions_opened",
+            "Sessions opened (admitted: a slot and, but for mcp_attach, an env), by door.",
+            labels=["door"],
+        )
+        for i, door in enumerate(DOORS):
+            opened.add_metric([door], total(_DOORS + i))
+        yield opened
         yield _gauge("stadium_admission_queue", "Sessions waiting for a free slot.", total(_QUEUE))
         yield _histogram(
             "stadium_admission_wait_seconds",

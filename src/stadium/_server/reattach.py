@@ -11,7 +11,7 @@ import logging
 import os
 
 from stadium._core.protocol import Encoding
-from stadium._core.resume import ResumeAsk, Target, new_session_id, unknown_session
+from stadium._core.resume import ResumeAsk, Target, unknown_session
 from stadium._errors import ResumeError, StadiumError
 from stadium._server.resumable import Where
 from stadium._server.runtime import Runtime
@@ -21,10 +21,16 @@ log = logging.getLogger("stadium.session")
 
 
 def resume_session(
-    runtime: Runtime, ask: ResumeAsk, target: Target, encoding: Encoding, where: Where
+    runtime: Runtime,
+    ask: ResumeAsk,
+    target: Target,
+    encoding: Encoding,
+    where: Where,
+    client: str | None = None,
 ) -> Session | StadiumError:
     """Resume session ``ask.sid`` on the connection ``target``: this worker's, or with
-    ``--durable`` one restored from the store (its worker or node gone)."""
+    ``--durable`` one restored from the store (its worker or node gone), a new session
+    of ``client`` (the peer that resumes it: its quota, its rate) through the doorway."""
     sid = ask.sid or ""
     session = runtime.resumable.get(sid)
     if isinstance(session, Session):
@@ -43,7 +49,9 @@ def resume_session(
             session=sid,
         )
     # A new id: the old one names a worker that is gone (a later resume must reach this one).
-    restored = Session(runtime, target, encoding, resume=(new_session_id(os.getpid()), ask.token))
+    restored = Session(
+        runtime, target, encoding, client=client, resume=(runtime.doors.new_id(), ask.token)
+    )
     restored.start_restoring(record, ask, where)
     return restored
 

@@ -1,7 +1,7 @@
 """Resuming, restoring and persisting a session: the resumable half of ``Session``.
 
-:class:`ResumableSession` is a mixin of :class:`stadium._server.session.Session` (it holds no
-state of its own: ``__slots__`` is empty, the attributes are the session's). See
+:class:`ResumableSession` is a mixin of :class:`stadium._server.session.Session` (its ``__slots__``
+are the resume state; the rest it uses is the session's, named in :class:`ResumeHost`). See
 :mod:`stadium._core.resume` for the wire extension and :mod:`stadium._server.durable` for records.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -20,12 +20,12 @@ from stadium._core.resume import (
     ResumeAsk,
     ResumeChannel,
     Target,
-    new_token,
     token_matches,
     unknown_session,
 )
 from stadium._env.snapshot import snapshot_env
 from stadium._errors import ResumeError, StadiumError
+from stadium._server.doorway import Door
 from stadium._server.durable import RECORD_VERSION, SessionRecord, token_digest
 from stadium._server.runtime import CLOSE_GOING_AWAY, CLOSE_POLICY, Channel, Phase, Runtime
 from stadium._util.throttle import ThrottledLog
@@ -36,8 +36,56 @@ Where = tuple[str, str]
 """Where a session is served: the node's name and the ``host:port`` a connection reached."""
 
 
+class ResumeHost(Protocol):
+    """What the resumable half needs of the session it is part of: the one interface
+    between the two halves, explicit (mypy checks :class:`~stadium._server.session.Session`
+    against it wherever a method below that calls back into the session is called).
+
+    The session's state the resume uses, its own calls (:meth:`close`, :meth:`start`,
+    :meth:`_send_error`, :meth:`_drain_pending`), and the resumable half's methods that
+    these methods call in turn.
+    """
+
+    runtime: Runtime
+    loop: asyncio.AbstractEventLoop
+    channel: Channel
+    protocol: SessionProtocol
+    phase: Phase
+    env: Any
+    last_active: float
+    outcome: str
+    resume_id: str | None
+    _token: str
+    _expiry: asyncio.TimerHandle | None
+    _call: Call | None
+    _pending: Any
+    _restoring: tuple[SessionRecord, ResumeAsk, Where] | None
+
+    def close(self, code: int = ..., reason: str = ...) -> None: ...
+
+    def start(self, door: Door = ...) -> None: ...
+
+    def _send_error(self, call: Call | None, err: StadiumError) -> None: ...
+
+    def _drain_pending(self) -> None: ...
+
+    def resume(self, ask: ResumeAsk, target: Target, where: Where) -> StadiumError | None: ...
+
+    def _take(self, channel: ResumeChannel, target: Target) -> None: ...
+
+    def _persist(self, frame: bytes | None) -> None: ...
+
+    def _resume_later(self, ask: ResumeAsk, target: Target, where: Where) -> None: ...
+
+    def _expire(self) -> None: ...
+
+
 class ResumableSession:
-    """The resume, restore and durable-record methods of a session (a mixin)."""
+    """The resume, restore and durable-record methods of a session (a mixin).
+
+    What they need of the session is :class:`ResumeHost` (their ``self`` type where they
+    call back into it): no call goes up to the session unnamed.
+    """
 
     # The session's state this half writes (the rest is the session's own).
     __slots__ = ("_expiry", "_restoring", "_token", "last_active", "outcome", "phase", "resume_id")
@@ -56,30 +104,22 @@ class ResumableSession:
     _pending: Any
     _restoring: tuple[SessionRecord, ResumeAsk, Where] | None
 
-    if TYPE_CHECKING:
-
-        def close(self, code: int = ..., reason: str = ...) -> None: ...
-
-        def _send_error(self, call: Call | None, err: StadiumError) -> None: ...
-
-        def _drain_pending(self) -> None: ...
-
-        def start(self) -> None: ...
-
-    def _detach(self, channel: ResumeChannel) -> None:
+    def _detach(self: ResumeHost, channel: ResumeChannel) -> None:
         """The connection is lost: keep the env, slot and in-flight call for the grace
         period; replies made meanwhile are held for the resume."""
         channel.detach()
         self.phase = Phase.DETACHED
         self._expiry = self.loop.call_later(self.runtime.resume_grace, self._expire)
 
-    def _expire(self) -> None:
+    def _expire(self: ResumeHost) -> None:
         self._expiry = None
         if self.phase is Phase.DETACHED:
             self.outcome = "expired"
             self.close(CLOSE_GOING_AWAY, "not resumed within the grace period")
 
-    def resume(self, ask: ResumeAsk, target: Target, where: Where) -> StadiumError | None:
+    def resume(
+        self: ResumeHost, ask: ResumeAsk, target: Target, where: Where
+    ) -> StadiumError | None:
         """Bind the session to the connection ``target`` (a resume): the ``resumed``
         frame, the replies the client missed, then the requests that queued.
 
@@ -116,7 +156,7 @@ class ResumableSession:
                 session=ask.sid,
             )
         self._take(channel, target)
-        self._token = new_token()
+        self._token = self.runtime.doors.new_token()
         if channel.persist is not None:  # the store must know the new token
             self._persist(None)
         requests = channel.count + (self._call is not None) + len(self._pending or ())
@@ -153,21 +193,27 @@ class ResumableSession:
             self._expiry.cancel()
             self._expiry = None
 
-    def _resume_later(self, ask: ResumeAsk, target: Target, where: Where) -> None:
+    def _resume_later(self: ResumeHost, ask: ResumeAsk, target: Target, where: Where) -> None:
         """A batch's resume waited for the call in flight: it is done, answer now."""
         error = self.resume(ask, target, where)
         if error is not None:
             target.send(self.protocol.error_reply(None, error))
             target.close(CLOSE_POLICY, "session cannot be resumed")
 
-    def start_restoring(self, record: SessionRecord, ask: ResumeAsk, where: Where) -> None:
+    def start_restoring(
+        self: ResumeHost, record: SessionRecord, ask: ResumeAsk, where: Where
+    ) -> None:
         """:meth:`start` a session whose env comes from ``record`` (``reattach``), and
         resume it on its connection once it is back."""
         self._restoring = (record, ask, where)
-        self.start()
+        self.start(Door.RESTORE)
 
     def _restored(
-        self, channel: ResumeChannel, record: SessionRecord, ask: ResumeAsk, where: Where
+        self: ResumeHost,
+        channel: ResumeChannel,
+        record: SessionRecord,
+        ask: ResumeAsk,
+        where: Where,
     ) -> None:
         """The env is back from its snapshot: the protocol's counters and the replies to
         replay too, then the resume handshake; the record moves to the new id."""
@@ -227,4 +273,4 @@ class ResumableSession:
 
 _SNAPSHOT_ERRORS = ThrottledLog(log, logging.WARNING)
 
-__all__ = ["ResumableSession", "Where"]
+__all__ = ["ResumableSession", "ResumeHost", "Where"]

@@ -21,6 +21,7 @@ from stadium._core.limits import ClientLimits
 from stadium._env.spec import EnvSpec
 from stadium._errors import CapacityError, describe_exception
 from stadium._server.admission import Admission
+from stadium._server.doorway import Doorway
 from stadium._server.durable import Durable
 from stadium._server.invoke import Invoker
 from stadium._server.metrics import FLUSH_INTERVAL_S, MetricsBoard, WorkerCounts
@@ -165,10 +166,12 @@ class Runtime:
         self.durable = durable
         """Where durable sessions are written (``--durable``), else ``None``."""
         self.draining = False
-        self.sessions_total = 0
         # Metrics (``metrics``): counted straight into this worker's row of the board.
         self.board = board or MetricsBoard(1)
         self.counts = counts = WorkerCounts(self.board)
+        self.doors = Doorway(admission, limits, counts.opened)
+        """The one admission every session goes through (``doorway``): slots, the
+        per-client quota and rate, ids and tokens, the count by door."""
         self.errors_total: collections.Counter[str] = counts.errors
         """Error replies by code."""
         self.outcomes: collections.Counter[str] = counts.outcomes
@@ -185,14 +188,12 @@ class Runtime:
         return self.spec.factory(**self.env_kwargs) if self.env_kwargs else self.spec.factory()
 
     def capacity_error(self) -> CapacityError:
-        slots = self.admission.slots
-        return CapacityError(
-            f"server at capacity ({slots.active()}/{slots.limit} sessions) and no slot freed "
-            f"within {self.admission.timeout:g}s; retry later",
-            active_sessions=slots.active(),
-            max_sessions=slots.limit,
-            retry_after_s=1.0,
-        )
+        return self.doors.capacity_error()
+
+    @property
+    def sessions_total(self) -> int:
+        """Sessions this worker admitted, through every door."""
+        return self.doors.sessions_total
 
     def describe(self, exc: BaseException) -> str:
         """``"TypeName: message"`` for an error reply (paths cut unless ``debug_errors``)."""

@@ -26,16 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from stadium._core import mcp as _mcp
-from stadium._core.limits import ClientRecord, TokenBucket
+from stadium._core.limits import TokenBucket
 from stadium._core.protocol import BatchCall, Call, Encoding, Op, SessionProtocol
-from stadium._core.resume import (
-    NOWHERE,
-    ResumeAsk,
-    ResumeChannel,
-    Target,
-    new_session_id,
-    new_token,
-)
+from stadium._core.resume import NOWHERE, ResumeAsk, ResumeChannel, Target
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import CallMode
 from stadium._errors import (
@@ -46,6 +39,7 @@ from stadium._errors import (
     StadiumError,
 )
 from stadium._server.admission import Verdict
+from stadium._server.doorway import Door, Pass
 from stadium._server.durable import SessionRecord
 from stadium._server.invoke import EAGER_TASKS
 from stadium._server.resumable import ResumableSession, Where
@@ -93,8 +87,8 @@ class Session(ResumableSession):
         "_attach",
         "_bucket",
         "_call",
-        "_client",
         "_close_after",
+        "_pass",
         "_pending",
         "_pending_bytes",
         "_queued_at",
@@ -125,7 +119,8 @@ class Session(ResumableSession):
         self._attach = attach
         """The id of an HTTP MCP session whose env this session drives (OpenEnv's
         ``/ws?session_id=``): no slot of its own, the env not created nor closed here."""
-        self._client: ClientRecord | None = None
+        self._pass: Pass | None = None
+        """What it is charged (``doorway``): its door, its client's quota and bucket."""
         self._bucket: TokenBucket | None = None
         self.channel = channel
         self.loop = loop or asyncio.get_running_loop()
@@ -156,8 +151,10 @@ class Session(ResumableSession):
 
     # -- transport-facing ------------------------------------------------------
 
-    def start(self) -> None:
-        """Ask for a slot; the session opens when one is granted."""
+    def start(self, door: Door = Door.WEBSOCKET) -> None:
+        """Ask the worker's :class:`~stadium._server.doorway.Doorway` for a slot (``door``:
+        how this session came: a WebSocket, a batch entry, a restore); it opens when
+        one is granted."""
         rt = self.runtime
         if rt.draining:
             self._refuse(rt.capacity_error(), "server is shutting down")
@@ -165,16 +162,15 @@ class Session(ResumableSession):
         if self._attach is not None:
             self._start_attached(self._attach)
             return
-        if rt.limits is not None:
-            client = rt.limits.open_session(self.client, self.loop.time())
-            if client is None:
-                self._refuse(rt.limits.quota_error(), "too many sessions from this client")
-                return
-            self._client = client
-            self._bucket = client.bucket
-        rt.sessions.add(self)
         waiter = self._on_admission
-        verdict = rt.admission.admit(waiter)
+        try:
+            charged, verdict = rt.doors.admit(door, self.client, self.loop.time(), waiter)
+        except CapacityError as err:  # the client holds its --max-sessions-per-client
+            self._refuse(err, "too many sessions from this client")
+            return
+        self._pass = charged
+        self._bucket = charged.bucket
+        rt.sessions.add(self)
         if verdict is Verdict.QUEUED:
             self._waiter = waiter
             self._queued_at = self.loop.time()
@@ -314,7 +310,8 @@ class Session(ResumableSession):
             return
         self.phase = Phase.STARTING
         rt = self.runtime
-        rt.sessions_total += 1
+        assert self._pass is not None
+        rt.doors.open(self._pass.door)
         wait = rt.admission_wait
         if queued:
             waited = self.loop.time() - self._queued_at
@@ -351,6 +348,12 @@ class Session(ResumableSession):
             )
             self.channel.close(CLOSE_POLICY, "unknown session_id")
             return
+        # Held by the attaching client (its bucket: --rate-limit), not a session of its
+        # quota: the slot and the env are the MCP session's, charged to its creator.
+        charged = rt.doors.enter(Door.MCP_ATTACH, self.client, self.loop.time(), counted=False)
+        self._pass = charged
+        self._bucket = charged.bucket
+        rt.doors.open(Door.MCP_ATTACH)
         rt.attached[sid] = self
         rt.sessions.add(self)
         self.env = env
@@ -395,7 +398,7 @@ class Session(ResumableSession):
         self._finish_close(CLOSE_INTERNAL_ERROR, "environment could not be created")
 
     def _refuse(self, err: CapacityError, reason: str) -> None:
-        if self._client is not None:
+        if self._pass is not None:
             self._release_client()
         self.runtime.errors_total[str(err.code)] += 1
         self.runtime.outcomes["refused"] += 1
@@ -576,12 +579,11 @@ class Session(ResumableSession):
         self.channel.send(self.protocol.error_reply(self.protocol.request_id(message), err))
 
     def _release_client(self) -> None:
-        """Give the client's session back to the per-client quota (once)."""
-        client, self._client = self._client, None
+        """Give what the session was charged back to its client (once)."""
+        charged, self._pass = self._pass, None
         self._bucket = None
-        limits = self.runtime.limits
-        if client is not None and limits is not None:
-            limits.close_session(client, self.loop.time())
+        if charged is not None:
+            self.runtime.doors.leave(charged, self.loop.time())
 
     def _send_error(self, call: Call | None, err: StadiumError) -> None:
         self.runtime.errors_total[str(err.code)] += 1
@@ -590,7 +592,8 @@ class Session(ResumableSession):
     def _fork(self, call: Call) -> None:
         """``fork``: a new session from this one's snapshot, its env restored from it, held
         detached (as a lost session is) until a client resumes it with the id and token of
-        the ``forked`` reply. Takes a slot of its own at once (``CAPACITY_REACHED`` if none)."""
+        the ``forked`` reply. Charged to this session's client (its quota and its bucket)
+        and takes a slot of its own at once (``CAPACITY_REACHED`` if either is full)."""
         rt = self.runtime
         if self.resume_id is None or rt.resume_grace <= 0:
             self._send_error(
@@ -601,27 +604,34 @@ class Session(ResumableSession):
                 ),
             )
             return
-        if not rt.admission.slots.try_acquire():
-            self._send_error(call, rt.capacity_error())
+        doors = rt.doors
+        try:
+            charged = doors.admit_now(Door.FORK, self.client, self.loop.time())
+        except CapacityError as err:
+            self._send_error(call, err)
             return
         try:
             env = restore_env(rt.new_env, snapshot_env(self.env))
         except Exception as exc:
-            rt.admission.release()
+            doors.release(charged, self.loop.time())
             self._fail(call, exc)
             return
-        sid, token = new_session_id(os.getpid()), new_token()
-        child = Session(rt, NOWHERE, self.protocol.encoding, self.loop, resume=(sid, token))
-        child._adopt(env, self.protocol)
+        sid, token = doors.mint()
+        child = Session(
+            rt, NOWHERE, self.protocol.encoding, self.loop, client=self.client, resume=(sid, token)
+        )
+        child._adopt(env, self.protocol, charged)
         data = {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
         self.channel.send(self.protocol.forked_reply(call, data))
 
-    def _adopt(self, env: Any, parent: SessionProtocol) -> None:
-        """Become a fork holding ``env``, with ``parent``'s episode; detached, waiting for
-        its client."""
+    def _adopt(self, env: Any, parent: SessionProtocol, charged: Pass) -> None:
+        """Become a fork holding ``env`` (its slot and charge: ``charged``), with
+        ``parent``'s episode; detached, waiting for its client."""
         rt = self.runtime
+        self._pass = charged
+        self._bucket = charged.bucket
         rt.sessions.add(self)
-        rt.sessions_total += 1
+        rt.doors.open(Door.FORK)
         rt.outcomes["forked"] += 1
         self.env = env
         protocol = self.protocol
@@ -662,6 +672,9 @@ class Session(ResumableSession):
         if task is not None and not task.done():
             task.cancel()
         self._task = None
+        charged = self._pass
+        if charged is not None and charged.record is not None:  # per-client limits on
+            self._release_client()
         if self._attach is not None:  # the env and slot belong to the HTTP MCP session
             if rt.attached.get(self._attach) is self:
                 del rt.attached[self._attach]
@@ -669,8 +682,6 @@ class Session(ResumableSession):
             return
         if phase is not Phase.ADMITTING and phase is not Phase.CLOSED:
             rt.admission.release()
-        if self._client is not None:
-            self._release_client()
         self._release_env()
 
     def _release_env(self) -> None:

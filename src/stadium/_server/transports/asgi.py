@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -35,7 +34,6 @@ from stadium._core.access import AccessPolicy, Refusal, header_values
 from stadium._core.handshake import WS_PATH, Terms, header_map, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
-from stadium._core.resume import new_session_id, new_token
 from stadium._env.contract import Environment
 from stadium._server.config import ServerConfig
 from stadium._server.connect import open_upgrade
@@ -111,7 +109,9 @@ class AsgiApp:
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
         self.access = AccessPolicy.from_config(config)
-        self.terms = Terms(self.access, NODE_NAME, self.runtime.resume_grace, _mint)
+        self.terms = Terms(
+            self.access, NODE_NAME, self.runtime.resume_grace, self.runtime.doors.mint
+        )
         """What the handshake offers every connection (``stadium._core.handshake``)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -272,11 +272,6 @@ def _ws_target(scope: Scope) -> str:
 def _address(server: Any) -> str:
     """This server as a router addresses it: the ``host:port`` the connection arrived on."""
     return host_port(server) or NODE_NAME
-
-
-def _mint() -> tuple[str, str]:
-    """A new resumable session's id and token."""
-    return new_session_id(os.getpid()), new_token()
 
 
 def _over_rate(resp: HttpResponse) -> Refusal:

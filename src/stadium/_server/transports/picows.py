@@ -14,7 +14,6 @@ import asyncio
 import collections
 import functools
 import logging
-import os
 import socket
 import sys
 from http import HTTPStatus
@@ -38,7 +37,6 @@ from stadium._core.access import AccessPolicy, Refusal, header_values
 from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
-from stadium._core.resume import new_session_id, new_token
 from stadium._server.batch import BatchServerConnection
 from stadium._server.connect import open_upgrade
 from stadium._server.endpoints import HttpEndpoints, HttpResponse
@@ -178,7 +176,7 @@ class _SessionListener(WSListener):
         runtime = self._owner.runtime
         upgrade, self._upgrade = self._upgrade, PLAIN  # decided: not kept per session
         client = None
-        if runtime.limits is not None and upgrade.resume is None:  # per-client limits
+        if runtime.limits is not None:  # per-client limits (a restore is charged too)
             client = client_address(transport.underlying_transport.get_extra_info("peername"))
         self.session = open_upgrade(
             runtime,
@@ -334,7 +332,7 @@ class PicowsTransport:
     ) -> None:
         self.access = access or AccessPolicy()
         self.runtime = runtime
-        self.terms = Terms(self.access, NODE_NAME, runtime.resume_grace, _mint)
+        self.terms = Terms(self.access, NODE_NAME, runtime.resume_grace, runtime.doors.mint)
         """What the handshake offers every connection (``stadium._core.handshake``)."""
         self.endpoints = endpoints
         self.max_message_bytes = max_message_bytes
@@ -466,11 +464,6 @@ def _address(transport: asyncio.BaseTransport | None) -> str:
     """This server as a router addresses it: the ``host:port`` the connection arrived on."""
     sockname = None if transport is None else transport.get_extra_info("sockname")
     return host_port(sockname) or NODE_NAME
-
-
-def _mint() -> tuple[str, str]:
-    """A new resumable session's id (this worker's pid first, for ``handoff``) and token."""
-    return new_session_id(os.getpid()), new_token()
 
 
 def _local_addr(transport: asyncio.BaseTransport) -> str | None:
