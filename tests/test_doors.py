@@ -6,8 +6,7 @@ the durable store): with ``--max-sessions-per-client 1`` one client holds no mor
 one session through it, and with ``--rate-limit 1`` the requests on a session it opened
 are limited like any other. Real servers on 127.0.0.1 port 0; a second client is
 127.0.0.2 (the loopback network answers every 127/8 address), and it is served
-throughout. The ASGI app has no resume, batches or fork yet: those doors are tested on
-picows only.
+throughout. Every door is tested on both transports (picows and the ASGI app).
 """
 
 from __future__ import annotations
@@ -193,8 +192,9 @@ def _batch(rid: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "batch", "id": rid, "calls": calls}
 
 
-async def test_batch_door_quota() -> None:
-    async with serve("benchmark", max_sessions_per_client=1) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_batch_door_quota(transport: str) -> None:
+    async with serve("benchmark", transport=transport, max_sessions_per_client=1) as server:
         url = _ws(server.url)
         async with websockets.connect(url, subprotocols=[BATCH]) as ws:
             calls = [{"session": i, "type": "reset", "data": {"seed": i}} for i in range(3)]
@@ -214,8 +214,9 @@ async def test_batch_door_quota() -> None:
         assert _opened(server, Door.BATCH) == 1
 
 
-async def test_batch_door_rate() -> None:
-    async with serve("benchmark", rate_limit=RATE, rate_burst=BURST) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_batch_door_rate(transport: str) -> None:
+    async with serve("benchmark", transport=transport, rate_limit=RATE, rate_burst=BURST) as server:
         url = _ws(server.url)
         async with websockets.connect(url, subprotocols=[BATCH]) as ws:
             loop = asyncio.get_running_loop()
@@ -257,8 +258,9 @@ async def _resume(url: str, sid: str, token: str, **kwargs: Any) -> Any:
     )
 
 
-async def test_fork_door_quota() -> None:
-    async with serve("wordguess", max_sessions_per_client=1) as server:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_fork_door_quota(transport: str) -> None:
+    async with serve("wordguess", transport=transport, max_sessions_per_client=1) as server:
         parent = await _resumable(server.url)
         try:
             assert (await _ask(parent, {"type": "reset", "data": {"seed": 3}}))["type"] == (
@@ -276,7 +278,8 @@ async def test_fork_door_quota() -> None:
         assert _opened(server, Door.FORK) == 0
 
 
-async def test_fork_door_is_charged_to_its_client_and_rate_limited() -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_fork_door_is_charged_to_its_client_and_rate_limited(transport: str) -> None:
     async with serve(
         "wordguess", max_sessions_per_client=2, rate_limit=RATE, rate_burst=BURST
     ) as server:
@@ -393,11 +396,12 @@ async def _stored_session(url: str) -> tuple[str, str]:
     return sid, token
 
 
-async def test_restore_door_quota(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_restore_door_quota(tmp_path: Path, transport: str) -> None:
     store: dict[str, Any] = {"durable": True, "session_store": str(tmp_path / "store")}
     async with (
-        serve("wordguess", **store) as first,
-        serve("wordguess", max_sessions_per_client=1, **store) as second,
+        serve("wordguess", transport=transport, **store) as first,
+        serve("wordguess", transport=transport, max_sessions_per_client=1, **store) as second,
     ):
         sid, token = await _stored_session(first.url)
         async with websockets.connect(_ws(second.url)) as held:
@@ -421,11 +425,14 @@ async def test_restore_door_quota(tmp_path: Path) -> None:
         assert _opened(second, Door.RESTORE) == 1
 
 
-async def test_restore_door_rate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_restore_door_rate(tmp_path: Path, transport: str) -> None:
     store: dict[str, Any] = {"durable": True, "session_store": str(tmp_path / "store")}
     async with (
-        serve("wordguess", **store) as first,
-        serve("wordguess", rate_limit=RATE, rate_burst=BURST, **store) as second,
+        serve("wordguess", transport=transport, **store) as first,
+        serve(
+            "wordguess", transport=transport, rate_limit=RATE, rate_burst=BURST, **store
+        ) as second,
     ):
         sid, token = await _stored_session(first.url)
         restored = await _resume(second.url, sid, token)  # a token for the upgrade

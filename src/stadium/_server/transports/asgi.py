@@ -167,7 +167,7 @@ class AsgiApp:
             self.runtime,
             decided,
             channel,
-            client=None if decided.resume is not None else client,
+            client=client,  # a restore is charged to the peer that resumes it
             address=functools.partial(_address, server),
         )
         limit = self.config.max_message_bytes
