@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import pytest
 
 import stadium
 
@@ -37,3 +40,37 @@ def test_the_core_imports_no_integration_at_run_time() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("where", "line", "broken"),
+    [
+        ("_client/_probe.py", "import stadium._server.session", "Packages"),
+        ("_core/_probe.py", "import asyncio", "The protocol core does no I/O"),
+        ("_server/session_probe.py", "import picows", "only the transports speak picows"),
+        ("_client/_probe.py", "import prometheus_client", "The client side never loads"),
+    ],
+)
+def test_the_contracts_catch_a_file_by_the_folder_it_lands_in(
+    tmp_path: Path, where: str, line: str, broken: str
+) -> None:
+    """A new module breaking a rule fails ``make lint`` with no list to update: a copy of the
+    package with one injected file is checked against the same contracts."""
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "src" / "stadium"
+    shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / where).write_text(f'"""An injected import."""\n\n{line}\n')
+    root = SRC.parents[1]
+    lint = Path(sys.executable).with_name("lint-imports")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+    out = subprocess.run(
+        [str(lint), "--no-logo", "--config", str(root / "pyproject.toml")],
+        capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert out.returncode != 0, out.stdout
+    assert broken in out.stdout
+    assert "BROKEN" in out.stdout

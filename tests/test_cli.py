@@ -11,6 +11,9 @@ import pytest
 import stadium
 from stadium._cli.demo import spawn_server
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,9 @@ from stadium.deploy.deployment import Deployment, endpoints
 from stadium.deploy.haproxy import RouterOptions, check_config, render
 from tests.conftest import UNIT
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 HAPROXY = shutil.which("haproxy")
 needs_haproxy = pytest.mark.skipif(
     HAPROXY is None, reason="haproxy is not installed (make test installs it when root)"

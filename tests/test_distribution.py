@@ -25,6 +25,9 @@ import pytest
 from stadium._cli.scaffold import create_project
 from tests.conftest import UNIT
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 DIST = "stadium-rl"
 UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")

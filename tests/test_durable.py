@@ -20,7 +20,7 @@ import stadium
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 
 def _free_port() -> int:

@@ -38,6 +38,7 @@ def _loaded_after(code: str) -> list[str]:
         "import stadium.gym",
     ],
 )
+@pytest.mark.slow
 def test_a_client_loads_no_server_module(code: str) -> None:
     loaded = _loaded_after(code)
     assert "stadium" in loaded
@@ -47,6 +48,7 @@ def test_a_client_loads_no_server_module(code: str) -> None:
     assert heavy == [], f"{code!r} loaded server libraries: {heavy}"
 
 
+@pytest.mark.slow
 def test_the_server_names_still_load_on_first_use() -> None:
     loaded = _loaded_after("import stadium; stadium.Server; stadium.ServerConfig")
     assert "stadium._server.server" in loaded

@@ -230,6 +230,7 @@ def crd_errors(
 # --- schemas ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("case", OPTION_SETS)
 def test_core_kinds_pass_kubernetes_schemas_strict(case: str, version: str) -> None:
@@ -276,6 +277,7 @@ def _broken_route() -> dict[str, Any]:
     return route
 
 
+@pytest.mark.slow
 def test_kubernetes_validate_passes_a_kind_it_has_no_schema_for_silently(tmp_path: Path) -> None:
     route = _broken_route()
     # The library: "no schema" (not "invalid"); its CLI code path: 0, like a pass.

@@ -25,6 +25,9 @@ from stadium.deploy.running import Running
 from stadium.envs import EchoEnv
 from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 
 class _Started(Running):
     """A Running with nothing behind it: what clients see of any launcher."""

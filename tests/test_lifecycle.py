@@ -14,6 +14,9 @@ from stadium import AsyncClient
 from stadium._cli.demo import _proc_stats, spawn_server
 from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 
 async def _open(url: str, n: int) -> list[AsyncClient]:
     clients = [AsyncClient(url, max_retries=0) for _ in range(n)]

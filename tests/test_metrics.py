@@ -153,6 +153,7 @@ async def test_metrics_need_the_token_when_one_is_set() -> None:
         assert value(m, "stadium_steps_total") == 0
 
 
+@pytest.mark.slow
 async def test_two_workers_are_summed_and_a_killed_worker_counts_stay() -> None:
     with _serve("benchmark", "--workers", "2", "--max-sessions", "64") as served:
         pids: set[int] = set()
@@ -214,6 +215,7 @@ async def test_two_workers_are_summed_and_a_killed_worker_counts_stay() -> None:
         assert value(m, "stadium_steps_total") == expected_steps + 12
 
 
+@pytest.mark.slow
 async def test_json_logs_are_one_object_per_line_with_the_fields() -> None:
     with _serve("benchmark", "--log-format", "json", "--log-level", "info") as served:
         async with websockets.connect(served.url.replace("http", "ws") + "/ws") as ws:

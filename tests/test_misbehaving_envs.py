@@ -283,6 +283,7 @@ def _env_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_sigterm_exits_although_a_sync_step_never_returns(
     tmp_path: Path, workers: int
@@ -328,6 +329,7 @@ async def _sessions_on_two_workers(url: str) -> dict[int, AsyncClient]:
     return by_pid
 
 
+@pytest.mark.slow
 async def test_a_worker_whose_event_loop_is_stuck_is_replaced(tmp_path: Path) -> None:
     env = f"{_env_file(tmp_path)}:Spins"
     with _serve(env, "--workers", "2", "--stall-limit", "1", "--drain-timeout", "0") as srv:
@@ -357,6 +359,7 @@ async def test_a_worker_whose_event_loop_is_stuck_is_replaced(tmp_path: Path) ->
             await client.close()
 
 
+@pytest.mark.slow
 async def test_a_worker_over_its_memory_cap_drains_and_is_replaced(tmp_path: Path) -> None:
     env = f"{_env_file(tmp_path)}:Grows"
     with _serve(

@@ -79,6 +79,7 @@ def _server(target: str, **env: str) -> Iterator[str]:
                 os.environ[k] = v
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(OPENENV is None, reason="OpenEnv's CLI is not installed")
 def test_openenv_validate_cli_six_of_six() -> None:
     """``openenv validate --url``: 6/6 for every built-in env, an OpenEnv MCP env and a

@@ -20,6 +20,9 @@ import stadium
 from stadium._cli.demo import spawn_server
 from tests.conftest import UNIT, serve
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 openenv_client = pytest.importorskip("openenv.core.generic_client")
 GenericEnvClient = openenv_client.GenericEnvClient
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,6 +42,7 @@ _MISSING = (
 _MUST_RUN = os.geteuid() == 0 and shutil.which("apt-get") is not None
 """As root with apt-get (CI, ``make test``), the browser is installed: its absence is a failure."""
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(_MISSING is not None and not _MUST_RUN, reason=str(_MISSING)),
     pytest.mark.asyncio(loop_scope="module"),
 ]

@@ -370,6 +370,7 @@ class Gate(stadium.Environment[Act, Obs, stadium.State]):
 '''
 
 
+@pytest.mark.slow
 async def test_the_limit_holds_across_workers_for_sessions_and_http(tmp_path: Path) -> None:
     """Two workers, two slots: a WebSocket session holds one, so of 5 concurrent POST
     /step (on either worker) one runs and 4 get 503; no step ever saw another running."""

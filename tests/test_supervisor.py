@@ -23,6 +23,9 @@ import pytest
 from stadium import AsyncClient
 from tests.conftest import UNIT, proc_alive, proc_children, wait_until
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 
 @dataclasses.dataclass
 class _Served:

@@ -65,6 +65,7 @@ async def _drive(url: str) -> None:
         assert result.observation["echoed_message"] == "hello"
 
 
+@pytest.mark.slow
 async def test_openenv_init_served_as_a_file_path(openenv_project: Path, isolated: None) -> None:
     target = f"{openenv_project / ENV_FILE}:{ENV_CLASS}"
     async with serve(target) as server:
@@ -132,6 +133,7 @@ def _stadium_serve(args: list[str], cwd: Path) -> Iterator[str]:
                 proc.wait()
 
 
+@pytest.mark.slow
 async def test_stadium_serve_in_the_openenv_project_needs_no_pythonpath(
     openenv_project: Path,
 ) -> None:

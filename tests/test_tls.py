@@ -22,6 +22,9 @@ from stadium import AsyncClient, ConfigError, ConnectError, Server, ServerConfig
 from stadium._util.process import new_event_loop
 from tests.conftest import UNIT, serve
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 TOKEN = "s3cret-token-0123456789"
 
 

@@ -226,6 +226,7 @@ def test_goal_missed_when_the_batch_costs_more_than_a_quarter(tmp_path: Path) ->
 # ------------------------------------------------------------------ real runs
 
 
+@pytest.mark.slow
 def test_the_floor_refuses_batches(tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -250,6 +251,7 @@ def _serves_batches() -> bool:
     return importlib.util.find_spec("stadium._server.batch") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _serves_batches(), reason="this server has no batch connections yet")
 def test_batched_load_against_stadium() -> None:
     with spawn_server("benchmark", "--log-level", "warning") as (_, url):
@@ -266,6 +268,7 @@ def test_batched_load_against_stadium() -> None:
     assert result.cpu_s is not None  # measured (10 ms ticks: a load this short may read 0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _serves_batches(), reason="this server has no batch connections yet")
 def test_batched_arm_side_by_side(tmp_path: Path) -> None:
     run_ramp(["stadium", "stadium+batch8", "floor"], [16], [0.0], reps=1, output_dir=tmp_path,

@@ -29,6 +29,9 @@ from stadium.bench.runner import BenchConfig, run
 from stadium.deploy.deployment import Deployment
 from tests.conftest import UNIT
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 TINY = ["--wait-grid", "0", "--reps", "1", "--no-progress"]
 
 

@@ -28,6 +28,9 @@ from stadium.bench.loadspec import LoadSpec, ThinkModel
 from stadium.bench.results import columns
 from stadium.bench.sessions import run_sessions
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 WAIT = 0.05
 TINY = {"deadline_s": 120.0, "progress": False, "settle_s": 0.0}
 

@@ -19,6 +19,9 @@ from stadium.bench.results import SessionRecord
 from stadium.bench.sessions import SoakTally
 from stadium.bench.soak import SoakRow, summarize
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 
 def test_tally_counts_failed_steps_not_failed_connects() -> None:
     tally = SoakTally()

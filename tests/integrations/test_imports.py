@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 OPTIONAL = ("numpy", "gymnasium", "pydantic", "openenv")
 
 
+@pytest.mark.slow
 def test_core_and_builtin_targets_import_no_optional_dependency() -> None:
     code = (
         "import sys, stadium\n"
@@ -22,6 +25,7 @@ def test_core_and_builtin_targets_import_no_optional_dependency() -> None:
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_a_space_declared_without_the_gymnasium_integration_says_what_to_import() -> None:
     code = (
         "from typing import Any\n"

@@ -13,6 +13,9 @@ import stadium
 from stadium._cli.main import main
 from stadium._cli.scaffold import create_project, module_name
 
+#: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
+pytestmark = pytest.mark.slow
+
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
