@@ -73,6 +73,15 @@ def store(tmp_path: Path) -> Path:
     return tmp_path / "sessions"
 
 
+@pytest.fixture
+def shared_key(tmp_path: Path) -> str:
+    """A ``--session-store-key`` file: servers sharing a store sign its records with it."""
+    key = tmp_path / "store.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    return str(key)
+
+
 async def test_killed_worker_sessions_continue_with_their_state(store: Path) -> None:
     server = _Server(store, "--workers", "2")
     try:
@@ -119,8 +128,13 @@ async def test_step_in_flight_when_the_worker_dies_runs_once(store: Path) -> Non
         server.stop()
 
 
-async def test_session_moves_to_another_server_sharing_the_store(store: Path) -> None:
-    a, b = _Server(store), _Server(store)
+async def test_session_moves_to_another_server_sharing_the_store(
+    store: Path, shared_key: str
+) -> None:
+    a, b = (
+        _Server(store, "--session-store-key", shared_key),
+        _Server(store, "--session-store-key", shared_key),
+    )
     try:
         await asyncio.gather(asyncio.to_thread(a.wait_healthy), asyncio.to_thread(b.wait_healthy))
         async with relay_to(a.url) as relay:  # the "router": sends sessions to node a
@@ -174,8 +188,13 @@ async def test_durable_in_process_keeps_one_record_per_live_session(tmp_path: Pa
         assert server.runtime.durable.saved >= 2
 
 
-async def test_a_balanced_client_moves_a_durable_session_to_a_live_node(store: Path) -> None:
-    a, b = _Server(store), _Server(store)
+async def test_a_balanced_client_moves_a_durable_session_to_a_live_node(
+    store: Path, shared_key: str
+) -> None:
+    a, b = (
+        _Server(store, "--session-store-key", shared_key),
+        _Server(store, "--session-store-key", shared_key),
+    )
     try:
         await asyncio.gather(asyncio.to_thread(a.wait_healthy), asyncio.to_thread(b.wait_healthy))
         async with stadium.AsyncClient([a.url, b.url], max_retries=40) as env:

@@ -11,8 +11,19 @@ its last reply, on any worker that reaches the store — after a restart, on
 another worker or, with a shared directory, on another node — and the client
 goes on with no step lost or run twice.
 
-The record holds a digest of the resume token, not the token. The store must be
-trusted like the server's code (snapshots are pickles, see ``snapshot``).
+The record holds a digest of the resume token, not the token. Snapshots are pickles
+(see ``snapshot``), so every record is signed: an HMAC-SHA256 over the session id and
+the record, under a key only the server's processes hold (:func:`process_key`,
+made at start and inherited by the forked workers; or ``--session-store-key FILE``
+for a store that other servers read too: another node, a restart), and checked
+before anything in it is decoded. A record the key did not sign — planted or
+altered by whoever could write the store, or moved under another id — is refused
+with :class:`~stadium._errors.ResumeError` and never unpickled. Errors sent to
+clients never carry the store's paths (the log has the details).
+
+A record larger than :data:`MAX_RECORD_BYTES` is not written: the session stops being
+durable (logged, at most once per 10 s), since writing it before every reply would
+stall the worker's every session.
 """
 
 from __future__ import annotations
@@ -21,16 +32,27 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import random
+import stat
 
 import msgspec
 
-from stadium._errors import ResumeError
+from stadium._errors import ConfigError, ResumeError
 from stadium._server.store import SessionStore
+from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
 
 RECORD_VERSION = 1
+MAX_RECORD_BYTES = 64 * 1024 * 1024
+"""The largest record written (the env's snapshot and the replies kept): above it the
+session is no longer durable (see the module docstring)."""
+KEY_BYTES = 32
+"""The size of a generated key, and the least a key file must hold."""
+_SIGNED = b"STSIG1"
+"""What a signed record starts with, then the 32-byte HMAC, then the record."""
+_MAC = hashlib.sha256().digest_size
 
 
 class SessionRecord(msgspec.Struct, array_like=True):
@@ -60,13 +82,87 @@ def token_digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+_PROCESS_KEY: list[bytes] = []
+
+
+def process_key() -> bytes:
+    """This server's record key: made on the first call (``os.urandom``), in memory only;
+    workers forked after it share it (``run_server`` makes it before forking)."""
+    if not _PROCESS_KEY:
+        _PROCESS_KEY.append(os.urandom(KEY_BYTES))
+    return _PROCESS_KEY[0]
+
+
+def read_key_file(path: str) -> bytes:
+    """The key in ``--session-store-key`` file ``path``: owned by the server's user,
+    readable by it only, at least :data:`KEY_BYTES` bytes (used whole).
+
+    Raises:
+        ConfigError: the file is unreadable, another user's, readable or writable by
+            others, or too short (the message says how to make one).
+    """
+    make = f"make one with: head -c {KEY_BYTES} /dev/urandom > FILE && chmod 600 FILE"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read --session-store-key: {exc.strerror or exc}; {make}", path=path
+        ) from None
+    with open(fd, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"--session-store-key is not a regular file; {make}", path=path)
+        if info.st_uid != os.getuid():
+            raise ConfigError(
+                f"--session-store-key belongs to uid {info.st_uid}, not the server's "
+                f"({os.getuid()}): whoever owns it can forge records; {make}",
+                path=path,
+            )
+        if info.st_mode & 0o077:
+            raise ConfigError(
+                f"--session-store-key is readable or writable by others (mode "
+                f"{stat.S_IMODE(info.st_mode):o}): whoever reads it can forge records; "
+                "chmod 600 it",
+                path=path,
+            )
+        key = file.read(1 << 16)
+    if len(key) < KEY_BYTES:
+        raise ConfigError(
+            f"--session-store-key holds {len(key)} bytes, fewer than {KEY_BYTES}; {make}",
+            path=path,
+        )
+    return key
+
+
+def _mac(key: bytes, sid: str, data: bytes) -> bytes:
+    mac = hmac.new(key, b"stadium-session-record\0", hashlib.sha256)
+    mac.update(sid.encode())
+    mac.update(b"\0")
+    mac.update(data)
+    return mac.digest()
+
+
+_REFUSED = ThrottledLog(log, logging.WARNING)
+_STORE_ERRORS = ThrottledLog(log, logging.WARNING)
+
+
 class Durable:
     """A worker's durable sessions: records in ``store``, kept until the session ends."""
 
-    def __init__(self, store: SessionStore) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        key: bytes | None = None,
+        *,
+        max_record_bytes: int = MAX_RECORD_BYTES,
+    ) -> None:
         self.store = store
+        self._key = process_key() if key is None else key
+        self.max_record_bytes = max_record_bytes
         self.saved = 0
         self.failed = 0
+        self.refused = 0
+        """Records read whose signature did not match (planted, altered or moved)."""
         self._sweeper: asyncio.TimerHandle | None = None
 
     def start_sweeping(self, older_than_s: float) -> None:
@@ -95,9 +191,11 @@ class Durable:
             log.info("removed %d session records older than %.0f s", removed, older_than_s)
 
     def save(self, record: SessionRecord) -> bool:
-        """Write ``record`` (atomically, replacing the last); ``False`` if the store failed."""
+        """Write ``record`` signed (atomically, replacing the last); ``False`` if the store
+        failed."""
+        data = _ENCODER.encode(record)
         try:
-            self.store.put(record.sid, _ENCODER.encode(record))
+            self.store.put(record.sid, _SIGNED + _mac(self._key, record.sid, data) + data)
         except OSError as exc:
             self.failed += 1
             log.warning("durable session %s: the store failed: %s", record.sid, exc)
@@ -106,20 +204,46 @@ class Durable:
         return True
 
     def load(self, sid: str, token: str) -> SessionRecord | ResumeError:
-        """The record of session ``sid`` if ``token`` is its resume token."""
+        """The record of session ``sid`` if ``token`` is its resume token and this server's
+        key signed it (checked before anything in it is decoded)."""
         try:
             data = self.store.get(sid)
-        except (OSError, ValueError) as exc:
-            return ResumeError(f"session {sid}: the session store failed: {exc}", session=sid)
+        except (OSError, ValueError) as exc:  # the details (paths) for the log only
+            _STORE_ERRORS("durable session %s: reading the session store failed: %s", sid, exc)
+            return ResumeError(
+                f"session {sid} cannot be restored: the session store could not be read "
+                "(the server's log says why); open a new session",
+                session=sid,
+            )
         if data is None:
             return _not_stored(sid)
+        head = len(_SIGNED) + _MAC
+        if (
+            len(data) < head
+            or not data.startswith(_SIGNED)
+            or not hmac.compare_digest(data[len(_SIGNED) : head], _mac(self._key, sid, data[head:]))
+        ):
+            self.refused += 1
+            _REFUSED(
+                "durable session %s: its record in the session store is not signed with this "
+                "server's key (planted, altered, or written under another key): refused, not read",
+                sid,
+            )
+            return ResumeError(
+                f"session {sid} cannot be restored: its record in the session store is not "
+                "one this server signed (altered, or written under another key); open a new "
+                "session",
+                session=sid,
+            )
         try:
-            record = _DECODER.decode(data)
+            record = _DECODER.decode(data[head:])
         except msgspec.DecodeError as exc:
             log.warning("durable session %s: unreadable record: %s", sid, exc)
             return _not_stored(sid)
-        if record.version != RECORD_VERSION or not hmac.compare_digest(
-            record.token_digest, token_digest(token)
+        if (
+            record.version != RECORD_VERSION
+            or record.sid != sid
+            or not hmac.compare_digest(record.token_digest, token_digest(token))
         ):
             return _not_stored(sid)
         return record
@@ -141,4 +265,13 @@ def _not_stored(sid: str) -> ResumeError:
     )
 
 
-__all__ = ["RECORD_VERSION", "Durable", "SessionRecord", "token_digest"]
+__all__ = [
+    "KEY_BYTES",
+    "MAX_RECORD_BYTES",
+    "RECORD_VERSION",
+    "Durable",
+    "SessionRecord",
+    "process_key",
+    "read_key_file",
+    "token_digest",
+]

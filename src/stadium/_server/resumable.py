@@ -251,6 +251,15 @@ class ResumableSession:
             channel.persist = None
             durable.drop(self.resume_id)
             return
+        if len(blob) > durable.max_record_bytes:  # every reply would stall the worker on it
+            _SNAPSHOT_ERRORS(
+                "session %s is no longer durable: its env's snapshot is %d bytes, above the "
+                "%d a record may hold (a smaller state, or serve it without --durable)",
+                self.resume_id, len(blob), durable.max_record_bytes,
+            )  # fmt: skip
+            channel.persist = None
+            durable.drop(self.resume_id)
+            return
         recent = [*channel.recent, *channel.held]
         if frame is not None:
             recent.append(frame)
