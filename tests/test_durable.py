@@ -6,17 +6,34 @@ cannot be snapshotted is refused at start with the reason."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
+import websockets
 
 import stadium
+from stadium._core.resume import TOKEN_HEADER, new_session_id, new_token
+from stadium._env.snapshot import _envelope
+from stadium._errors import ConfigError, ResumeError
+from stadium._server.durable import (
+    RECORD_VERSION,
+    Durable,
+    SessionRecord,
+    read_key_file,
+    token_digest,
+)
+from stadium._server.store import DirectoryStore
+from stadium.envs.benchmark import BenchmarkEnv
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to
 
@@ -210,3 +227,133 @@ async def test_a_balanced_client_moves_a_durable_session_to_a_live_node(
     finally:
         a.kill()
         b.kill()
+
+
+# -- records the server did not sign (issue 22) ------------------------------------------
+
+
+class _Plant:
+    """What an attacker pickles: unpickling it creates ``marker`` (proof the pickle ran)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (self.marker, "w"))
+
+
+async def _resume_reply(url: str, sid: str, token: str) -> dict[str, Any]:
+    ws_url = url.replace("http", "ws") + f"/ws?stadium_resume={sid}&stadium_received=0"
+    async with websockets.connect(ws_url, additional_headers={TOKEN_HEADER: token}) as ws:
+        reply: dict[str, Any] = json.loads(await asyncio.wait_for(ws.recv(), 10 * UNIT))
+        return reply
+
+
+def _planted(sid: str, token: str, marker: Path) -> SessionRecord:
+    envelope = _envelope(BenchmarkEnv, False)[0]  # the class the server restores: checked
+    blob = envelope + pickle.dumps(_Plant(str(marker)))
+    return SessionRecord(
+        RECORD_VERSION, sid, token_digest(token), "json", blob, "ep", 3, True, 4, []
+    )
+
+
+async def test_a_planted_record_is_refused_and_never_unpickled(tmp_path: Path) -> None:
+    """Whoever can write the store plants a record under an id and token of his choosing
+    (as the server wrote them before records were signed) and resumes it: refused, and
+    its pickle never runs."""
+    store_dir, marker = tmp_path / "store", tmp_path / "the-pickle-ran"
+    async with serve("benchmark", durable=True, session_store=str(store_dir)) as server:
+        sid, token = new_session_id(1), new_token()  # pid 1: not one of this server's workers
+        record = _planted(sid, token, marker)
+        DirectoryStore(store_dir).put(sid, msgspec.msgpack.encode(record))
+        reply = await _resume_reply(server.url, sid, token)
+        await asyncio.sleep(0.2 * UNIT)  # a restore would have run by now
+        assert not marker.exists(), "the planted pickle ran"
+        assert reply["type"] == "error"
+        assert reply["data"]["code"] == "RESUME_FAILED"
+        assert "not one this server signed" in reply["data"]["message"]
+        assert str(store_dir) not in reply["data"]["message"]
+        durable = server.runtime.durable
+        assert durable is not None
+        assert durable.refused == 1
+        # Signed with another key (another server's, or a guessed one): refused the same way.
+        other = Durable(DirectoryStore(store_dir), key=os.urandom(32))
+        assert other.save(record)
+        reply = await _resume_reply(server.url, sid, token)
+        assert reply["data"]["code"] == "RESUME_FAILED"
+        assert durable.refused == 2
+        assert not marker.exists()
+
+
+async def test_an_altered_or_moved_record_is_refused(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "store")
+    durable = Durable(store, key=os.urandom(32))
+    sid, token = new_session_id(1), new_token()
+    record = _planted(sid, token, tmp_path / "marker")
+    assert durable.save(record)
+    good = durable.load(sid, token)
+    assert isinstance(good, SessionRecord)  # the server's own record reads back
+    raw = store.get(sid)
+    assert raw is not None
+    altered = bytearray(raw)
+    altered[-1] ^= 1
+    store.put(sid, bytes(altered))
+    refused = durable.load(sid, token)
+    assert isinstance(refused, ResumeError)
+    assert "not one this server signed" in str(refused)
+    other = new_session_id(1)  # the signature covers the id: a record cannot change names
+    store.put(other, raw)
+    assert isinstance(durable.load(other, token), ResumeError)
+    assert durable.refused == 2
+    assert not (tmp_path / "marker").exists()
+
+
+async def test_store_errors_sent_to_clients_carry_no_paths(tmp_path: Path) -> None:
+    store_dir = tmp_path / "a-secret-server-path"
+    store = DirectoryStore(store_dir)
+    durable = Durable(store)
+    sid = new_session_id(1)
+    (store_dir / sid).mkdir()  # reading the entry fails with an OSError naming its path
+    error = durable.load(sid, new_token())
+    assert isinstance(error, ResumeError)
+    assert "could not be read" in str(error)
+    assert "a-secret-server-path" not in str(error)
+
+
+async def test_key_files_must_be_the_servers_own_and_private(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    assert read_key_file(str(key)) == key.read_bytes()
+    key.chmod(0o640)
+    with pytest.raises(ConfigError, match="readable or writable by others"):
+        read_key_file(str(key))
+    key.chmod(0o600)
+    short = tmp_path / "short"
+    short.write_bytes(b"x" * 8)
+    short.chmod(0o600)
+    with pytest.raises(ConfigError, match="fewer than 32"):
+        read_key_file(str(short))
+    if os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    os.chown(key, 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        read_key_file(str(key))
+
+
+async def test_a_record_above_the_bound_ends_durability_not_the_worker(tmp_path: Path) -> None:
+    """A session whose state outgrows the record bound stops being durable (logged); the
+    others go on, and the session itself keeps being served."""
+    async with serve("benchmark", durable=True, session_store=str(tmp_path / "s")) as server:
+        durable = server.runtime.durable
+        assert durable is not None
+        durable.max_record_bytes = 4096
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset(seed=1)
+            assert list((tmp_path / "s").iterdir())  # its record is written
+            saved = durable.saved
+            await env.reset(seed=1, options={"state_kb": 64})  # 64 KiB of state: too big
+            assert durable.saved == saved  # not written: above the bound
+            assert list((tmp_path / "s").iterdir()) == []  # and its old record dropped
+            assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 1
+            assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 2

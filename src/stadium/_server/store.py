@@ -295,11 +295,12 @@ def why_not_private(path: str | os.PathLike[str]) -> str | None:
     info = os.stat(path)
     if info.st_uid != os.getuid():
         return f"is owned by uid {info.st_uid}, not the server's ({os.getuid()})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        who = "every user" if info.st_mode & stat.S_IWOTH else "its group"
-        return f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):o})"
-    if acl_grants_write(path):
+    if info.st_mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    if acl_grants_write(path):  # before the group bits: with an ACL, they show its mask
         return "has an ACL granting write to another user or group"
+    if info.st_mode & stat.S_IWGRP:
+        return f"is writable by its group (mode {stat.S_IMODE(info.st_mode):o})"
     return None
 
 
