@@ -13,7 +13,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from stadium._core.resume import TOKEN_HEADER, new_session_id, new_token
 from stadium._env.snapshot import _envelope
 from stadium._errors import ConfigError, ResumeError
 from stadium._server.durable import (
+    INLINE_BYTES,
     RECORD_VERSION,
     Durable,
     SessionRecord,
@@ -278,7 +281,8 @@ async def test_a_planted_record_is_refused_and_never_unpickled(tmp_path: Path) -
         assert durable.refused == 1
         # Signed with another key (another server's, or a guessed one): refused the same way.
         other = Durable(DirectoryStore(store_dir), key=os.urandom(32))
-        assert other.save(record)
+        assert not other.save(record)  # written at once
+        assert other.saved == 1
         reply = await _resume_reply(server.url, sid, token)
         assert reply["data"]["code"] == "RESUME_FAILED"
         assert durable.refused == 2
@@ -290,7 +294,8 @@ async def test_an_altered_or_moved_record_is_refused(tmp_path: Path) -> None:
     durable = Durable(store, key=os.urandom(32))
     sid, token = new_session_id(1), new_token()
     record = _planted(sid, token, tmp_path / "marker")
-    assert durable.save(record)
+    durable.save(record)
+    assert durable.saved == 1
     good = durable.load(sid, token)
     assert isinstance(good, SessionRecord)  # the server's own record reads back
     raw = store.get(sid)
@@ -357,3 +362,63 @@ async def test_a_record_above_the_bound_ends_durability_not_the_worker(tmp_path:
             assert list((tmp_path / "s").iterdir()) == []  # and its old record dropped
             assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 1
             assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 2
+
+
+class _GatedStore:
+    """A store whose writes of large records wait for ``gate`` (a slow disk, a big state)."""
+
+    def __init__(self, inner: DirectoryStore) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.threads: set[str] = set()
+
+    def put(self, key: str, data: bytes) -> None:
+        if len(data) > INLINE_BYTES:
+            self.threads.add(threading.current_thread().name)
+            self.entered.set()
+            assert self.gate.wait(5 * UNIT), "the gate was never opened"
+        self.inner.put(key, data)
+
+    def get(self, key: str) -> bytes | None:
+        return self.inner.get(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def keys(self) -> Iterator[str]:
+        return self.inner.keys()
+
+    def sweep(self, older_than_s: float) -> int:
+        return self.inner.sweep(older_than_s)
+
+
+async def test_a_large_record_is_written_off_the_event_loop(tmp_path: Path) -> None:
+    """While one session's large record is being written, the worker serves its other
+    sessions; that session's reply waits for its record, then comes."""
+    async with serve("benchmark", durable=True, session_store=str(tmp_path / "s")) as server:
+        durable = server.runtime.durable
+        assert durable is not None
+        assert isinstance(durable.store, DirectoryStore)
+        gated = durable.store = _GatedStore(durable.store)
+        async with stadium.AsyncClient(server.url) as big, stadium.AsyncClient(server.url) as small:
+            await big.reset(seed=1)
+            await small.reset(seed=2)
+            grow = asyncio.create_task(big.reset(seed=1, options={"state_kb": 1024}))
+            assert await asyncio.to_thread(gated.entered.wait, 10 * UNIT)
+            for i in range(3):  # its write is held: the other session goes on meanwhile
+                reply = await asyncio.wait_for(small.step({"wait_seconds": 0.0}), 10 * UNIT)
+                assert reply.observation["step_count"] == i + 1
+            assert not grow.done()  # its reply waits for its record
+            gated.gate.set()
+            await asyncio.wait_for(grow, 10 * UNIT)
+            assert gated.threads
+            assert all(t.startswith("stadium-store") for t in gated.threads)
+            sid, token = big.session_id, big._resume_token
+            assert sid is not None
+            assert token is not None
+            record = durable.load(sid, token)
+            assert isinstance(record, SessionRecord)
+            assert len(record.env) > 1024 * 1024  # the large state is what was written
+            assert (await big.step({"wait_seconds": 0.0})).observation["step_count"] == 1
+        await wait_until(lambda: not list((tmp_path / "s").iterdir()), 5 * UNIT, "records gone")

@@ -21,20 +21,24 @@ altered by whoever could write the store, or moved under another id — is refus
 with :class:`~stadium._errors.ResumeError` and never unpickled. Errors sent to
 clients never carry the store's paths (the log has the details).
 
-A record larger than :data:`MAX_RECORD_BYTES` is not written: the session stops being
-durable (logged, at most once per 10 s), since writing it before every reply would
-stall the worker's every session.
+Records larger than :data:`INLINE_BYTES` are encoded, signed and written in the store's
+threads, off the event loop (the reply waits for its record, the other sessions do not);
+smaller ones at once. A record larger than :data:`MAX_RECORD_BYTES` is not written:
+the session stops being durable (logged, at most once per 10 s); taking its snapshot
+on every reply would stall the worker's every session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import hmac
 import logging
 import os
 import random
 import stat
+from collections.abc import Callable
 
 import msgspec
 
@@ -48,6 +52,11 @@ RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 * 1024 * 1024
 """The largest record written (the env's snapshot and the replies kept): above it the
 session is no longer durable (see the module docstring)."""
+INLINE_BYTES = 64 * 1024
+"""Records with an env snapshot this size or smaller are written on the event loop
+(see :meth:`Durable.save`); larger ones in the store's threads."""
+WRITER_THREADS = 4
+"""Threads writing large records (one session's writes stay in order)."""
 KEY_BYTES = 32
 """The size of a generated key, and the least a key file must hold."""
 _SIGNED = b"STSIG1"
@@ -164,6 +173,9 @@ class Durable:
         self.refused = 0
         """Records read whose signature did not match (planted, altered or moved)."""
         self._sweeper: asyncio.TimerHandle | None = None
+        self._writing: dict[str, _Chain] = {}
+        """Sessions with a record being written off the event loop."""
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start_sweeping(self, older_than_s: float) -> None:
         """Remove records not written for ``older_than_s`` seconds, about every 5 minutes
@@ -190,9 +202,68 @@ class Durable:
         if removed:
             log.info("removed %d session records older than %.0f s", removed, older_than_s)
 
-    def save(self, record: SessionRecord) -> bool:
-        """Write ``record`` signed (atomically, replacing the last); ``False`` if the store
-        failed."""
+    def save(self, record: SessionRecord, written: Callable[[], None] | None = None) -> bool:
+        """Write ``record`` signed (atomically, replacing the last), in order with the
+        session's other writes; ``True`` when that happens off the event loop and
+        ``written`` is called once it is done (failed or not: a failure is counted and
+        logged), ``False`` when it was done here.
+
+        A record of :data:`INLINE_BYTES` or less is written at once when none of its
+        session's is in flight (microseconds: faster than a thread's round trip); a
+        larger one in the store's thread, so that it never stalls the other sessions.
+        A record made while its session's last one is being written waits for it; of
+        several waiting, only the latest is written.
+        """
+        sid = record.sid
+        chain = self._writing.get(sid)
+        if chain is not None:  # the session's last record is being written: this one after
+            chain.record = record
+            chain.dropped = False
+            if written is not None:
+                chain.waiting.append(written)
+            return written is not None
+        if written is None or len(record.env) <= INLINE_BYTES:
+            self._write(record)
+            return False
+        chain = self._writing[sid] = _Chain()
+        self._submit(sid, chain, record, [written])
+        return True
+
+    def after_writes(self, sid: str, written: Callable[[], None]) -> bool:
+        """Call ``written`` once the writes of session ``sid`` in flight are done; ``False``
+        (and nothing called) when none is."""
+        chain = self._writing.get(sid)
+        if chain is None:
+            return False
+        chain.waiting.append(written)
+        return True
+
+    def _submit(
+        self, sid: str, chain: _Chain, record: SessionRecord, done: list[Callable[[], None]]
+    ) -> None:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                WRITER_THREADS, thread_name_prefix="stadium-store"
+            )
+        future = asyncio.get_running_loop().run_in_executor(self._pool, self._write, record)
+        future.add_done_callback(lambda _f: self._chain_next(sid, chain, done))
+
+    def _chain_next(self, sid: str, chain: _Chain, done: list[Callable[[], None]]) -> None:
+        for written in done:
+            written()
+        if chain.record is not None:
+            record, chain.record = chain.record, None
+            waiting, chain.waiting = chain.waiting, []
+            self._submit(sid, chain, record, waiting)
+            return
+        del self._writing[sid]
+        if chain.dropped:
+            self._delete(sid)
+        for written in chain.waiting:
+            written()
+
+    def _write(self, record: SessionRecord) -> bool:
+        """Encode, sign and put ``record`` (on the event loop or in the store's thread)."""
         data = _ENCODER.encode(record)
         try:
             self.store.put(record.sid, _SIGNED + _mac(self._key, record.sid, data) + data)
@@ -202,6 +273,13 @@ class Durable:
             return False
         self.saved += 1
         return True
+
+    def close(self) -> None:
+        """Finish the writes in flight (the worker is stopping) and stop the thread."""
+        self.stop_sweeping()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def load(self, sid: str, token: str) -> SessionRecord | ResumeError:
         """The record of session ``sid`` if ``token`` is its resume token and this server's
@@ -249,11 +327,33 @@ class Durable:
         return record
 
     def drop(self, sid: str) -> None:
-        """Forget session ``sid`` (it ended)."""
+        """Forget session ``sid`` (it ended), once its writes in flight are done."""
+        chain = self._writing.get(sid)
+        if chain is not None:
+            chain.record = None
+            chain.dropped = True
+            return
+        self._delete(sid)
+
+    def _delete(self, sid: str) -> None:
         try:
             self.store.delete(sid)
         except (OSError, ValueError) as exc:
             log.warning("durable session %s: deleting its record failed: %s", sid, exc)
+
+
+class _Chain:
+    """One session's record writes off the event loop: what waits for the one in flight."""
+
+    __slots__ = ("dropped", "record", "waiting")
+
+    def __init__(self) -> None:
+        self.record: SessionRecord | None = None
+        """The latest record made meanwhile (written next)."""
+        self.waiting: list[Callable[[], None]] = []
+        """Called once the next write (or, with none, the one in flight) is done."""
+        self.dropped = False
+        """The session ended: its record is deleted after the write in flight."""
 
 
 def _not_stored(sid: str) -> ResumeError:
@@ -266,6 +366,7 @@ def _not_stored(sid: str) -> ResumeError:
 
 
 __all__ = [
+    "INLINE_BYTES",
     "KEY_BYTES",
     "MAX_RECORD_BYTES",
     "RECORD_VERSION",
