@@ -17,6 +17,8 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -320,3 +322,84 @@ async def test_a_name_that_cannot_be_bound_does_not_end_the_worker(
         server.close()
     finally:
         handoff.close()
+
+
+_PREBOUND = r"""
+import os, resource, signal, socket, subprocess, sys, time, urllib.request
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+with open("/proc/sys/kernel/pid_max") as f:
+    pid_max = int(f.read())
+first = os.getpid() + 1
+pids = [300 + (first + i - 300) % (pid_max - 300) for i in range(4000)]
+ready_r, ready_w = os.pipe()
+attacker = os.fork()
+if attacker == 0:  # another user takes every name the next workers could use
+    resource.setrlimit(resource.RLIMIT_NOFILE, (8192, 8192))
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    held = []
+    for pid in pids:
+        for kind in (socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
+            s = socket.socket(socket.AF_UNIX, kind)
+            try:
+                s.bind(b"\0stadium-handoff-127.0.0.1:%d-%d" % (port, pid))
+                held.append(s)
+            except OSError:
+                s.close()
+    os.write(ready_w, b"%d" % len(held))
+    time.sleep(3600)
+    os._exit(0)
+print("names held by uid 65534:", os.read(ready_r, 32).decode(), flush=True)
+server = subprocess.Popen(
+    [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "127.0.0.1",
+     "--port", str(port), "--workers", "2", "--log-level", "warning"],
+    stderr=subprocess.PIPE, text=True,
+)
+healthy = False
+deadline = time.monotonic() + float(sys.argv[1])
+try:
+    while time.monotonic() < deadline and server.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                healthy = r.status == 200
+                if healthy:
+                    break
+        except OSError:
+            time.sleep(0.1)
+    time.sleep(0.5)  # a worker that died at start would be logged by now
+finally:
+    server.send_signal(signal.SIGTERM)
+    try:
+        _, err = server.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        _, err = server.communicate()
+    os.kill(attacker, signal.SIGKILL)
+    os.waitpid(attacker, 0)
+print("healthy:", healthy, flush=True)
+print("stderr:", err, flush=True)
+"""
+
+
+@needs_root
+@pytest.mark.slow
+async def test_names_taken_before_start_do_not_stop_the_workers(tmp_path: Path) -> None:
+    """In a private network namespace (abstract socket names are per namespace), another
+    user binds the hand-off names of the next 4,000 pids before the server starts: its
+    workers start and serve all the same (they used to die at start with EADDRINUSE)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2)")
+    script = tmp_path / "prebound.py"
+    script.write_text(_PREBOUND)
+    result = await asyncio.to_thread(
+        subprocess.run,
+        ["unshare", "-n", sys.executable, str(script), str(30 * UNIT)],
+        capture_output=True, text=True, timeout=120 * UNIT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "names held by uid 65534: 8000" in result.stdout
+    assert "healthy: True" in result.stdout, result.stdout
+    assert "Address already in use" not in result.stdout
+    assert "failed" not in result.stdout.partition("stderr:")[2]
