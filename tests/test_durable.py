@@ -422,3 +422,29 @@ async def test_a_large_record_is_written_off_the_event_loop(tmp_path: Path) -> N
             assert len(record.env) > 1024 * 1024  # the large state is what was written
             assert (await big.step({"wait_seconds": 0.0})).observation["step_count"] == 1
         await wait_until(lambda: not list((tmp_path / "s").iterdir()), 5 * UNIT, "records gone")
+
+
+@pytest.mark.slow
+async def test_a_refused_store_or_key_stops_the_server_before_its_workers_start(
+    tmp_path: Path,
+) -> None:
+    """Refused once at start, with the reason (not by every worker, restarted forever)."""
+    group = tmp_path / "group-writable"
+    group.mkdir()
+    group.chmod(0o770)
+    short = tmp_path / "short.key"
+    short.write_bytes(b"x" * 8)
+    short.chmod(0o600)
+    for args, says in (
+        (["--session-store", str(group)], "writable by its group"),
+        (["--session-store-key", str(short)], "fewer than 32"),
+    ):
+        result = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "stadium", "serve", "benchmark", "--port", "0",
+             "--workers", "2", "--durable", *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert says in result.stderr
+        assert "worker" not in result.stderr  # no worker was started

@@ -112,7 +112,7 @@ def read_key_file(path: str) -> bytes:
     """
     make = f"make one with: head -c {KEY_BYTES} /dev/urandom > FILE && chmod 600 FILE"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(
             f"cannot read --session-store-key: {exc.strerror or exc}; {make}", path=path

@@ -45,11 +45,12 @@ from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError
 from stadium._server.admission import SharedSlots, Slots
 from stadium._server.config import ServerConfig, default_session_store
-from stadium._server.durable import process_key
+from stadium._server.durable import process_key, read_key_file
 from stadium._server.invoke import running_pool_threads
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
+from stadium._server.store import store_from_url
 from stadium._server.supervisor import Supervisor
 from stadium._server.transports.handoff import Handoff, private_dir
 from stadium._server.transports.picows import PicowsTransport
@@ -516,8 +517,11 @@ def run_server(config: ServerConfig) -> int:
     if config.durable:  # made before the workers fork: they share the directory and the key
         if not config.session_store:
             config = dataclasses.replace(config, session_store=default_session_store())
-        if not config.session_store_key:
+        if config.session_store_key:
+            read_key_file(config.session_store_key)  # refused here, not in every worker
+        else:
             process_key()
+        store_from_url(config.session_store)
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
     if config.workers == 1:
