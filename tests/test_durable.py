@@ -24,7 +24,7 @@ import pytest
 import websockets
 
 import stadium
-from stadium._core.resume import TOKEN_HEADER, new_session_id, new_token
+from stadium._core.resume import TOKEN_HEADER, ResumeChannel, new_session_id, new_token
 from stadium._env.snapshot import _envelope
 from stadium._errors import ConfigError, ResumeError
 from stadium._server.durable import (
@@ -448,3 +448,42 @@ async def test_a_refused_store_or_key_stops_the_server_before_its_workers_start(
         assert result.returncode == 2, result.stderr
         assert says in result.stderr
         assert "worker" not in result.stderr  # no worker was started
+
+
+class _Target:
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.closed: tuple[int, str] | None = None
+
+    def send(self, data: bytes) -> None:
+        assert self.closed is None, "sent after close"
+        self.sent.append(data)
+
+    def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+
+async def test_replies_wait_for_their_record_in_order_and_the_close_after_them() -> None:
+    target = _Target()
+    channel = ResumeChannel(target)
+    deferred = {b"a", b"c"}  # a and c have records written off the loop; b does not
+    channel.persist = lambda frame: frame in deferred
+    for frame in (b"a", b"b", b"c"):
+        channel.send(frame)
+    assert target.sent == []  # b waits behind a
+    channel.close(1000, "done")
+    assert target.closed is None  # the close waits behind the replies
+    channel.written(1)
+    assert target.sent == [b"a", b"b"]
+    channel.written(3)
+    assert target.sent == [b"a", b"b", b"c"]
+    assert target.closed == (1000, "done")
+    # Detached meanwhile: the replies stay for the replay, nothing goes to the old connection.
+    other = _Target()
+    channel = ResumeChannel(other)
+    channel.persist = lambda frame: True
+    channel.send(b"x")
+    channel.detach()
+    channel.written(1)
+    assert other.sent == []
+    assert channel.replay(0) == [b"x"]
