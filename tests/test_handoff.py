@@ -32,6 +32,7 @@ from tests.conftest import UNIT, wait_until
 pytestmark = pytest.mark.asyncio
 
 NOBODY = 65534
+_REPO = str(Path(__file__).resolve().parent.parent)
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0, reason="acting as another local user (setuid) needs root"
 )
@@ -403,3 +404,117 @@ async def test_names_taken_before_start_do_not_stop_the_workers(tmp_path: Path) 
     assert "healthy: True" in result.stdout, result.stdout
     assert "Address already in use" not in result.stdout
     assert "failed" not in result.stdout.partition("stderr:")[2]
+
+
+_HIJACK = r"""
+import asyncio, glob, os, select, signal, socket, subprocess, sys, tempfile, time
+import urllib.request
+sys.path.insert(0, sys.argv[2])  # the repository: tests.relay
+import stadium
+from tests.relay import relay_to
+
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+server = subprocess.Popen(
+    [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "127.0.0.1",
+     "--port", str(port), "--workers", "2", "--log-level", "error", "--drain-timeout", "1"],
+    start_new_session=True,
+)
+url = f"http://127.0.0.1:{port}"
+for _ in range(600):
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1):
+            break
+    except OSError:
+        time.sleep(0.05)
+to_attacker_r, to_attacker_w = os.pipe()
+from_attacker_r, from_attacker_w = os.pipe()
+attacker = os.fork()
+if attacker == 0:  # another user: takes every name the dead worker had, waits for a resume
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+    victim = int(os.read(to_attacker_r, 32))
+    socks = []
+    names = [b"\0stadium-handoff-127.0.0.1:%d-%d" % (port, victim)]
+    for base in {tempfile.gettempdir(), "/tmp", os.environ.get("XDG_RUNTIME_DIR", "/tmp")}:
+        names += [os.path.join(d, str(victim)) for d in glob.glob(base + "/stadium-handoff-*")]
+    for name in names:
+        for kind in (socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
+            s = socket.socket(socket.AF_UNIX, kind)
+            try:
+                s.bind(name)
+                if kind == socket.SOCK_SEQPACKET:
+                    s.listen(8)
+                socks.append(s)
+            except OSError:
+                s.close()
+    os.write(from_attacker_w, b"bound %d;" % len(socks))
+    got = 0
+    deadline = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select(socks, [], [], 0.2)
+        for s in ready:
+            if s.type == socket.SOCK_SEQPACKET:
+                conn, _ = s.accept()
+                _, fds, _, _ = socket.recv_fds(conn, 65536, 4)
+            else:
+                _, fds, _, _ = socket.recv_fds(s, 65536, 4)
+            got += len(fds)
+            for fd in fds:
+                os.close(fd)
+    os.write(from_attacker_w, b"received %d" % got)
+    os._exit(0)
+
+
+async def main() -> None:
+    async with relay_to(url) as relay:
+        async with stadium.AsyncClient(relay.url, max_retries=60) as env:
+            await env.reset(seed=1)
+            victim = (await env.step({"wait_seconds": 0.0})).observation["pid"]
+            relay.refusing = True  # no resume until the name is taken
+            os.kill(victim, signal.SIGKILL)
+            relay.cut()
+            while os.path.exists(f"/proc/{victim}"):  # reaped by the supervisor
+                await asyncio.sleep(0.02)
+            os.write(to_attacker_w, b"%d" % victim)
+            print(await asyncio.to_thread(os.read, from_attacker_r, 64), flush=True)
+            relay.refusing = False
+            try:
+                await asyncio.wait_for(env.step({"wait_seconds": 0.0}), float(sys.argv[1]) / 2)
+                print("client: resumed", flush=True)
+            except Exception as exc:
+                print("client:", type(exc).__name__, str(exc)[:120], flush=True)
+
+
+try:
+    asyncio.run(main())
+    _, status = os.waitpid(attacker, 0)
+    print(os.read(from_attacker_r, 64).decode(), flush=True)
+finally:
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait()
+"""
+
+
+@needs_root
+@pytest.mark.slow
+async def test_a_resume_is_never_handed_to_another_user_holding_a_dead_workers_name(
+    tmp_path: Path,
+) -> None:
+    """End to end, in a private network namespace: a worker holding a session is killed;
+    another user binds every name it had (abstract, and in any hand-off directory he can
+    list); the client resumes, another worker takes the resume: it is handed to no one
+    (the session was not durable: the client is told it is gone)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        pytest.skip("needs unshare and ip (util-linux, iproute2)")
+    script = tmp_path / "hijack.py"
+    script.write_text(_HIJACK)
+    result = await asyncio.to_thread(
+        subprocess.run,
+        ["unshare", "-n", sys.executable, str(script), str(10 * UNIT), _REPO],
+        capture_output=True, text=True, timeout=120 * UNIT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "received 0" in result.stdout, result.stdout
+    assert "client: ResumeError" in result.stdout, result.stdout
