@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from stadium._server.transports import handoff as handoff_module
 from stadium._server.transports.handoff import Handoff, parent_pid, private_dir
 from tests.conftest import UNIT, wait_until
 
@@ -518,3 +519,22 @@ async def test_a_resume_is_never_handed_to_another_user_holding_a_dead_workers_n
     assert result.returncode == 0, result.stdout + result.stderr
     assert "received 0" in result.stdout, result.stdout
     assert "client: ResumeError" in result.stdout, result.stdout
+
+
+async def test_a_sibling_that_connects_and_sends_nothing_is_dropped(
+    directory: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(handoff_module, "PENDING_S", 0.2 * UNIT)
+    adopted = _Adopted()
+    handoff = Handoff(asyncio.get_running_loop(), directory, adopted)
+    baseline = _open_fds()
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        idle.connect(handoff.path(os.getpid()))  # and says nothing
+        await wait_until(lambda: handoff.refused == 1, 5 * UNIT, "dropped")
+        assert adopted.calls == []
+        idle.close()
+        assert _open_fds() == baseline
+    finally:
+        idle.close()
+        handoff.close()

@@ -230,6 +230,7 @@ class Handoff:
                     return
                 self._refuse("out of descriptors")
                 return
+            conn.setblocking(False)  # accept() makes a blocking socket
             why = self._why_not_sibling(conn)
             if why is not None:
                 conn.close()  # unread: the kernel drops what is in flight, descriptors too
