@@ -522,6 +522,11 @@ def run_server(config: ServerConfig) -> int:
         else:
             process_key()
         store_from_url(config.session_store)
+        log.info(
+            "--durable: session records in %s, signed with %s",
+            config.session_store,
+            "the key in --session-store-key" if config.session_store_key else "a key made now",
+        )
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
     if config.workers == 1:

@@ -27,8 +27,9 @@ signs and checks every record with a key only the server holds). The store's
 directory must be the server's own: :class:`DirectoryStore` refuses one owned by
 another user, writable by its group or by others, or whose POSIX ACL grants
 write to anyone else; files are created ``0600`` and a directory it creates ``0700``.
-Errors name the key, never the directory (they may reach clients): the directory
-is in the server's log, once, when the store opens.
+Errors of :meth:`DirectoryStore.get` name the key, never the directory; the
+``OSError`` of a failed read or write names its file, and is for the log only
+(``durable`` answers clients without it; ``stadium serve`` logs the directory at start).
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ class DirectoryStore:
 
     Raises:
         ConfigError: ``path`` cannot be created, is not a directory, is not writable,
-            or is writable by every user (``/tmp`` itself: anyone could plant a pickle).
+            or is not private to the server's user (:func:`why_not_private`: owned by
+            another user, writable by its group or others, or an ACL grants write).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
