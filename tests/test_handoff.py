@@ -493,8 +493,12 @@ try:
     _, status = os.waitpid(attacker, 0)
     print(os.read(from_attacker_r, 64).decode(), flush=True)
 finally:
-    os.killpg(server.pid, signal.SIGKILL)
-    server.wait()
+    server.terminate()  # SIGTERM: it removes its hand-off directory
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 """
 
 
