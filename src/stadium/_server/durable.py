@@ -222,12 +222,12 @@ class Durable:
             if written is not None:
                 chain.waiting.append(written)
             return written is not None
-        if written is None or len(record.env) <= INLINE_BYTES:
+        if len(record.env) <= INLINE_BYTES:
             self._write(record)
             return False
         chain = self._writing[sid] = _Chain()
-        self._submit(sid, chain, record, [written])
-        return True
+        self._submit(sid, chain, record, [] if written is None else [written])
+        return written is not None
 
     def after_writes(self, sid: str, written: Callable[[], None]) -> bool:
         """Call ``written`` once the writes of session ``sid`` in flight are done; ``False``
