@@ -177,6 +177,63 @@ async def end_to_end(cuts: int, forks: int, detached: int) -> dict[str, Any]:
     return out
 
 
+async def big_state(state_kb: int, steps: int) -> dict[str, float]:
+    """What a session with a large state costs the others (``--durable``): one client
+    steps a session holding ``state_kb`` KiB while another steps a small one on the same
+    one-worker server; the small session's step latency, against the same with no
+    large session."""
+    store = tempfile.mkdtemp(prefix="stadium-bench-", dir="/var/tmp")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stadium", "serve", "benchmark", "--host", "127.0.0.1",
+         "--port", str(port), "--log-level", "warning", "--drain-timeout", "1",
+         "--durable", "--session-store", os.path.join(store, "s")],
+    )  # fmt: skip
+    out: dict[str, float] = {}
+    try:
+        await _wait_healthy(url)
+
+        async def small_steps() -> list[float]:
+            took = []
+            async with stadium.AsyncClient(url) as small:
+                await small.reset()
+                for _ in range(steps):
+                    t = time.perf_counter()
+                    await small.step({"wait_seconds": 0.0})
+                    took.append(time.perf_counter() - t)
+            return took
+
+        alone = await small_steps()
+        async with stadium.AsyncClient(url) as big:
+            await big.reset(options={"state_kb": state_kb})
+            done = asyncio.Event()
+            big_steps = 0
+
+            async def stepping() -> None:
+                nonlocal big_steps
+                while not done.is_set() and big_steps < 100 * steps:
+                    await big.step({"wait_seconds": 0.0})
+                    big_steps += 1
+
+            task = asyncio.create_task(stepping())
+            await asyncio.sleep(0.2)
+            beside = await small_steps()
+            done.set()
+            await task
+        for name, took in (("alone", alone), ("beside", beside)):
+            took.sort()
+            out[f"small step ms {name}: median"] = statistics.median(took) * 1e3
+            out[f"small step ms {name}: p99"] = took[int(len(took) * 0.99) - 1] * 1e3
+            out[f"small step ms {name}: max"] = took[-1] * 1e3
+        out["big session steps meanwhile"] = big_steps
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        shutil.rmtree(store, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20000)
@@ -184,7 +241,20 @@ def main() -> None:
     p.add_argument("--cuts", type=int, default=50)
     p.add_argument("--forks", type=int, default=200)
     p.add_argument("--sessions", type=int, default=2000)
+    p.add_argument(
+        "--big-state-kb",
+        type=int,
+        default=0,
+        help="only measure what a durable session holding this much state costs the others",
+    )
     a = p.parse_args()
+    if a.big_state_kb:
+        with asyncio.Runner(loop_factory=new_event_loop) as r:
+            big = r.run(big_state(a.big_state_kb, a.steps))
+        print(f"--durable, one session holding {a.big_state_kb} KiB beside a small one:")
+        for k, v in big.items():
+            print(f"  {k}: {round(v, 3)}")
+        return
     with asyncio.Runner(loop_factory=new_event_loop) as r:
         steps = r.run(per_step(a.steps, a.reps))
     print("server CPU per step, in process (µs; median of", a.reps, "alternated batches)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import stat
+import struct
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,15 @@ from pathlib import Path
 import pytest
 
 from stadium._errors import ConfigError
-from stadium._server.store import DirectoryStore, SessionStore, check_key, store_from_url
+from stadium._server import config as config_module
+from stadium._server.config import default_session_store
+from stadium._server.store import (
+    DirectoryStore,
+    SessionStore,
+    acl_grants_write,
+    check_key,
+    store_from_url,
+)
 
 
 @pytest.fixture(params=[False, True], ids=["plain", "fsync"])
@@ -89,6 +99,100 @@ def test_a_directory_every_user_can_write_is_refused(tmp_path: Path) -> None:
         DirectoryStore(open_dir)
 
 
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving a directory to another uid needs root (chown)"
+)
+
+
+@needs_root
+def test_a_directory_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    """A co-tenant pre-creates the directory (0700, his): he could plant records in it."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ConfigError, match="owned by uid 65534") as info:
+        DirectoryStore(theirs)
+    assert "only it can write" in info.value.message
+
+
+def test_a_directory_its_group_can_write_is_refused(tmp_path: Path) -> None:
+    group = tmp_path / "group"
+    group.mkdir()
+    os.chmod(group, 0o770)
+    with pytest.raises(ConfigError, match="writable by its group"):
+        DirectoryStore(group)
+
+
+def _acl(*entries: tuple[int, int, int]) -> bytes:
+    """A ``system.posix_acl_access`` value (version 2, then tag/perm/id entries)."""
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+_NO_ID = 0xFFFFFFFF
+
+
+def test_a_directory_whose_acl_grants_write_is_refused(tmp_path: Path) -> None:
+    acl_dir = tmp_path / "acl"
+    acl_dir.mkdir(mode=0o700)
+    # user::rwx, user:65534:rwx, group::---, mask::rwx, other::--- (like setfacl -m u:nobody:rwx)
+    granting = _acl(
+        (0x01, 7, _NO_ID), (0x02, 7, 65534), (0x04, 0, _NO_ID), (0x10, 7, _NO_ID), (0x20, 0, _NO_ID)
+    )
+    try:
+        os.setxattr(acl_dir, "system.posix_acl_access", granting)
+    except OSError as exc:
+        pytest.skip(f"this filesystem takes no POSIX ACLs: {exc.strerror}")
+    assert acl_grants_write(acl_dir)
+    with pytest.raises(ConfigError, match="ACL granting write"):
+        DirectoryStore(acl_dir)
+    # An entry whose write the mask takes away grants nothing (and the mode stays private).
+    masked = _acl(
+        (0x01, 7, _NO_ID), (0x02, 7, 65534), (0x04, 0, _NO_ID), (0x10, 5, _NO_ID), (0x20, 0, _NO_ID)
+    )
+    os.setxattr(acl_dir, "system.posix_acl_access", masked)
+    os.chmod(acl_dir, 0o750)
+    assert not acl_grants_write(acl_dir)
+    DirectoryStore(acl_dir).put("s", b"x")
+
+
+def test_the_default_store_is_a_private_directory_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a predictable name a co-tenant can pre-create: made by the server, 0700, its own."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(config_module, "_DEFAULT_STORE", [])
+    if os.geteuid() == 0:  # the old predictable name, pre-created by another user
+        planted = tmp_path / f"stadium-sessions-{os.getuid()}"
+        planted.mkdir(mode=0o700)
+        os.chown(planted, 65534, 65534)
+    path = default_session_store()
+    assert default_session_store() == path  # one per server: its workers share it
+    info = os.stat(path)
+    assert info.st_uid == os.getuid()
+    assert stat.S_IMODE(info.st_mode) == 0o700
+    assert Path(path).parent == tmp_path
+    assert Path(path).name.startswith("stadium-sessions-")
+    assert Path(path).name != f"stadium-sessions-{os.getuid()}"
+    DirectoryStore(path).put("s", b"x")
+    # Under $XDG_RUNTIME_DIR when that is the user's own and private.
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.setattr(config_module, "_DEFAULT_STORE", [])
+    assert Path(default_session_store()).parent == runtime
+
+
+def test_store_errors_name_the_key_not_the_directory(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path / "hidden-path")
+    store.put("s", b"x")
+    with open(store.path / "s", "r+b") as file:
+        file.write(b"XXXX")  # not a store entry any more
+    with pytest.raises(ValueError) as info:
+        store.get("s")
+    assert "hidden-path" not in str(info.value)
+
+
 def test_a_read_only_directory_is_a_config_error(tmp_path: Path) -> None:
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only directories; the file-as-parent case covers it")
@@ -104,21 +208,25 @@ def test_a_read_only_directory_is_a_config_error(tmp_path: Path) -> None:
 
 def test_writes_are_atomic_under_a_concurrent_reader(store: DirectoryStore) -> None:
     """A reader never sees a partial file: every read is a whole blob of one writer's put."""
-    size, writes = 256 * 1024, 60
+    size, writes = 256 * 1024, (60 if store.fsync else 1000)
     blobs = [bytes([i]) * size for i in range(4)]
     done = threading.Event()
     seen: list[bytes | None] = []
     bad: list[str] = []
+    raised: list[BaseException] = []
 
     def reader() -> None:
         deadline = time.monotonic() + 30
-        for _ in range(100_000):
-            if done.is_set() or time.monotonic() > deadline:
-                break
-            data = store.get("s")
-            if data is not None and data not in blobs:
-                bad.append(f"read {len(data)} bytes starting {data[:4]!r}")
-            seen.append(data if data is None else data[:1])
+        try:
+            for _ in range(100_000):
+                if done.is_set() or time.monotonic() > deadline:
+                    break
+                data = store.get("s")
+                if data is not None and data not in blobs:
+                    bad.append(f"read {len(data)} bytes starting {data[:4]!r}")
+                seen.append(data if data is None else data[:1])
+        except BaseException as exc:  # the test fails on it (a thread's error only warns)
+            raised.append(exc)
 
     thread = threading.Thread(target=reader)
     thread.start()
@@ -129,6 +237,7 @@ def test_writes_are_atomic_under_a_concurrent_reader(store: DirectoryStore) -> N
         done.set()
         thread.join(timeout=60)
     assert not thread.is_alive()
+    assert raised == []
     assert bad == []
     assert store.get("s") == blobs[(writes - 1) % len(blobs)]
     assert [n for n in os.listdir(store.path) if n != "s"] == []  # no temp file left

@@ -174,24 +174,40 @@ class ResumeChannel:
     a new connection and says which replies the client missed.
     """
 
-    __slots__ = ("after_held", "count", "held", "persist", "recent", "target")
+    __slots__ = (
+        "_closing",
+        "_unsent",
+        "_written",
+        "after_held",
+        "count",
+        "held",
+        "persist",
+        "recent",
+        "target",
+    )
 
     def __init__(self, target: Target) -> None:
         self.target: Target | None = target
-        self.persist: Callable[[bytes | None], None] | None = None
+        self.persist: Callable[[bytes | None], bool] | None = None
         """A durable session's writer (``durable``), called with each reply before it is
-        sent (``count`` already includes it)."""
+        sent (``count`` already includes it): ``True`` when the reply's record is being
+        written off the event loop, and :meth:`written` will be called with ``count``
+        once it is (the reply is sent then); ``False`` when it may be sent now."""
         self.after_held: Callable[[], None] | None = None
         """Called once, after the next reply held (a batch's resume waiting for it)."""
         self.recent: collections.deque[bytes] = collections.deque(maxlen=REPLAY_FRAMES)
         self.held: list[bytes] = []
         self.count = 0
         """Replies made on the session, from its start."""
+        self._unsent: collections.deque[tuple[int, Target, bytes, bool]] = collections.deque()
+        """Replies waiting for their record (or an earlier one's), in order: number,
+        connection, bytes, whether a record is written for it."""
+        self._written = 0
+        self._closing: tuple[int, str] | None = None
 
     def send(self, data: bytes) -> None:
         self.count += 1
-        if self.persist is not None:
-            self.persist(data)
+        deferred = self.persist is not None and self.persist(data)
         target = self.target
         if target is None:
             self.held.append(data)
@@ -200,14 +216,39 @@ class ResumeChannel:
                 after()
             return
         self.recent.append(data)
+        if deferred or self._unsent:  # after its record, and after the replies before it
+            self._unsent.append((self.count, target, data, deferred))
+            self._flush()
+            return
         target.send(data)
+
+    def written(self, count: int) -> None:
+        """The record made for reply ``count`` is written: send the replies it held back."""
+        self._written = max(self._written, count)
+        self._flush()
+
+    def _flush(self) -> None:
+        unsent = self._unsent
+        while unsent and (unsent[0][0] <= self._written or not unsent[0][3]):
+            _n, target, data, _deferred = unsent.popleft()
+            if target is self.target:
+                target.send(data)
+        if not unsent and self._closing is not None and self.target is not None:
+            code, reason = self._closing
+            self._closing = None
+            self.target.close(code, reason)
 
     def close(self, code: int, reason: str) -> None:
         if self.target is not None:
+            if self._unsent:  # after the replies waiting for their record
+                self._closing = (code, reason)
+                return
             self.target.close(code, reason)
 
     def detach(self) -> None:
         self.target = None
+        self._unsent.clear()  # kept in ``recent``: replayed to the client that resumes
+        self._closing = None
 
     def replay(self, received: int) -> list[bytes] | None:
         """The replies a client that got ``received`` of them missed, oldest first;

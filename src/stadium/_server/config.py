@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -79,8 +81,14 @@ class ServerConfig:
             ``session_store`` before each reply, so that a session whose worker or
             node died is restored when its client resumes (``durable``).
         session_store: where durable sessions are written: a directory (``dir:/path``
-            or a path; shared between nodes on a cluster). Default: a directory in
-            the system's temporary directory, for this user.
+            or a path; shared between nodes on a cluster), owned by the server's user
+            and writable by it only. Default: a private directory the server creates
+            (``0700``, an unpredictable name under ``$XDG_RUNTIME_DIR`` or the
+            temporary directory), removed when it exits.
+        session_store_key: a file (``0600``, the server's user's) holding the key the
+            records are signed with, for a store other servers read too (another node,
+            a restart). Default: a key generated when the server starts, held in its
+            processes' memory only (records outlive a worker, not the server).
     """
 
     target: str
@@ -121,6 +129,8 @@ class ServerConfig:
     durable: bool = False
     session_store: str = ""
     """``""``: :func:`default_session_store`, looked up only with ``durable``."""
+    session_store_key: str = ""
+    """``""``: a key of the server's own (``durable.process_key``)."""
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
@@ -137,6 +147,10 @@ class ServerConfig:
         _check(
             not (self.durable and self.resume_grace == 0),
             "--durable needs resumable sessions: give --resume-grace above 0",
+        )
+        _check(
+            self.durable or not (self.session_store or self.session_store_key),
+            "--session-store and --session-store-key are for durable sessions: add --durable",
         )
         _check(self.ping_interval >= 0 and self.ping_timeout >= 0, "ping settings must be >= 0")
         _check(
@@ -225,20 +239,43 @@ class ServerConfig:
         return cls(**kwargs)
 
 
+_DEFAULT_STORE: list[str] = []
+"""This process's default store directory, once made (inherited by forked workers)."""
+
+
 def default_session_store() -> str:
-    """``--session-store``'s default: a directory of this user's in the temporary directory.
+    """``--session-store``'s default: a private directory this server creates (``0700``,
+    owned by its user, an unpredictable name) under ``$XDG_RUNTIME_DIR`` when that is
+    the user's own, else in the temporary directory; the same one for every worker
+    forked after the first call; removed when the process that made it exits.
 
     Raises:
         ConfigError: there is no usable temporary directory (e.g. a read-only root).
     """
+    if _DEFAULT_STORE:
+        return _DEFAULT_STORE[0]
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     try:
-        tmp = tempfile.gettempdir()
-    except FileNotFoundError as exc:
+        info = os.stat(runtime) if runtime else None
+    except OSError:
+        info = None
+    private = info is not None and info.st_uid == os.getuid() and not info.st_mode & 0o077
+    try:
+        path = tempfile.mkdtemp(prefix="stadium-sessions-", dir=runtime if private else None)
+    except OSError as exc:
         raise ConfigError(
-            f"--durable: no writable temporary directory for the session store ({exc}); "
-            "give --session-store DIR"
+            f"--durable: cannot create a private directory for the session store "
+            f"({exc.strerror or exc}); give --session-store DIR"
         ) from None
-    return os.path.join(tmp, f"stadium-sessions-{os.getuid()}")
+    _DEFAULT_STORE.append(path)
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:  # not in forked workers (they end with os._exit anyway)
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
 
 
 def read_token_file(path: str) -> str:
@@ -383,8 +420,15 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--session-store",
             metavar="DIR",
-            help="Where --durable writes sessions (a directory, shared between nodes on a "
-            "cluster) [$TMPDIR/stadium-sessions-UID].",
+            help="Where --durable writes sessions: a directory only the server's user can "
+            "write (shared between nodes on a cluster) [a private one, made at start].",
+        ),
+        click.option(
+            "--session-store-key",
+            metavar="FILE",
+            type=click.Path(dir_okay=False),
+            help="Key file (0600, >= 32 bytes) signing --session-store records, for a store "
+            "other servers or nodes read too [a key made at start, in memory only].",
         ),
     ]
     for option in reversed(options):

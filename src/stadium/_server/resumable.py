@@ -26,7 +26,7 @@ from stadium._core.resume import (
 from stadium._env.snapshot import snapshot_env
 from stadium._errors import ResumeError, StadiumError
 from stadium._server.doorway import Door
-from stadium._server.durable import RECORD_VERSION, SessionRecord, token_digest
+from stadium._server.durable import RECORD_VERSION, Durable, SessionRecord, token_digest
 from stadium._server.runtime import CLOSE_GOING_AWAY, CLOSE_POLICY, Channel, Phase, Runtime
 from stadium._util.throttle import ThrottledLog
 
@@ -73,7 +73,7 @@ class ResumeHost(Protocol):
 
     def _take(self, channel: ResumeChannel, target: Target) -> None: ...
 
-    def _persist(self, frame: bytes | None) -> None: ...
+    def _persist(self, frame: bytes | None) -> bool: ...
 
     def _resume_later(self, ask: ResumeAsk, target: Target, where: Where) -> None: ...
 
@@ -237,38 +237,60 @@ class ResumableSession:
         durable.drop(record.sid)
         self.runtime.outcomes["restored"] += 1
 
-    def _persist(self, frame: bytes | None) -> None:
-        """Write this durable session's record (``durable``): before ``frame`` is sent."""
+    def _persist(self, frame: bytes | None) -> bool:
+        """Write this durable session's record (``durable``): before ``frame`` is sent.
+        ``True``: the record is being written off the event loop, and the channel is told
+        when it is (``ResumeChannel.written``) to send ``frame`` then."""
         channel = self.channel
         durable = self.runtime.durable
         assert isinstance(channel, ResumeChannel)
         assert durable is not None
         assert self.resume_id is not None
+        sid = self.resume_id
+        count = channel.count
         try:
             blob = snapshot_env(self.env)
         except StadiumError as exc:  # this env cannot be durable: say so once, go on without
-            _SNAPSHOT_ERRORS("session %s is no longer durable: %s", self.resume_id, exc)
-            channel.persist = None
-            durable.drop(self.resume_id)
-            return
+            _SNAPSHOT_ERRORS("session %s is no longer durable: %s", sid, exc)
+            return self._no_longer_durable(channel, durable, sid, count)
+        if len(blob) > durable.max_record_bytes:  # every reply would stall the worker on it
+            _SNAPSHOT_ERRORS(
+                "session %s is no longer durable: its env's snapshot is %d bytes, above the "
+                "%d a record may hold (a smaller state, or serve it without --durable)",
+                sid, len(blob), durable.max_record_bytes,
+            )  # fmt: skip
+            return self._no_longer_durable(channel, durable, sid, count)
         recent = [*channel.recent, *channel.held]
         if frame is not None:
             recent.append(frame)
         protocol = self.protocol
-        durable.save(
-            SessionRecord(
-                RECORD_VERSION,
-                self.resume_id,
-                token_digest(self._token),
-                protocol.encoding.value,
-                blob,
-                protocol.episode_id,
-                protocol.step_count,
-                protocol.state is SessionState.READY,
-                channel.count,
-                recent[-REPLAY_FRAMES:],
-            )
+        record = SessionRecord(
+            RECORD_VERSION,
+            sid,
+            token_digest(self._token),
+            protocol.encoding.value,
+            blob,
+            protocol.episode_id,
+            protocol.step_count,
+            protocol.state is SessionState.READY,
+            channel.count,
+            recent[-REPLAY_FRAMES:],
         )
+        if frame is None:
+            return durable.save(record)
+        return durable.save(record, functools.partial(channel.written, count))
+
+    @staticmethod
+    def _no_longer_durable(channel: ResumeChannel, durable: Durable, sid: str, count: int) -> bool:
+        """Stop writing the session's records; its replies still wait for the writes in
+        flight (so that none overtakes another)."""
+        durable.drop(sid)
+
+        def after(_frame: bytes | None) -> bool:
+            return durable.after_writes(sid, functools.partial(channel.written, channel.count))
+
+        channel.persist = after
+        return durable.after_writes(sid, functools.partial(channel.written, count))
 
 
 _SNAPSHOT_ERRORS = ThrottledLog(log, logging.WARNING)

@@ -288,7 +288,7 @@ class Runtime:
         publish the metrics a last time."""
         self.stop_reaper()
         if self.durable is not None:
-            self.durable.stop_sweeping()
+            self.durable.close()
         if self._flusher is not None:
             self._flusher.cancel()
             self._flusher = None

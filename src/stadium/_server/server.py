@@ -20,6 +20,7 @@ after their in-flight request, and exits 0. SIGHUP recycles the workers (see
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import enum
 import errno
@@ -29,6 +30,7 @@ import logging
 import math
 import os
 import resource
+import shutil
 import signal
 import socket
 import ssl
@@ -42,13 +44,15 @@ from stadium._env.contract import Environment
 from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError
 from stadium._server.admission import SharedSlots, Slots
-from stadium._server.config import ServerConfig
+from stadium._server.config import ServerConfig, default_session_store
+from stadium._server.durable import process_key, read_key_file
 from stadium._server.invoke import running_pool_threads
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
+from stadium._server.store import store_from_url
 from stadium._server.supervisor import Supervisor
-from stadium._server.transports.handoff import Handoff
+from stadium._server.transports.handoff import Handoff, private_dir
 from stadium._server.transports.picows import PicowsTransport
 from stadium._server.worker import Worker
 from stadium._util.process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
@@ -211,9 +215,14 @@ class Server:
         sock: socket.socket | None = None,
         slots: Slots | None = None,
         board: MetricsBoard | None = None,
+        handoff_dir: str | None = None,
     ) -> None:
         self.config = config
         self.worker = Worker.build(config, env_cls, slots=slots, board=board)
+        self._handoff_dir = handoff_dir
+        """The server's private directory of hand-off sockets (``handoff.private_dir``),
+        shared by its workers; ``None``: this worker makes its own, removed on stop."""
+        self._own_handoff_dir: str | None = None
         self.spec = self.worker.spec
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
@@ -264,8 +273,10 @@ class Server:
         self.worker.start()
         self._fd_watch = _FdWatch(self._sock, loop)
         # Resumes landing on this worker for another worker's session are passed to it.
-        host, port = self._sock.getsockname()[:2]
-        self.transport.handoff = Handoff(loop, f"{host}:{port}", self.transport.adopt)
+        directory = self._handoff_dir
+        if directory is None:
+            directory = self._own_handoff_dir = private_dir()
+        self.transport.handoff = Handoff(loop, directory, self.transport.adopt)
 
     async def stop(self, drain_timeout: float | None = None) -> None:
         """Stop accepting, let sessions finish, close the rest with 1001."""
@@ -283,6 +294,9 @@ class Server:
         if self.transport.handoff is not None:
             self.transport.handoff.close()
             self.transport.handoff = None
+        if self._own_handoff_dir is not None:
+            shutil.rmtree(self._own_handoff_dir, ignore_errors=True)
+            self._own_handoff_dir = None
         rt.admission.refuse_all()
         for http in list(self.transport.http_connections):
             http.shutdown()
@@ -500,6 +514,19 @@ def run_server(config: ServerConfig) -> int:
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
     check_fd_budget(config, raise_nofile_limit())
     server_ssl_context(config)  # fail fast, before binding, on unusable TLS files
+    if config.durable:  # made before the workers fork: they share the directory and the key
+        if not config.session_store:
+            config = dataclasses.replace(config, session_store=default_session_store())
+        if config.session_store_key:
+            read_key_file(config.session_store_key)  # refused here, not in every worker
+        else:
+            process_key()
+        store_from_url(config.session_store)
+        log.info(
+            "--durable: session records in %s, signed with %s",
+            config.session_store,
+            "the key in --session-store-key" if config.session_store_key else "a key made now",
+        )
     sock = listen_socket(config.host, config.port)
     _announce(config, sock, spec.name)
     if config.workers == 1:
@@ -510,11 +537,14 @@ def run_server(config: ServerConfig) -> int:
         return code
 
     board = MetricsBoard(Supervisor.counters_for(config.workers))
+    handoff_dir = private_dir()  # before the fork: the workers find each other there
 
     def run_worker(
         slots: SharedSlots, on_serving: Callable[[], None], on_retiring: Callable[[], None]
     ) -> int:
-        server = Server(config, env_cls, sock=sock, slots=slots, board=board)
+        server = Server(
+            config, env_cls, sock=sock, slots=slots, board=board, handoff_dir=handoff_dir
+        )
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             return runner.run(
                 _serve_until_signal(server, on_serving=on_serving, on_retiring=on_retiring)
@@ -529,4 +559,7 @@ def run_server(config: ServerConfig) -> int:
         listener=sock,
         metrics=board,
     )
-    return supervisor.run()
+    try:
+        return supervisor.run()
+    finally:
+        shutil.rmtree(handoff_dir, ignore_errors=True)

@@ -12,21 +12,31 @@ Each entry is framed (a magic number, the length and a CRC-32 of the bytes), and
 reader sees the old bytes or the new ones, never a part. :class:`DirectoryStore`
 creates a key's file whole (a temporary file in the same directory renamed over
 it, ``os.replace``) and then rewrites it in place (one ``pwrite`` at offset 0 per
-``put``, then ``close``: ~5 µs, against ~200 µs for a rename on ext4 here): a
-process killed during a ``put`` leaves the old entry or the new one, and a reader
-that meets a write in progress reads again (the CRC tells). With ``fsync=True`` every
-``put`` goes through a synced temporary file, a rename and a synced directory, so
-a snapshot survives a power loss too (measured costs: ``scripts/bench-snapshot.py``).
+``put``, then ``close``: ~5 µs, against ~200 µs for a rename on ext4 here). A
+writer holds an exclusive ``flock`` on the file while it writes and a reader a
+shared one while it reads, so a read never meets a write in progress (before the
+locks, a reader under load could read a torn entry several times over and give
+up on an entry that was fine); a process killed during a ``put`` leaves the old
+entry or the new one (the CRC tells a write cut by a power loss). With ``fsync=True``
+every ``put`` goes through a synced temporary file, a rename and a synced directory,
+so a snapshot survives a power loss too (measured costs: ``scripts/bench-snapshot.py``).
 
 Security: snapshots are pickles (see ``stadium._env.snapshot``): whoever can write
-the store can run code in the server. Files are created ``0600`` and a
-directory the store creates ``0700``; a directory given to it must be writable
-only by the server's user (or group, on a cluster).
+the store could make the server run code, were records not signed (``durable``
+signs and checks every record with a key only the server holds). The store's
+directory must be the server's own: :class:`DirectoryStore` refuses one owned by
+another user, writable by its group or by others, or whose POSIX ACL grants
+write to anyone else; files are created ``0600`` and a directory it creates ``0700``.
+Errors of :meth:`DirectoryStore.get` name the key, never the directory; the
+``OSError`` of a failed read or write names its file, and is for the log only
+(``durable`` answers clients without it; ``stadium serve`` logs the directory at start).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import re
 import stat
@@ -85,7 +95,8 @@ class DirectoryStore:
 
     Raises:
         ConfigError: ``path`` cannot be created, is not a directory, is not writable,
-            or is writable by every user (``/tmp`` itself: anyone could plant a pickle).
+            or is not private to the server's user (:func:`why_not_private`: owned by
+            another user, writable by its group or others, or an ACL grants write).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = False) -> None:
@@ -104,11 +115,13 @@ class DirectoryStore:
                 "node mounts) or create it with write permission for the server's user",
                 path=str(self.path),
             ) from exc
-        if os.stat(self.path).st_mode & stat.S_IWOTH:
+        why = why_not_private(self.path)
+        if why is not None:
             raise ConfigError(
-                f"the session store directory {str(self.path)!r} is writable by every user: "
-                "anyone could plant a snapshot there, and snapshots are pickles that run code "
-                "when read; give a directory only the server's user (or group) can write",
+                f"the session store directory {str(self.path)!r} {why}: another user could "
+                "plant or alter records there; give a directory owned by the server's user "
+                "that only it can write (chmod 700), or leave --session-store out for a "
+                "private one",
                 path=str(self.path),
             )
         self._dir = str(self.path)
@@ -130,12 +143,13 @@ class DirectoryStore:
                 pass  # the first put: the file is made whole, below
             else:
                 try:
+                    _lock(fd, fcntl.LOCK_EX)
                     view = memoryview(framed)
                     offset = 0
                     while offset < len(view):
                         offset += os.pwrite(fd, view[offset:], offset)
                 finally:
-                    os.close(fd)
+                    os.close(fd)  # and the lock with it
                 return
         temp = os.path.join(self._dir, f".{key}.{os.urandom(6).hex()}{_TEMP_SUFFIX}")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -171,6 +185,7 @@ class DirectoryStore:
         for _ in range(_READ_TRIES):
             try:
                 with open(path, "rb") as file:
+                    _lock(file.fileno(), fcntl.LOCK_SH)
                     raw = file.read()
             except FileNotFoundError:
                 return None
@@ -239,6 +254,58 @@ class DirectoryStore:
                 os.unlink(aside)
 
 
+def _lock(fd: int, how: int) -> None:
+    """``flock`` ``fd``; where the filesystem has no locks (an NFS mount without lockd),
+    go on without (a reader that meets a write in progress then reads again)."""
+    try:
+        fcntl.flock(fd, how)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+
+
+#: ``system.posix_acl_access``: a 4-byte header, then (tag u16, perm u16, id u32) entries.
+_ACL_HEAD = struct.Struct("<I")
+_ACL_ENTRY = struct.Struct("<HHI")
+_ACL_USER, _ACL_GROUP, _ACL_MASK = 0x02, 0x08, 0x10
+_ACL_WRITE = 0x02
+
+
+def acl_grants_write(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path``'s POSIX access ACL grants write to a named user or group
+    (beyond the owner and the mode bits, which :func:`why_not_private` checks)."""
+    try:
+        raw = os.getxattr(path, "system.posix_acl_access")
+    except OSError:  # no ACL, or a filesystem without them
+        return False
+    entries = [
+        _ACL_ENTRY.unpack_from(raw, offset)
+        for offset in range(_ACL_HEAD.size, len(raw) - _ACL_ENTRY.size + 1, _ACL_ENTRY.size)
+    ]
+    mask = next((perm for tag, perm, _ in entries if tag == _ACL_MASK), 0x7)
+    own = os.getuid()
+    return any(
+        perm & mask & _ACL_WRITE and (tag == _ACL_GROUP or (tag == _ACL_USER and ident != own))
+        for tag, perm, ident in entries
+    )
+
+
+def why_not_private(path: str | os.PathLike[str]) -> str | None:
+    """Why only the server's user could not write directory ``path`` (``None``: it is
+    private): owned by another user, writable by its group or others, or an ACL grants
+    write to someone else."""
+    info = os.stat(path)
+    if info.st_uid != os.getuid():
+        return f"is owned by uid {info.st_uid}, not the server's ({os.getuid()})"
+    if info.st_mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {stat.S_IMODE(info.st_mode):o})"
+    if acl_grants_write(path):  # before the group bits: with an ACL, they show its mask
+        return "has an ACL granting write to another user or group"
+    if info.st_mode & stat.S_IWGRP:
+        return f"is writable by its group (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
 _MAGIC = b"STS1"
 _HEAD = struct.Struct("<4sII")  # magic, length, CRC-32
 _READ_TRIES = 8
@@ -303,7 +370,9 @@ __all__ = [
     "KEY",
     "DirectoryStore",
     "SessionStore",
+    "acl_grants_write",
     "check_key",
     "register_store",
     "store_from_url",
+    "why_not_private",
 ]

@@ -20,7 +20,7 @@ from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import ConfigError
 from stadium._server.admission import Admission, LocalSlots, Slots
 from stadium._server.config import ServerConfig, default_session_store
-from stadium._server.durable import Durable
+from stadium._server.durable import Durable, read_key_file
 from stadium._server.endpoints import HttpEndpoints
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
@@ -50,7 +50,8 @@ def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
             f"--durable: {spec.name} sessions cannot be made durable: {why}; implement "
             "snapshot() and restore() on the env, or serve it without --durable"
         )
-    return Durable(store_from_url(config.session_store or default_session_store()))
+    key = read_key_file(config.session_store_key) if config.session_store_key else None
+    return Durable(store_from_url(config.session_store or default_session_store()), key)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
