@@ -24,6 +24,12 @@ from tests.relay import relay_to
 pytestmark = pytest.mark.asyncio
 
 
+def _token(env: stadium.AsyncClient[Any]) -> str:
+    """The session's current resume token (it rotates on every resume)."""
+    assert env._book is not None, "the server did not grant a resumable session"
+    return env._book.token
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_in_flight_step_is_answered_once_after_the_resume(transport: str) -> None:
     async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
@@ -145,7 +151,7 @@ async def test_forged_and_stale_tokens_are_refused(transport: str) -> None:
     async with serve("benchmark", transport=transport) as server, relay_to(server.url) as relay:
         async with stadium.AsyncClient(relay.url) as env:
             await env.reset(seed=1)
-            sid, first_token = env.session_id, env._resume_token
+            sid, first_token = env.session_id, _token(env)
             assert sid is not None
             frame, code = await _raw_resume(server.url, sid, "forged-" + first_token[7:])
             assert frame["type"] == "error"
@@ -154,7 +160,7 @@ async def test_forged_and_stale_tokens_are_refused(transport: str) -> None:
             assert code == 1008
             relay.cut()  # the client resumes: the token rotates
             assert (await env.step({"wait_seconds": 0.0})).observation["step_count"] == 1
-            assert env._resume_token != first_token
+            assert _token(env) != first_token
             frame, code = await _raw_resume(server.url, sid, first_token)  # stolen, stale
             assert frame["data"]["code"] == "RESUME_FAILED"
             assert code == 1008
@@ -169,7 +175,7 @@ async def test_a_resume_takes_the_session_from_a_stale_connection(transport: str
         async with stadium.AsyncClient(server.url) as env:
             await env.reset(seed=1)
             await env.step({"wait_seconds": 0.0})
-            sid, token = env.session_id, env._resume_token
+            sid, token = env.session_id, _token(env)
             assert sid is not None
             # Another connection resumes it while the first is still attached (as after a
             # network blip the server has not noticed): it takes the session over.

@@ -23,25 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar, cast
 
 import msgspec
-from picows import (
-    WSCloseCode,
-    WSFrame,
-    WSHandshakeError,
-    WSListener,
-    WSMsgType,
-    WSTransport,
-    ws_connect,
-)
+from picows import WSCloseCode, WSFrame, WSHandshakeError, WSListener, WSMsgType, WSTransport
 
-from stadium._client.replies import RESUMABLE_CLOSES
-from stadium._client.session import TOKEN_ENV, _backoff, _refused, _with_query
+from stadium._client.options import ConnectOptions, backoff, refused, untrusted, with_query
+from stadium._client.resume_book import resumable_close
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
 from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
 from stadium._core.urls import ws_url
@@ -178,7 +169,7 @@ class _BatchListener(WSListener):
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         code = None if self.closed is None else self.closed.context.get("close_code")
-        if self.on_lost is not None and not self.closing and code in RESUMABLE_CLOSES:
+        if self.on_lost is not None and not self.closing and resumable_close(code):
             pending, self.pending = self.pending, {}
             for p in pending.values():  # their calls are answered by the resume
                 if p.timer is not None:
@@ -244,63 +235,60 @@ class BatchConnection:
         ssl: ssl_module.SSLContext | None = None,
         resume: str | None = None,
         resume_token: str | None = None,
+        options: ConnectOptions | None = None,
     ) -> BatchConnection:
         """Connect to ``url`` offering the batch subprotocol (retrying with backoff while
         the server is unreachable, as :meth:`AsyncClient.connect` does).
 
         ``resume``: ``"1"`` asks for resumable sessions; a session id (with its
         ``resume_token``) opens the connection that resumes them (it reaches the worker
-        holding that session).
+        holding that session). ``options``: the connection keywords as one
+        :class:`ConnectOptions` (its ``resume`` aside: ``resume`` here says what to ask).
 
         Raises:
             ConnectError: the server cannot be reached, or answered the upgrade with an
                 HTTP error (401: pass ``token``).
         """
+        opts = ConnectOptions.given(
+            options,
+            msgpack=msgpack,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            max_message_bytes=max_message_bytes,
+            headers=headers,
+            token=token,
+            ssl=ssl,
+        )
         url = ws_url(url)
         base = url
         if resume is not None:
-            url = _with_query(url, {RESUME_PARAM: resume})
-        extra = dict(headers or {})
+            url = with_query(url, {RESUME_PARAM: resume})
+        extra = dict(opts.headers)
         if resume_token:
             extra[TOKEN_HEADER] = resume_token
-        if token is None:
-            token = os.environ.get(TOKEN_ENV)
-        if token and not any(k.lower() == "authorization" for k in extra):
-            extra["Authorization"] = f"Bearer {token}"
         extra["Sec-WebSocket-Protocol"] = (
-            BATCH_MSGPACK_SUBPROTOCOL if msgpack else BATCH_SUBPROTOCOL
+            BATCH_MSGPACK_SUBPROTOCOL if opts.msgpack else BATCH_SUBPROTOCOL
         )
-        decode: Callable[[bytes], Any] = msgspec.msgpack.decode if msgpack else msgspec.json.decode
+        decode = opts.codec()[1]
         last: Exception | None = None
-        for attempt in range(max_retries + 1):
+        for attempt in range(opts.max_retries + 1):
             try:
-                async with asyncio.timeout(connect_timeout):
-                    transport, listener = await ws_connect(
-                        partial(_BatchListener, decode),
-                        url,
-                        ssl_context=ssl,
-                        websocket_handshake_timeout=connect_timeout,
-                        max_frame_size=max_message_bytes,
-                        extra_headers=extra,
-                        enable_auto_ping=False,
-                        use_aiofastnet=False,
+                async with asyncio.timeout(opts.connect_timeout):
+                    transport, listener = await opts.handshake(
+                        partial(_BatchListener, decode), url, extra
                     )
                 if transport.is_disconnected:
                     raise ConnectionResetError("the server closed the connection in the handshake")
             except ssl_module.SSLCertVerificationError as exc:
-                raise ConnectError(
-                    f"cannot open a batch connection at {url}: {exc.verify_message or exc}; for "
-                    "a private or self-signed certificate pass "
-                    "ssl=ssl.create_default_context(cafile='cert.pem')",
-                    url=url,
-                ) from exc
+                raise untrusted(exc, url, "a batch connection") from exc
             except (TimeoutError, OSError) as exc:
                 last = exc
-                if attempt < max_retries:
-                    await asyncio.sleep(_backoff(attempt))
+                if attempt < opts.max_retries:
+                    await asyncio.sleep(backoff(attempt))
                 continue
             except WSHandshakeError as exc:
-                raise _refused(exc, url) from exc
+                raise refused(exc, url) from exc
             except Exception as exc:  # other picows handshake errors
                 raise ConnectError(
                     f"cannot open a batch connection at {url}: {exc}", url=url
@@ -309,11 +297,11 @@ class BatchConnection:
                 transport,
                 cast(_BatchListener, listener),
                 url=base,
-                msgpack=msgpack,
-                request_timeout=request_timeout,
+                msgpack=opts.msgpack,
+                request_timeout=opts.request_timeout,
             )
         raise ConnectError(
-            f"cannot reach {url} after {max_retries + 1} attempts: {last}", url=url
+            f"cannot reach {url} after {opts.max_retries + 1} attempts: {last}", url=url
         ) from last
 
     @property

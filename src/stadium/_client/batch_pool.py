@@ -16,8 +16,8 @@ until the server's grace period is over (then :class:`~stadium.ResumeError`).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import dataclasses
 import random
 import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
@@ -34,7 +34,9 @@ from stadium._client.batch import (
     checked,
     step_result,
 )
-from stadium._client.session import _backoff, _to_builtins
+from stadium._client.options import ConnectOptions, backoff
+from stadium._client.resume_book import ResumeBook
+from stadium._client.session import _to_builtins
 from stadium._env.contract import StepResult
 from stadium._errors import (
     CapacityError,
@@ -47,20 +49,9 @@ from stadium._errors import (
 
 ObsT = TypeVar("ObsT")
 
-
-class _State:
-    """A resumable session's bookkeeping on its connection."""
-
-    __slots__ = ("received", "sent", "sid", "token", "unanswered")
-
-    def __init__(self) -> None:
-        self.sid: str | None = None
-        self.token = ""
-        self.sent = 0
-        self.received = 0
-        self.unanswered: collections.deque[tuple[int, dict[str, Any], asyncio.Future[Any]]] = (
-            collections.deque()
-        )
+#: What a batch session's book keeps of a call: the call, and the future of its result.
+_Call = tuple[dict[str, Any], "asyncio.Future[Any]"]
+_Book = ResumeBook[_Call]
 
 
 class _Coalescer:
@@ -79,7 +70,8 @@ class _Coalescer:
         self.futures: list[asyncio.Future[Any]] = []
         self.sessions: set[int] = set()
         self.scheduled = False
-        self.states: dict[int, _State] = {}
+        self.books: dict[int, _Book] = {}
+        """The resumable sessions' books, by session number (from their ``reset``)."""
         self.resumes = 0
         self.wire(conn)
 
@@ -96,13 +88,12 @@ class _Coalescer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if self.conn.grace > 0:
-            state = self.states.get(session)
-            if state is None and entry["type"] == "reset":
-                state = self.states[session] = _State()
-            if state is not None:
-                state.sent += 1
-                entry["id"] = state.sent
-                state.unanswered.append((state.sent, entry, fut))
+            book = self.books.get(session)
+            if book is None and entry["type"] == "reset":
+                book = self.books[session] = ResumeBook(grace=self.conn.grace)
+            if book is not None:
+                entry["id"] = rid = book.number()
+                book.keep(rid, (entry, fut))
         self.calls.append(entry)
         self.futures.append(fut)
         self.sessions.add(session)
@@ -145,15 +136,12 @@ class _Coalescer:
         exc = done.exception()
         results = done.result() if exc is None else [None] * len(futures)
         for entry, fut, result in zip(calls, futures, results, strict=True):
-            state = self.states.get(entry["session"]) if "id" in entry else None
-            if state is not None and exc is None:
+            book = self.books.get(entry["session"]) if "id" in entry else None
+            if book is not None and exc is None:
+                book.replied(entry["id"])
                 kind = result.get("type") if isinstance(result, dict) else None
-                if kind != "closed":
-                    state.received += 1
-                if state.unanswered and state.unanswered[0][1] is entry:
-                    state.unanswered.popleft()
-                if kind == "closed" or entry["type"] == "close" or state.sid is None:
-                    del self.states[entry["session"]]  # ended, or refused before it opened
+                if kind == "closed" or entry["type"] == "close" or book.session_id is None:
+                    del self.books[entry["session"]]  # ended, or refused before it opened
             if fut.done():
                 continue
             if exc is not None:
@@ -162,9 +150,9 @@ class _Coalescer:
                 fut.set_result(result)
 
     def _opened(self, session: int, sid: str, token: str) -> None:
-        state = self.states.get(session)
-        if state is not None:
-            state.sid, state.token = sid, token
+        book = self.books.get(session)
+        if book is not None:
+            book.session_id, book.token = sid, token
 
     def _lost(self) -> None:
         if self.resuming is None:
@@ -183,43 +171,32 @@ class _Coalescer:
 
     async def _resume_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.conn.grace + 1.0
-        for number, state in list(self.states.items()):
-            if state.sid is None:  # lost while opening: it may not exist; reset it again
-                del self.states[number]
-                _fail(state, SessionClosedError("the session was lost while it opened"))
-        if not self.states:
+        for number, book in list(self.books.items()):
+            if book.session_id is None:  # lost while opening: it may not exist; reset it again
+                del self.books[number]
+                _fail(book, SessionClosedError("the session was lost while it opened"))
+        if not self.books:
             return
+        deadline = next(iter(self.books.values())).deadline(loop.time())
         attempt = 0
         last: BaseException | None = None
         while True:
-            numbers = list(self.states)
-            first = self.states[numbers[0]]
+            numbers = list(self.books)
+            first = self.books[numbers[0]]
             try:
-                conn = await self.group.reopen(first.sid, first.token)
+                conn = await self.group.reopen(first.session_id, first.token)
                 results = await conn.batch(
-                    [
-                        call(
-                            n,
-                            "resume",
-                            {
-                                "id": self.states[n].sid,
-                                "token": self.states[n].token,
-                                "received": self.states[n].received,
-                            },
-                        )
-                        for n in numbers
-                    ]
+                    [call(n, "resume", self.books[n].resume_call()) for n in numbers]
                 )
             except (ConnectError, SessionClosedError, OSError, TimeoutError) as exc:
                 last = exc
                 attempt += 1
-                delay = _backoff(attempt)
+                delay = backoff(attempt)
                 if loop.time() + delay >= deadline:
                     self._give_up(
                         ResumeError(
                             f"the batch sessions were not taken back within the server's "
-                            f"{self.conn.grace:g} s grace period (last: {last!r})"
+                            f"{first.grace:g} s grace period (last: {last!r})"
                         )
                     )
                     return
@@ -240,46 +217,36 @@ class _Coalescer:
                 again = later
             return
 
-    def _take_back(
-        self, numbers: list[int], results: list[Any]
-    ) -> list[tuple[dict[str, Any], asyncio.Future[Any]]]:
+    def _take_back(self, numbers: list[int], results: list[Any]) -> list[_Call]:
         """Each session's ``resumed`` result: its missed replies answer its calls; the
         calls the server never got are returned, to send again."""
-        again: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+        again: list[_Call] = []
         for number, result in zip(numbers, results, strict=True):
-            state = self.states[number]
+            book = self.books[number]
             if not isinstance(result, dict) or result.get("type") != "resumed":
-                del self.states[number]
+                del self.books[number]
                 err = error_from_wire(result.get("data")) if isinstance(result, dict) else None
-                _fail(state, err or ResumeError(f"session {state.sid} was not resumed"))
+                _fail(book, err or ResumeError(f"session {book.session_id} was not resumed"))
                 continue
-            data = result.get("data") or {}
-            state.sid = str(data.get("session", state.sid))
-            state.token = str(data.get("token", ""))
-            for reply in data.get("replies") or []:
-                if state.unanswered and state.unanswered[0][0] == reply.get("id"):
-                    _, _entry, fut = state.unanswered.popleft()
-                    state.received += 1
-                    if not fut.done():
-                        fut.set_result(reply)
-            requests = int(data.get("requests", 0))
-            for index, entry, fut in state.unanswered:
-                if index > requests:
-                    again.append((entry, fut))
-                elif not fut.done():  # the server got it and has no reply: cannot happen
+            back = book.resumed(result.get("data") or {})
+            for (_entry, fut), reply in back.answered:
+                if not fut.done():
+                    fut.set_result(reply)
+            again.extend(back.resend)
+            for index, (_entry, fut) in back.owed:
+                if not fut.done():  # the server got it and has no reply: cannot happen
                     fut.set_exception(ResumeError(f"the reply to call {index} was lost"))
         return again
 
     def _give_up(self, err: SessionClosedError) -> None:
-        states, self.states = self.states, {}
-        for state in states.values():
-            _fail(state, err)
+        books, self.books = self.books, {}
+        for book in books.values():
+            _fail(book, err)
         self.conn.listener.closed = err
 
 
-def _fail(state: _State, err: BaseException) -> None:
-    while state.unanswered:
-        _, _entry, fut = state.unanswered.popleft()
+def _fail(book: _Book, err: BaseException) -> None:
+    for _entry, fut in book.drain():
         if not fut.done():
             fut.set_exception(err)
 
@@ -428,16 +395,17 @@ class BatchGroup(Generic[ObsT]):
         token: str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         resume: bool = True,
+        options: ConnectOptions | None = None,
     ) -> BatchGroup[ObsT] | None:
         """Open the connections; None when the server does not speak batches (the first
         connection's ``101`` did not pick the subprotocol; it is closed again).
 
         ``resume``: ask for resumable sessions (the server grants them when its
-        ``--resume-grace`` is above 0).
+        ``--resume-grace`` is above 0). ``options``: the connection keywords as one
+        :class:`ConnectOptions` (then leave them out).
         """
-        opening = partial(
-            BatchConnection.open,
-            url,
+        opts = ConnectOptions.given(
+            options,
             msgpack=msgpack,
             connect_timeout=connect_timeout,
             request_timeout=request_timeout,
@@ -446,9 +414,14 @@ class BatchGroup(Generic[ObsT]):
             headers=headers,
             token=token,
             ssl=ssl,
+            resume=resume,
         )
-        reopening = opening
-        if resume:
+        opening = partial(BatchConnection.open, url, options=opts)
+        # a resume: one attempt (the resume loop retries, within the grace period)
+        reopening = partial(
+            BatchConnection.open, url, options=dataclasses.replace(opts, max_retries=0)
+        )
+        if opts.resume:
             opening = partial(opening, resume="1")
         first = await opening()
         if not first.accepted:
@@ -469,7 +442,7 @@ class BatchGroup(Generic[ObsT]):
             observation_type=observation_type,
             state_type=state_type,
             action_encoder=action_encoder,
-            max_retries=max_retries,
+            max_retries=opts.max_retries,
             opening=opening,
             reopening=reopening,
         )
@@ -479,7 +452,7 @@ class BatchGroup(Generic[ObsT]):
         the worker that holds them. One attempt (the resume loop retries)."""
         if self.reopening is None:
             raise SessionClosedError(f"the batch connection was lost; {NOT_RESUMABLE}")
-        return await self.reopening(resume=sid, resume_token=token, max_retries=0)
+        return await self.reopening(resume=sid, resume_token=token)
 
     async def replace(self, coalescer: _Coalescer) -> None:
         """A new connection for ``coalescer``'s sessions, whose connection was lost (once,

@@ -12,16 +12,18 @@ from collections.abc import Callable
 from picows import WSFrame, WSListener, WSMsgType, WSTransport
 
 from stadium._client.balance import Lease
+from stadium._client.resume_book import ResumeBook, resumable_close
 from stadium._errors import SessionClosedError
 
 
 class Listener(WSListener):
     """Routes reply frames to the waiting futures, in order.
 
-    On a resumable session it also keeps each unanswered request (its number and
-    bytes) and counts the replies; when the connection is lost without the client
-    closing it, ``on_lost`` is called instead of failing the waiting requests, and
-    the listener of the resumed connection (``predecessor``) takes them over.
+    On a resumable session each reply is counted in the session's
+    :class:`~stadium._client.resume_book.ResumeBook` (it answers the oldest request
+    kept); when the connection is lost without the client closing it, ``on_lost`` is
+    called instead of failing the waiting requests, and the listener of the resumed
+    connection (``predecessor``) takes them over, and the book with them.
     """
 
     def __init__(self, lease: Lease | None = None, predecessor: Listener | None = None) -> None:
@@ -30,14 +32,13 @@ class Listener(WSListener):
         self.closed: SessionClosedError | None = None
         self.lease = lease  # balanced sessions: the node's slot, released on disconnect
         self.closing = False  # the client ended the session
-        self.unanswered: collections.deque[tuple[int, bytes]] | None = None
-        self.received = 0
+        self.book: ResumeBook[bytes] | None = None
+        """A resumable session's requests (numbered, kept until answered) and replies."""
         self.on_lost: Callable[[Listener], None] | None = None
         self.hello: asyncio.Future[bytes] | None = None
         if predecessor is not None:  # a resumed connection: the session's requests go on
             self.waiting = predecessor.waiting
-            self.unanswered = predecessor.unanswered
-            self.received = predecessor.received
+            self.book = predecessor.book
             if lease is None:
                 self.lease = predecessor.lease
             self.hello = asyncio.get_running_loop().create_future()
@@ -56,11 +57,9 @@ class Listener(WSListener):
                 if not hello.done():
                     hello.set_result(data)
                 return
-            unanswered = self.unanswered
-            if unanswered is not None:
-                self.received += 1
-                if unanswered:
-                    unanswered.popleft()
+            book = self.book
+            if book is not None:
+                book.replied()
             if self.waiting:
                 fut = self.waiting.popleft()
                 if not fut.done():
@@ -85,7 +84,7 @@ class Listener(WSListener):
             return
         if not self.adopted:  # a resume that failed: the session's requests are not ours
             return
-        if self.on_lost is not None and not self.closing and code in RESUMABLE_CLOSES:
+        if self.on_lost is not None and not self.closing and resumable_close(code):
             self.on_lost(self)  # the session lives on on the server: resume it
             return
         if self.lease is not None:  # lost without a close frame, or the node going away
@@ -98,10 +97,6 @@ class Listener(WSListener):
                 fut.set_exception(err)
 
 
-#: Close codes (None: no close frame) after which a resumable session is resumed.
-RESUMABLE_CLOSES = (None, 1006, 1012)
-
-
 def answered_before_closing(listener: WSListener | None) -> bool:
     """Whether a session closed at once still said why (e.g. a capacity refusal and 1013:
     the frames are kept for the first request to read)."""
@@ -111,4 +106,4 @@ def answered_before_closing(listener: WSListener | None) -> bool:
     return bool(listener.early) or (closed is not None and "close_code" in closed.context)
 
 
-__all__ = ["RESUMABLE_CLOSES", "Listener", "answered_before_closing"]
+__all__ = ["Listener", "answered_before_closing"]

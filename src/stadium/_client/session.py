@@ -36,24 +36,14 @@ servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
 from __future__ import annotations
 
 import asyncio
-import collections
-import os
 import random
 import ssl as ssl_module
-import urllib.parse
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, TypeVar, cast
 
 import msgspec
-from picows import (
-    WSCloseCode,
-    WSError,
-    WSHandshakeError,
-    WSMsgType,
-    WSTransport,
-    ws_connect,
-)
+from picows import WSCloseCode, WSError, WSHandshakeError, WSMsgType, WSTransport
 
 from stadium._client.balance import (
     Balancer,
@@ -65,19 +55,18 @@ from stadium._client.balance import (
     is_url,
     static_urls,
 )
-from stadium._client.replies import Listener, answered_before_closing
-from stadium._core.protocol import MSGPACK_SUBPROTOCOL
-from stadium._core.resume import (
-    ADDR_HEADER,
-    ADDR_PARAM,
-    GRACE_HEADER,
-    NODE_HEADER,
-    NODE_PARAM,
-    RECEIVED_PARAM,
-    RESUME_PARAM,
-    SESSION_HEADER,
-    TOKEN_HEADER,
+from stadium._client.options import (
+    TOKEN_ENV,
+    ConnectOptions,
+    backoff,
+    refused,
+    untrusted,
+    with_query,
 )
+from stadium._client.replies import Listener, answered_before_closing
+from stadium._client.resume_book import ResumeBook, is_reply_to
+from stadium._core.protocol import MSGPACK_SUBPROTOCOL
+from stadium._core.resume import RESUME_PARAM
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -92,10 +81,6 @@ from stadium._errors import (
 
 T = TypeVar("T")
 ObsT = TypeVar("ObsT")
-
-#: The environment variable a client reads its bearer token from when given none
-#: (the same one ``stadium serve`` reads).
-TOKEN_ENV = "STADIUM_AUTH_TOKEN"
 
 
 class AsyncClient(Generic[ObsT]):
@@ -129,6 +114,8 @@ class AsyncClient(Generic[ObsT]):
             others ignore the ask): when the connection is lost, the client
             reconnects and resumes the same session, its in-flight request answered
             once; it raises only when the server's grace period is over.
+        options: the connection options above as one :class:`ConnectOptions` (then
+            leave their keywords out), e.g. to share them between clients.
     """
 
     def __init__(
@@ -147,7 +134,21 @@ class AsyncClient(Generic[ObsT]):
         ssl: ssl_module.SSLContext | None = None,
         action_encoder: Callable[[Any], Any] | None = None,
         resume: bool = True,
+        options: ConnectOptions | None = None,
     ) -> None:
+        #: The connection options (the keywords above, resolved).
+        self.options = ConnectOptions.given(
+            options,
+            msgpack=msgpack,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            max_message_bytes=max_message_bytes,
+            headers=headers,
+            token=token,
+            ssl=ssl,
+            resume=resume,
+        )
         plain = is_plain(url)
         #: the nodes to balance over; None for one plain URL (then nothing else happens)
         self.endpoints: EndpointSpec | None = None if plain else url
@@ -157,45 +158,59 @@ class AsyncClient(Generic[ObsT]):
         self._given_url = self.url
         self._balancer: Balancer | None = None
         self._lease: Lease | None = None
-        self.ssl = ssl
         self.action_encoder = action_encoder or _to_builtins
         self.observation_type = observation_type
         self.state_type = state_type
-        self.msgpack = msgpack
-        self.connect_timeout = connect_timeout
-        self.request_timeout = request_timeout
-        self.max_retries = max_retries
-        self.max_message_bytes = max_message_bytes
-        self.headers = dict(headers or {})
-        if token is None:
-            token = os.environ.get(TOKEN_ENV)
-        if token and not any(k.lower() == "authorization" for k in self.headers):
-            self.headers["Authorization"] = f"Bearer {token}"
-        if msgpack:
+        self.headers = dict(self.options.headers)
+        """The handshake's headers (the options' and the MessagePack subprotocol)."""
+        if self.options.msgpack:
             self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
-            self._encode: Callable[[Any], bytes] = msgspec.msgpack.encode
-            self._decode: Callable[[bytes], Any] = msgspec.msgpack.decode
-            self._msg_type = WSMsgType.BINARY
-        else:
-            self._encode = msgspec.json.encode
-            self._decode = msgspec.json.decode
-            self._msg_type = WSMsgType.TEXT
+        self._encode, self._decode = self.options.codec()
+        self._msg_type = WSMsgType.BINARY if self.options.msgpack else WSMsgType.TEXT
         self._transport: WSTransport | None = None
         self._listener: Listener | None = None
         self._answered = 0
-        self.resume = resume
-        self.session_id: str | None = None
-        """The server's id of this session, when it is resumable."""
+        self._book: ResumeBook[bytes] | None = None
         self.resumes = 0
         """How many times the session was resumed after losing its connection."""
-        self._resume_token = ""
-        self._resume_node = ""
-        self._resume_addr = ""
-        self._resume_grace = 0.0
-        self._sent = 0
         self._resuming: asyncio.Task[None] | None = None
         self._host_headers: dict[str, str] = {}
         self._connect_kwargs: dict[str, Any] = {}
+
+    @property
+    def session_id(self) -> str | None:
+        """The server's id of this session, when it is resumable."""
+        return None if self._book is None else self._book.session_id
+
+    # The connection options, read as attributes (as before ConnectOptions).
+
+    @property
+    def msgpack(self) -> bool:
+        return self.options.msgpack
+
+    @property
+    def connect_timeout(self) -> float:
+        return self.options.connect_timeout
+
+    @property
+    def request_timeout(self) -> float | None:
+        return self.options.request_timeout
+
+    @property
+    def max_retries(self) -> int:
+        return self.options.max_retries
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.options.max_message_bytes
+
+    @property
+    def ssl(self) -> ssl_module.SSLContext | None:
+        return self.options.ssl
+
+    @property
+    def resume(self) -> bool:
+        return self.options.resume
 
     # -- connection -------------------------------------------------------------
 
@@ -215,35 +230,21 @@ class AsyncClient(Generic[ObsT]):
         for attempt in range(self.max_retries + 1):
             try:
                 async with asyncio.timeout(self.connect_timeout):  # picows' covers no TCP connect
-                    transport, listener = await ws_connect(
-                        partial(Listener, None, None),
-                        self._asking(self.url),
-                        ssl_context=self.ssl,
-                        websocket_handshake_timeout=self.connect_timeout,
-                        max_frame_size=self.max_message_bytes,
-                        extra_headers=self.headers or None,
-                        enable_auto_ping=False,
-                        # uvloop's own connect: ~15 % less client CPU per session than
-                        # picows' default aiofastnet path (measured in bursts; BENCHMARKS.md)
-                        use_aiofastnet=False,
+                    transport, listener = await self.options.handshake(
+                        partial(Listener, None, None), self._asking(self.url), self.headers
                     )
                 if transport.is_disconnected and not answered_before_closing(listener):
                     # picows returns a dead transport when the peer hangs up in the handshake
                     raise ConnectionResetError("the server closed the connection in the handshake")
             except ssl_module.SSLCertVerificationError as exc:  # not transient
-                raise ConnectError(
-                    f"cannot open a session at {self.url}: {exc.verify_message or exc}; for a "
-                    "private or self-signed certificate pass "
-                    "ssl=ssl.create_default_context(cafile='cert.pem')",
-                    url=self.url,
-                ) from exc
+                raise untrusted(exc, self.url, "a session") from exc
             except (TimeoutError, OSError) as exc:
                 last = exc
                 if attempt < self.max_retries:
-                    await asyncio.sleep(_backoff(attempt))
+                    await asyncio.sleep(backoff(attempt))
                 continue
             except WSHandshakeError as exc:  # an HTTP answer instead of 101: not transient
-                raise _refused(exc, self.url) from exc
+                raise refused(exc, self.url) from exc
             except Exception as exc:  # other picows handshake errors
                 raise ConnectError(
                     f"cannot open a session at {self.url}: {exc}", url=self.url
@@ -276,15 +277,10 @@ class AsyncClient(Generic[ObsT]):
                         kwargs["server_hostname"] = ep.host
                 try:
                     async with asyncio.timeout(self.connect_timeout):
-                        transport, listener = await ws_connect(
+                        transport, listener = await self.options.handshake(
                             partial(Listener, lease, None),
                             self._asking(ep.ws_url),
-                            ssl_context=self.ssl,
-                            websocket_handshake_timeout=self.connect_timeout,
-                            max_frame_size=self.max_message_bytes,
-                            extra_headers=headers or None,
-                            enable_auto_ping=False,
-                            use_aiofastnet=False,
+                            headers,
                             **kwargs,
                         )
                     if transport.is_disconnected and not answered_before_closing(listener):
@@ -293,23 +289,18 @@ class AsyncClient(Generic[ObsT]):
                         )
                 except ssl_module.SSLCertVerificationError as exc:  # not transient
                     lease.release()
-                    raise ConnectError(
-                        f"cannot open a session at {ep.ws_url}: {exc.verify_message or exc}; "
-                        "for a private or self-signed certificate pass "
-                        "ssl=ssl.create_default_context(cafile='cert.pem')",
-                        url=ep.ws_url,
-                    ) from exc
+                    raise untrusted(exc, ep.ws_url, "a session") from exc
                 except (TimeoutError, OSError) as exc:
                     lease.failed(repr(exc))
                     last = exc
                     continue
                 except WSHandshakeError as exc:
-                    refused = _refused(exc, ep.ws_url)
-                    if refused.context.get("status", 0) < 500:  # 401, 403...: not transient
+                    answer = refused(exc, ep.ws_url)
+                    if answer.context.get("status", 0) < 500:  # 401, 403...: not transient
                         lease.release()
-                        raise refused from exc
-                    lease.failed(str(refused))  # 502/503 (e.g. draining): another node
-                    last = refused
+                        raise answer from exc
+                    lease.failed(str(answer))  # 502/503 (e.g. draining): another node
+                    last = answer
                     continue
                 except BaseException as exc:
                     lease.release()
@@ -324,7 +315,7 @@ class AsyncClient(Generic[ObsT]):
                     self._host_headers = {"Host": headers["Host"]}
                 return self
             if attempt < self.max_retries:
-                await asyncio.sleep(_backoff(attempt))
+                await asyncio.sleep(backoff(attempt))
         raise ConnectError(
             f"cannot open a session on any of {len(balancer.endpoints)} nodes after "
             f"{self.max_retries + 1} rounds ({balancer.describe()}): {last}",
@@ -389,9 +380,10 @@ class AsyncClient(Generic[ObsT]):
         groups sharing a prefix). Needs a resumable session (a Stadium server). The new
         client is connected; close it as any other.
         """
-        if self.session_id is None:
+        if self._book is None:
             await self.connect()
-        if self.session_id is None:
+        book = self._book
+        if book is None:
             raise SessionError(
                 "fork needs a resumable session: this server did not grant one (not a "
                 "Stadium server, or it runs with --resume-grace 0)"
@@ -402,24 +394,20 @@ class AsyncClient(Generic[ObsT]):
             self.url,
             observation_type=self.observation_type,
             state_type=self.state_type,
-            msgpack=self.msgpack,
-            connect_timeout=self.connect_timeout,
-            request_timeout=self.request_timeout,
-            max_retries=self.max_retries,
-            max_message_bytes=self.max_message_bytes,
-            headers=self.headers,
-            token="",
-            ssl=self.ssl,
             action_encoder=self.action_encoder,
+            options=self.options,
         )
-        child.session_id = str(data.get("session", ""))
-        child._resume_token = str(data.get("token", ""))
-        child._resume_node, child._resume_addr = self._resume_node, self._resume_addr
-        child._resume_grace = float(data.get("grace", self._resume_grace))
+        child._book = ResumeBook(
+            str(data.get("session", "")),
+            str(data.get("token", "")),
+            node=book.node,
+            address=book.address,
+            grace=float(data.get("grace", book.grace)),
+        )
         child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
         child.endpoint = self.endpoint
         detached = Listener(None, None)
-        detached.unanswered = collections.deque()
+        detached.book = child._book
         await child._resume_session(detached)  # attach to it as to a lost session
         if child._transport is None:
             raise detached.closed or SessionClosedError("the forked session could not be opened")
@@ -470,11 +458,11 @@ class AsyncClient(Generic[ObsT]):
                 raise listener.closed
             fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             listener.waiting.append(fut)
-            unanswered = listener.unanswered
-            if unanswered is not None:  # resumable: numbered, kept until answered
-                self._sent = rid = self._sent + 1
+            book = listener.book
+            if book is not None:  # resumable: numbered, kept until answered
+                rid = book.number()
                 payload = self._encode({**message, "id": rid})
-                unanswered.append((rid, payload))
+                book.keep(rid, payload)
             else:
                 payload = self._encode(message)
             transport.send(self._msg_type, payload)
@@ -491,7 +479,7 @@ class AsyncClient(Generic[ObsT]):
         reply = self._decode(raw)
         if not isinstance(reply, dict):
             raise SessionClosedError(f"server sent a non-object frame: {reply!r}")
-        if rid is not None and reply.get("id", rid) != rid:  # never another request's reply
+        if rid is not None and not is_reply_to(reply, rid):  # never another request's reply
             await self._drop()
             raise SessionClosedError(
                 f"reply to request {reply.get('id')!r} arrived for request {rid}; "
@@ -514,28 +502,17 @@ class AsyncClient(Generic[ObsT]):
 
     def _asking(self, url: str) -> str:
         """The URL that opens a session: asking for a resumable one when ``resume``."""
-        return _with_query(url, {RESUME_PARAM: "1"}) if self.resume else url
+        return with_query(url, {RESUME_PARAM: "1"}) if self.resume else url
 
     def _opened(self, transport: WSTransport, listener: Listener, kwargs: dict[str, Any]) -> None:
         """A new session is open: note whether it is resumable (the server said so)."""
         self._transport, self._listener = transport, listener
         self._answered = 0
         self._connect_kwargs = kwargs
-        headers = transport.response.headers if self.resume else None
-        sid = headers.get(SESSION_HEADER) if headers is not None else None
-        self.session_id = sid
-        if sid is None or headers is None:
-            return
-        self._resume_token = headers.get(TOKEN_HEADER, "")
-        self._resume_node = headers.get(NODE_HEADER, "")
-        self._resume_addr = headers.get(ADDR_HEADER, "")
-        try:
-            self._resume_grace = float(headers.get(GRACE_HEADER, "0"))
-        except ValueError:
-            self._resume_grace = 0.0
-        self._sent = 0
-        listener.unanswered = collections.deque()
-        listener.on_lost = self._lost
+        book = ResumeBook[bytes].granted(transport.response.headers.get) if self.resume else None
+        self._book = listener.book = book
+        if book is not None:
+            listener.on_lost = self._lost
 
     def _lost(self, listener: Listener) -> None:
         """The connection of a resumable session is gone: resume it in the background;
@@ -562,7 +539,9 @@ class AsyncClient(Generic[ObsT]):
 
     async def _resume_loop(self, lost: Listener) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._resume_grace + 1.0
+        book = lost.book
+        assert book is not None
+        deadline = book.deadline(loop.time())
         last: BaseException | None = None
         attempt = 0
         while True:
@@ -580,63 +559,40 @@ class AsyncClient(Generic[ObsT]):
                         host_headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}"}
                         if ep.url.startswith("https"):
                             kwargs = {"server_hostname": ep.host}
-            url = _with_query(
-                base,
-                {
-                    RESUME_PARAM: self.session_id or "",
-                    RECEIVED_PARAM: str(lost.received),
-                    NODE_PARAM: self._resume_node,
-                    ADDR_PARAM: self._resume_addr,
-                },
-            )
-            headers = {**self.headers, **host_headers, TOKEN_HEADER: self._resume_token}
+            url = with_query(base, book.resume_query())
+            headers = {**self.headers, **host_headers, **book.resume_headers()}
             try:
                 async with asyncio.timeout(
                     max(0.05, min(self.connect_timeout, deadline - loop.time()))
                 ):
-                    transport, resumed = await ws_connect(
-                        partial(Listener, lease, lost),
-                        url,
-                        ssl_context=self.ssl,
-                        websocket_handshake_timeout=self.connect_timeout,
-                        max_frame_size=self.max_message_bytes,
-                        extra_headers=headers,
-                        enable_auto_ping=False,
-                        use_aiofastnet=False,
-                        **kwargs,
+                    transport, resumed = await self.options.handshake(
+                        partial(Listener, lease, lost), url, headers, **kwargs
                     )
                     listener = cast(Listener, resumed)
                     if listener is None or listener.greeting is None or transport.is_disconnected:
                         raise ConnectionResetError("the connection closed in the handshake")
                     hello = await listener.greeting
             except WSHandshakeError as exc:
-                refused = _refused(exc, url)
-                if refused.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403
-                    self._fail_session(lost, _resume_failed(self.session_id, str(refused)))
+                answer = refused(exc, url)
+                if answer.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403
+                    self._fail_session(lost, _resume_failed(book.session_id, str(answer)))
                     return
-                last = refused
+                last = answer
             except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
                 last = exc
             else:
                 reply = self._decode(hello)
                 kind = reply.get("type") if isinstance(reply, dict) else None
                 if kind == "resumed":
-                    data = reply.get("data") or {}
-                    self._resume_token = str(data.get("token", ""))
                     # A durable session restored elsewhere has a new id, node and address.
-                    self.session_id = str(data.get("session") or self.session_id)
-                    self._resume_node = str(data.get("node") or self._resume_node)
-                    self._resume_addr = str(data.get("address") or self._resume_addr)
+                    back = book.resumed(reply.get("data") or {})
                     if lease is not None:  # on another node from now on
                         if lost.lease is not None and lost.lease is not lease:
                             lost.lease.release()
                         self._lease, self.url, self.endpoint = lease, base, lease.endpoint.url
                         self._host_headers, self._connect_kwargs = host_headers, kwargs
-                    requests = int(data.get("requests", 0))
-                    assert listener.unanswered is not None
-                    for index, payload in listener.unanswered:
-                        if index > requests:  # lost on the way in: send again
-                            transport.send(self._msg_type, payload)
+                    for payload in back.resend:  # lost on the way in: send again
+                        transport.send(self._msg_type, payload)
                     listener.on_lost = self._lost
                     listener.adopted = True
                     self._transport, self._listener = transport, listener
@@ -646,7 +602,7 @@ class AsyncClient(Generic[ObsT]):
                 transport.disconnect()
                 err = error_from_wire(reply.get("data")) if kind == "error" else None
                 if not isinstance(err, ResumeError):
-                    err = _resume_failed(self.session_id, f"the server answered {reply!r:.200}")
+                    err = _resume_failed(book.session_id, f"the server answered {reply!r:.200}")
                 if lease is None:  # the session's own node says it is gone: it is
                     self._fail_session(lost, err)
                     return
@@ -654,13 +610,13 @@ class AsyncClient(Generic[ObsT]):
             if lease is not None and self._lease is not lease:
                 lease.release()
             attempt += 1
-            delay = _backoff(attempt)
+            delay = backoff(attempt)
             if loop.time() + delay >= deadline:
                 self._fail_session(
                     lost,
                     _resume_failed(
-                        self.session_id,
-                        f"no server took it back within its {self._resume_grace:g} s grace "
+                        book.session_id,
+                        f"no server took it back within its {book.grace:g} s grace "
                         f"period (last: {last!r})",
                     ),
                 )
@@ -695,45 +651,8 @@ class AsyncClient(Generic[ObsT]):
         )
 
 
-def _refused(exc: WSHandshakeError, url: str) -> ConnectError:
-    """A :class:`ConnectError` for an upgrade answered with an HTTP error, saying what to do."""
-    response = exc.response
-    status = int(response.status) if response is not None else 0
-    detail = ""
-    try:
-        body = msgspec.json.decode(exc.raw_body or b"{}")
-        if isinstance(body, dict):
-            detail = str(body.get("message") or body.get("detail") or "")
-    except msgspec.DecodeError:
-        detail = (exc.raw_body or b"").decode(errors="replace")[:200]
-    if status == 401:
-        hint = (
-            "the server requires a bearer token: pass token=... (or set "
-            f"{TOKEN_ENV}) with the server's --auth-token"
-        )
-    elif status == 403:
-        hint = "the server refused this client's Origin or Host header"
-    else:
-        hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
-    message = f"cannot open a session at {url}: {hint}"
-    return ConnectError(f"{message} ({detail})" if detail else message, url=url, status=status)
-
-
 def _resume_failed(sid: str | None, why: str) -> ResumeError:
     return ResumeError(f"session {sid} could not be resumed: {why}", session=sid)
-
-
-def _with_query(url: str, params: dict[str, str]) -> str:
-    """``url`` with ``params`` set in its query (replacing any of the same names)."""
-    parts = urllib.parse.urlsplit(url)
-    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k not in params]
-    query.extend(params.items())
-    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
-
-
-def _backoff(attempt: int) -> float:
-    """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
-    return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
 
 
 def _to_builtins(action: Any) -> Any:

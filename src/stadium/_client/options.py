@@ -1,0 +1,205 @@
+"""How every client connects: one :class:`ConnectOptions`, and the pieces of a connect
+that :class:`~stadium.AsyncClient`, the batch connections
+(:mod:`stadium._client.batch`) and the batched pool share: the WebSocket handshake
+call, the backoff between attempts, and the errors that say what to do.
+
+Every client takes the same connection keywords (``msgpack``, ``connect_timeout``,
+``request_timeout``, ``max_retries``, ``max_message_bytes``, ``headers``, ``token``,
+``ssl``, ``resume``); they become one frozen :class:`ConnectOptions`, which a client
+hands on as it is (a ``fork``, a pool's batch connections, a resume)::
+
+    options = ConnectOptions.create(token="secret", request_timeout=30.0)
+    async with stadium.AsyncClient(url, options=options) as env: ...
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import ssl as ssl_module
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
+
+from stadium._errors import ConfigError, ConnectError
+
+#: The environment variable a client reads its bearer token from when given none
+#: (the same one ``stadium serve`` reads).
+TOKEN_ENV = "STADIUM_AUTH_TOKEN"
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectOptions:
+    """A client's connection options (the keywords of :class:`~stadium.AsyncClient`).
+
+    Build it with :meth:`create` (which turns ``token`` into the ``Authorization``
+    header); the fields are the resolved values.
+    """
+
+    msgpack: bool = False
+    """Negotiate MessagePack frames."""
+    connect_timeout: float = 10.0
+    """Seconds for the TCP + WebSocket handshake."""
+    request_timeout: float | None = 600.0
+    """Seconds to wait for each reply (None: no limit)."""
+    max_retries: int = 8
+    """Attempts when the server is unreachable or at capacity."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest reply accepted."""
+    headers: Mapping[str, str] = field(default_factory=dict)
+    """Extra headers of the WebSocket handshake (with ``Authorization`` when a token is set)."""
+    ssl: ssl_module.SSLContext | None = None
+    """TLS context for ``wss://`` (``https://``) URLs; None: the system's trusted roots."""
+    resume: bool = True
+    """Ask the server for resumable sessions."""
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        msgpack: bool = False,
+        connect_timeout: float = 10.0,
+        request_timeout: float | None = 600.0,
+        max_retries: int = 8,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        headers: Mapping[str, str] | None = None,
+        token: str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        resume: bool = True,
+    ) -> ConnectOptions:
+        """The options of these keywords. ``token``: the bearer token, sent as
+        ``Authorization: Bearer <token>`` unless ``headers`` has an ``Authorization``;
+        None reads ``$STADIUM_AUTH_TOKEN``; ``""``: none."""
+        extra = dict(headers or {})
+        if token is None:
+            token = os.environ.get(TOKEN_ENV)
+        if token and not any(k.lower() == "authorization" for k in extra):
+            extra["Authorization"] = f"Bearer {token}"
+        return cls(
+            msgpack=msgpack,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            max_retries=max_retries,
+            max_message_bytes=max_message_bytes,
+            headers=extra,
+            ssl=ssl,
+            resume=resume,
+        )
+
+    @classmethod
+    def given(cls, options: ConnectOptions | None, **keywords: Any) -> ConnectOptions:
+        """``options`` if given (then every keyword must be left at its default: one way
+        of saying it), else the options of the keywords (:meth:`create`'s)."""
+        if options is None:
+            return cls.create(**keywords)
+        defaults = _CREATE_DEFAULTS
+        changed = sorted(k for k, v in keywords.items() if defaults.get(k, v) != v)
+        if changed:
+            raise ConfigError(
+                f"connection options given twice: options= and {', '.join(changed)}=; pass "
+                "them in one place (e.g. options=dataclasses.replace(options, ...))",
+                keywords=changed,
+            )
+        return options
+
+    def codec(self) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
+        """The frames' encoder and decoder (MessagePack or JSON)."""
+        if self.msgpack:
+            return msgspec.msgpack.encode, msgspec.msgpack.decode
+        return msgspec.json.encode, msgspec.json.decode
+
+    async def handshake(
+        self,
+        listener: Callable[[], WSListener],
+        url: str,
+        headers: Mapping[str, str] | None,
+        **kwargs: Any,
+    ) -> tuple[WSTransport, WSListener]:
+        """One WebSocket handshake to ``url`` with these options (no retry; the caller
+        bounds the TCP connect, which picows' handshake timeout does not cover)."""
+        return await ws_connect(
+            listener,
+            url,
+            ssl_context=self.ssl,
+            websocket_handshake_timeout=self.connect_timeout,
+            max_frame_size=self.max_message_bytes,
+            extra_headers=dict(headers) if headers else None,
+            enable_auto_ping=False,
+            # uvloop's own connect: ~15 % less client CPU per session than picows'
+            # default aiofastnet path (measured in bursts; BENCHMARKS.md)
+            use_aiofastnet=False,
+            **kwargs,
+        )
+
+
+_CREATE_DEFAULTS: dict[str, Any] = {
+    "msgpack": False,
+    "connect_timeout": 10.0,
+    "request_timeout": 600.0,
+    "max_retries": 8,
+    "max_message_bytes": 64 * 1024 * 1024,
+    "headers": None,
+    "token": None,
+    "ssl": None,
+    "resume": True,
+}
+
+
+def backoff(attempt: int) -> float:
+    """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
+    return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+
+
+def with_query(url: str, params: Mapping[str, str]) -> str:
+    """``url`` with ``params`` set in its query (replacing any of the same names)."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k not in params]
+    query.extend(params.items())
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+def untrusted(exc: ssl_module.SSLCertVerificationError, url: str, what: str) -> ConnectError:
+    """A :class:`ConnectError` for a certificate the client does not trust (not transient)."""
+    return ConnectError(
+        f"cannot open {what} at {url}: {exc.verify_message or exc}; for a private or "
+        "self-signed certificate pass ssl=ssl.create_default_context(cafile='cert.pem')",
+        url=url,
+    )
+
+
+def refused(exc: WSHandshakeError, url: str) -> ConnectError:
+    """A :class:`ConnectError` for an upgrade answered with an HTTP error, saying what to do."""
+    response = exc.response
+    status = int(response.status) if response is not None else 0
+    detail = ""
+    try:
+        body = msgspec.json.decode(exc.raw_body or b"{}")
+        if isinstance(body, dict):
+            detail = str(body.get("message") or body.get("detail") or "")
+    except msgspec.DecodeError:
+        detail = (exc.raw_body or b"").decode(errors="replace")[:200]
+    if status == 401:
+        hint = (
+            "the server requires a bearer token: pass token=... (or set "
+            f"{TOKEN_ENV}) with the server's --auth-token"
+        )
+    elif status == 403:
+        hint = "the server refused this client's Origin or Host header"
+    else:
+        hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
+    message = f"cannot open a session at {url}: {hint}"
+    return ConnectError(f"{message} ({detail})" if detail else message, url=url, status=status)
+
+
+__all__ = [
+    "TOKEN_ENV",
+    "ConnectOptions",
+    "backoff",
+    "refused",
+    "untrusted",
+    "with_query",
+]
