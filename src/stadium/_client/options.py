@@ -100,7 +100,8 @@ class ConnectOptions:
         changed = sorted(k for k, v in keywords.items() if defaults.get(k, v) != v)
         if changed:
             raise ConfigError(
-                f"connection options given twice: options= and {', '.join(changed)}=; pass "
+                f"connection options given twice: options= and "
+                f"{', '.join(k + '=' for k in changed)}; pass "
                 "them in one place (e.g. options=dataclasses.replace(options, ...))",
                 keywords=changed,
             )
