@@ -207,3 +207,20 @@ def test_stadium_serve_with_tls_token_file_and_workers(
         _, err = proc.communicate(timeout=60 * UNIT)
     assert proc.returncode == 0, err
     assert TOKEN.encode() not in err
+
+
+async def test_the_health_probe_speaks_https_and_checks_the_certificate(
+    cert: tuple[str, str],
+) -> None:
+    from stadium._util.health import healthy, probe, probe_async
+
+    cert_path, key_path = cert
+    ctx = _trusting(cert_path)
+    async with serve("echo", tls_cert=cert_path, tls_key=key_path, max_sessions=3) as server:
+        assert (await probe_async(server.url, ssl=ctx)).data["max_sessions"] == 3
+        health = await asyncio.to_thread(probe, server.url, 5 * UNIT, ssl=ctx)
+        assert health.ok and health.data["max_sessions"] == 3
+        # The system's roots do not trust a self-signed certificate: no answer read.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            await probe_async(server.url)
+        assert not await asyncio.to_thread(healthy, server.url, 5 * UNIT)

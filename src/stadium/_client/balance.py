@@ -11,7 +11,7 @@ state and a clock in, a choice out); :class:`Balancer` adds the thin I/O around 
 
 * **Capacity** from each node's open ``GET /health`` (``max_sessions``,
   ``active_sessions``, ``waiting_sessions``), probed concurrently with a short
-  timeout (asyncio streams + h11) when the balancer is first used, then at most
+  timeout (:func:`stadium._util.health.probe_async`) when the balancer is first used, then at most
   every ``probe_interval_s`` *while sessions open* (an idle trainer sends nothing),
   and at once after a failure. A node answering without them (OpenEnv) has unknown
   capacity: it counts as the mean of the known ones (all unknown: equal shares).
@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import ipaddress
-import json
 import os
 import random
 import socket
@@ -48,9 +47,8 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, cast
 
-import h11
-
 from stadium._core.urls import base_url
+from stadium._util.health import probe_async
 from stadium.deploy.deployment import endpoints
 
 
@@ -75,9 +73,6 @@ EndpointSpec = str | os.PathLike[str] | Sequence[str] | HasNodes | HasDeployment
 
 #: ``resolver(host, port)`` → the host's addresses (tests inject one).
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-#: Largest ``/health`` body read.
-MAX_HEALTH_BYTES = 64 * 1024
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -420,49 +415,12 @@ class Balancer:
     async def _probe_one(self, ep: Endpoint) -> None:
         try:
             async with asyncio.timeout(self.probe_timeout_s):
-                status, body = await self._health(ep)
-        except (OSError, TimeoutError, h11.ProtocolError, ValueError) as exc:
+                health = await probe_async(ep.url, ssl=self.ssl, name=ep.host)
+        except (OSError, ValueError) as exc:  # TimeoutError is an OSError
             error = f"health probe: {exc!r}"
             mark_failed(ep, self.clock(), error, self.rng, self.retry_base_s, self.retry_max_s)
             return
-        apply_health(ep, status, body)
-
-    async def _health(self, ep: Endpoint) -> tuple[int, Any]:
-        parts = urllib.parse.urlsplit(ep.url)
-        tls = parts.scheme == "https"
-        context = (self.ssl or ssl_module.create_default_context()) if tls else None
-        sni = (ep.host or parts.hostname) if tls else None
-        reader, writer = await asyncio.open_connection(
-            parts.hostname, parts.port, ssl=context, server_hostname=sni
-        )
-        try:
-            conn = h11.Connection(h11.CLIENT)
-            host = f"{ep.host}:{parts.port}" if ep.host else parts.netloc
-            request = h11.Request(
-                method="GET", target="/health", headers=[("Host", host), ("Connection", "close")]
-            )
-            writer.write(conn.send(request) + conn.send(h11.EndOfMessage()))
-            status, body = 0, b""
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    conn.receive_data(await reader.read(65536))
-                elif isinstance(event, h11.Response):
-                    status = event.status_code
-                elif isinstance(event, h11.Data):
-                    body += event.data
-                    if len(body) > MAX_HEALTH_BYTES:
-                        raise ValueError("health answer too large")
-                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-                    break
-        finally:
-            writer.close()
-        if not status:
-            raise ConnectionResetError("closed without an answer")
-        try:
-            return status, json.loads(body or b"null")
-        except ValueError:
-            return status, None
+        apply_health(ep, health.status, health.body)
 
     # -- DNS -------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import http.client
 import itertools
 import os
 import shlex
@@ -57,6 +56,7 @@ from typing import IO
 
 from stadium._core.urls import ws_url
 from stadium._errors import ConfigError
+from stadium._util.health import healthy, probe
 from stadium.bench.loadspec import ws_urls
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -528,29 +528,17 @@ def _remove_cgroup(cgroup: Path) -> None:
 def _health(url: str, timeout: float) -> dict[str, object] | None:
     """``GET /health`` of the server of WebSocket URL ``url`` (its base path), parsed;
     ``None`` when it does not answer 200 with a JSON object."""
-    import json
     import ssl
-    import urllib.parse
 
-    parts = urllib.parse.urlsplit(url)
-    base = parts.path.rstrip("/").removesuffix("/ws")
-    conn: http.client.HTTPConnection
-    if parts.scheme == "wss":
+    ctx = None
+    if url.startswith(("wss:", "https:")):
         ctx = ssl.create_default_context()
         ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # only reads a count
-        conn = http.client.HTTPSConnection(parts.netloc, timeout=timeout, context=ctx)
-    else:
-        conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
     try:
-        conn.request("GET", base + "/health")
-        resp = conn.getresponse()
-        body = resp.read()
-        data = json.loads(body) if resp.status == 200 else None
-    except (OSError, http.client.HTTPException, ValueError):
+        health = probe(url, timeout, ssl=ctx)
+    except (OSError, ValueError):
         return None
-    finally:
-        conn.close()
-    return data if isinstance(data, dict) else None
+    return health.data if health.ok and isinstance(health.body, dict) else None
 
 
 def endpoint_weights(urls: Sequence[str], timeout: float = 2.0) -> tuple[int, ...]:
@@ -575,15 +563,8 @@ def wait_healthy(port: int, proc: subprocess.Popen[bytes] | None, timeout: float
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise ConfigError(f"the server exited with {proc.returncode} before it was ready")
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
-        try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except (OSError, http.client.HTTPException):
-            pass
-        finally:
-            conn.close()
+        if healthy(f"http://127.0.0.1:{port}", 2.0):
+            return
         time.sleep(0.1)
     raise ConfigError(f"the server on port {port} was not healthy after {timeout:.0f} s")
 

@@ -31,13 +31,12 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from stadium._errors import ConfigError
+from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment
 from stadium.deploy.running import Running
 
@@ -74,14 +73,6 @@ def serve_command(
     if drain_timeout is not None:
         cmd += ["--drain-timeout", str(drain_timeout)]
     return [*cmd, *serve_args]
-
-
-def _healthy(url: str, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
-            return bool(resp.status == 200)
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -144,7 +135,7 @@ class ServerProcess:
             with contextlib.suppress(OSError):
                 if found := _ANNOUNCE.search(self.out_path.read_text(errors="replace")):
                     self.url = found.group(1)
-        if self.url is not None and _healthy(self.url):
+        if self.url is not None and healthy(self.url, 1.0):
             return self.url
         return None
 

@@ -41,14 +41,13 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import weakref
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
 from stadium._errors import ConfigError
+from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment
 from stadium.deploy.running import Running
 
@@ -301,14 +300,6 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
-            return bool(resp.status == 200)
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-
-
 def _running(podman: str, name: str) -> tuple[bool, int | None]:
     out = _run(
         [podman, "inspect", "--format", "{{.State.Running}} {{.State.ExitCode}}", name],
@@ -424,7 +415,7 @@ def _wait_healthy(d: PodmanDeployment, podman: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while pending:
         for cname, url in list(pending.items()):
-            if _health(url):
+            if healthy(url, 2.0):
                 del pending[cname]
                 continue
             running, code = _running(podman, cname)

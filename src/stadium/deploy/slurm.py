@@ -32,12 +32,11 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from stadium._errors import ConfigError
+from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment
 from stadium.deploy.haproxy import RouterOptions, render
 
@@ -158,14 +157,6 @@ def example_router_config(opts: SlurmOptions) -> str:
     return "# Example: the job renders this with the real node addresses.\n" + text
 
 
-def _healthy(url: str, timeout: float = 2.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as resp:
-            return bool(resp.status == 200)
-    except (OSError, urllib.error.URLError, ValueError):
-        return False
-
-
 def _job_state(job_id: str, env: dict[str, str] | None) -> str:
     out = subprocess.run(
         ["squeue", "-h", "-j", job_id, "-o", "%T"],
@@ -226,4 +217,4 @@ def _read_if_ours(path: Path, job_id: str) -> Deployment | None:
 
 def _all_healthy(d: Deployment) -> bool:
     urls = [*d.nodes, *([d.router] if d.router else [])]
-    return all(_healthy(u) for u in urls)
+    return all(healthy(u, 2.0) for u in urls)
