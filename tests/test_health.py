@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -62,11 +63,11 @@ def test_an_answer_in_pieces_is_parsed_once_complete() -> None:
     answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     exchange = _exchange()
     cuts = [0, 5, 20, len(answer) - 3, len(answer)]
-    results = [exchange.feed(answer[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+    results = [exchange.feed(answer[a:b]) for a, b in itertools.pairwise(cuts)]
     assert results[:-1] == [None, None, None]
     health = results[-1]
     assert health == Health(200, json.loads(body))
-    assert health.ok and not health.draining and health.data["max_sessions"] == 10
+    assert (health.ok, health.draining, health.data["max_sessions"]) == (True, False, 10)
 
 
 def test_a_chunked_503_without_json_is_draining_with_no_body() -> None:
@@ -74,7 +75,7 @@ def test_a_chunked_503_without_json_is_draining_with_no_body() -> None:
     health = _exchange().feed(answer)
     assert health is not None
     assert (health.status, health.body, health.data) == (503, None, {})
-    assert health.draining and not health.ok
+    assert (health.ok, health.draining) == (False, True)
 
 
 def test_an_answer_ended_by_the_close_is_complete() -> None:
@@ -109,7 +110,7 @@ async def test_both_shells_probe_a_stadium_server_and_see_it_go() -> None:
             await probe_async(url.replace("http", "ws") + "/ws"),  # a session URL
             await asyncio.to_thread(probe, url, 5 * UNIT),
         ):
-            assert health.ok and health.data["max_sessions"] == 7, health
+            assert (health.status, health.data["max_sessions"]) == (200, 7), health
         assert await asyncio.to_thread(healthy, url, 5 * UNIT)
     assert not await asyncio.to_thread(healthy, url, 5 * UNIT)  # stopped: nobody listens
     with pytest.raises(ConnectionRefusedError):
@@ -146,12 +147,12 @@ async def _raw(answer: bytes | None) -> AsyncIterator[str]:
         await server.wait_closed()
 
 
-async def _both(url: str, timeout: float) -> list[Any]:
+async def _both(url: str, limit_s: float) -> list[Any]:
     """What each shell makes of ``url``: a Health or the exception's type."""
     out: list[Any] = []
     for call in (
-        lambda: asyncio.to_thread(probe, url, timeout),
-        lambda: asyncio.wait_for(probe_async(url), timeout),
+        lambda: asyncio.to_thread(probe, url, limit_s),
+        lambda: asyncio.wait_for(probe_async(url), limit_s),
     ):
         try:
             out.append(await call())

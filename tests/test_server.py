@@ -165,7 +165,7 @@ async def test_sync_blocking_env_runs_on_the_pool(transport: str) -> None:
 async def test_session_pool_bounds_connects_in_flight(
     transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import stadium._client.session as client_mod
+    import stadium._client.options as client_mod  # every client connects through it
 
     real = client_mod.ws_connect
     now, most = 0, 0

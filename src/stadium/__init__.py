@@ -54,6 +54,7 @@ from stadium._version import __version__
 
 if _typing.TYPE_CHECKING:
     from stadium._cli.check import check_env
+    from stadium._client.options import ConnectOptions
     from stadium._client.pool import Client, SessionPool
     from stadium._client.session import AsyncClient
     from stadium._env.tools import ToolEnvironment, tool
@@ -65,6 +66,7 @@ if _typing.TYPE_CHECKING:
 #: The names loaded on first use, and the module each comes from.
 _LAZY = {
     "AsyncClient": "stadium._client.session",
+    "ConnectOptions": "stadium._client.options",
     "Client": "stadium._client.pool",
     "SessionPool": "stadium._client.pool",
     "ToolEnvironment": "stadium._env.tools",
@@ -101,6 +103,7 @@ __all__ = [
     "Client",
     "ConfigError",
     "ConnectError",
+    "ConnectOptions",
     "EnvCheckError",
     "Environment",
     "ErrorCode",

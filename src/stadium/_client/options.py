@@ -8,8 +8,9 @@ Every client takes the same connection keywords (``msgpack``, ``connect_timeout`
 ``ssl``, ``resume``); they become one frozen :class:`ConnectOptions`, which a client
 hands on as it is (a ``fork``, a pool's batch connections, a resume)::
 
-    options = ConnectOptions.create(token="secret", request_timeout=30.0)
+    options = stadium.ConnectOptions.create(token="secret", request_timeout=30.0)
     async with stadium.AsyncClient(url, options=options) as env: ...
+    async with stadium.SessionPool(url, 64, options=options) as pool: ...
 """
 
 from __future__ import annotations
