@@ -26,12 +26,19 @@ import itertools
 import ssl as ssl_module
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, Unpack, cast
 
 import msgspec
 from picows import WSCloseCode, WSFrame, WSHandshakeError, WSListener, WSMsgType, WSTransport
 
-from stadium._client.options import ConnectOptions, backoff, refused, untrusted, with_query
+from stadium._client.options import (
+    ConnectOptions,
+    HandshakeKeywords,
+    backoff,
+    refused,
+    untrusted,
+    with_query,
+)
 from stadium._client.resume_book import resumable_close
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
 from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
@@ -225,41 +232,26 @@ class BatchConnection:
         cls,
         url: str,
         *,
-        msgpack: bool = False,
-        connect_timeout: float = 10.0,
-        request_timeout: float | None = 600.0,
-        max_retries: int = 8,
-        max_message_bytes: int = 64 * 1024 * 1024,
-        headers: dict[str, str] | None = None,
-        token: str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
         resume: str | None = None,
         resume_token: str | None = None,
         options: ConnectOptions | None = None,
+        **keywords: Unpack[HandshakeKeywords],
     ) -> BatchConnection:
         """Connect to ``url`` offering the batch subprotocol (retrying with backoff while
         the server is unreachable, as :meth:`AsyncClient.connect` does).
 
         ``resume``: ``"1"`` asks for resumable sessions; a session id (with its
         ``resume_token``) opens the connection that resumes them (it reaches the worker
-        holding that session). ``options``: the connection keywords as one
-        :class:`ConnectOptions` (its ``resume`` aside: ``resume`` here says what to ask).
+        holding that session). The connection keywords are
+        :class:`~stadium.AsyncClient`'s (``msgpack``, ``token``, ``ssl``, ...), or
+        ``options``: them as one :class:`ConnectOptions` (its ``resume`` aside: ``resume``
+        here says what to ask).
 
         Raises:
             ConnectError: the server cannot be reached, or answered the upgrade with an
                 HTTP error (401: pass ``token``).
         """
-        opts = ConnectOptions.given(
-            options,
-            msgpack=msgpack,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            max_retries=max_retries,
-            max_message_bytes=max_message_bytes,
-            headers=headers,
-            token=token,
-            ssl=ssl,
-        )
+        opts = ConnectOptions.given(options, **keywords)
         url = ws_url(url)
         base = url
         if resume is not None:

@@ -19,10 +19,9 @@ import asyncio
 import contextlib
 import dataclasses
 import random
-import ssl as ssl_module
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, Unpack
 
 import msgspec
 
@@ -34,7 +33,7 @@ from stadium._client.batch import (
     checked,
     step_result,
 )
-from stadium._client.options import ConnectOptions, backoff
+from stadium._client.options import ConnectKeywords, ConnectOptions, backoff
 from stadium._client.resume_book import ResumeBook
 from stadium._client.session import _to_builtins
 from stadium._env.contract import StepResult
@@ -383,39 +382,20 @@ class BatchGroup(Generic[ObsT]):
         size: int,
         per_connection: int,
         *,
-        msgpack: bool = False,
         observation_type: Any = None,
         state_type: Any = None,
         action_encoder: Callable[[Any], Any] | None = None,
-        connect_timeout: float = 10.0,
-        request_timeout: float | None = 600.0,
-        max_retries: int = 8,
-        max_message_bytes: int = 64 * 1024 * 1024,
-        headers: dict[str, str] | None = None,
-        token: str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-        resume: bool = True,
         options: ConnectOptions | None = None,
+        **keywords: Unpack[ConnectKeywords],
     ) -> BatchGroup[ObsT] | None:
         """Open the connections; None when the server does not speak batches (the first
         connection's ``101`` did not pick the subprotocol; it is closed again).
 
-        ``resume``: ask for resumable sessions (the server grants them when its
-        ``--resume-grace`` is above 0). ``options``: the connection keywords as one
-        :class:`ConnectOptions` (then leave them out).
+        The connection keywords are :class:`~stadium.AsyncClient`'s, or ``options``: them
+        as one :class:`ConnectOptions`. ``resume`` (default true) asks for resumable
+        sessions (the server grants them when its ``--resume-grace`` is above 0).
         """
-        opts = ConnectOptions.given(
-            options,
-            msgpack=msgpack,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            max_retries=max_retries,
-            max_message_bytes=max_message_bytes,
-            headers=headers,
-            token=token,
-            ssl=ssl,
-            resume=resume,
-        )
+        opts = ConnectOptions.given(options, **keywords)
         opening = partial(BatchConnection.open, url, options=opts)
         # a resume: one attempt (the resume loop retries, within the grace period)
         reopening = partial(

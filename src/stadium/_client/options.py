@@ -15,13 +15,14 @@ hands on as it is (a ``fork``, a pool's batch connections, a resume)::
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import ssl as ssl_module
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
@@ -31,6 +32,26 @@ from stadium._errors import ConfigError, ConnectError
 #: The environment variable a client reads its bearer token from when given none
 #: (the same one ``stadium serve`` reads).
 TOKEN_ENV = "STADIUM_AUTH_TOKEN"
+
+
+class HandshakeKeywords(TypedDict, total=False):
+    """The connection keywords but ``resume`` (a batch connection's ``resume`` says
+    which sessions it resumes)."""
+
+    msgpack: bool
+    connect_timeout: float
+    request_timeout: float | None
+    max_retries: int
+    max_message_bytes: int
+    headers: Mapping[str, str] | None
+    token: str | None
+    ssl: ssl_module.SSLContext | None
+
+
+class ConnectKeywords(HandshakeKeywords, total=False):
+    """The connection keywords every client takes (:meth:`ConnectOptions.create`'s)."""
+
+    resume: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,16 +159,11 @@ class ConnectOptions:
         )
 
 
+#: The keywords' defaults (a keyword left at its default is not "given").
 _CREATE_DEFAULTS: dict[str, Any] = {
-    "msgpack": False,
-    "connect_timeout": 10.0,
-    "request_timeout": 600.0,
-    "max_retries": 8,
-    "max_message_bytes": 64 * 1024 * 1024,
-    "headers": None,
-    "token": None,
-    "ssl": None,
-    "resume": True,
+    name: p.default
+    for name, p in inspect.signature(ConnectOptions.create).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
 }
 
 
@@ -199,7 +215,9 @@ def refused(exc: WSHandshakeError, url: str) -> ConnectError:
 
 __all__ = [
     "TOKEN_ENV",
+    "ConnectKeywords",
     "ConnectOptions",
+    "HandshakeKeywords",
     "backoff",
     "refused",
     "untrusted",
