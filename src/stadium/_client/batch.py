@@ -39,11 +39,11 @@ from stadium._client.options import (
     untrusted,
     with_query,
 )
+from stadium._client.replies import step_result
 from stadium._client.resume_book import resumable_close
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
 from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
 from stadium._core.urls import ws_url
-from stadium._env.contract import StepResult
 from stadium._errors import (
     ConnectError,
     SessionClosedError,
@@ -403,21 +403,6 @@ def checked(entry: Any) -> dict[str, Any]:
             f"server closed the session ({code}: {data.get('reason', '')})", close_code=code
         )
     return entry
-
-
-def step_result(entry: dict[str, Any], observation_type: Any = None) -> StepResult[Any]:
-    """An ``observation`` entry as a :class:`StepResult` (as :class:`AsyncClient` builds it)."""
-    data = entry.get("data") or {}
-    obs = data.get("observation", {})
-    if observation_type is not None:
-        obs = msgspec.convert(obs, observation_type, strict=False)
-    return StepResult(
-        obs,
-        data.get("reward"),
-        bool(data.get("done", False)),
-        truncated=bool(data.get("truncated", False)),
-        info=data.get("info") or data.get("metadata"),
-    )
 
 
 __all__ = [

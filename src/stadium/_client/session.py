@@ -63,7 +63,7 @@ from stadium._client.options import (
     untrusted,
     with_query,
 )
-from stadium._client.replies import Listener, answered_before_closing
+from stadium._client.replies import Listener, answered_before_closing, step_result
 from stadium._client.resume_book import ResumeBook, is_reply_to
 from stadium._core.protocol import MSGPACK_SUBPROTOCOL
 from stadium._core.resume import RESUME_PARAM
@@ -638,17 +638,7 @@ class AsyncClient(Generic[ObsT]):
                 fut.set_exception(err)
 
     def _result(self, reply: dict[str, Any]) -> StepResult[ObsT]:
-        data = reply.get("data") or {}
-        obs = data.get("observation", {})
-        if self.observation_type is not None:
-            obs = msgspec.convert(obs, self.observation_type, strict=False)
-        return StepResult(
-            obs,
-            data.get("reward"),
-            bool(data.get("done", False)),
-            truncated=bool(data.get("truncated", False)),
-            info=data.get("info") or data.get("metadata"),
-        )
+        return step_result(reply, self.observation_type)
 
 
 def _resume_failed(sid: str | None, why: str) -> ResumeError:
