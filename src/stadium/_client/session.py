@@ -221,15 +221,16 @@ class AsyncClient(Generic[ObsT]):
         if self.endpoints is not None:
             balancer = self._balancer
             if balancer is None:
-                balancer = self._balancer = balancer_for(self.endpoints, ssl=self.ssl)
+                balancer = self._balancer = balancer_for(self.endpoints, ssl=self.options.ssl)
             if not await balancer.direct():
                 return await self._connect_balanced(balancer)
             self._lease = self.endpoint = None  # one node after all: the URL as given
             self.url = self._given_url
         last: Exception | None = None
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(self.options.max_retries + 1):
             try:
-                async with asyncio.timeout(self.connect_timeout):  # picows' covers no TCP connect
+                # picows' handshake timeout covers no TCP connect: this one does
+                async with asyncio.timeout(self.options.connect_timeout):
                     transport, listener = await self.options.handshake(
                         partial(Listener, None, None), self._asking(self.url), self.headers
                     )
@@ -240,7 +241,7 @@ class AsyncClient(Generic[ObsT]):
                 raise untrusted(exc, self.url, "a session") from exc
             except (TimeoutError, OSError) as exc:
                 last = exc
-                if attempt < self.max_retries:
+                if attempt < self.options.max_retries:
                     await asyncio.sleep(backoff(attempt))
                 continue
             except WSHandshakeError as exc:  # an HTTP answer instead of 101: not transient
@@ -255,7 +256,7 @@ class AsyncClient(Generic[ObsT]):
         if isinstance(last, ConnectionResetError) and self.url.startswith("ws://"):
             hint = " (a TLS server? use https:// or wss://)"
         raise ConnectError(
-            f"cannot reach {self.url} after {self.max_retries + 1} attempts: {last}{hint}",
+            f"cannot reach {self.url} after {self.options.max_retries + 1} attempts: {last}{hint}",
             url=self.url,
         ) from last
 
@@ -264,7 +265,7 @@ class AsyncClient(Generic[ObsT]):
         is marked down and the next one tried; rounds over all nodes, with backoff between
         them, up to ``max_retries`` + 1 rounds."""
         last: Exception | None = None
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(self.options.max_retries + 1):
             tried: list[Endpoint] = []
             while (lease := await balancer.acquire(tried)) is not None:
                 ep = lease.endpoint
@@ -276,7 +277,7 @@ class AsyncClient(Generic[ObsT]):
                     if ep.url.startswith("https"):
                         kwargs["server_hostname"] = ep.host
                 try:
-                    async with asyncio.timeout(self.connect_timeout):
+                    async with asyncio.timeout(self.options.connect_timeout):
                         transport, listener = await self.options.handshake(
                             partial(Listener, lease, None),
                             self._asking(ep.ws_url),
@@ -314,11 +315,11 @@ class AsyncClient(Generic[ObsT]):
                 if ep.host is not None:
                     self._host_headers = {"Host": headers["Host"]}
                 return self
-            if attempt < self.max_retries:
+            if attempt < self.options.max_retries:
                 await asyncio.sleep(backoff(attempt))
         raise ConnectError(
             f"cannot open a session on any of {len(balancer.endpoints)} nodes after "
-            f"{self.max_retries + 1} rounds ({balancer.describe()}): {last}",
+            f"{self.options.max_retries + 1} rounds ({balancer.describe()}): {last}",
             url=self.url,
             endpoints=[e.url for e in balancer.endpoints],
         ) from last
@@ -359,12 +360,12 @@ class AsyncClient(Generic[ObsT]):
         if episode_id is not None:
             data["episode_id"] = episode_id
         reply = await self._request({"type": "reset", "data": data}, retry_capacity=True)
-        return self._result(reply)
+        return step_result(reply, self.observation_type)
 
     async def step(self, action: Any) -> StepResult[ObsT]:
         """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
         reply = await self._request({"type": "step", "data": self.action_encoder(action)})
-        return self._result(reply)
+        return step_result(reply, self.observation_type)
 
     async def state(self) -> Any:
         """The session's state (a dict, or ``state_type``)."""
@@ -423,7 +424,7 @@ class AsyncClient(Generic[ObsT]):
             raise listener.closed or SessionClosedError(
                 "the session is closed; reset to start anew"
             )
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(self.options.max_retries + 1):
             await self.connect()
             try:
                 reply = await self._roundtrip(message)
@@ -434,7 +435,7 @@ class AsyncClient(Generic[ObsT]):
                     raise
                 lease = self._lease
                 await self._drop()
-                if not (retry_capacity and fresh) or attempt >= self.max_retries:
+                if not (retry_capacity and fresh) or attempt >= self.options.max_retries:
                     raise
                 if lease is not None:  # balanced: that node is full, another may have room
                     lease.refused(exc.retry_after_s)
@@ -467,14 +468,14 @@ class AsyncClient(Generic[ObsT]):
                 payload = self._encode(message)
             transport.send(self._msg_type, payload)
             try:
-                raw = await asyncio.wait_for(fut, self.request_timeout)
+                raw = await asyncio.wait_for(fut, self.options.request_timeout)
             except TimeoutError:
                 # The reply may still come; a later request would then read it.
                 # Drop the session rather than desynchronise it.
                 await self._drop()
                 raise SessionClosedError(
-                    f"no reply within {self.request_timeout:g}s; the session was dropped",
-                    timeout_s=self.request_timeout,
+                    f"no reply within {self.options.request_timeout:g}s; the session was dropped",
+                    timeout_s=self.options.request_timeout,
                 ) from None
         reply = self._decode(raw)
         if not isinstance(reply, dict):
@@ -502,14 +503,18 @@ class AsyncClient(Generic[ObsT]):
 
     def _asking(self, url: str) -> str:
         """The URL that opens a session: asking for a resumable one when ``resume``."""
-        return with_query(url, {RESUME_PARAM: "1"}) if self.resume else url
+        return with_query(url, {RESUME_PARAM: "1"}) if self.options.resume else url
 
     def _opened(self, transport: WSTransport, listener: Listener, kwargs: dict[str, Any]) -> None:
         """A new session is open: note whether it is resumable (the server said so)."""
         self._transport, self._listener = transport, listener
         self._answered = 0
         self._connect_kwargs = kwargs
-        book = ResumeBook[bytes].granted(transport.response.headers.get) if self.resume else None
+        book = (
+            ResumeBook[bytes].granted(transport.response.headers.get)
+            if self.options.resume
+            else None
+        )
         self._book = listener.book = book
         if book is not None:
             listener.on_lost = self._lost
@@ -563,7 +568,7 @@ class AsyncClient(Generic[ObsT]):
             headers = {**self.headers, **host_headers, **book.resume_headers()}
             try:
                 async with asyncio.timeout(
-                    max(0.05, min(self.connect_timeout, deadline - loop.time()))
+                    max(0.05, min(self.options.connect_timeout, deadline - loop.time()))
                 ):
                     transport, resumed = await self.options.handshake(
                         partial(Listener, lease, lost), url, headers, **kwargs
@@ -636,9 +641,6 @@ class AsyncClient(Generic[ObsT]):
             fut = lost.waiting.popleft()
             if not fut.done():
                 fut.set_exception(err)
-
-    def _result(self, reply: dict[str, Any]) -> StepResult[ObsT]:
-        return step_result(reply, self.observation_type)
 
 
 def _resume_failed(sid: str | None, why: str) -> ResumeError:
