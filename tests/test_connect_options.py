@@ -41,6 +41,17 @@ async def test_one_options_object_opens_a_client_its_fork_and_a_batched_pool() -
             await conn.close()
 
 
+async def test_a_pool_of_single_connections_shares_one_options_object() -> None:
+    async with serve("echo", auth_token=TOKEN) as server:
+        pool: stadium.SessionPool[Any] = stadium.SessionPool(
+            server.url, 3, batch=False, token=TOKEN, request_timeout=30.0
+        )
+        async with pool:
+            assert {id(c.options) for c in pool.clients} == {id(pool.options)}  # type: ignore[union-attr]
+            assert pool.options.request_timeout == 30.0
+            assert len(await pool.reset()) == 3
+
+
 async def test_without_the_token_every_client_is_refused_the_same_way() -> None:
     bare = stadium.ConnectOptions.create(token="", max_retries=0)
     async with serve("echo", auth_token=TOKEN) as server:

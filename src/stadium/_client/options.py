@@ -129,6 +129,15 @@ class ConnectOptions:
             )
         return options
 
+    @classmethod
+    def split(cls, keywords: Mapping[str, Any]) -> tuple[ConnectOptions, dict[str, Any]]:
+        """The options among a client's ``keywords`` (``options=`` or the connection
+        keywords), and the other keywords (``observation_type``, ...)."""
+        rest = dict(keywords)
+        options = rest.pop("options", None)
+        given = {name: rest.pop(name) for name in list(rest) if name in _CREATE_DEFAULTS}
+        return cls.given(options, **given), rest
+
     def codec(self) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
         """The frames' encoder and decoder (MessagePack or JSON)."""
         if self.msgpack:

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 from stadium._client.balance import EndpointSpec, balancer_for, is_plain, is_url
 from stadium._client.batch import call, checked, step_result
 from stadium._client.batch_pool import BatchGroup, BatchSession
+from stadium._client.options import ConnectOptions
 from stadium._client.session import AsyncClient
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -186,11 +187,13 @@ class SessionPool(Generic[ObsT]):
         # The keywords are AsyncClient's (a batching pool takes the same): refused now, not
         # when the pool opens.
         inspect.signature(AsyncClient).bind(url, **client_kwargs)
-        self._kwargs = client_kwargs
+        self.options: ConnectOptions
+        """The connection options every session of the pool shares (one object)."""
+        self.options, self._kwargs = ConnectOptions.split(client_kwargs)
         self._clients: list[AsyncClient[ObsT]] | None = None
         self._group: BatchGroup[ObsT] | None = None
         if batch is False or not one_url:
-            self._clients = [AsyncClient(url, **client_kwargs) for _ in range(size)]
+            self._clients = [self._client(url) for _ in range(size)]
         self._opening: asyncio.Future[None] | None = None
         self._opened = False
         # send/recv: the sessions with a step in flight, the results arrived
@@ -201,6 +204,9 @@ class SessionPool(Generic[ObsT]):
 
     def __len__(self) -> int:
         return self.size
+
+    def _client(self, url: EndpointSpec) -> AsyncClient[ObsT]:
+        return AsyncClient(url, options=self.options, **self._kwargs)
 
     @property
     def batching(self) -> bool | None:
@@ -241,9 +247,13 @@ class SessionPool(Generic[ObsT]):
                 url = self.url
                 assert isinstance(url, str)
                 group: BatchGroup[ObsT] | None = None
-                if is_plain(url) or await balancer_for(url, ssl=self._kwargs.get("ssl")).direct():
+                if is_plain(url) or await balancer_for(url, ssl=self.options.ssl).direct():
                     group = await BatchGroup.open(
-                        url, self.size, self.sessions_per_connection, **self._kwargs
+                        url,
+                        self.size,
+                        self.sessions_per_connection,
+                        options=self.options,
+                        **self._kwargs,
                     )
                 elif self.batch:
                     raise ConfigError(
@@ -262,7 +272,7 @@ class SessionPool(Generic[ObsT]):
                     self._group = group
                     self._opened = True
                     return
-                self._clients = [AsyncClient(url, **self._kwargs) for _ in range(self.size)]
+                self._clients = [self._client(url) for _ in range(self.size)]
             window = asyncio.Semaphore(self.connect_concurrency)
 
             async def connect(client: AsyncClient[ObsT]) -> None:
