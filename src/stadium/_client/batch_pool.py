@@ -7,7 +7,9 @@ request methods. Calls issued in the same event-loop iteration (``asyncio.gather
 over the sessions) are coalesced into one batch frame per connection.
 
 On a server with resume (``--resume-grace`` above 0) the sessions are resumable: each
-session's calls are numbered and kept until answered, and when a connection is lost
+session's calls are numbered and kept until answered (its
+:class:`~stadium._client.resume_book.ResumeBook`, as an ``AsyncClient``'s), and when a
+connection is lost
 its sessions are taken back on a new one (``resume`` calls), the replies they missed
 answering their calls and the calls the server never got sent again, with backoff,
 until the server's grace period is over (then :class:`~stadium.ResumeError`).
