@@ -195,6 +195,7 @@ def test_stadium_serve_with_tls_token_file_and_workers(
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(f"https://localhost:{port}/metadata", timeout=5, context=ctx)
         assert refused.value.code == 401
+        refused.value.close()  # the error holds the connection open
 
         async def session() -> None:
             async with AsyncClient(f"https://localhost:{port}", ssl=ctx, token=TOKEN) as env:

@@ -152,8 +152,13 @@ def probe(
         sock: socket.socket = raw
         if target.tls:
             context = ssl or ssl_module.create_default_context()
-            sock = context.wrap_socket(raw, server_hostname=name or target.host)
+            # The handshake after wrapping, inside the try: a refused certificate closes it.
+            sock = context.wrap_socket(
+                raw, server_hostname=name or target.host, do_handshake_on_connect=False
+            )
         try:
+            if isinstance(sock, ssl_module.SSLSocket):
+                sock.do_handshake()
             sock.sendall(exchange.request)
             while (health := exchange.feed(sock.recv(65536))) is None:
                 pass
