@@ -12,7 +12,11 @@ on the wire and a client can rebuild it on the other side::
     │   │                             does not match the environment's schema
     │   └── ToolCallError             an unknown tool, or arguments that do not fit it
     ├── ExecutionError                EXECUTION_ERROR: the environment raised
-    │   └── CallTimeoutError          TIMEOUT: an env call ran past its time limit
+    │   ├── CallTimeoutError          TIMEOUT: an env call ran past its time limit
+    │   ├── EnvCrashedError           ENV_CRASHED: an isolated env's process died
+    │   │                             (a signal such as SIGSEGV, or an exit)
+    │   └── LimitExceededError        LIMIT_EXCEEDED: an isolated env went past a limit
+    │                                 (memory, processes, wall time) and was stopped
     ├── CapacityError                 CAPACITY_REACHED: no free session slot
     ├── RateLimitError                RATE_LIMITED: a client sent requests too fast
     ├── SnapshotError                 SNAPSHOT_FAILED: an env cannot be snapshotted or
@@ -55,6 +59,8 @@ class ErrorCode(enum.StrEnum):
     RATE_LIMITED = "RATE_LIMITED"
     SNAPSHOT_FAILED = "SNAPSHOT_FAILED"
     RESUME_FAILED = "RESUME_FAILED"
+    ENV_CRASHED = "ENV_CRASHED"
+    LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
     # Stadium-only codes: never sent on the wire by the server.
     CONNECT_ERROR = "CONNECT_ERROR"
     CONFIG_ERROR = "CONFIG_ERROR"
@@ -139,6 +145,28 @@ class CallTimeoutError(ExecutionError):
     """
 
     code = ErrorCode.TIMEOUT
+
+
+class EnvCrashedError(ExecutionError):
+    """An isolated session's env process died (``--isolation process|sandbox``).
+
+    ``context`` holds ``operation``, ``reason`` (``signal`` or ``exit``), ``signal``
+    (its name, e.g. ``SIGSEGV``) or ``exit_code``. No other session is affected;
+    the session stays open and its next ``reset`` starts a fresh process.
+    """
+
+    code = ErrorCode.ENV_CRASHED
+
+
+class LimitExceededError(ExecutionError):
+    """An isolated session's env went past one of its limits and was stopped.
+
+    ``context`` holds ``operation``, ``limit`` (``memory``, ``pids`` or ``wall_time``)
+    and ``value`` (the limit). The session stays open; its next ``reset`` starts a
+    fresh process.
+    """
+
+    code = ErrorCode.LIMIT_EXCEEDED
 
 
 class RateLimitError(StadiumError):
@@ -231,6 +259,8 @@ _BY_CODE: dict[str, type[StadiumError]] = {
     ErrorCode.RATE_LIMITED: RateLimitError,
     ErrorCode.SNAPSHOT_FAILED: SnapshotError,
     ErrorCode.RESUME_FAILED: ResumeError,
+    ErrorCode.ENV_CRASHED: EnvCrashedError,
+    ErrorCode.LIMIT_EXCEEDED: LimitExceededError,
 }
 
 

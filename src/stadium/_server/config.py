@@ -89,6 +89,16 @@ class ServerConfig:
             records are signed with, for a store other servers read too (another node,
             a restart). Default: a key generated when the server starts, held in its
             processes' memory only (records outlive a worker, not the server).
+        isolation: where each session's env runs: ``none`` (an object in the worker),
+            ``process`` (its own OS process, forked from a per-worker template that
+            imported the env's code) or ``sandbox`` (a process in its own namespaces,
+            as an unprivileged uid, with the ``sandbox_*`` limits and no network).
+            ``None``: the env class's ``isolation`` attribute, else ``none``.
+        warm_pool: env processes each worker forks ahead (their envs built), so a
+            new isolated session pays no start (0: fork on demand).
+        sandbox_memory, sandbox_cpus, sandbox_pids, sandbox_disk: per-session limits
+            of ``sandbox``: MiB of memory, CPU cores, processes, MiB of work directory.
+            Each call is bounded by ``step_timeout`` (300 s when that is 0).
     """
 
     target: str
@@ -131,6 +141,13 @@ class ServerConfig:
     """``""``: :func:`default_session_store`, looked up only with ``durable``."""
     session_store_key: str = ""
     """``""``: a key of the server's own (``durable.process_key``)."""
+    # Isolated sessions.
+    isolation: str | None = None
+    warm_pool: int = 0
+    sandbox_memory: int = 1024
+    sandbox_cpus: float = 1.0
+    sandbox_pids: int = 128
+    sandbox_disk: int = 256
 
     def __post_init__(self) -> None:
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
@@ -170,6 +187,17 @@ class ServerConfig:
         )
         _check(self.log_format in ("text", "json"), "--log-format must be text or json")
         _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
+        _check(
+            self.isolation in (None, "none", "process", "sandbox"),
+            "--isolation must be none, process or sandbox",
+            value=self.isolation,
+        )
+        _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
+        _check(
+            not (self.durable and self.isolation not in (None, "none")),
+            "--durable and --isolation do not go together yet: an isolated env lives in its "
+            "own process and is not snapshotted; drop one of them",
+        )
         _check(
             self.stall_limit == 0 or self.stall_limit >= 1,
             "--stall-limit must be 0 (off) or at least 1 second",
@@ -429,6 +457,27 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Path(dir_okay=False),
             help="Key file (0600, >= 32 bytes) signing --session-store records, for a store "
             "other servers or nodes read too [a key made at start, in memory only].",
+        ),
+        click.option(
+            "--isolation",
+            type=click.Choice(["none", "process", "sandbox"]),
+            envvar="STADIUM_ISOLATION",
+            help="Each session's env in the worker (none), in its own process (process), or "
+            "in its own sandboxed process (sandbox: namespaces, unprivileged uid, cgroup "
+            "limits, no network) [the env's `isolation` attribute, else none].",
+        ),
+        click.option(
+            "--warm-pool",
+            type=int,
+            help="Isolated env processes each worker forks ahead, envs built [0].",
+        ),
+        click.option(
+            "--sandbox-memory", type=int, help="MiB of memory per sandboxed session [1024]."
+        ),
+        click.option("--sandbox-cpus", type=float, help="CPU cores per sandboxed session [1]."),
+        click.option("--sandbox-pids", type=int, help="Processes per sandboxed session [128]."),
+        click.option(
+            "--sandbox-disk", type=int, help="MiB of work directory per sandboxed session [256]."
         ),
     ]
     for option in reversed(options):

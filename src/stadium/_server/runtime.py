@@ -149,6 +149,8 @@ class Runtime:
         self.step_takes_timeout_s = _takes_timeout_s(spec)
         """Whether the env's ``step`` takes ``timeout_s`` (OpenEnv's), passed when sent."""
         self.watchdog: Any = None
+        self.isolation: Any = None
+        """The worker's :class:`~stadium._server.isolation.Isolation` (isolated sessions)."""
         """The worker's :class:`~stadium._server.watchdog.Watchdog` when one runs (its counters)."""
         self.env_kwargs = env_kwargs or {}
         self.attachable: dict[str, Any] = {}
@@ -294,6 +296,8 @@ class Runtime:
             self._flusher = None
             self.publish_metrics()
         self.invoke.shutdown()
+        if self.isolation is not None:
+            self.isolation.shutdown()
 
 
 def _takes_timeout_s(spec: EnvSpec) -> bool:

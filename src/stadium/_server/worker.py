@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +23,22 @@ from stadium._server.admission import Admission, LocalSlots, Slots
 from stadium._server.config import ServerConfig, default_session_store
 from stadium._server.durable import Durable, read_key_file
 from stadium._server.endpoints import HttpEndpoints
+from stadium._server.isolation import (
+    MODES,
+    Isolation,
+    IsolationConfig,
+    Limits,
+    isolated_spec,
+    sandbox_unavailable,
+)
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
 from stadium._server.watchdog import Watchdog
+
+#: Each isolated call's limit when --step-timeout is 0 (an isolated env is always bounded).
+DEFAULT_CALL_TIMEOUT_S = 300.0
 
 
 def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
@@ -52,6 +64,40 @@ def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
         )
     key = read_key_file(config.session_store_key) if config.session_store_key else None
     return Durable(store_from_url(config.session_store or default_session_store()), key)
+
+
+def _isolation(config: ServerConfig, spec: EnvSpec) -> Isolation | None:
+    """The worker's :class:`Isolation` for ``--isolation`` (or the env class's ``isolation``
+    attribute); ``None`` when sessions' envs live in the worker.
+
+    Raises:
+        ConfigError: an unknown mode, or ``sandbox`` where it cannot run (says why).
+    """
+    mode = config.isolation or getattr(spec.env_cls, "isolation", None) or "none"
+    if mode not in MODES:
+        raise ConfigError(
+            f"{spec.name}.isolation is {mode!r}: use 'none', 'process' or 'sandbox'", value=mode
+        )
+    if mode == "none":
+        return None
+    if mode == "sandbox":
+        why = sandbox_unavailable()
+        if why is not None:
+            raise ConfigError(f"--isolation sandbox cannot run here: {why}")
+    target = config.target
+    module, sep, attr = target.rpartition(":")
+    if sep and (module.endswith(".py") or "/" in module):  # a file: absolute for the template
+        target = f"{os.path.abspath(module)}:{attr}"
+    limits = Limits(
+        memory_mib=config.sandbox_memory,
+        cpus=config.sandbox_cpus,
+        pids=config.sandbox_pids,
+        disk_mib=config.sandbox_disk,
+        call_timeout=config.step_timeout or DEFAULT_CALL_TIMEOUT_S,
+    )
+    return Isolation(
+        IsolationConfig(mode, target, dict(config.env_kwargs), config.warm_pool, limits)
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,13 +134,17 @@ class Worker:
         if env_cls is None:
             env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
         spec = EnvSpec.of(env_cls)
+        isolation = _isolation(config, spec)
+        if isolation is not None:
+            spec = isolated_spec(spec, isolation)
         durable = _durable(config, spec) if config.durable else None
         admission = Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout)
         runtime = Runtime(
             spec,
             admission,
             executor_threads=config.executor_threads,
-            step_timeout=config.step_timeout,
+            # Isolated: each call's limit is the env process's own (it is killed past it).
+            step_timeout=0.0 if isolation is not None else config.step_timeout,
             env_kwargs=config.env_kwargs,
             limits=ClientLimits.of(
                 config.max_sessions_per_client, config.rate_limit, config.rate_burst
@@ -104,6 +154,7 @@ class Worker:
             resume_grace=config.resume_grace,
             durable=durable,
         )
+        runtime.isolation = isolation
         return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
 
     def start(self) -> None:
@@ -111,6 +162,8 @@ class Worker:
         on the running event loop."""
         self.runtime.start_reaper(self.config.idle_timeout)
         self.runtime.start_metrics()
+        if self.runtime.isolation is not None:
+            self.runtime.isolation.start()
         durable = self.runtime.durable
         if durable is not None:
             # Records of sessions nobody resumed (their server was drained or died): gone

@@ -1,0 +1,242 @@
+"""The env side of isolated sessions: the template process and each session's process.
+
+``python -m stadium._server.isolation.child CONFIG_JSON`` is a worker's *template*:
+it imports the env's code once, then waits on its control socket (a
+``SOCK_SEQPACKET`` socket inherited as ``control_fd``). For each ``spawn`` it
+forks: the child (a session's process) gets one end of a new socket pair, the
+worker the other (attached to a ``spawned`` reply). The template is a child
+subreaper: it reaps every session process (and the processes forked from them by
+``fork``) and reports each one's wait status as ``["exit", pid, status]``, so the
+worker can tell a segfault from an OOM kill from an exit.
+
+A session's process (:func:`session_main`) builds the env (construction happens
+before the session asks: a warm process has paid it), then serves the requests
+of :mod:`~stadium._server.isolation.wire` one at a time, synchronously (an async
+env runs on an event loop of its own). It never returns: it ends with
+``os._exit``. Single-threaded on purpose: forking it (``fork``) is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import inspect
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from typing import Any
+
+import msgspec
+
+from stadium._env.codecs import enc_hook_default
+from stadium._env.contract import StepResult
+from stadium._env.spec import EnvSpec
+from stadium._server.isolation import wire
+from stadium._server.loader import load_target
+
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1
+
+
+class _Ctx:
+    """What every session process of a template shares (set once, inherited by fork)."""
+
+    spec: EnvSpec
+    env_kwargs: dict[str, Any]
+    sandbox: bool
+    disk_mib: int
+    encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook_default)
+
+
+def template_main(config: dict[str, Any]) -> None:
+    """Run a template (see the module docstring) until its control socket closes."""
+    if config.get("sys_path"):
+        sys.path[:] = config["sys_path"]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    control = socket.socket(fileno=config["control_fd"])
+    env_kwargs = config.get("env_kwargs") or {}
+    try:
+        env_cls = load_target(config["target"], env_kwargs=env_kwargs)
+        _Ctx.spec = EnvSpec.of(env_cls)
+    except Exception as exc:
+        control.send(_Ctx.encoder.encode(["failed", f"{type(exc).__name__}: {exc}"]))
+        os._exit(3)
+    _Ctx.env_kwargs = env_kwargs
+    _Ctx.sandbox = bool(config.get("sandbox"))
+    _Ctx.disk_mib = int(config.get("disk_mib", 256))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    control.send(_Ctx.encoder.encode(["ready", os.getpid()]))
+    sel = selectors.DefaultSelector()
+    sel.register(control, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is control:
+                packet = control.recv(65536)
+                if not packet:
+                    os._exit(0)
+                msg = wire.decode(packet)
+                if msg[0] == "spawn":
+                    _spawn(control, sel, wake_r, wake_w, *msg[1:])
+            else:
+                os.read(wake_r, 4096)
+                _reap(control)
+
+
+def _reap(control: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        control.send(_Ctx.encoder.encode(["exit", pid, status]))
+
+
+def _spawn(
+    control: socket.socket,
+    sel: selectors.BaseSelector,
+    wake_r: int,
+    wake_w: int,
+    cgroups: list[str],
+    uid: int,
+) -> None:
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            sel.close()
+            control.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            mine.close()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            if _Ctx.sandbox:
+                from stadium._server.isolation.sandbox import enter_sandbox
+
+                enter_sandbox(cgroups, uid, _Ctx.disk_mib)
+        except BaseException as exc:  # the session's socket says why, then the process ends
+            _send(theirs, [wire.RAISED, "SandboxError", f"setting up the sandbox failed: {exc}"])
+            os._exit(4)
+        session_main(theirs)
+    theirs.close()
+    socket.send_fds(control, [_Ctx.encoder.encode(["spawned", pid])], [mine.fileno()])
+    mine.close()
+
+
+def _send(sock: socket.socket, msg: Any) -> None:
+    sock.sendall(wire.frame(_Ctx.encoder.encode(msg)))
+
+
+class _Session:
+    """One session's env, in its own process."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.env: Any = None
+        self.create_error: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        try:
+            self.env = _Ctx.spec.factory(**_Ctx.env_kwargs)
+        except Exception as exc:
+            self.create_error = f"creating the environment failed: {type(exc).__name__}: {exc}"
+
+    def run(self, value: Any) -> Any:
+        if inspect.isawaitable(value):
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            return self.loop.run_until_complete(value)
+        return value
+
+    def serve(self) -> None:
+        _send(self.sock, ["hello", os.getpid()])
+        decode_action = _Ctx.spec.action.msgpack_decoder.decode
+        while True:
+            body = wire.recv_frame(self.sock)
+            if body is None:
+                self.close()
+                os._exit(0)
+            msg = wire.decode(body)
+            op = msg[0]
+            if self.create_error is not None and op != "close":
+                _send(self.sock, [wire.RAISED, "FactoryError", self.create_error])
+                continue
+            try:
+                if op == "step":
+                    action = decode_action(msg[1])
+                    reply: Any = _result(self.run(self.env.step(action, **msg[2])))
+                elif op == "reset":
+                    reply = _result(self.run(self.env.reset(**msg[1])))
+                elif op == "state":
+                    reply = msgspec.to_builtins(self.env.state, enc_hook=enc_hook_default)
+                elif op == "fork":
+                    self.fork()
+                    continue
+                elif op == "close":
+                    self.close()
+                    _send(self.sock, [wire.OK, None])
+                    os._exit(0)
+                else:
+                    raise ValueError(f"unknown request {op!r}")
+                out = _Ctx.encoder.encode([wire.OK, reply])
+            except Exception as exc:
+                out = _Ctx.encoder.encode([wire.RAISED, type(exc).__name__, str(exc)])
+            self.sock.sendall(wire.frame(out))
+
+    def fork(self) -> None:
+        """A copy of this process (the kernel copies the env), on a new socket sent back
+        attached to the reply. Forked twice, so that the copy is the template's (a
+        subreaper's) to reap, not this env's."""
+        mine, theirs = socket.socketpair()
+        first = os.fork()
+        if first == 0:
+            if os.fork() == 0:
+                self.sock.close()
+                mine.close()
+                os.setsid()
+                self.sock = theirs
+                self.serve()
+            os._exit(0)
+        theirs.close()
+        os.waitpid(first, 0)
+        socket.send_fds(
+            self.sock, [wire.frame(_Ctx.encoder.encode([wire.OK, None]))], [mine.fileno()]
+        )
+        mine.close()
+
+    def close(self) -> None:
+        if self.env is not None:
+            with contextlib.suppress(Exception):
+                self.run(self.env.close())
+
+
+def _result(value: Any) -> list[Any]:
+    if isinstance(value, StepResult):
+        return [value.observation, value.reward, value.done, value.truncated, value.info]
+    return [value, None, False, False, None]
+
+
+def session_main(sock: socket.socket) -> None:
+    """Serve one session's env on ``sock`` until the worker closes it; never returns."""
+    code = 0
+    try:
+        _Session(sock).serve()
+    except BaseException:
+        code = 5
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    template_main(json.loads(sys.argv[1]))

@@ -1,0 +1,643 @@
+"""The worker side of isolated sessions: the template process, the warm pool, and the proxy env.
+
+:func:`isolated_spec` turns an env's :class:`~stadium._env.spec.EnvSpec` into one whose
+factory builds a :class:`ProcessEnv`: an object with async ``reset``/``step``/``close``
+that forwards each call over its session's socket to the env's own process. The
+session runner, the invoker, the protocol, limits and metrics drive it as they
+drive any async env, so nothing else changes and clients see no difference.
+
+An :class:`Isolation` (one per worker) starts the template (under bubblewrap for
+``sandbox``), keeps ``warm_pool`` processes forked ahead (their envs built), hands
+them out, and turns a process's death into the error its session gets:
+:class:`~stadium.EnvCrashedError` (a signal, an exit) or
+:class:`~stadium.LimitExceededError` (memory, processes, wall time). The session
+stays open; its next ``reset`` takes a fresh process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from stadium._env.contract import State
+from stadium._env.spec import CallMode, EnvSpec
+from stadium._errors import (
+    ConfigError,
+    EnvCrashedError,
+    ExecutionError,
+    LimitExceededError,
+    SessionError,
+    SnapshotError,
+    StadiumError,
+)
+from stadium._server.isolation import wire
+from stadium._server.isolation.sandbox import Cgroups, Limits, bwrap_argv, uid_for
+
+log = logging.getLogger("stadium.isolation")
+
+MODES = ("none", "process", "sandbox")
+#: Seconds a template has to import the env's code and say it is ready.
+TEMPLATE_START_S = 60.0
+#: Seconds to wait for the template's report of a dead process's wait status.
+EXIT_REPORT_S = 2.0
+#: Seconds a released process has to close its env and exit before it is killed.
+RELEASE_GRACE_S = 5.0
+#: Seconds a synchronous request (``state``, ``fork``) may take.
+SYNC_REQUEST_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class IsolationConfig:
+    """How a worker isolates its sessions (``--isolation``, ``--warm-pool``, the limits)."""
+
+    mode: str
+    target: str
+    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    warm_pool: int = 0
+    limits: Limits = dataclasses.field(default_factory=Limits)
+
+
+class _Gone(Exception):
+    """The session's process closed its socket (it died)."""
+
+
+class _Proc:
+    """One env process: its socket (non-blocking, read by the loop), pid and cgroups."""
+
+    __slots__ = (
+        "baseline",
+        "cgroups",
+        "expired",
+        "loop",
+        "pid",
+        "reader",
+        "sock",
+        "uid",
+        "waiter",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        self.loop = loop
+        self.sock = sock
+        self.pid = 0
+        self.uid = 0
+        self.cgroups: list[str] = []
+        self.baseline: dict[str, int] = {}
+        self.expired = False
+        self.reader = wire.FrameReader()
+        self.waiter: asyncio.Future[Any] | None = None
+        sock.setblocking(False)
+        loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 18)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._detach()
+            waiter, self.waiter = self.waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(_Gone())
+            return
+        try:
+            bodies = self.reader.feed(data)
+        except ValueError:
+            bodies = []
+            self._detach()
+        for body in bodies:
+            waiter, self.waiter = self.waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(wire.decode(body))
+
+    def _detach(self) -> None:
+        if self.sock.fileno() >= 0:
+            self.loop.remove_reader(self.sock.fileno())
+
+    async def request(self, body: bytes) -> Any:
+        """Send one request; its reply (decoded). Raises :class:`_Gone` if the process died."""
+        if self.sock.fileno() < 0:
+            raise _Gone()
+        waiter = self.waiter = self.loop.create_future()
+        try:
+            await self.loop.sock_sendall(self.sock, wire.frame(body))
+        except OSError:
+            raise _Gone() from None
+        return await waiter
+
+    def request_sync(self, body: bytes, timeout: float, fds: bool = False) -> Any:
+        """A request answered before this returns (``state``, ``fork``: the loop waits)."""
+        sock = self.sock
+        if sock.fileno() < 0:
+            raise _Gone()
+        self.loop.remove_reader(sock.fileno())
+        sock.settimeout(timeout)
+        try:
+            sock.sendall(wire.frame(body))
+            got: list[int] = []
+            if fds:  # the reply's first bytes carry the new process's socket
+                data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
+                if not data:
+                    raise _Gone()
+                bodies = self.reader.feed(data)
+            else:
+                bodies = []
+            while not bodies:
+                data = sock.recv(1 << 18)
+                if not data:
+                    raise _Gone()
+                bodies = self.reader.feed(data)
+            reply = wire.decode(bodies[0])
+            return (reply, got[0] if got else None) if fds else reply
+        except (TimeoutError, OSError) as exc:
+            raise _Gone() from exc
+        finally:
+            if sock.fileno() >= 0:
+                sock.setblocking(False)
+                self.loop.add_reader(sock.fileno(), self._readable)
+
+    def close(self) -> None:
+        self._detach()
+        self.sock.close()
+
+
+class Isolation:
+    """One worker's template process, warm pool and isolated-session counters."""
+
+    def __init__(self, config: IsolationConfig) -> None:
+        self.config = config
+        self.sandbox = config.mode == "sandbox"
+        self.limits = config.limits
+        self.cgroups = Cgroups(config.limits, f"w{os.getpid()}") if self.sandbox else None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.action_encode: Callable[[Any], bytes] = self.encoder.encode
+        """Actions to MessagePack (the env spec's encoder, set by :func:`isolated_spec`)."""
+        self.warm: collections.deque[_Proc] = collections.deque()
+        self._filling = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._numbers = itertools.count(1)
+        self._template: subprocess.Popen[bytes] | None = None
+        self._control: socket.socket | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._spawns: collections.deque[asyncio.Future[tuple[int, int]]] = collections.deque()
+        self._exits: dict[int, int] = {}
+        self._exit_waiters: dict[int, asyncio.Future[int]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.live: dict[int, _Proc] = {}
+        # Counters (``/metrics``: stadium_isolated_*).
+        self.starts = 0
+        self.crashes = 0
+        self.limit_kills = 0
+        self.start_seconds: list[float] = []
+
+    # -- the template ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the template (and fill the warm pool) on the running loop."""
+        self._ensure_template()
+        self.refill()
+
+    def _ensure_template(self) -> asyncio.Future[None]:
+        if self._ready is not None and self._template is not None:
+            return self._ready
+        loop = self._loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sys_path = [p for p in sys.path if p]
+        settings: dict[str, Any] = {
+            "target": self.config.target,
+            "env_kwargs": self.config.env_kwargs,
+            "control_fd": theirs.fileno(),
+            "sandbox": self.sandbox,
+            "disk_mib": self.limits.disk_mib,
+            "sys_path": sys_path,
+        }
+        argv = [sys.executable, "-m", "stadium._server.isolation.child", json.dumps(settings)]
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        if self.sandbox:
+            argv = bwrap_argv(sys_path) + argv
+        else:
+            env = dict(os.environ)
+        self._template = subprocess.Popen(
+            argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
+            cwd="/" if self.sandbox else None,
+        )  # fmt: skip
+        theirs.close()
+        ours.setblocking(False)
+        self._control = ours
+        self._ready = loop.create_future()
+        loop.add_reader(ours.fileno(), self._on_control)
+        return self._ready
+
+    def _on_control(self) -> None:
+        control = self._control
+        assert control is not None
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(control, 65536, 4)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data, fds = b"", []
+            if not data:
+                self._template_gone()
+                return
+            msg = wire.decode(data)
+            kind = msg[0]
+            if kind == "exit":
+                pid, status = msg[1], msg[2]
+                waiter = self._exit_waiters.pop(pid, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(status)
+                else:
+                    self._exits[pid] = status
+                    if len(self._exits) > 4096:  # never asked for: forget the oldest
+                        self._exits.pop(next(iter(self._exits)))
+                proc = self.live.pop(pid, None)
+                if proc is not None:
+                    self._cleanup(proc)
+            elif kind == "spawned":
+                fut = self._spawns.popleft()
+                if not fut.done():
+                    fut.set_result((fds[0], msg[1]))
+                else:
+                    os.close(fds[0])
+            elif kind in ("ready", "failed") and self._ready is not None:
+                if self._ready.done():
+                    continue
+                if kind == "ready":
+                    self._ready.set_result(None)
+                else:
+                    self._ready.set_exception(
+                        ConfigError(f"the isolated env's template failed to start: {msg[1]}")
+                    )
+
+    def _template_gone(self) -> None:
+        """The template died (killed, or failed): later sessions start a new one."""
+        if self._control is not None and self._loop is not None:
+            self._loop.remove_reader(self._control.fileno())
+            self._control.close()
+        self._control = None
+        proc, self._template = self._template, None
+        if proc is not None:
+            proc.poll()
+        ready, self._ready = self._ready, None
+        err = ExecutionError("the isolation template process ended; retry")
+        if ready is not None and not ready.done():
+            ready.set_exception(err)
+        while self._spawns:
+            fut = self._spawns.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+        for waiter in self._exit_waiters.values():
+            if not waiter.done():
+                waiter.set_result(-1)
+        self._exit_waiters.clear()
+
+    # -- processes ------------------------------------------------------------------
+
+    async def _spawn(self) -> _Proc:
+        started = time.perf_counter()
+        await self._ensure_template()
+        n = next(self._numbers)
+        cgroups = self.cgroups.create(str(n)) if self.cgroups is not None else []
+        uid = uid_for(os.getpid(), n) if self.sandbox else 0
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[int, int]] = loop.create_future()
+        self._spawns.append(fut)
+        assert self._control is not None
+        self._control.send(self.encoder.encode(["spawn", cgroups, uid]))
+        fd, pid = await fut
+        proc = _Proc(loop, socket.socket(fileno=fd))
+        proc.pid, proc.uid, proc.cgroups = pid, uid, cgroups
+        self.live[pid] = proc
+        await self._hello(proc)
+        self.starts += 1
+        self.start_seconds.append(time.perf_counter() - started)
+        del self.start_seconds[:-1024]
+        return proc
+
+    async def _hello(self, proc: _Proc) -> None:
+        waiter = proc.waiter = proc.loop.create_future()
+        try:
+            hello = await asyncio.wait_for(waiter, TEMPLATE_START_S)
+        except (_Gone, TimeoutError):
+            self.kill(proc)
+            raise ExecutionError("an isolated env process died while starting") from None
+        if hello[0] != "hello":  # [RAISED, type, message]: the sandbox could not be set up
+            self.kill(proc)
+            raise ExecutionError(str(hello[2]), exception=str(hello[1]), operation="create")
+        if self.cgroups is not None:
+            proc.baseline = self.cgroups.counters(proc.cgroups)
+
+    async def acquire(self) -> _Proc:
+        """A process with the env built: from the warm pool, else forked now."""
+        while self.warm:
+            proc = self.warm.popleft()
+            self.refill()
+            if proc.sock.fileno() >= 0 and proc.pid in self.live:
+                return proc
+        return await self._spawn()
+
+    def refill(self) -> None:
+        """Fork processes ahead until the warm pool holds ``warm_pool`` of them."""
+        loop = asyncio.get_running_loop()
+        while len(self.warm) + self._filling < self.config.warm_pool:
+            self._filling += 1
+            task = loop.create_task(self._fill())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _fill(self) -> None:
+        try:
+            proc = await self._spawn()
+        except Exception as exc:
+            log.warning("could not fork a warm isolated env process: %s", exc)
+            return
+        finally:
+            self._filling -= 1
+        self.warm.append(proc)
+
+    def adopt_fork(self, parent: _Proc) -> _Proc:
+        """The copy of ``parent``'s process made by ``fork`` (its env copied by the kernel)."""
+        reply, fd = parent.request_sync(self.encoder.encode(["fork"]), SYNC_REQUEST_S, fds=True)
+        if reply[0] != wire.OK or fd is None:
+            raise SnapshotError(f"forking the env's process failed: {reply[2]}", reason="fork")
+        sock = socket.socket(fileno=fd)
+        sock.settimeout(SYNC_REQUEST_S)
+        body = wire.recv_frame(sock)
+        if body is None:
+            sock.close()
+            raise SnapshotError("the forked env process died at once", reason="fork")
+        hello = wire.decode(body)
+        proc = _Proc(asyncio.get_running_loop(), sock)
+        proc.pid, proc.uid, proc.cgroups = hello[1], parent.uid, parent.cgroups
+        proc.baseline = parent.baseline
+        self.live[proc.pid] = proc
+        self.starts += 1
+        return proc
+
+    def release(self, proc: _Proc) -> None:
+        """The session is done with ``proc``: close its socket (its env closes, it exits);
+        killed if it has not exited ``RELEASE_GRACE_S`` later."""
+        proc.close()
+        if proc.pid in self.live and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_later(RELEASE_GRACE_S, self._kill_if_alive, proc)
+
+    def _kill_if_alive(self, proc: _Proc) -> None:
+        if self.live.get(proc.pid) is proc:
+            self.kill(proc)
+
+    def kill(self, proc: _Proc) -> None:
+        """SIGKILL the process (and, sandboxed, everything in its cgroup)."""
+        if self.cgroups is not None and proc.cgroups:
+            self.cgroups.kill(proc.cgroups)
+        elif proc.pid in self.live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def _cleanup(self, proc: _Proc) -> None:
+        if proc.sock.fileno() >= 0 and proc.waiter is None:
+            proc.close()
+        if self.cgroups is not None and proc.cgroups:
+            shared = any(p.cgroups == proc.cgroups for p in self.live.values())
+            if not shared:
+                self.cgroups.kill(proc.cgroups)
+                if not self.cgroups.remove(proc.cgroups) and self._loop is not None:
+                    self._loop.call_later(1.0, self.cgroups.remove, proc.cgroups)
+
+    async def exit_status(self, pid: int) -> int | None:
+        """The wait status the template reported for ``pid`` (``None``: none in time)."""
+        if pid in self._exits:
+            return self._exits.pop(pid)
+        loop = asyncio.get_running_loop()
+        waiter = self._exit_waiters.setdefault(pid, loop.create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), EXIT_REPORT_S)
+        except TimeoutError:
+            self._exit_waiters.pop(pid, None)
+            return None
+
+    async def death(self, proc: _Proc, op: str) -> StadiumError:
+        """The error naming why ``proc`` died during ``op`` (and count it)."""
+        if not proc.expired:  # it may still be alive (closed its socket): make sure
+            self.kill(proc)
+        status = await self.exit_status(proc.pid)
+        counters = self.cgroups.counters(proc.cgroups) if self.cgroups and proc.cgroups else {}
+        base = proc.baseline
+        limits = self.limits
+        if proc.expired:
+            self.limit_kills += 1
+            return LimitExceededError(
+                f"{op} ran longer than the {limits.call_timeout:g} s limit per call; the "
+                "env's process was killed: reset to start a fresh one",
+                operation=op, limit="wall_time", value=limits.call_timeout,
+            )  # fmt: skip
+        if counters.get("oom_kill", 0) > base.get("oom_kill", 0):
+            self.limit_kills += 1
+            return LimitExceededError(
+                f"{op} used more than the {limits.memory_mib} MiB memory limit; the env's "
+                "process was killed by the kernel: reset to start a fresh one",
+                operation=op, limit="memory", value=limits.memory_mib,
+            )  # fmt: skip
+        self.crashes += 1
+        if status is not None and os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
+            return EnvCrashedError(
+                f"the env's process died of {name} during {op}; no other session was "
+                "affected: reset to start a fresh one",
+                operation=op, reason="signal", signal=name,
+            )  # fmt: skip
+        if status is not None and os.WIFEXITED(status):
+            code = os.WEXITSTATUS(status)
+            return EnvCrashedError(
+                f"the env's process exited (code {code}) during {op}; reset to start a "
+                "fresh one",
+                operation=op, reason="exit", exit_code=code,
+            )  # fmt: skip
+        return EnvCrashedError(
+            f"the env's process ended during {op} (its exit status is unknown); reset to "
+            "start a fresh one",
+            operation=op, reason="unknown",
+        )  # fmt: skip
+
+    def raised(self, proc: _Proc, op: str, reply: list[Any]) -> StadiumError:
+        """The error of a call the env raised in: a refused fork past the process limit
+        is ``LIMIT_EXCEEDED``, anything else ``EXECUTION_ERROR``."""
+        if self.cgroups is not None and proc.cgroups:
+            counters = self.cgroups.counters(proc.cgroups)
+            if counters.get("pids_max", 0) > proc.baseline.get("pids_max", 0):
+                proc.baseline = counters
+                self.limit_kills += 1
+                return LimitExceededError(
+                    f"{op} tried to run more than {self.limits.pids} processes at once and "
+                    f"was refused ({reply[1]}: {reply[2]})",
+                    operation=op, limit="pids", value=self.limits.pids,
+                )  # fmt: skip
+        return ExecutionError(
+            f"{op} raised {reply[1]}: {reply[2]}", exception=str(reply[1]), operation=op
+        )
+
+    def shutdown(self) -> None:
+        """End every env process and the template."""
+        for proc in list(self.live.values()) + list(self.warm):
+            self.kill(proc)
+            proc.close()
+        self.warm.clear()
+        if self._control is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._control.fileno())
+        if self._control is not None:
+            self._control.close()
+            self._control = None
+        template, self._template = self._template, None
+        if template is not None:
+            template.kill()
+            template.wait(5)
+        if self.cgroups is not None:
+            for proc in self.live.values():
+                self.cgroups.remove(proc.cgroups)
+        self.live.clear()
+
+
+class ProcessEnv:
+    """The proxy a session drives: each call runs in the session's own env process.
+
+    Built with no process: the first ``reset`` (or ``step``) takes one from the warm
+    pool. A call that outlives the per-call limit kills the process. A dead process
+    gives its call :class:`~stadium.EnvCrashedError` or
+    :class:`~stadium.LimitExceededError`; the next ``reset`` takes a fresh one.
+    """
+
+    def __init__(self, isolation: Isolation) -> None:
+        self.isolation = isolation
+        self.proc: _Proc | None = None
+        self.ended: StadiumError | None = None
+
+    async def _call(self, op: str, body: bytes, fresh: bool) -> Any:
+        iso = self.isolation
+        proc = self.proc
+        if proc is None:
+            if self.ended is not None and not fresh:
+                raise SessionError(
+                    f"{self.ended.message.split(';')[0]}: send reset to start a fresh "
+                    "env process before stepping",
+                    operation=op,
+                )
+            proc = self.proc = await iso.acquire()
+            self.ended = None
+        loop = proc.loop
+        timer = loop.call_later(iso.limits.call_timeout, self._expire, proc)
+        try:
+            reply = await proc.request(body)
+        except _Gone:
+            self.proc = None
+            err = self.ended = await iso.death(proc, op)
+            raise err from None
+        except asyncio.CancelledError:  # abandoned (its session gone, a request's timeout_s)
+            self.proc = None
+            iso.kill(proc)
+            iso.release(proc)
+            raise
+        finally:
+            timer.cancel()
+        if reply[0] != wire.OK:
+            raise iso.raised(proc, op, reply)
+        return reply[1]
+
+    def _expire(self, proc: _Proc) -> None:
+        proc.expired = True
+        self.isolation.kill(proc)
+
+    async def reset(self, **kwargs: Any) -> Any:
+        out = await self._call("reset", self.isolation.encoder.encode(["reset", kwargs]), True)
+        return _step_result(out)
+
+    async def step(self, action: Any, **kwargs: Any) -> Any:
+        iso = self.isolation
+        action_bytes = iso.action_encode(action)
+        out = await self._call("step", iso.encoder.encode(["step", action_bytes, kwargs]), False)
+        return _step_result(out)
+
+    @property
+    def state(self) -> Any:
+        proc = self.proc
+        if proc is None:
+            return State()
+        try:
+            reply = proc.request_sync(self.isolation.encoder.encode(["state"]), SYNC_REQUEST_S)
+        except _Gone:
+            raise ExecutionError(
+                "the env's process did not answer state; reset to start a fresh one",
+                operation="state",
+            ) from None
+        if reply[0] != wire.OK:
+            raise self.isolation.raised(proc, "state", reply)
+        return reply[1]
+
+    async def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            self.isolation.release(proc)
+
+    def snapshot(self) -> bytes:
+        """``fork``: the process forks (the kernel copies the env; nothing is pickled);
+        the bytes name the copy for :meth:`restore` in this worker."""
+        proc = self.proc
+        if proc is None:
+            raise SnapshotError("fork: the session has no env process yet; reset first")
+        try:
+            child = self.isolation.adopt_fork(proc)
+        except _Gone:
+            raise SnapshotError("fork: the env's process did not answer", reason="fork") from None
+        return str(child.pid).encode()
+
+    def restore(self, data: bytes) -> None:
+        proc = self.isolation.live.get(int(data))
+        if proc is None:
+            raise SnapshotError("the forked env process is gone", reason="fork")
+        self.proc = proc
+
+
+def _step_result(out: list[Any]) -> Any:
+    from stadium._env.contract import StepResult
+
+    obs, reward, done, truncated, info = out
+    return StepResult(obs, reward, done, truncated=truncated, info=info)
+
+
+def isolated_spec(spec: EnvSpec, isolation: Isolation) -> EnvSpec:
+    """``spec`` with a factory of :class:`ProcessEnv` proxies and async calls throughout."""
+    encoder = spec.msgpack_encoder
+    isolation.action_encode = encoder.encode
+    return dataclasses.replace(
+        spec,
+        factory=lambda **_kwargs: ProcessEnv(isolation),  # type: ignore[arg-type]
+        async_reset=True,
+        async_step=True,
+        async_close=True,
+        has_close=True,
+        create_mode=CallMode.INLINE,
+        reset_mode=CallMode.TASK,
+        step_mode=CallMode.TASK,
+        close_mode=CallMode.TASK,
+    )

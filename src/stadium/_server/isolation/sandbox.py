@@ -1,0 +1,339 @@
+"""Sandbox isolation: the limits, the cgroups (v1 and v2), bubblewrap, and the set-up of one
+session's process.
+
+The worker starts its template process under ``bwrap`` (new pid, network, ipc and uts
+namespaces; a read-only view of the interpreter and the env's code; a private
+``/tmp``; see :func:`bwrap_argv`). Per session, the worker makes a cgroup with the
+session's limits (:class:`Cgroups`), and the process the template forks for it
+(:func:`enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
+namespaces of its own, mounts a private size-bounded tmpfs as its work directory
+(``/tmp``, also its home), hides the cgroup tree, and drops to an unprivileged uid of
+its own (never root, never the server's user) with ``no_new_privs``. Sessions cannot
+see each other's files nor signal each other's processes (distinct uids), reach no
+network, and are bounded in memory, CPU, processes, work-directory size and wall time.
+
+Not here yet (see README "Isolated sessions"): a seccomp filter (the libseccomp
+bindings exist only for the system Python), a pid namespace per session, and
+``allowlist`` networking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from stadium._errors import ConfigError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: The folder under each hierarchy holding the sessions' cgroups.
+CGROUP_PARENT = "stadium"
+#: Where a sandboxed session works (its private tmpfs), as its process sees it.
+WORK_DIR = "/tmp"
+#: The first uid of sandboxed sessions; each live session has its own.
+UID_BASE = 1_000_000
+UIDS_PER_WORKER = 65536
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """What one sandboxed session may use (defaults hold with no flag).
+
+    Attributes:
+        memory_mib: cgroup memory limit (RSS and page cache); past it the kernel
+            kills the process (``LIMIT_EXCEEDED``, ``limit: memory``).
+        cpus: CPU quota, in cores (cgroup CPU bandwidth).
+        pids: processes and threads the session may have at once (fork bombs).
+        disk_mib: size of the private work directory (a tmpfs).
+        call_timeout: seconds one call (reset, step) may run before the process is
+            killed (``LIMIT_EXCEEDED``, ``limit: wall_time``): ``--step-timeout``, or
+            300 s when that is unset.
+        network: ``none`` (no network at all) is the only mode built so far.
+    """
+
+    memory_mib: int = 1024
+    cpus: float = 1.0
+    pids: int = 128
+    disk_mib: int = 256
+    call_timeout: float = 300.0
+    network: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.memory_mib < 16:
+            raise ConfigError("--sandbox-memory must be at least 16 MiB", value=self.memory_mib)
+        if not 0.01 <= self.cpus <= 1024:
+            raise ConfigError("--sandbox-cpus must be between 0.01 and 1024", value=self.cpus)
+        if self.pids < 4:
+            raise ConfigError("--sandbox-pids must be at least 4", value=self.pids)
+        if self.disk_mib < 1:
+            raise ConfigError("--sandbox-disk must be at least 1 MiB", value=self.disk_mib)
+        if self.network != "none":
+            raise ConfigError(
+                "sandboxed sessions have no network (network 'none'); 'allowlist' is not built yet",
+                value=self.network,
+            )
+
+
+def cgroup_version() -> int:
+    """2 when the unified hierarchy holds the controllers, 1 for v1 hierarchies, 0: none."""
+    if (CGROUP_ROOT / "cgroup.controllers").is_file():
+        return 2
+    if all((CGROUP_ROOT / c / "cgroup.procs").is_file() for c in ("memory", "cpu", "pids")):
+        return 1
+    return 0
+
+
+def sandbox_unavailable() -> str | None:
+    """Why ``--isolation sandbox`` cannot run here (``None``: it can)."""
+    if os.geteuid() != 0:
+        return "it needs root (to make cgroups and to give each session its own uid)"
+    if shutil.which("bwrap") is None:
+        return "bubblewrap (bwrap) is not installed: apt-get install bubblewrap"
+    if cgroup_version() == 0:
+        return "no cgroup memory, cpu and pids controllers are mounted under /sys/fs/cgroup"
+    return None
+
+
+class Cgroups:
+    """The cgroups of one worker's sandboxed sessions (v1: memory, cpu, pids; or v2).
+
+    Args:
+        limits: what each session's cgroup allows.
+        tag: unique per worker (its pid), so workers never share a cgroup.
+    """
+
+    def __init__(self, limits: Limits, tag: str) -> None:
+        self.limits = limits
+        self.version = cgroup_version()
+        self.tag = tag
+        if self.version == 2:
+            parent = CGROUP_ROOT / CGROUP_PARENT
+            parent.mkdir(exist_ok=True)
+            _write(parent / "cgroup.subtree_control", "+memory +cpu +pids")
+            self._parents = [parent]
+        else:
+            self._parents = [CGROUP_ROOT / c / CGROUP_PARENT for c in ("memory", "cpu", "pids")]
+            for parent in self._parents:
+                parent.mkdir(exist_ok=True)
+
+    def create(self, name: str) -> list[str]:
+        """Make session ``name``'s cgroup(s) with the limits; returns their paths."""
+        lim = self.limits
+        mem = lim.memory_mib * MIB
+        period = 100_000
+        quota = max(1000, int(lim.cpus * period))
+        paths = [p / f"{self.tag}-{name}" for p in self._parents]
+        for path in paths:
+            path.mkdir(exist_ok=True)
+        if self.version == 2:
+            (path,) = paths
+            _write(path / "memory.max", str(mem))
+            _write(path / "memory.swap.max", "0", optional=True)
+            _write(path / "cpu.max", f"{quota} {period}")
+            _write(path / "pids.max", str(lim.pids))
+        else:
+            memory, cpu, pids = paths
+            _write(memory / "memory.limit_in_bytes", str(mem))
+            _write(memory / "memory.memsw.limit_in_bytes", str(mem), optional=True)
+            _write(cpu / "cpu.cfs_period_us", str(period))
+            _write(cpu / "cpu.cfs_quota_us", str(quota))
+            _write(pids / "pids.max", str(lim.pids))
+        return [str(p) for p in paths]
+
+    def counters(self, paths: list[str]) -> dict[str, int]:
+        """``oom_kill`` (memory limit kills) and ``pids_max`` (forks refused) so far."""
+        if self.version == 2:
+            mem_events = pid_events = paths[0]
+            mem_file = "memory.events"
+        else:
+            mem_events, pid_events = paths[0], paths[2]
+            mem_file = "memory.oom_control"
+        mem = _keyed(Path(mem_events) / mem_file)
+        pids = _keyed(Path(pid_events) / "pids.events")
+        return {"oom_kill": mem.get("oom_kill", 0), "pids_max": pids.get("max", 0)}
+
+    def kill(self, paths: list[str]) -> None:
+        """SIGKILL every process in the session's cgroup (a few rounds: it may be forking)."""
+        procs = Path(paths[-1]) / "cgroup.procs"  # pids (v1) or the one (v2)
+        for _ in range(8):
+            try:
+                pids = [int(x) for x in procs.read_text().split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    def remove(self, paths: Iterable[str]) -> bool:
+        """Remove the session's cgroups; ``False`` if one still holds a process."""
+        done = True
+        for path in paths:
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                done = False
+        return done
+
+
+def _write(path: Path, value: str, *, optional: bool = False) -> None:
+    try:
+        path.write_text(value)
+    except OSError:
+        if not optional:
+            raise
+
+
+def _keyed(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def uid_for(worker_pid: int, n: int) -> int:
+    """The uid of a worker's ``n``-th sandboxed session process (distinct while alive)."""
+    return UID_BASE + (worker_pid % 4096) * UIDS_PER_WORKER + n % UIDS_PER_WORKER
+
+
+def bwrap_argv(extra_ro: Iterable[str]) -> list[str]:
+    """``bwrap`` and its arguments for a worker's template process (the command follows).
+
+    New pid, network, ipc and uts namespaces; ``/usr`` and the system's library
+    folders, the interpreter's prefixes, every folder on ``sys.path`` and
+    ``extra_ro`` read-only; a fresh ``/proc``, a minimal ``/dev``, a tmpfs ``/tmp``;
+    the cgroup tree (each session hides it again before it runs env code). The
+    template keeps root's capabilities inside (it makes each session's namespaces
+    and mounts, then drops them for good when it becomes the session's uid).
+    """
+    argv = [
+        shutil.which("bwrap") or "bwrap",
+        "--die-with-parent",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--hostname",
+        "stadium-sandbox",
+        "--cap-add",
+        "ALL",
+    ]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for etc in ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/alternatives"):
+        argv += ["--ro-bind-try", etc, etc]
+    roots: list[str] = []
+    for path in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *extra_ro):
+        if not path or not os.path.isdir(path):
+            continue
+        path = os.path.realpath(path)
+        if path == "/" or path.startswith("/usr/") or path.startswith("/proc"):
+            continue
+        roots.append(path)
+    exe_dir = os.path.dirname(os.path.realpath(sys.executable))
+    roots.append(os.path.dirname(exe_dir) if exe_dir.endswith("/bin") else exe_dir)
+    kept: list[str] = []
+    for path in sorted(set(roots), key=len):  # a folder inside one bound already: skipped
+        if not any(path == k or path.startswith(k + "/") for k in kept):
+            kept.append(path)
+    made: set[str] = set()
+    for path in kept:  # the folders above: traversable (bwrap makes them 0700 otherwise)
+        parts = path.strip("/").split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            folder = "/" + "/".join(parts[:i])
+            if folder not in made:
+                made.add(folder)
+                argv += ["--perms", "0755", "--dir", folder]
+        argv += ["--ro-bind", path, path]
+    argv += [
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--tmpfs", "/tmp",
+        "--bind", str(CGROUP_ROOT), str(CGROUP_ROOT),
+        "--new-session",
+        "--",
+    ]  # fmt: skip
+    return argv
+
+
+# -- in the session's process (the template's fork), before the env is built -------
+
+_CLONE_NEWNS = 0x00020000
+_CLONE_NEWUTS = 0x04000000
+_CLONE_NEWIPC = 0x08000000
+_CLONE_NEWNET = 0x40000000
+_MS_REC = 0x4000
+_MS_PRIVATE = 1 << 18
+_MS_NOSUID = 2
+_MS_NODEV = 4
+_MNT_DETACH = 2
+_PR_SET_NO_NEW_PRIVS = 38
+_libc: Any = None
+
+
+def _c() -> Any:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    rc = _c().mount(
+        source.encode(),
+        target.encode(),
+        fstype.encode() if fstype else None,
+        ctypes.c_ulong(flags),
+        data.encode() if data else None,
+    )
+    _check(rc, f"mount {target}")
+
+
+def enter_sandbox(cgroups: list[str], uid: int, disk_mib: int) -> None:
+    """Make the calling process (a session's, as root with capabilities inside the
+    template's namespaces) a sandboxed one: see the module docstring. Irreversible."""
+    for path in cgroups:
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write("0")
+    flags = _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+    _check(_c().unshare(flags), "unshare")
+    _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
+    _check(_c().umount2(str(CGROUP_ROOT).encode(), _MNT_DETACH), "umount cgroup tree")
+    opts = f"size={disk_mib}m,mode=0700,uid={uid},gid={uid}"
+    _mount("tmpfs", WORK_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
+    if os.path.isdir("/dev/shm"):
+        _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    _check(_c().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    os.chdir(WORK_DIR)
+    os.environ["HOME"] = os.environ["TMPDIR"] = WORK_DIR
+    os.environ.pop("PWD", None)
