@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps k8s-deps container-deps
+.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps k8s-deps container-deps sandbox-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -59,7 +59,12 @@ container-deps:
 k8s-deps:
 	@bash scripts/install-k8s-deps.sh
 
-test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps
+# bubblewrap for sandboxed sessions (--isolation sandbox; tests/isolation): Debian's bubblewrap,
+# installed when root and missing, a no-op otherwise (the sandbox tests then skip with the reason).
+sandbox-deps:
+	@bash scripts/install-debs.sh sandbox-deps tests/isolation bwrap:bubblewrap
+
+test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps sandbox-deps
 	$(PY) -m pytest -q -ra
 
 clean:

@@ -140,16 +140,18 @@ class RowCounter(collections.Counter[str]):
 # Row layout: scalar fields, the outcomes, the error codes, the doors, then the histograms.
 # The step count is the step duration histogram's count (one write less per step).
 _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT = range(8)
-_GAUGES = (_PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT)
-"""Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 _OUTCOMES = 8
 _ERRORS = _OUTCOMES + len(OUTCOMES)
 _DOORS = _ERRORS + len(ERROR_CODES)
 _STEP_H = _DOORS + len(DOORS)
 _RESET_H = _STEP_H + len(STEP_BUCKETS) + 2  # counts (+Inf included), then the sum
 _WAIT_H = _RESET_H + len(STEP_BUCKETS) + 2
-WIDTH = _WAIT_H + len(WAIT_BUCKETS) + 2
+_ISO_LIVE = _WAIT_H + len(WAIT_BUCKETS) + 2
+_ISO_STARTS, _ISO_CRASHES, _ISO_LIMITS = _ISO_LIVE + 1, _ISO_LIVE + 2, _ISO_LIVE + 3
+WIDTH = _ISO_LIVE + 4
 """Float64 fields in one worker's row."""
+_GAUGES = (_PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE)
+"""Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 
 
 class MetricsBoard:
@@ -240,9 +242,18 @@ class WorkerCounts:
     def steps(self) -> int:
         return self.step_seconds.count
 
-    def publish(self, *, active: int, queue: int, connections: int) -> None:
-        """Copy the gauges into the row, with this process's memory, CPU time and I/O."""
+    def publish(
+        self,
+        *,
+        active: int,
+        queue: int,
+        connections: int,
+        isolated: tuple[int, int, int, int] = (0, 0, 0, 0),
+    ) -> None:
+        """Copy the gauges into the row, with this process's memory, CPU time and I/O;
+        ``isolated``: env processes alive, started, crashed, stopped at a limit."""
         row = self.row
+        row[_ISO_LIVE], row[_ISO_STARTS], row[_ISO_CRASHES], row[_ISO_LIMITS] = isolated
         row[_ACTIVE] = active
         row[_QUEUE] = queue
         row[_CONNS] = connections
@@ -337,6 +348,19 @@ class StadiumCollector(Collector):
         for i, code in enumerate(ERROR_CODES):
             errors.add_metric([code], total(_ERRORS + i))
         yield errors
+        yield _gauge(
+            "stadium_isolated_processes",
+            "Isolated sessions' env processes alive (warm pool included).",
+            total(_ISO_LIVE),
+        )
+        for name, doc, field in (
+            ("stadium_isolated_starts_total", "Isolated env processes started.", _ISO_STARTS),
+            ("stadium_isolated_crashes_total", "Isolated env processes that died (a signal, "
+             "an exit): ENV_CRASHED.", _ISO_CRASHES),
+            ("stadium_isolated_limit_kills_total", "Isolated env calls stopped at a limit "
+             "(memory, processes, wall time): LIMIT_EXCEEDED.", _ISO_LIMITS),
+        ):  # fmt: skip
+            yield CounterMetricFamily(name, doc, total(field))
         per_worker: list[tuple[str, str, int, type[GaugeMetricFamily | CounterMetricFamily]]] = [
             ("stadium_worker_resident_memory_bytes", "Resident memory.", _RSS, GaugeMetricFamily),
             ("stadium_worker_cpu_seconds", "CPU time (user+system).", _CPU, CounterMetricFamily),

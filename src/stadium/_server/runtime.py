@@ -271,6 +271,7 @@ class Runtime:
             active=len(self.sessions) - waiting,
             queue=waiting,
             connections=self.open_connections(),
+            isolated=self.isolation.counts() if self.isolation is not None else (0, 0, 0, 0),
         )
 
     def start_metrics(self) -> None:

@@ -81,7 +81,10 @@ def template_main(config: dict[str, Any]) -> None:
     while True:
         for key, _ in sel.select():
             if key.fileobj is control:
-                packet = control.recv(65536)
+                try:
+                    packet = control.recv(65536)
+                except OSError:  # the worker is gone
+                    packet = b""
                 if not packet:
                     os._exit(0)
                 msg = wire.decode(packet)

@@ -83,6 +83,7 @@ class _Proc:
         "baseline",
         "cgroups",
         "expired",
+        "final",
         "loop",
         "pid",
         "reader",
@@ -98,6 +99,8 @@ class _Proc:
         self.uid = 0
         self.cgroups: list[str] = []
         self.baseline: dict[str, int] = {}
+        self.final: dict[str, int] | None = None
+        """The cgroup's counters when the process ended (read before the cgroup is removed)."""
         self.expired = False
         self.reader = wire.FrameReader()
         self.waiter: asyncio.Future[Any] | None = None
@@ -206,6 +209,10 @@ class Isolation:
         self.crashes = 0
         self.limit_kills = 0
         self.start_seconds: list[float] = []
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Processes alive, started, crashed, stopped at a limit (``/metrics``)."""
+        return len(self.live), self.starts, self.crashes, self.limit_kills
 
     # -- the template ---------------------------------------------------------------
 
@@ -416,6 +423,7 @@ class Isolation:
         if proc.sock.fileno() >= 0 and proc.waiter is None:
             proc.close()
         if self.cgroups is not None and proc.cgroups:
+            proc.final = self.cgroups.counters(proc.cgroups)
             shared = any(p.cgroups == proc.cgroups for p in self.live.values())
             if not shared:
                 self.cgroups.kill(proc.cgroups)
@@ -439,7 +447,9 @@ class Isolation:
         if not proc.expired:  # it may still be alive (closed its socket): make sure
             self.kill(proc)
         status = await self.exit_status(proc.pid)
-        counters = self.cgroups.counters(proc.cgroups) if self.cgroups and proc.cgroups else {}
+        counters = proc.final
+        if counters is None:
+            counters = self.cgroups.counters(proc.cgroups) if self.cgroups and proc.cgroups else {}
         base = proc.baseline
         limits = self.limits
         if proc.expired:
@@ -514,8 +524,12 @@ class Isolation:
             template.kill()
             template.wait(5)
         if self.cgroups is not None:
-            for proc in self.live.values():
-                self.cgroups.remove(proc.cgroups)
+            left = [p.cgroups for p in self.live.values() if p.cgroups]
+            deadline = time.monotonic() + RELEASE_GRACE_S
+            while left and time.monotonic() < deadline:  # killed: gone in a few ms
+                left = [paths for paths in left if not self.cgroups.remove(paths)]
+                if left:
+                    time.sleep(0.01)
         self.live.clear()
 
 

@@ -240,7 +240,7 @@ def bwrap_argv(extra_ro: Iterable[str]) -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    argv += ["--ro-bind", "/usr", "/usr"]
+    argv += ["--ro-bind", "/usr", "/usr", "--perms", "0755", "--dir", "/etc"]
     for etc in ("/etc/ld.so.cache", "/etc/localtime", "/etc/nsswitch.conf", "/etc/alternatives"):
         argv += ["--ro-bind-try", etc, etc]
     roots: list[str] = []

@@ -1,0 +1,247 @@
+"""Isolated sessions (``--isolation process|sandbox``): real servers on port 0, real env
+processes, hostile envs. Sandbox tests need root, bubblewrap and cgroups: they skip with
+the reason elsewhere (``make test`` installs bubblewrap as root: ``make sandbox-deps``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stadium
+from stadium import ConfigError, ErrorCode, ServerConfig
+from stadium._server.isolation import sandbox_unavailable
+
+from tests.conftest import UNIT, serve, wait_until
+
+TARGET = str(Path(__file__).with_name("hostile.py")) + ":Hostile"
+WHY_NO_SANDBOX = sandbox_unavailable()
+needs_sandbox = pytest.mark.skipif(
+    WHY_NO_SANDBOX is not None, reason=f"--isolation sandbox: {WHY_NO_SANDBOX}"
+)
+MODES = ["process", pytest.param("sandbox", marks=needs_sandbox)]
+
+pytestmark = pytest.mark.slow
+
+
+async def _error(env: stadium.AsyncClient[Any], do: str, arg: str = "") -> stadium.StadiumError:
+    with pytest.raises(stadium.StadiumError) as info:
+        await env.step({"do": do, "arg": arg})
+    return info.value
+
+
+def test_config_checks_the_isolation_settings() -> None:
+    with pytest.raises(ConfigError, match="--isolation must be"):
+        ServerConfig(target="echo", isolation="vm")
+    with pytest.raises(ConfigError, match="--durable and --isolation"):
+        ServerConfig(target="echo", isolation="process", durable=True)
+    with pytest.raises(ConfigError, match="--warm-pool"):
+        ServerConfig(target="echo", isolation="process", warm_pool=-1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_each_session_runs_in_its_own_process_with_the_same_protocol(mode: str) -> None:
+    async with serve(TARGET, isolation=mode) as server:
+        async with (
+            stadium.AsyncClient(server.url) as a,
+            stadium.AsyncClient(server.url) as b,
+        ):
+            ra, rb = await a.reset(), await b.reset()
+            assert ra.observation["text"] == "ready"
+            pids = {ra.observation["pid"], rb.observation["pid"]}
+            assert len(pids) == 2 and os.getpid() not in pids
+            step = await a.step({"do": "echo", "arg": "hi"})
+            assert step.observation["text"] == "hi" and step.reward == 1.0 and not step.done
+            assert step.observation["pid"] == ra.observation["pid"]
+            state = await a.state()
+            assert state["step_count"] == 1
+            if mode == "sandbox":  # an unprivileged uid of its own, not root, not ours
+                uids = {ra.observation["uid"], rb.observation["uid"]}
+                assert len(uids) == 2 and 0 not in uids and os.getuid() not in uids
+        isolation = server.runtime.isolation
+        await wait_until(lambda: not isolation.live, 10 * UNIT, "env processes ended")
+        assert isolation.starts == 2 and isolation.crashes == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_crash_is_named_and_reset_starts_a_fresh_process(mode: str) -> None:
+    async with serve(TARGET, isolation=mode) as server:
+        async with (
+            stadium.AsyncClient(server.url) as env,
+            stadium.AsyncClient(server.url) as other,
+        ):
+            first = (await env.reset()).observation["pid"]
+            await other.reset()
+            err = await _error(env, "segfault")
+            assert err.code == ErrorCode.ENV_CRASHED
+            assert err.context["signal"] == "SIGSEGV" and err.context["operation"] == "step"
+            assert isinstance(err, stadium.EnvCrashedError)
+            err = await _error(env, "echo")  # no reset yet: says so
+            assert err.code == ErrorCode.SESSION_ERROR and "reset" in err.message
+            second = (await env.reset()).observation["pid"]
+            assert second != first
+            err = await _error(env, "exit")
+            assert err.code == ErrorCode.ENV_CRASHED and err.context["exit_code"] == 3
+            await env.reset()
+            assert (await env.step({"do": "echo", "arg": "ok"})).observation["text"] == "ok"
+            # The other session never noticed.
+            assert (await other.step({"do": "echo", "arg": "x"})).observation["text"] == "x"
+            assert server.runtime.isolation.crashes == 2
+            metrics = await asyncio.to_thread(_get, server.url + "/metrics")
+            assert "stadium_isolated_crashes_total 2.0" in metrics
+            assert 'stadium_errors_total{code="ENV_CRASHED"} 2.0' in metrics
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10 * UNIT) as r:
+        return str(r.read().decode())
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_call_past_its_time_limit_kills_the_process(mode: str) -> None:
+    async with serve(TARGET, isolation=mode, step_timeout=1 * UNIT) as server:
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset()
+            err = await _error(env, "spin")
+            assert err.code == ErrorCode.LIMIT_EXCEEDED
+            assert err.context["limit"] == "wall_time"
+            assert (await env.reset()).observation["text"] == "ready"
+            assert (await env.step({"do": "echo", "arg": "ok"})).observation["text"] == "ok"
+        assert server.runtime.isolation.limit_kills == 1
+
+
+async def test_process_isolation_survives_an_env_that_kills_its_parent() -> None:
+    """``process`` does not stop an env from killing the template (``sandbox`` does): the
+    worker and the other sessions go on, and new sessions start a new template."""
+    async with serve(TARGET, isolation="process") as server:
+        async with stadium.AsyncClient(server.url) as bystander:
+            await bystander.reset()
+            async with stadium.AsyncClient(server.url) as env:
+                await env.reset()
+                assert (await env.step({"do": "kill-parent"})).observation["text"] == "killed"
+            assert (await bystander.step({"do": "echo", "arg": "x"})).observation["text"] == "x"
+            async with stadium.AsyncClient(server.url) as late:
+                assert (await late.reset()).observation["text"] == "ready"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_fork_forks_the_env_process(mode: str) -> None:
+    async with serve(TARGET, isolation=mode, resume_grace=30) as server:
+        async with stadium.AsyncClient(server.url) as parent:
+            await parent.reset()
+            await parent.step({"do": "echo", "arg": "a"})
+            child = await parent.fork()
+            try:
+                step = await child.step({"do": "echo", "arg": "b"})
+                assert step.reward == 2.0  # the env's own counter came along: 1 step before
+                assert (await parent.step({"do": "echo", "arg": "c"})).reward == 2.0
+                pids = {step.observation["pid"]}
+                pids.add((await parent.step({"do": "echo", "arg": "d"})).observation["pid"])
+                assert len(pids) == 2
+            finally:
+                await child.close()
+        assert server.runtime.outcomes["forked"] == 1
+
+
+async def test_the_warm_pool_hands_out_processes_forked_ahead() -> None:
+    async with serve(TARGET, isolation="process", warm_pool=3) as server:
+        isolation = server.runtime.isolation
+        await wait_until(lambda: len(isolation.warm) == 3, 30 * UNIT, "warm pool filled")
+        ready = {proc.pid for proc in isolation.warm}
+        async with stadium.AsyncClient(server.url) as env:
+            pid = (await env.reset()).observation["pid"]
+            assert pid in ready
+            await wait_until(lambda: len(isolation.warm) == 3, 30 * UNIT, "warm pool refilled")
+
+
+@needs_sandbox
+async def test_hostile_sandboxed_envs_are_contained_while_50_others_keep_stepping(
+    tmp_path: Path,
+) -> None:
+    """One hostile session per threat, each contained and reported with its code, while
+    50 well-behaved sessions on the same worker step throughout without an error."""
+    outside = tmp_path / "precious.txt"
+    outside.write_text("keep me")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    code_file = str(Path(__file__).with_name("hostile.py"))
+    async with serve(
+        TARGET, isolation="sandbox", step_timeout=2 * UNIT, sandbox_memory=64, sandbox_pids=32,
+        max_sessions=128, warm_pool=4,
+    ) as server:  # fmt: skip
+        stop = asyncio.Event()
+
+        async def well_behaved(n: int) -> int:
+            steps = 0
+            async with stadium.AsyncClient(server.url) as env:
+                await env.reset()
+                while not stop.is_set() and steps < 2000:
+                    step = await env.step({"do": "echo", "arg": f"{n}.{steps}"})
+                    assert step.observation["text"] == f"{n}.{steps}"
+                    steps += 1
+                    await asyncio.sleep(0.01)
+            return steps
+
+        others = [asyncio.ensure_future(well_behaved(n)) for n in range(50)]
+        async with (
+            stadium.AsyncClient(server.url) as env,
+            stadium.AsyncClient(server.url) as neighbour,
+        ):
+            await env.reset()
+            await neighbour.reset()
+            # Deletes files outside its work directory: the host's are not there, the
+            # code is read-only.
+            err = await _error(env, "delete", str(outside))
+            assert err.code == ErrorCode.EXECUTION_ERROR and "FileNotFoundError" in err.message
+            err = await _error(env, "delete", code_file)
+            assert "Read-only file system" in err.message
+            assert outside.read_text() == "keep me" and os.path.exists(code_file)
+            # Reads another session's files: each has its own /tmp.
+            written = (await neighbour.step({"do": "write", "arg": "secret.txt"})).observation
+            err = await _error(env, "read", written["text"])
+            assert "FileNotFoundError" in err.message
+            err = await _error(env, "read", f"/proc/{written['pid']}/root{written['text']}")
+            assert "PermissionError" in err.message, err.message
+            # Opens a network connection: no network at all.
+            err = await _error(env, "connect", f"127.0.0.1:{port}")
+            assert "unreachable" in err.message
+            with pytest.raises(BlockingIOError):
+                listener.accept()
+            # Sees none of the server's environment (tokens, keys).
+            names = (await env.step({"do": "environ"})).observation["text"].split(",")
+            assert set(names) <= {"HOME", "LANG", "PATH", "TMPDIR"}
+            # Kills its parent: not permitted (another uid); the worker goes on.
+            err = await _error(env, "kill-parent")
+            assert "PermissionError" in err.message
+            # Fork bomb: the process limit refuses it.
+            err = await _error(env, "forkbomb")
+            assert err.code == ErrorCode.LIMIT_EXCEEDED and err.context["limit"] == "pids"
+            await env.reset()
+            # Memory bomb: the kernel kills it at the cgroup's limit.
+            err = await _error(env, "memory")
+            assert err.code == ErrorCode.LIMIT_EXCEEDED and err.context["limit"] == "memory"
+            await env.reset()
+            # Busy loop: killed at the per-call limit.
+            err = await _error(env, "spin")
+            assert err.code == ErrorCode.LIMIT_EXCEEDED and err.context["limit"] == "wall_time"
+            await env.reset()
+            # Segfault.
+            err = await _error(env, "segfault")
+            assert err.code == ErrorCode.ENV_CRASHED and err.context["signal"] == "SIGSEGV"
+            assert (await env.reset()).observation["text"] == "ready"
+            assert (await env.step({"do": "echo", "arg": "fine"})).observation["text"] == "fine"
+        stop.set()
+        steps = await asyncio.gather(*others)
+        assert all(s > 0 for s in steps)
+        isolation = server.runtime.isolation
+        assert isolation.limit_kills == 3 and isolation.crashes == 1
+    listener.close()
+    leftover = [p for p in os.listdir("/sys/fs/cgroup/pids/stadium") if p.startswith("w")]
+    assert not [p for p in leftover if p.startswith(f"w{os.getpid()}-")]
