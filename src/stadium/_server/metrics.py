@@ -230,7 +230,7 @@ class WorkerCounts:
         self.row = row = board.row()
         self.step_seconds = Histogram(STEP_BUCKETS, row[_STEP_H:_RESET_H])
         self.reset_seconds = Histogram(STEP_BUCKETS, row[_RESET_H:_WAIT_H])
-        self.admission_wait = Histogram(WAIT_BUCKETS, row[_WAIT_H:WIDTH])
+        self.admission_wait = Histogram(WAIT_BUCKETS, row[_WAIT_H:_ISO_LIVE])
         self.errors = RowCounter(row, _ERROR_FIELDS)
         """Error replies by code (``Runtime.errors_total``)."""
         self.outcomes = RowCounter(row, _OUTCOME_FIELDS)
