@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import inspect
 import json
 import os
@@ -70,6 +71,10 @@ def template_main(config: dict[str, Any]) -> None:
     _Ctx.env_kwargs = env_kwargs
     _Ctx.sandbox = bool(config.get("sandbox"))
     _Ctx.disk_mib = int(config.get("disk_mib", 256))
+    # The imported code's objects go to the permanent generation: the collector then never
+    # walks them in a session's process, so its pages stay shared with the template.
+    gc.collect()
+    gc.freeze()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

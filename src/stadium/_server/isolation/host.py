@@ -323,7 +323,11 @@ class Isolation:
         started = time.perf_counter()
         await self._ensure_template()
         n = next(self._numbers)
-        cgroups = self.cgroups.create(str(n)) if self.cgroups is not None else []
+        cgroups: list[str] = []
+        if self.cgroups is not None:
+            cgroups = await asyncio.get_running_loop().run_in_executor(
+                None, self.cgroups.create, str(n)
+            )
         uid = uid_for(os.getpid(), n) if self.sandbox else 0
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[int, int]] = loop.create_future()
@@ -425,10 +429,17 @@ class Isolation:
         if self.cgroups is not None and proc.cgroups:
             proc.final = self.cgroups.counters(proc.cgroups)
             shared = any(p.cgroups == proc.cgroups for p in self.live.values())
-            if not shared:
-                self.cgroups.kill(proc.cgroups)
-                if not self.cgroups.remove(proc.cgroups) and self._loop is not None:
-                    self._loop.call_later(1.0, self.cgroups.remove, proc.cgroups)
+            if not shared and self._loop is not None:  # rmdir may wait on the kernel: off-loop
+                self._loop.run_in_executor(None, self._remove_cgroups, proc.cgroups)
+
+    def _remove_cgroups(self, paths: list[str]) -> None:
+        assert self.cgroups is not None
+        for _ in range(100):
+            self.cgroups.kill(paths)
+            if self.cgroups.remove(paths):
+                return
+            time.sleep(0.05)
+        log.warning("could not remove the cgroups %s (a process is left in them)", paths)
 
     async def exit_status(self, pid: int) -> int | None:
         """The wait status the template reported for ``pid`` (``None``: none in time)."""

@@ -123,6 +123,13 @@ class Cgroups:
             self._parents = [CGROUP_ROOT / c / CGROUP_PARENT for c in ("memory", "cpu", "pids")]
             for parent in self._parents:
                 parent.mkdir(exist_ok=True)
+        # The sessions together weigh as much as the machine's cores (a cgroup weighs as
+        # one process by default: 8 busy sessions would get one process's share).
+        cores = os.cpu_count() or 1
+        if self.version == 2:
+            _write(self._parents[0] / "cpu.weight", str(min(10000, 100 * cores)), optional=True)
+        else:
+            _write(self._parents[1] / "cpu.shares", str(1024 * cores), optional=True)
 
     def create(self, name: str) -> list[str]:
         """Make session ``name``'s cgroup(s) with the limits; returns their paths."""

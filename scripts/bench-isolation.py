@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Isolated sessions side by side: in-process (``none``) / ``process`` / ``sandbox``, one run.
+
+For each level, a ``stadium serve scripts/isolation_env.py:BenchEnv`` subprocess on
+127.0.0.1, driven by Stadium's AsyncClient from this process. Prints a Markdown table:
+
+* start p50/p99: connect + reset → first observation, sequential, cold (no warm pool:
+  the env process is forked on demand) and warm (``--warm-pool``, topped up between
+  sessions);
+* server CPU per step: the server's whole process tree (worker, template, env
+  processes; /proc utime+stime, reaped children included), ``--sessions`` sessions
+  stepping an env that answers at once;
+* memory per idle session: the tree's USS (private pages, /proc/PID/smaps_rollup) and
+  PSS grown per open idle session, over ``--idle`` sessions;
+* concurrent sessions: how many of ``--max-try`` sessions opened (connect + reset) and
+  answered a step, all held at once;
+* CPU-bound throughput: steps/s of ``--burn-ms`` of pure Python per step, 8 sessions,
+  for ``--burn-s`` seconds (2 cores; ``none`` runs the sync env on the worker's thread pool).
+
+Run: ``.venv/bin/python scripts/bench-isolation.py`` (as root for ``sandbox``). Every
+load is bounded in count and time; the servers are stopped by pid at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import stadium
+
+HERE = Path(__file__).resolve().parent
+TARGET = f"{HERE / 'isolation_env.py'}:BenchEnv"
+STADIUM = str(Path(sys.executable).with_name("stadium"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProc:
+    def __init__(self, mode: str, warm: int, max_sessions: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [
+            STADIUM, "serve", TARGET, "--port", str(self.port), "--isolation", mode,
+            "--warm-pool", str(warm), "--max-sessions", str(max_sessions),
+            "--idle-timeout", "0", "--log-level", "warning", "--executor-threads", "8",
+            "--admission-timeout", "60",
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"server ({mode}) did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def tree(self) -> list[int]:
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(int(c) for c in f.read().split())
+            except OSError:
+                pass
+        return out
+
+    def cpu_s(self) -> float:
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for pid in self.tree():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        return total / tick
+
+    def memory_kib(self) -> tuple[int, int]:
+        """(USS, PSS) of the tree, KiB."""
+        uss = pss = 0
+        for pid in self.tree():
+            try:
+                with open(f"/proc/{pid}/smaps_rollup") as f:
+                    for line in f:
+                        key, _, rest = line.partition(":")
+                        if key in ("Private_Clean", "Private_Dirty"):
+                            uss += int(rest.split()[0])
+                        elif key == "Pss":
+                            pss += int(rest.split()[0])
+            except OSError:
+                continue
+        return uss, pss
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def starts(url: str, n: int, pause: float) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        async with stadium.AsyncClient(url) as env:
+            await env.reset()
+            out.append(time.perf_counter() - t0)
+        await asyncio.sleep(pause)  # the warm pool tops up meanwhile
+    return out
+
+
+async def step_cpu(server: ServerProc, sessions: int, steps: int) -> float:
+    envs = [stadium.AsyncClient(server.url) for _ in range(sessions)]
+    for env in envs:
+        await env.connect()
+        await env.reset()
+
+    async def run(env: Any) -> None:
+        for _ in range(steps):
+            await env.step({})
+
+    await asyncio.gather(*(run(env) for env in envs[:1]))  # warm-up
+    before = server.cpu_s()
+    await asyncio.gather(*(run(env) for env in envs))
+    used = server.cpu_s() - before
+    for env in envs:
+        await env.close()
+    return used / (sessions * steps) * 1e6
+
+
+async def idle_memory(server: ServerProc, n: int) -> tuple[float, float]:
+    await asyncio.sleep(1.0)
+    uss0, pss0 = server.memory_kib()
+    envs = []
+    for _ in range(n):
+        env = stadium.AsyncClient(server.url)
+        await env.connect()
+        await env.reset()
+        envs.append(env)
+    await asyncio.sleep(1.0)
+    uss1, pss1 = server.memory_kib()
+    for env in envs:
+        await env.close()
+    return (uss1 - uss0) / n, (pss1 - pss0) / n
+
+
+async def concurrent(server: ServerProc, n: int, limit_s: float) -> tuple[int, float]:
+    envs: list[Any] = []
+    t0 = time.perf_counter()
+    sem = asyncio.Semaphore(32)
+
+    async def one() -> None:
+        async with sem:
+            env = stadium.AsyncClient(server.url)
+            await env.connect()
+            await env.reset()
+            envs.append(env)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(n)]
+    _done, pending = await asyncio.wait(tasks, timeout=limit_s)
+    for task in pending:
+        task.cancel()
+    took = time.perf_counter() - t0
+    ok = 0
+    results = await asyncio.gather(*(e.step({}) for e in envs), return_exceptions=True)
+    ok = sum(1 for r in results if not isinstance(r, BaseException))
+    await asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
+    return ok, took
+
+
+async def burn(server: ServerProc, ms: float, seconds: float, sessions: int = 8) -> float:
+    envs = [stadium.AsyncClient(server.url) for _ in range(sessions)]
+    for env in envs:
+        await env.connect()
+        await env.reset()
+    count = 0
+    deadline = time.perf_counter() + seconds
+
+    async def run(env: Any) -> None:
+        nonlocal count
+        while time.perf_counter() < deadline:
+            await env.step({"burn_ms": ms})
+            count += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(run(env) for env in envs))
+    took = time.perf_counter() - t0
+    for env in envs:
+        await env.close()
+    return count / took
+
+
+async def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    row: dict[str, Any] = {"mode": mode}
+    server = ServerProc(mode, 0, args.max_try + 64)
+    try:
+        cold = await starts(server.url, args.starts, 0.0)
+        row["cold"] = cold
+        row["cpu_us"] = await step_cpu(server, args.sessions, args.steps)
+        row["uss_kib"], row["pss_kib"] = await idle_memory(server, args.idle)
+        row["burn"] = await burn(server, args.burn_ms, args.burn_s)
+        row["max"], row["max_s"] = await concurrent(server, args.max_try, args.max_s)
+    finally:
+        server.stop()
+    if mode != "none":
+        server = ServerProc(mode, 4, 64)
+        try:
+            await asyncio.sleep(2.0)
+            row["warm"] = await starts(server.url, args.starts, 0.05)
+        finally:
+            server.stop()
+    return row
+
+
+def ms(v: float) -> str:
+    return f"{v * 1000:.2f}"
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="none,process,sandbox")
+    p.add_argument("--starts", type=int, default=100)
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--idle", type=int, default=100)
+    p.add_argument("--max-try", type=int, default=1000)
+    p.add_argument("--max-s", type=float, default=120.0)
+    p.add_argument("--burn-ms", type=float, default=1.0)
+    p.add_argument("--burn-s", type=float, default=10.0)
+    args = p.parse_args()
+    rows = [await measure(mode, args) for mode in args.modes.split(",")]
+    print(f"# {platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}")
+    print(f"# {' '.join(sys.argv)}")
+    print(
+        "| isolation | start cold p50 / p99 (ms) | start warm p50 / p99 (ms) | server CPU per "
+        "step (µs) | USS / PSS per idle session (KiB) | concurrent sessions (of tried, s) | "
+        f"CPU-bound steps/s ({args.burn_ms:g} ms each, 8 sessions) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        warm = r.get("warm")
+        warm_s = f"{ms(statistics.median(warm))} / {ms(pct(warm, 0.99))}" if warm else "—"
+        print(
+            f"| {r['mode']} | {ms(statistics.median(r['cold']))} / {ms(pct(r['cold'], 0.99))} "
+            f"| {warm_s} | {r['cpu_us']:.0f} | {r['uss_kib']:.0f} / {r['pss_kib']:.0f} "
+            f"| {r['max']} of {args.max_try} ({r['max_s']:.1f} s) | {r['burn']:.0f} |"
+        )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
