@@ -10,8 +10,9 @@ For each level, a ``stadium serve scripts/isolation_env.py:BenchEnv`` subprocess
 * server CPU per step: the server's whole process tree (worker, template, env
   processes; /proc utime+stime, reaped children included), ``--sessions`` sessions
   stepping an env that answers at once;
-* memory per idle session: the tree's USS (private pages, /proc/PID/smaps_rollup) and
-  PSS grown per open idle session, over ``--idle`` sessions;
+* memory per idle session: the private memory (USS, /proc/PID/smaps_rollup) of one
+  env process, and the server tree's PSS grown per open idle session, over ``--idle``
+  sessions (in-process: no env process; the PSS is the worker's growth);
 * concurrent sessions: how many of ``--max-try`` sessions opened (connect + reset) and
   answered a step, all held at once;
 * CPU-bound throughput: steps/s of ``--burn-ms`` of pure Python per step, 8 sessions,
@@ -104,10 +105,10 @@ class ServerProc:
             total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
         return total / tick
 
-    def memory_kib(self) -> tuple[int, int]:
-        """(USS, PSS) of the tree, KiB."""
+    def memory_kib(self, pids: list[int] | None = None) -> tuple[int, int]:
+        """(USS, PSS) of the tree (or of ``pids``), KiB."""
         uss = pss = 0
-        for pid in self.tree():
+        for pid in self.tree() if pids is None else pids:
             try:
                 with open(f"/proc/{pid}/smaps_rollup") as f:
                     for line in f:
@@ -157,8 +158,11 @@ async def step_cpu(server: ServerProc, sessions: int, steps: int) -> float:
 
 
 async def idle_memory(server: ServerProc, n: int) -> tuple[float, float]:
+    """(USS of one env process, PSS of the tree per session), KiB: a forked process's
+    pages are shared with its template until written, so only these two add up."""
     await asyncio.sleep(1.0)
-    uss0, pss0 = server.memory_kib()
+    before = set(server.tree())
+    _, pss0 = server.memory_kib()
     envs = []
     for _ in range(n):
         env = stadium.AsyncClient(server.url)
@@ -166,10 +170,12 @@ async def idle_memory(server: ServerProc, n: int) -> tuple[float, float]:
         await env.reset()
         envs.append(env)
     await asyncio.sleep(1.0)
-    uss1, pss1 = server.memory_kib()
+    _, pss1 = server.memory_kib()
+    new = [pid for pid in server.tree() if pid not in before]
+    uss = server.memory_kib(new)[0] / len(new) if new else 0.0
     for env in envs:
         await env.close()
-    return (uss1 - uss0) / n, (pss1 - pss0) / n
+    return uss, (pss1 - pss0) / n
 
 
 async def concurrent(server: ServerProc, n: int, limit_s: float) -> tuple[int, float]:
@@ -222,6 +228,7 @@ async def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"mode": mode}
     server = ServerProc(mode, 0, args.max_try + 64)
     try:
+        await starts(server.url, 3, 0.0)  # the template's start is the worker's, not a session's
         cold = await starts(server.url, args.starts, 0.0)
         row["cold"] = cold
         row["cpu_us"] = await step_cpu(server, args.sessions, args.steps)
@@ -233,7 +240,7 @@ async def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if mode != "none":
         server = ServerProc(mode, 4, 64)
         try:
-            await asyncio.sleep(2.0)
+            await starts(server.url, 3, 0.5)
             row["warm"] = await starts(server.url, args.starts, 0.05)
         finally:
             server.stop()
@@ -261,7 +268,8 @@ async def main() -> None:
     print(f"# {' '.join(sys.argv)}")
     print(
         "| isolation | start cold p50 / p99 (ms) | start warm p50 / p99 (ms) | server CPU per "
-        "step (µs) | USS / PSS per idle session (KiB) | concurrent sessions (of tried, s) | "
+        "step (µs) | env process USS / tree PSS per idle session (KiB) | concurrent "
+        "sessions (of tried, s) | "
         f"CPU-bound steps/s ({args.burn_ms:g} ms each, 8 sessions) |"
     )
     print("|---|---|---|---|---|---|---|")

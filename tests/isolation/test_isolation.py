@@ -265,3 +265,16 @@ async def test_hostile_sandboxed_envs_are_contained_while_50_others_keep_steppin
         10 * UNIT,
         "the sessions' cgroups removed",
     )
+
+
+async def test_tool_envs_take_their_step_actions_in_their_own_process() -> None:
+    async with serve("tools", isolation="process") as server:
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset()
+            listed = await env.step({"type": "list_tools"})
+            assert "add_note" in {t["name"] for t in listed.observation["tools"]}
+            called = await env.step(
+                {"type": "call_tool", "tool_name": "add_note", "arguments": {"text": "hi"}}
+            )
+            assert called.observation["result"]["data"] == 1
+        assert server.runtime.isolation.starts == 1

@@ -108,7 +108,10 @@ def _reap(control: socket.socket) -> None:
             return
         if pid == 0:
             return
-        control.send(_Ctx.encoder.encode(["exit", pid, status]))
+        try:
+            control.send(_Ctx.encoder.encode(["exit", pid, status]))
+        except OSError:  # the worker is gone
+            os._exit(0)
 
 
 def _spawn(
