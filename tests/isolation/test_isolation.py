@@ -278,3 +278,45 @@ async def test_tool_envs_take_their_step_actions_in_their_own_process() -> None:
             )
             assert called.observation["result"]["data"] == 1
         assert server.runtime.isolation.starts == 1
+
+
+@needs_sandbox
+async def test_the_code_env_runs_submissions_against_tests_in_the_sandbox() -> None:
+    async with serve("code") as server:  # the env asks for the sandbox itself
+        assert server.runtime.isolation.sandbox
+        async with stadium.AsyncClient(server.url) as env:
+            first = await env.reset(options={"task": "fizzbuzz"})
+            assert first.observation["total"] == 4
+            wrong = await env.step({"code": "def fizzbuzz(n):\n    return str(n)\n"})
+            assert wrong.observation["passed"] == 1
+            assert wrong.reward == 0.25
+            assert not wrong.done
+            assert "returned '3', expected 'Fizz'" in wrong.observation["failures"][0]
+            hostile = "import socket\nsocket.create_connection(('127.0.0.1', 1))\n"
+            refused = await env.step({"code": hostile + "def fizzbuzz(n): return ''\n"})
+            assert "unreachable" in refused.observation["failures"][0]
+            right = (
+                "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0"
+                " else 'Buzz' if n % 5 == 0 else str(n)\n"
+            )
+            done = await env.step({"code": right})
+            assert done.reward == 1.0
+            assert done.done
+
+
+@needs_sandbox
+async def test_the_shell_env_runs_commands_as_an_unprivileged_user_without_network() -> None:
+    async with serve("shell") as server:
+        assert server.runtime.isolation.sandbox
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset()
+            who = await env.step({"command": "id -u; echo hi > note.txt; cat note.txt; pwd"})
+            uid, hi, pwd = who.observation["stdout"].split()
+            assert int(uid) not in (0, os.getuid())
+            assert hi == "hi"
+            assert who.observation["exit_code"] == 0
+            net = await env.step({"command": "exec 3<>/dev/tcp/127.0.0.1/22"})
+            assert net.observation["exit_code"] != 0
+            gone = await env.step({"command": f"ls {pwd}/note.txt && rm -rf /usr/bin/env"})
+            assert "Read-only file system" in gone.observation["stderr"]
+            assert gone.observation["exit_code"] != 0

@@ -83,7 +83,12 @@ def _isolation(config: ServerConfig, spec: EnvSpec) -> Isolation | None:
     if mode == "sandbox":
         why = sandbox_unavailable()
         if why is not None:
-            raise ConfigError(f"--isolation sandbox cannot run here: {why}")
+            asked = (
+                ""
+                if config.isolation
+                else f" ({spec.name} asks for it; --isolation process or none overrides that)"
+            )
+            raise ConfigError(f"--isolation sandbox cannot run here: {why}{asked}")
     target = config.target
     module, sep, attr = target.rpartition(":")
     if sep and (module.endswith(".py") or "/" in module):  # a file: absolute for the template

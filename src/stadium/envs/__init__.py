@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from stadium.envs.benchmark import BenchmarkEnv
+from stadium.envs.code import CodeEnv
 from stadium.envs.echo import EchoEnv
+from stadium.envs.shell import ShellEnv
 from stadium.envs.tools import NotesEnv
 from stadium.envs.wordguess import WordGuessEnv
 
@@ -12,6 +14,16 @@ BUILTIN: dict[str, str] = {
     "benchmark": "stadium.envs.benchmark:BenchmarkEnv",
     "wordguess": "stadium.envs.wordguess:WordGuessEnv",
     "tools": "stadium.envs.tools:NotesEnv",
+    "code": "stadium.envs.code:CodeEnv",
+    "shell": "stadium.envs.shell:ShellEnv",
 }
 
-__all__ = ["BUILTIN", "BenchmarkEnv", "EchoEnv", "NotesEnv", "WordGuessEnv"]
+__all__ = [
+    "BUILTIN",
+    "BenchmarkEnv",
+    "CodeEnv",
+    "EchoEnv",
+    "NotesEnv",
+    "ShellEnv",
+    "WordGuessEnv",
+]
