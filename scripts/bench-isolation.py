@@ -247,6 +247,45 @@ async def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def podman(image: str, n_starts: int, n_idle: int) -> dict[str, Any]:
+    """A container per session, for comparison: ``podman run`` of a bare ``python3 -c``
+    (create → first command, sequential), and the PSS of idle containers (their process
+    and conmon). Not a Stadium session in a container: a lower bound on one."""
+    base = ["podman", "run", "--rm", "--network", "none", image]
+    cold = []
+    for _ in range(n_starts):
+        t0 = time.perf_counter()
+        subprocess.run([*base, "python3", "-c", "pass"], check=True, capture_output=True)
+        cold.append(time.perf_counter() - t0)
+    ids = []
+    try:
+        for _ in range(n_idle):
+            out = subprocess.run(
+                ["podman", "run", "-d", "--rm", "--network", "none", image, "python3", "-c",
+                 "import time; time.sleep(300)"],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            ids.append(out.stdout.strip())
+        time.sleep(1.0)
+        pids = []
+        for cid in ids:
+            out = subprocess.run(
+                ["podman", "inspect", "-f", "{{.State.Pid}} {{.State.ConmonPid}}", cid],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            pids += [int(p) for p in out.stdout.split()]
+        pss = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                pss += sum(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+    finally:
+        if ids:
+            subprocess.run(["podman", "rm", "-f", "-t", "0", *ids], capture_output=True)
+    return {"mode": "podman (container per session)", "cold": cold, "pss_kib": pss / n_idle}
+
+
 def ms(v: float) -> str:
     return f"{v * 1000:.2f}"
 
@@ -262,8 +301,13 @@ async def main() -> None:
     p.add_argument("--max-s", type=float, default=120.0)
     p.add_argument("--burn-ms", type=float, default=1.0)
     p.add_argument("--burn-s", type=float, default=10.0)
+    p.add_argument(
+        "--podman-image", help="also time a Podman container per session (an image with python3)"
+    )
     args = p.parse_args()
     rows = [await measure(mode, args) for mode in args.modes.split(",")]
+    if args.podman_image:
+        rows.append(podman(args.podman_image, min(args.starts, 20), min(args.idle, 10)))
     print(f"# {platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}")
     print(f"# {' '.join(sys.argv)}")
     print(
@@ -274,6 +318,12 @@ async def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "cpu_us" not in r:  # the container arm: starts and memory only
+            print(
+                f"| {r['mode']} | {ms(statistics.median(r['cold']))} / "
+                f"{ms(pct(r['cold'], 0.99))} | — | — | — / {r['pss_kib']:.0f} | — | — |"
+            )
+            continue
         warm = r.get("warm")
         warm_s = f"{ms(statistics.median(warm))} / {ms(pct(warm, 0.99))}" if warm else "—"
         print(
