@@ -5,8 +5,9 @@ For each level, a ``stadium serve scripts/isolation_env.py:BenchEnv`` subprocess
 127.0.0.1, driven by Stadium's AsyncClient from this process. Prints a Markdown table:
 
 * start p50/p99: connect + reset → first observation, sequential, cold (no warm pool:
-  the env process is forked on demand) and warm (``--warm-pool``, topped up between
-  sessions);
+  the env process is forked on demand) and warm (``--warm-pool 64``, topped up between
+  sessions); and time to first observation of 50 sessions started one after the other,
+  20 ms apart, and all at once (the warm pool full before each pattern);
 * server CPU per step: the server's whole process tree (worker, template, env
   processes; /proc utime+stime, reaped children included), ``--sessions`` sessions
   stepping an env that answers at once;
@@ -42,6 +43,10 @@ import stadium
 
 HERE = Path(__file__).resolve().parent
 TARGET = f"{HERE / 'isolation_env.py'}:BenchEnv"
+#: The warm pool of the warm-start and time-to-first-observation server.
+WARM = 64
+#: Sessions of each time-to-first-observation pattern.
+BURST = 50
 STADIUM = str(Path(sys.executable).with_name("stadium"))
 
 
@@ -53,6 +58,7 @@ def free_port() -> int:
 
 class ServerProc:
     def __init__(self, mode: str, warm: int, max_sessions: int) -> None:
+        self.warm = warm
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [
@@ -136,6 +142,43 @@ async def starts(url: str, n: int, pause: float) -> list[float]:
             out.append(time.perf_counter() - t0)
         await asyncio.sleep(pause)  # the warm pool tops up meanwhile
     return out
+
+
+async def first_observations(url: str, n: int, interval: float) -> list[float]:
+    """``n`` sessions started ``interval`` s apart (0: a burst), each timed from its
+    connect to its first observation; all held open until the last one's."""
+    envs: list[Any] = []
+
+    async def one(delay: float) -> float:
+        await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        env = stadium.AsyncClient(url)
+        envs.append(env)
+        await env.connect()
+        await env.reset()
+        return time.perf_counter() - t0
+
+    try:
+        return list(await asyncio.gather(*(one(i * interval) for i in range(n))))
+    finally:
+        await asyncio.gather(*(e.close() for e in envs), return_exceptions=True)
+
+
+def pool_full(server: ServerProc) -> bool:
+    """Whether the server's warm pool is full (/metrics: env processes alive)."""
+    with urllib.request.urlopen(server.url + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("stadium_isolated_processes "):
+                return float(line.split()[1]) >= server.warm
+    return True
+
+
+async def wait_warm(server: ServerProc) -> None:
+    """Until the server's warm pool is full (at most a minute)."""
+    for _ in range(300):
+        if await asyncio.to_thread(pool_full, server):
+            return
+        await asyncio.sleep(0.2)
 
 
 async def step_cpu(server: ServerProc, sessions: int, steps: int) -> float:
@@ -237,13 +280,20 @@ async def measure(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         row["max"], row["max_s"] = await concurrent(server, args.max_try, args.max_s)
     finally:
         server.stop()
-    if mode != "none":
-        server = ServerProc(mode, 4, 64)
-        try:
-            await starts(server.url, 3, 0.5)
+    server = ServerProc(mode, WARM if mode != "none" else 0, 256)
+    try:
+        await starts(server.url, 3, 0.5)
+        await wait_warm(server)
+        if mode != "none":
             row["warm"] = await starts(server.url, args.starts, 0.05)
-        finally:
-            server.stop()
+        for kind, interval in (("sequential", None), ("staggered", 0.02), ("burst", 0.0)):
+            await wait_warm(server)
+            if interval is None:
+                row[kind] = await starts(server.url, BURST, 0.05)
+            else:
+                row[kind] = await first_observations(server.url, BURST, interval)
+    finally:
+        server.stop()
     return row
 
 
@@ -331,6 +381,26 @@ async def main() -> None:
             f"| {warm_s} | {r['cpu_us']:.0f} | {r['uss_kib']:.0f} / {r['pss_kib']:.0f} "
             f"| {r['max']} of {args.max_try} ({r['max_s']:.1f} s) | {r['burn']:.0f} |"
         )
+    print_first_observations(rows)
+
+
+def print_first_observations(rows: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        f"Time to first observation (ms, p50 / p99), {BURST} sessions, --warm-pool {WARM} "
+        "(none: no pool)"
+    )
+    print()
+    print("| isolation | sequential | staggered (20 ms apart) | burst (all at once) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        if "burst" not in r:
+            continue
+        cells = [
+            f"{ms(statistics.median(r[k]))} / {ms(pct(r[k], 0.99))}"
+            for k in ("sequential", "staggered", "burst")
+        ]
+        print(f"| {r['mode']} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
