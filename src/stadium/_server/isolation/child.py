@@ -1,6 +1,7 @@
 """The env side of isolated sessions: the template process and each session's process.
 
-``python -m stadium._server.isolation.child CONFIG_JSON`` is a worker's *template*:
+``python -m stadium._server.isolation.child`` (its settings, JSON, in the environment
+variable ``STADIUM_ISOLATION_SETTINGS``) is a worker's *template*:
 it imports the env's code once, then waits on its control socket (a
 ``SOCK_SEQPACKET`` socket inherited as ``control_fd``). For each ``spawn`` it
 forks: the child (a session's process) gets one end of a new socket pair, the
@@ -250,4 +251,4 @@ def session_main(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
-    template_main(json.loads(sys.argv[1]))
+    template_main(json.loads(os.environ.pop(wire.SETTINGS_VAR)))

@@ -86,6 +86,7 @@ class _Proc:
         "final",
         "loop",
         "pid",
+        "pidfd",
         "reader",
         "sock",
         "uid",
@@ -96,6 +97,7 @@ class _Proc:
         self.loop = loop
         self.sock = sock
         self.pid = 0
+        self.pidfd = -1
         self.uid = 0
         self.cgroups: list[str] = []
         self.baseline: dict[str, int] = {}
@@ -235,12 +237,15 @@ class Isolation:
             "disk_mib": self.limits.disk_mib,
             "sys_path": sys_path,
         }
-        argv = [sys.executable, "-m", "stadium._server.isolation.child", json.dumps(settings)]
+        # The settings (env kwargs may hold secrets) go in the environment, which only the
+        # template's uid can read in /proc, not in argv, which every process can.
+        argv = [sys.executable, "-m", "stadium._server.isolation.child"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.sandbox:
             argv = bwrap_argv(sys_path) + argv
         else:
             env = dict(os.environ)
+        env[wire.SETTINGS_VAR] = json.dumps(settings)
         self._template = subprocess.Popen(
             argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             cwd="/" if self.sandbox else None,
@@ -337,7 +342,7 @@ class Isolation:
         fd, pid = await fut
         proc = _Proc(loop, socket.socket(fileno=fd))
         proc.pid, proc.uid, proc.cgroups = pid, uid, cgroups
-        self.live[pid] = proc
+        self._track(proc)
         await self._hello(proc)
         self.starts += 1
         self.start_seconds.append(time.perf_counter() - started)
@@ -400,9 +405,20 @@ class Isolation:
         proc = _Proc(asyncio.get_running_loop(), sock)
         proc.pid, proc.uid, proc.cgroups = hello[1], parent.uid, parent.cgroups
         proc.baseline = parent.baseline
-        self.live[proc.pid] = proc
+        self._track(proc)
         self.starts += 1
         return proc
+
+    def _track(self, proc: _Proc) -> None:
+        """Count ``proc`` alive; in ``process`` mode hold a pidfd on it, so that a kill
+        never reaches a process that took its pid over (its exit may go unreported when
+        the template died)."""
+        self.live[proc.pid] = proc
+        if not self.sandbox:  # sandboxed pids are the template's namespace's: cgroups kill
+            try:
+                proc.pidfd = os.pidfd_open(proc.pid)
+            except OSError:  # gone already: its exit report is on its way
+                proc.pidfd = -1
 
     def release(self, proc: _Proc) -> None:
         """The session is done with ``proc``: close its socket (its env closes, it exits);
@@ -419,11 +435,15 @@ class Isolation:
         """SIGKILL the process (and, sandboxed, everything in its cgroup)."""
         if self.cgroups is not None and proc.cgroups:
             self.cgroups.kill(proc.cgroups)
-        elif proc.pid in self.live:
+        elif proc.pidfd >= 0:
             with contextlib.suppress(ProcessLookupError, PermissionError):
+                signal.pidfd_send_signal(proc.pidfd, 0)  # still this process: its group too
                 os.killpg(proc.pid, signal.SIGKILL)
 
     def _cleanup(self, proc: _Proc) -> None:
+        if proc.pidfd >= 0:
+            os.close(proc.pidfd)
+            proc.pidfd = -1
         if proc.sock.fileno() >= 0 and proc.waiter is None:
             proc.close()
         if self.cgroups is not None and proc.cgroups:

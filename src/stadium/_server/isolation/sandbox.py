@@ -8,7 +8,8 @@ session's limits (:class:`Cgroups`), and the process the template forks for it
 (:func:`enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
 namespaces of its own, mounts a private size-bounded tmpfs as its work directory
 (``/tmp``, also its home), hides the cgroup tree, and drops to an unprivileged uid of
-its own (never root, never the server's user) with ``no_new_privs``. Sessions cannot
+its own (never root, never the server's user) with ``no_new_privs``, and a ``/proc``
+that shows only its own processes (``hidepid=2``). Sessions cannot
 see each other's files nor signal each other's processes (distinct uids), reach no
 network, and are bounded in memory, CPU, processes, work-directory size and wall time.
 
@@ -294,6 +295,7 @@ _MS_REC = 0x4000
 _MS_PRIVATE = 1 << 18
 _MS_NOSUID = 2
 _MS_NODEV = 4
+_MS_NOEXEC = 8
 _MNT_DETACH = 2
 _PR_SET_NO_NEW_PRIVS = 38
 _libc: Any = None
@@ -333,6 +335,8 @@ def enter_sandbox(cgroups: list[str], uid: int, disk_mib: int) -> None:
     _check(_c().unshare(flags), "unshare")
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
     _check(_c().umount2(str(CGROUP_ROOT).encode(), _MNT_DETACH), "umount cgroup tree")
+    # A /proc of its own that shows only its uid's processes (not the other sessions').
+    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
     opts = f"size={disk_mib}m,mode=0700,uid={uid},gid={uid}"
     _mount("tmpfs", WORK_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
     if os.path.isdir("/dev/shm"):

@@ -32,6 +32,9 @@ HEADER = struct.Struct("<I")
 #: session's process is treated as broken.
 MAX_FRAME = 256 * 1024 * 1024
 
+#: The environment variable carrying a template's settings (JSON), removed once read.
+SETTINGS_VAR = "STADIUM_ISOLATION_SETTINGS"
+
 OK = 0
 RAISED = 1
 
