@@ -179,8 +179,10 @@ class _Proc:
                 self.loop.add_reader(sock.fileno(), self._readable)
 
     def close(self) -> None:
-        self._detach()
-        self.sock.close()
+        """Close the socket (idempotent)."""
+        if self.sock.fileno() >= 0:
+            self._detach()
+            self.sock.close()
 
 
 class Isolation:
@@ -355,9 +357,11 @@ class Isolation:
             hello = await asyncio.wait_for(waiter, TEMPLATE_START_S)
         except (_Gone, TimeoutError):
             self.kill(proc)
+            proc.close()
             raise ExecutionError("an isolated env process died while starting") from None
         if hello[0] != "hello":  # [RAISED, type, message]: the sandbox could not be set up
             self.kill(proc)
+            proc.close()
             raise ExecutionError(str(hello[2]), exception=str(hello[1]), operation="create")
         if self.cgroups is not None:
             proc.baseline = self.cgroups.counters(proc.cgroups)
@@ -475,6 +479,7 @@ class Isolation:
 
     async def death(self, proc: _Proc, op: str) -> StadiumError:
         """The error naming why ``proc`` died during ``op`` (and count it)."""
+        proc.close()
         if not proc.expired:  # it may still be alive (closed its socket): make sure
             self.kill(proc)
         status = await self.exit_status(proc.pid)
