@@ -15,7 +15,7 @@ import pytest
 import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._server.isolation import sandbox_unavailable
-from tests.conftest import UNIT, serve, wait_until
+from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 
 CODE = Path(__file__).with_name("hostile.py")
 TARGET = f"{CODE}:Hostile"
@@ -43,9 +43,12 @@ def test_config_checks_the_isolation_settings() -> None:
         ServerConfig(target="echo", isolation="process", warm_pool=-1)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("mode", MODES)
-async def test_each_session_runs_in_its_own_process_with_the_same_protocol(mode: str) -> None:
-    async with serve(TARGET, isolation=mode) as server:
+async def test_each_session_runs_in_its_own_process_with_the_same_protocol(
+    mode: str, transport: str
+) -> None:
+    async with serve(TARGET, transport, isolation=mode) as server:
         async with (
             stadium.AsyncClient(server.url) as a,
             stadium.AsyncClient(server.url) as b,
