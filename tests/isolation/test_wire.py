@@ -68,3 +68,15 @@ def test_the_template_sees_the_code_read_only_and_no_home() -> None:
     for flag in ("--unshare-pid", "--unshare-net", "--unshare-ipc", "--die-with-parent"):
         assert flag in argv
     assert "/root" not in {argv[i + 1] for i, arg in enumerate(argv) if arg == "--ro-bind"}
+
+
+def test_an_env_that_asks_for_the_sandbox_says_why_it_cannot_have_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from stadium import ServerConfig
+    from stadium._server.isolation import sandbox
+    from stadium._server.worker import Worker
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda _name: None)
+    with pytest.raises(ConfigError, match=r"bubblewrap.*code asks for it; --isolation process"):
+        Worker.build(ServerConfig(target="code"))
