@@ -208,6 +208,8 @@ class Isolation:
         self._exit_waiters: dict[int, asyncio.Future[int]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.live: dict[int, _Proc] = {}
+        self._removing: dict[int, list[str]] = {}
+        """Cgroups of ended processes whose removal runs in the executor."""
         # Counters (``/metrics``: stadium_isolated_*).
         self.starts = 0
         self.crashes = 0
@@ -454,13 +456,15 @@ class Isolation:
             proc.final = self.cgroups.counters(proc.cgroups)
             shared = any(p.cgroups == proc.cgroups for p in self.live.values())
             if not shared and self._loop is not None:  # rmdir may wait on the kernel: off-loop
-                self._loop.run_in_executor(None, self._remove_cgroups, proc.cgroups)
+                self._removing[proc.pid] = proc.cgroups  # shutdown finishes what is pending
+                self._loop.run_in_executor(None, self._remove_cgroups, proc.pid, proc.cgroups)
 
-    def _remove_cgroups(self, paths: list[str]) -> None:
+    def _remove_cgroups(self, pid: int, paths: list[str]) -> None:
         assert self.cgroups is not None
         for _ in range(100):
             self.cgroups.kill(paths)
             if self.cgroups.remove(paths):
+                self._removing.pop(pid, None)
                 return
             time.sleep(0.05)
         log.warning("could not remove the cgroups %s (a process is left in them)", paths)
@@ -561,6 +565,7 @@ class Isolation:
             template.wait(5)
         if self.cgroups is not None:
             left = [p.cgroups for p in self.live.values() if p.cgroups]
+            left += list(self._removing.values())  # removals the executor may not finish
             deadline = time.monotonic() + RELEASE_GRACE_S
             while left and time.monotonic() < deadline:  # killed: gone in a few ms
                 left = [paths for paths in left if not self.cgroups.remove(paths)]
