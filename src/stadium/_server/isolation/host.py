@@ -72,6 +72,10 @@ class IsolationConfig:
     limits: Limits = dataclasses.field(default_factory=Limits)
 
 
+class _TemplateGone(ExecutionError):
+    """The template died before it forked a process asked of it."""
+
+
 class _Gone(Exception):
     """The session's process closed its socket (it died)."""
 
@@ -314,7 +318,7 @@ class Isolation:
         if proc is not None:
             proc.poll()
         ready, self._ready = self._ready, None
-        err = ExecutionError("the isolation template process ended; retry")
+        err = _TemplateGone("the isolation template process ended; retry")
         if ready is not None and not ready.done():
             ready.set_exception(err)
         while self._spawns:
@@ -329,6 +333,16 @@ class Isolation:
     # -- processes ------------------------------------------------------------------
 
     async def _spawn(self) -> _Proc:
+        """A new env process; a template found dead on the way is started again (twice)."""
+        for attempt in range(3):
+            try:
+                return await self._spawn_once()
+            except _TemplateGone:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _spawn_once(self) -> _Proc:
         started = time.perf_counter()
         await self._ensure_template()
         n = next(self._numbers)
@@ -340,10 +354,20 @@ class Isolation:
         uid = uid_for(os.getpid(), n) if self.sandbox else 0
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[int, int]] = loop.create_future()
-        self._spawns.append(fut)
-        assert self._control is not None
-        self._control.send(self.encoder.encode(["spawn", cgroups, uid]))
-        fd, pid = await fut
+        try:
+            if self._control is None:
+                raise _TemplateGone("the isolation template process ended; retry")
+            try:
+                self._control.send(self.encoder.encode(["spawn", cgroups, uid]))
+            except OSError:  # it died; its end of stream may not have been read yet
+                self._template_gone()
+                raise _TemplateGone("the isolation template process ended; retry") from None
+            self._spawns.append(fut)  # its reply comes in order (never before the next await)
+            fd, pid = await fut
+        except BaseException:
+            if self.cgroups is not None and cgroups:
+                self.cgroups.remove(cgroups)
+            raise
         proc = _Proc(loop, socket.socket(fileno=fd))
         proc.pid, proc.uid, proc.cgroups = pid, uid, cgroups
         self._track(proc)
