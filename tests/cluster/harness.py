@@ -406,7 +406,7 @@ class Cluster:
         if ctld is not None and ctld.poll() is None:
             with contextlib.suppress(ClusterError):
                 self.cancel_all_jobs()
-        order = ("haproxy", "node", "slurmd", "slurmctld", "munged")
+        order = ("haproxy", "envoy", "node", "slurmd", "slurmctld", "munged")
         for role in order:
             for name, proc in reversed(self._procs):
                 if name.startswith(role):
@@ -596,6 +596,23 @@ PartitionName=all Nodes={",".join(n.name for n in self.nodes)} Default=YES MaxTi
         )  # fmt: skip
         log.close()
         return self._track(proc, f"haproxy-{self._haproxy_count}")
+
+    def envoy(self, cfg_text: str, concurrency: int = 1) -> subprocess.Popen[Any]:
+        """Check ``cfg_text`` with ``envoy --mode validate`` and run an Envoy on it (hot
+        restart off, so several run side by side; stopped by pid)."""
+        from stadium.deploy.envoy import check_config, command
+
+        self._haproxy_count += 1
+        cfg = self.workdir / f"envoy-{self._haproxy_count}.json"
+        cfg.write_text(cfg_text)
+        check_config(cfg_text)
+        log = open(self.workdir / f"envoy-{self._haproxy_count}.out", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            command(str(cfg), concurrency=concurrency), stdout=log, stderr=subprocess.STDOUT,
+            env=_env(),
+        )  # fmt: skip
+        log.close()
+        return self._track(proc, f"envoy-{self._haproxy_count}")
 
     # -- internals ----------------------------------------------------------------
 

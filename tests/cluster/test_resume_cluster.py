@@ -1,4 +1,4 @@
-"""Resume across the emulated cluster: through ``stadium router`` (HAProxy) a resumed
+"""Resume across the emulated cluster: through ``stadium router`` (HAProxy, and Envoy) a resumed
 session reaches the node that holds it; with ``--durable`` and a store the nodes share,
 sessions of a node killed with ``kill -9`` continue on the others."""
 
@@ -17,13 +17,19 @@ from tests.cluster.harness import Cluster
 from tests.cluster.serving import behind_router
 from tests.relay import relay_to
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 PORT = 8810
 
 
-def test_a_resume_through_the_router_reaches_the_sessions_node(cluster: Cluster) -> None:
-    with behind_router(cluster, PORT, "--drain-timeout", "1") as (_procs, router, _stats):
+def test_a_resume_through_the_router_reaches_the_sessions_node(
+    cluster: Cluster, router_kind: str
+) -> None:
+    with behind_router(cluster, PORT, "--drain-timeout", "1", kind=router_kind) as (
+        _procs,
+        router,
+        _states,
+    ):
 
         async def scenario() -> None:
             async with relay_to(router) as relay:
@@ -48,10 +54,12 @@ def test_a_resume_through_the_router_reaches_the_sessions_node(cluster: Cluster)
         asyncio.run(scenario())
 
 
-def test_durable_sessions_of_a_killed_node_continue_on_the_others(cluster: Cluster) -> None:
+def test_durable_sessions_of_a_killed_node_continue_on_the_others(
+    cluster: Cluster, router_kind: str
+) -> None:
     store: Path = cluster.workdir / f"sessions-{os.getpid()}-{time.monotonic_ns()}"
     args = ("--drain-timeout", "1", "--durable", "--session-store", str(store))
-    with behind_router(cluster, PORT, *args) as (procs, router, _stats):
+    with behind_router(cluster, PORT, *args, kind=router_kind) as (procs, router, _states):
 
         async def scenario() -> None:
             clients = [AsyncClient(router, max_retries=20) for _ in range(9)]

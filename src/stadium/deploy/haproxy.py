@@ -89,7 +89,7 @@ def _ms(seconds: float) -> str:
     return f"{round(seconds * 1000)}ms"
 
 
-def _global_maxconn(total: int, options: RouterOptions) -> int:
+def global_maxconn(total: int, options: RouterOptions) -> int:
     """Connections HAProxy takes at once: every node full plus as many queued, within
     the open-file limit (each proxied connection holds two descriptors)."""
     if options.maxconn is not None:
@@ -104,7 +104,7 @@ def render(deployment: Deployment, options: RouterOptions | None = None) -> str:
     options = options or RouterOptions()
     nodes = servers(deployment, options)
     total = sum(s.maxconn for s in nodes)
-    maxconn = _global_maxconn(total, options)
+    maxconn = global_maxconn(total, options)
     lines = [
         "# Rendered by `stadium router`: HAProxy in front of Stadium nodes.",
         f"# Nodes: {len(nodes)}, {nodes[0].maxconn} sessions each; queue up to "
