@@ -287,6 +287,8 @@ def test_cleanup_stale_undoes_a_killed_run_and_spares_live_ones(
     finally:
         run.kill()  # a crash: no teardown ran
         run.wait(10 * UNIT)
+        if run.stdout is not None:
+            run.stdout.close()
     assert len(_leftovers(tag)) == 4  # netns, bridge, veth, UTS mount
     removed = cleanup_stale()
     assert str(RUN_ROOT / tag) in removed

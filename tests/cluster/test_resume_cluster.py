@@ -58,7 +58,11 @@ def test_durable_sessions_of_a_killed_node_continue_on_the_others(
     cluster: Cluster, router_kind: str
 ) -> None:
     store: Path = cluster.workdir / f"sessions-{os.getpid()}-{time.monotonic_ns()}"
-    args = ("--drain-timeout", "1", "--durable", "--session-store", str(store))
+    key = store.with_suffix(".key")  # the nodes sign and check the records with one key
+    key.write_bytes(os.urandom(64))
+    key.chmod(0o600)
+    args = ("--drain-timeout", "1", "--durable", "--session-store", str(store),
+            "--session-store-key", str(key))  # fmt: skip
     with behind_router(cluster, PORT, *args, kind=router_kind) as (procs, router, _states):
 
         async def scenario() -> None:
