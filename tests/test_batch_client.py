@@ -221,6 +221,46 @@ async def test_pool_batches_over_a_few_connections(msgpack: bool) -> None:
     await wait_until(lambda: server.runtime.admission.slots.active() == 0, 5 * UNIT)
 
 
+async def test_pool_step_is_one_frame_per_connection_without_a_call_per_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``SessionPool.step`` puts every session's step in its connection's frame at once
+    (``BatchGroup.step_all``), not through each ``BatchSession.step``; results, errors and
+    ``return_exceptions`` are the sessions' own."""
+    frames: list[int] = []
+    submit = BatchConnection.submit
+
+    def counted(self: BatchConnection, calls: Any, *args: Any, **kwargs: Any) -> Any:
+        frames.append(len(calls))
+        return submit(self, calls, *args, **kwargs)
+
+    async def one_by_one(self: Any, action: Any) -> Any:
+        raise AssertionError("pool.step went through BatchSession.step")
+
+    async with (
+        serve("benchmark") as server,
+        stadium.SessionPool[Any](server.url, 5, sessions_per_connection=3) as pool,
+    ):
+        await pool.reset(seeds=range(5))
+        monkeypatch.setattr(BatchConnection, "submit", counted)
+        monkeypatch.setattr(BatchSession, "step", one_by_one)
+        for round_ in range(1, 4):
+            results = await pool.step([{"wait_seconds": 0.0}] * 5)
+            assert [r.observation["step_count"] for r in results] == [round_] * 5
+            assert [r.reward for r in results] == [1.0] * 5
+        assert frames == [3, 2] * 3  # one frame per connection per round
+        bad: list[dict[str, Any]] = [{"wait_seconds": 0.0}] * 5
+        bad[1] = bad[4] = {"wait_seconds": "later"}
+        mixed = await pool.step(bad, return_exceptions=True)
+        assert isinstance(mixed[1], stadium.ValidationError)
+        assert isinstance(mixed[4], stadium.ValidationError)
+        assert [mixed[i].observation["step_count"] for i in (0, 2, 3)] == [4] * 3
+        with pytest.raises(stadium.ValidationError, match="wait_seconds"):
+            await pool.step(bad)
+        # the sessions stepped by that failed round still count it
+        assert [s["step_count"] for s in await pool.state()] == [5, 3, 5, 5, 3]
+
+
 @pytest.mark.parametrize("batch", [None, False], ids=["batched", "per-session"])
 async def test_send_recv_returns_the_first_ready(batch: bool | None) -> None:
     async with (
@@ -376,6 +416,8 @@ async def test_a_lost_connection_fails_its_sessions_calls_until_a_reset() -> Non
             await stepping
         with pytest.raises(stadium.SessionClosedError, match="reset to start anew"):
             await pool.clients[0].step({"wait_seconds": 0})
+        with pytest.raises(stadium.SessionClosedError, match="reset to start anew"):
+            await pool.step([{"wait_seconds": 0}] * 3)  # the pool's own path, too
         # a reset starts anew, on a new connection (as AsyncClient reconnects for a reset)
         assert [r.observation["step_count"] for r in await pool.reset()] == [0] * 3
         results = await pool.step([{"wait_seconds": 0.0}] * 3)

@@ -462,6 +462,54 @@ class BatchGroup(Generic[ObsT]):
         finally:
             coalescer.replacing = None
 
+    def step_all(self, actions: Sequence[Any]) -> list[asyncio.Future[Any]] | None:
+        """A ``step`` call for every session (``actions[i]`` for session ``i``), put in
+        its connection's frame and sent at once: :meth:`SessionPool.step`'s batched path,
+        without a task and a coroutine per session. The futures get the result entries.
+        ``None``, nothing sent, when a session cannot be stepped that way now (a resume
+        under way, a lost connection, an episode that died with its connection): the
+        caller steps the sessions one by one, which waits or raises as each must."""
+        for c in self.coalescers:
+            if c.resuming is not None or c.conn.closed:
+                return None
+        sessions = self.sessions
+        for s in sessions:
+            if s.generation != s.coalescer.generation:
+                return None
+        encode = self.action_encoder
+        futures = [
+            s.coalescer.call({"session": s.number, "type": "step", "data": encode(a)})
+            for s, a in zip(sessions, actions, strict=True)
+        ]
+        self.flush()
+        return futures
+
+    async def results(
+        self, futures: Sequence[asyncio.Future[Any]], return_exceptions: bool
+    ) -> list[Any]:
+        """The :class:`StepResult` of each of :meth:`step_all`'s futures, in session order
+        (an error entry raised as :meth:`BatchSession.step` raises it, or returned with
+        ``return_exceptions``; without it the first failure, in session order, is raised
+        once every result is in)."""
+        for fut in futures:  # a frame's results all come at once: one wait per frame
+            if not fut.done():
+                await asyncio.wait((fut,))
+        out: list[Any] = []
+        failed: BaseException | None = None
+        obs_type = self.observation_type
+        for session, fut in zip(self.sessions, futures, strict=True):
+            try:
+                out.append(step_result(checked(fut.result()), obs_type))
+            except Exception as exc:
+                if isinstance(exc, SessionClosedError):
+                    session.lost = exc
+                out.append(exc)
+                if failed is None:
+                    failed = exc
+        if failed is not None and not return_exceptions:
+            raise failed
+        return out
+
     def flush(self) -> None:
         """Send the calls gathered so far now (before a frame sent directly)."""
         for c in self.coalescers:

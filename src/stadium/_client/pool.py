@@ -330,6 +330,11 @@ class SessionPool(Generic[ObsT]):
         if len(actions) != len(self):
             raise ValueError(f"got {len(actions)} actions for {len(self)} sessions")
         sessions = await self._sessions()
+        group = self._group
+        if group is not None:  # one frame per connection, no task per session
+            futures = group.step_all(actions)
+            if futures is not None:
+                return await group.results(futures, return_exceptions)
         return await self._gather(
             (c.step(a) for c, a in zip(sessions, actions, strict=True)), return_exceptions
         )
