@@ -259,6 +259,15 @@ async def test_pool_step_is_one_frame_per_connection_without_a_call_per_session(
             await pool.step(bad)
         # the sessions stepped by that failed round still count it
         assert [s["step_count"] for s in await pool.state()] == [5, 3, 5, 5, 3]
+        # a round cancelled while in flight: its calls are given up, the sessions go on
+        stepping = asyncio.ensure_future(pool.step([{"wait_seconds": 0.5 * UNIT}] * 5))
+        await wait_until(lambda: _busy(server) == 5, 5 * UNIT, "steps running")
+        stepping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await stepping
+        await wait_until(lambda: _busy(server) == 0, 5 * UNIT, "steps done")
+        results = await pool.step([{"wait_seconds": 0.0}] * 5)
+        assert [r.observation["step_count"] for r in results] == [7, 5, 7, 7, 5]
 
 
 @pytest.mark.parametrize("batch", [None, False], ids=["batched", "per-session"])

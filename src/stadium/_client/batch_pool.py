@@ -491,9 +491,14 @@ class BatchGroup(Generic[ObsT]):
         (an error entry raised as :meth:`BatchSession.step` raises it, or returned with
         ``return_exceptions``; without it the first failure, in session order, is raised
         once every result is in)."""
-        for fut in futures:  # a frame's results all come at once: one wait per frame
-            if not fut.done():
-                await asyncio.wait((fut,))
+        try:
+            for fut in futures:  # a frame's results all come at once: one wait per frame
+                if not fut.done():
+                    await asyncio.wait((fut,))
+        except asyncio.CancelledError:  # as gather cancels its steps: nobody reads these
+            for fut in futures:
+                fut.cancel()
+            raise
         out: list[Any] = []
         failed: BaseException | None = None
         obs_type = self.observation_type
