@@ -10,6 +10,13 @@ hand-off of freed slots to local waiters, and a poll for slots freed by other
 workers, with a deadline per waiter. WebSocket sessions (:meth:`Admission.admit`)
 and the HTTP requests that build an environment (:meth:`Admission.acquire`) share
 the one limit and the one queue.
+
+The queue is bounded per connection (a batch connection can ask for thousands of
+sessions in one frame) and per client address: past either bound a session is
+refused at once (``CAPACITY_REACHED``, saying which bound) instead of queued. A
+queued waiter is forgotten in O(1) (the queue is an ordered hash of waiters), so a
+connection that closes with ``k`` waiting sessions costs ``O(k)``, whatever the
+length of the queue.
 """
 
 from __future__ import annotations
@@ -23,8 +30,14 @@ import multiprocessing.sharedctypes
 from collections.abc import Callable
 from typing import Protocol
 
+from stadium._errors import CapacityError
+
 #: How often waiters look for slots freed by other workers.
 POLL_INTERVAL_S = 0.005
+#: Sessions one connection may have waiting for a slot (a full batch frame's worth).
+MAX_WAITING_PER_CONNECTION = 4096
+#: Sessions one client address may have waiting for a slot, over all its connections.
+MAX_WAITING_PER_CLIENT = 16384
 
 
 class Slots(Protocol):
@@ -154,17 +167,59 @@ class Verdict(enum.Enum):
     QUEUED = "queued"
     """The waiter will be called with the outcome."""
     REFUSED = "refused"
+    TOO_MANY_WAITING = "too many waiting"
+    """Refused: the connection or the client already has its bound of waiting sessions
+    (:meth:`Admission.queue_error` says which)."""
+
+
+class _Entry:
+    """A queued waiter: its deadline, and the connection and client it counts against."""
+
+    __slots__ = ("client", "deadline", "group")
+
+    def __init__(self, deadline: float, group: object | None, client: str | None) -> None:
+        self.deadline = deadline
+        self.group = group
+        self.client = client
 
 
 class Admission:
-    """Admit sessions now or queue them until a slot frees or their deadline passes."""
+    """Admit sessions now or queue them until a slot frees or their deadline passes.
 
-    __slots__ = ("_loop", "_poller", "_queue", "slots", "timeout")
+    Args:
+        slots: the session slots (this worker's, or shared by the workers).
+        timeout: seconds a waiter may wait (0: refuse at once when full).
+        per_connection: sessions one connection (``group``) may have waiting (0: no bound).
+        per_client: sessions one client address may have waiting (0: no bound).
+    """
 
-    def __init__(self, slots: Slots, timeout: float) -> None:
+    __slots__ = (
+        "_by_client",
+        "_by_group",
+        "_loop",
+        "_poller",
+        "_queue",
+        "per_client",
+        "per_connection",
+        "slots",
+        "timeout",
+    )
+
+    def __init__(
+        self,
+        slots: Slots,
+        timeout: float,
+        per_connection: int = MAX_WAITING_PER_CONNECTION,
+        per_client: int = MAX_WAITING_PER_CLIENT,
+    ) -> None:
         self.slots = slots
         self.timeout = timeout
-        self._queue: collections.deque[tuple[Waiter, float]] = collections.deque()
+        self.per_connection = per_connection
+        self.per_client = per_client
+        # Insertion-ordered, O(1) removal of any waiter and of the first one.
+        self._queue: collections.OrderedDict[Waiter, _Entry] = collections.OrderedDict()
+        self._by_group: dict[object, int] = {}
+        self._by_client: dict[str | None, int] = {}
         self._poller: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -173,18 +228,78 @@ class Admission:
         """Sessions of this worker queued for a slot (``GET /metadata``'s ``waiting_sessions``)."""
         return len(self._queue)
 
-    def admit(self, waiter: Waiter) -> Verdict:
-        """Take a slot now, refuse now (no admission timeout), or queue ``waiter``."""
+    def waiting_for(self, group: object) -> int:
+        """Sessions of connection ``group`` queued for a slot."""
+        return self._by_group.get(group, 0)
+
+    def admit(
+        self, waiter: Waiter, group: object | None = None, client: str | None = None
+    ) -> Verdict:
+        """Take a slot now, refuse now (no admission timeout, or ``group`` — the
+        connection — or ``client`` — its address — has its bound of waiting sessions),
+        or queue ``waiter``. ``client`` is counted only when ``group`` is given or
+        ``client`` is not ``None``."""
         if not self._queue and self.slots.try_acquire():
             return Verdict.ADMITTED
         if self.timeout <= 0:
             return Verdict.REFUSED
+        by_group, by_client = self._by_group, self._by_client
+        if group is not None and 0 < self.per_connection <= by_group.get(group, 0):
+            return Verdict.TOO_MANY_WAITING
+        if client is not None and 0 < self.per_client <= by_client.get(client, 0):
+            return Verdict.TOO_MANY_WAITING
         loop = self._loop or asyncio.get_running_loop()
         self._loop = loop
-        self._queue.append((waiter, loop.time() + self.timeout))
+        self._queue[waiter] = _Entry(loop.time() + self.timeout, group, client)
+        if group is not None:
+            by_group[group] = by_group.get(group, 0) + 1
+        if client is not None:
+            by_client[client] = by_client.get(client, 0) + 1
         if self._poller is None:
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
         return Verdict.QUEUED
+
+    def queue_error(self, group: object | None = None, client: str | None = None) -> CapacityError:
+        """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met."""
+        slots = self.slots
+        if group is not None and 0 < self.per_connection <= self._by_group.get(group, 0):
+            why = (
+                f"this connection already has {self.per_connection} sessions waiting for a "
+                "slot (the most one connection may queue); wait for some to open or be "
+                "refused before opening more"
+            )
+        else:
+            why = (
+                f"this client ({client}) already has {self.per_client} sessions waiting for "
+                "a slot (the most one client address may queue); wait for some to open or "
+                "be refused before opening more"
+            )
+        return CapacityError(
+            f"server at capacity ({slots.active()}/{slots.limit} sessions) and {why}",
+            active_sessions=slots.active(),
+            max_sessions=slots.limit,
+            retry_after_s=1.0,
+        )
+
+    def _forget(self, entry: _Entry) -> None:
+        group, client = entry.group, entry.client
+        if group is not None:
+            left = self._by_group[group] - 1
+            if left:
+                self._by_group[group] = left
+            else:
+                del self._by_group[group]
+        if client is not None:
+            left = self._by_client[client] - 1
+            if left:
+                self._by_client[client] = left
+            else:
+                del self._by_client[client]
+
+    def _pop_first(self) -> Waiter:
+        waiter, entry = self._queue.popitem(last=False)
+        self._forget(entry)
+        return waiter
 
     async def acquire(self) -> bool:
         """Take a slot for one request/response caller (an HTTP request), as :meth:`admit`
@@ -214,25 +329,22 @@ class Admission:
             raise
 
     def cancel(self, waiter: Waiter) -> None:
-        """Forget a queued waiter (its connection went away)."""
-        for i, (w, _) in enumerate(self._queue):
-            if w is waiter:
-                del self._queue[i]
-                return
+        """Forget a queued waiter (its connection went away), in O(1)."""
+        entry = self._queue.pop(waiter, None)
+        if entry is not None:
+            self._forget(entry)
 
     def release(self) -> None:
         """Give a slot back; hand it straight to the first local waiter if there is one."""
         if self._queue:
-            waiter, _ = self._queue.popleft()
-            waiter(True)
+            self._pop_first()(True)
         else:
             self.slots.release()
 
     def refuse_all(self) -> None:
         """Refuse every queued waiter (the server is draining)."""
         while self._queue:
-            waiter, _ = self._queue.popleft()
-            waiter(False)
+            self._pop_first()(False)
 
     def _poll(self) -> None:
         self._poller = None
@@ -240,10 +352,8 @@ class Admission:
         now = self._loop.time()
         queue = self._queue
         while queue and self.slots.try_acquire():
-            waiter, _ = queue.popleft()
-            waiter(True)
-        while queue and queue[0][1] <= now:
-            waiter, _ = queue.popleft()
-            waiter(False)
+            self._pop_first()(True)
+        while queue and next(iter(queue.values())).deadline <= now:
+            self._pop_first()(False)
         if queue:
             self._poller = self._loop.call_later(POLL_INTERVAL_S, self._poll)

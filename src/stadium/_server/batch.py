@@ -231,7 +231,7 @@ class BatchServerConnection:
                     resume=resume,
                 )  # fmt: skip
                 member.slots.append((batch, index))
-                session.start(Door.BATCH)
+                session.start(Door.BATCH, self)
                 session.feed(call)
                 continue
             members[number].slots.append((batch, index))

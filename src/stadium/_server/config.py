@@ -29,6 +29,10 @@ class ServerConfig:
         max_sessions: concurrent sessions for the whole server, across workers.
         admission_timeout: seconds a new session waits for a free slot before
             ``CAPACITY_REACHED``.
+        max_waiting_per_connection: sessions one connection (a batch) may have
+            waiting for a slot; more are refused at once (0: no bound).
+        max_waiting_per_client: sessions one client address may have waiting for
+            a slot, over its connections; more are refused at once (0: no bound).
         idle_timeout: seconds without a request before a session is closed (0: never).
         max_message_bytes: largest accepted WebSocket message.
         drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
@@ -107,6 +111,8 @@ class ServerConfig:
     workers: int = 1
     max_sessions: int = DEFAULT_MAX_SESSIONS
     admission_timeout: float = 5.0
+    max_waiting_per_connection: int = 4096
+    max_waiting_per_client: int = 16384
     idle_timeout: float = 300.0
     max_message_bytes: int = 10 * 1024 * 1024
     drain_timeout: float = 30.0
@@ -154,6 +160,8 @@ class ServerConfig:
         _check(1 <= self.workers <= 256, "--workers must be 1..256", workers=self.workers)
         _check(self.max_sessions >= 1, "--max-sessions must be at least 1", value=self.max_sessions)
         _check(self.admission_timeout >= 0, "--admission-timeout must be >= 0")
+        _check(self.max_waiting_per_connection >= 0, "--max-waiting-per-connection must be >= 0")
+        _check(self.max_waiting_per_client >= 0, "--max-waiting-per-client must be >= 0")
         _check(self.idle_timeout >= 0, "--idle-timeout must be >= 0 (0 disables it)")
         _check(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _check(
@@ -340,6 +348,16 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--admission-timeout", type=float, help="Seconds to wait for a free slot [5]."
+        ),
+        click.option(
+            "--max-waiting-per-connection",
+            type=int,
+            help="Sessions one connection may have waiting for a slot; 0 no bound [4096].",
+        ),
+        click.option(
+            "--max-waiting-per-client",
+            type=int,
+            help="Sessions one client address may have waiting for a slot; 0 no bound [16384].",
         ),
         click.option(
             "--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."

@@ -127,13 +127,20 @@ class Doorway:
     # -- the slot --------------------------------------------------------------------
 
     def admit(
-        self, door: Door, client: str | None, now: float, waiter: Waiter
+        self,
+        door: Door,
+        client: str | None,
+        now: float,
+        waiter: Waiter,
+        group: object | None = None,
     ) -> tuple[Pass, Verdict]:
         """A session that may wait for its slot (WebSocket, batch entry, restore): charge
-        it, then take a slot now, queue ``waiter`` or refuse (no admission timeout).
+        it, then take a slot now, queue ``waiter`` or refuse (no admission timeout, or
+        its connection ``group`` or its client has its bound of waiting sessions:
+        :meth:`~stadium._server.admission.Admission.queue_error` says which).
         Raises :class:`~stadium.CapacityError` over the client's quota (nothing taken)."""
         charged = self._free[door] if self.limits is None else self.enter(door, client, now)
-        return charged, self.admission.admit(waiter)
+        return charged, self.admission.admit(waiter, group, client)
 
     def admit_now(self, door: Door, client: str | None, now: float) -> Pass:
         """A session that takes its slot now or not at all (a fork): raises

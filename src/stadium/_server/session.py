@@ -151,10 +151,11 @@ class Session(ResumableSession):
 
     # -- transport-facing ------------------------------------------------------
 
-    def start(self, door: Door = Door.WEBSOCKET) -> None:
+    def start(self, door: Door = Door.WEBSOCKET, group: object | None = None) -> None:
         """Ask the worker's :class:`~stadium._server.doorway.Doorway` for a slot (``door``:
         how this session came: a WebSocket, a batch entry, a restore); it opens when
-        one is granted."""
+        one is granted. ``group``: the batch connection it is one of, whose waiting
+        sessions are bounded together."""
         rt = self.runtime
         if rt.draining:
             self._refuse(rt.capacity_error(), "server is shutting down")
@@ -164,7 +165,7 @@ class Session(ResumableSession):
             return
         waiter = self._on_admission
         try:
-            charged, verdict = rt.doors.admit(door, self.client, self.loop.time(), waiter)
+            charged, verdict = rt.doors.admit(door, self.client, self.loop.time(), waiter, group)
         except CapacityError as err:  # the client holds its --max-sessions-per-client
             self._refuse(err, "too many sessions from this client")
             return
@@ -174,6 +175,8 @@ class Session(ResumableSession):
         if verdict is Verdict.QUEUED:
             self._waiter = waiter
             self._queued_at = self.loop.time()
+        elif verdict is Verdict.TOO_MANY_WAITING:
+            self._refuse(rt.admission.queue_error(group, self.client), "too many sessions waiting")
         else:
             self._on_admission(verdict is Verdict.ADMITTED)
 

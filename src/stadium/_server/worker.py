@@ -143,7 +143,12 @@ class Worker:
         if isolation is not None:
             spec = isolated_spec(spec, isolation)
         durable = _durable(config, spec) if config.durable else None
-        admission = Admission(slots or LocalSlots(config.max_sessions), config.admission_timeout)
+        admission = Admission(
+            slots or LocalSlots(config.max_sessions),
+            config.admission_timeout,
+            per_connection=config.max_waiting_per_connection,
+            per_client=config.max_waiting_per_client,
+        )
         runtime = Runtime(
             spec,
             admission,
