@@ -40,7 +40,10 @@ class ServerConfig:
             its env and slot after losing its connection, for the client to resume it
             (0: no session is resumable).
         ping_interval, ping_timeout: keepalive pings that detect half-open peers (0: off).
-        executor_threads: size of the shared pool for blocking sync environments.
+        executor_threads: the most threads a worker runs blocking sync env calls on
+            at once (the pool grows with demand and shrinks when idle); 0: one per
+            session the worker can hold (``max_sessions``, at most 4096), so every
+            session may block in a sync call at once, as on OpenEnv.
         restart_max_delay: with several workers, the longest wait before a worker
             that keeps crashing is restarted (the wait doubles from 0.05 s with
             each quick crash of that worker).
@@ -119,7 +122,7 @@ class ServerConfig:
     resume_grace: float = 60.0
     ping_interval: float = 20.0
     ping_timeout: float = 20.0
-    executor_threads: int = min(32, (os.cpu_count() or 1) + 4)
+    executor_threads: int = 0
     restart_max_delay: float = 30.0
     env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     log_level: str = "info"
@@ -183,7 +186,10 @@ class ServerConfig:
             "--max-message-bytes must be between 1024 and 1 GiB",
             value=self.max_message_bytes,
         )
-        _check(1 <= self.executor_threads <= 1024, "--executor-threads must be 1..1024")
+        _check(
+            0 <= self.executor_threads <= 65536,
+            "--executor-threads must be 0..65536 (0: one per session, at most 4096)",
+        )
         _check(
             0.05 <= self.restart_max_delay <= 3600,
             "--restart-max-delay must be between 0.05 and 3600 seconds",
@@ -378,7 +384,9 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--ping-timeout", type=float, help="Drop a peer that does not pong in time [20]."
         ),
         click.option(
-            "--executor-threads", type=int, help="Threads for blocking sync envs [cpus+4]."
+            "--executor-threads",
+            type=int,
+            help="Most threads for blocking sync env calls; 0: one per session, at most 4096 [0].",
         ),
         click.option(
             "--restart-max-delay",

@@ -634,7 +634,9 @@ def _misbehaving(rt: Runtime) -> dict[str, Any]:
     return {
         "timeouts_total": invoke.timeouts,
         "stuck_threads": invoke.stuck,
-        "pools_replaced": invoke.pools_replaced,
+        "executor_threads": invoke.executor.live,
+        "executor_busy": invoke.executor.busy,
+        "executor_limit": invoke.executor.limit,
         "loop_stalls": watchdog.stalls if watchdog is not None else 0,
     }
 

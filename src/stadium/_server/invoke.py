@@ -2,8 +2,10 @@
 
 An environment method is either a coroutine function (run as an *eager* task
 on the event loop where Python has them, so a call that never suspends
-completes in place), a blocking sync function (run on the worker's one bounded
-thread pool, so threads stay flat as sessions grow), or a non-blocking sync
+completes in place), a blocking sync function (run on the worker's thread pool,
+:class:`~stadium._server.pool.ElasticPool`, which grows with demand up to a bound
+tied to the session capacity, so N sessions blocked in sync calls run at once),
+or a non-blocking sync
 function (``blocking = False``: called inline). That decision is made once,
 when the env class is compiled (:class:`~stadium._env.spec.CallMode`);
 :class:`Invoker` carries a call out and reports its outcome to a callback, at
@@ -19,16 +21,19 @@ task cancelled, its pool future cancelled) and its outcome is
 :class:`~stadium.CallTimeoutError`. An inline call cannot be interrupted: the
 event-loop watchdog (:mod:`stadium._server.watchdog`) covers those.
 
-**Stuck threads.** A pool call that is abandoned while it runs (timed out, or
-its session gone) cannot be stopped: Python cannot kill a thread. If it is
-still running :data:`STUCK_GRACE_S` later its thread is *written off*: counted
-in :attr:`Invoker.stuck`, logged (rate-limited), and, when it belongs to the
-current pool, later calls go to a fresh ``ThreadPoolExecutor`` (the old one is
-shut down without waiting: its healthy threads finish what was queued on it,
-then exit; calls queued there when all of its threads are stuck wait for their
-own limit or their session's end). So stuck calls never exhaust
-the pool; past :attr:`Invoker.stuck_limit` the worker asks to be replaced (see
-:mod:`stadium._server.watchdog`). A stuck thread that finally returns is no longer counted.
+**Hung and stuck threads.** With no time limit (the default) a call that never
+returns holds its thread, and its session waits; the pool grows past it, so other
+sessions' calls still run (up to the bound, one thread per session). A pool call
+that is abandoned while it runs (timed out, or its session gone) cannot be
+stopped: Python cannot kill a thread. If it is still running
+:data:`STUCK_GRACE_S` later its thread is *written off*: counted in
+:attr:`Invoker.stuck`, logged (rate-limited), and no longer counted against the
+pool's bound (:meth:`~stadium._server.pool.ElasticPool.write_off`), so a
+replacement thread can start. Past :attr:`Invoker.stuck_limit` the worker asks to
+be replaced (see :mod:`stadium._server.watchdog`). A stuck thread that finally
+returns is no longer counted. The pool's growth past its core and every call that
+finds the bound reached are logged (rate-limited) and in ``/metrics``
+(``stadium_executor_*``, docs/METRICS.md).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -45,6 +51,7 @@ from typing import Any
 
 from stadium._env.spec import CallMode
 from stadium._errors import CallTimeoutError
+from stadium._server.pool import ElasticPool
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.invoke")
@@ -64,8 +71,11 @@ _TASK = CallMode.TASK
 STUCK_GRACE_S = 0.5
 #: At most one stuck-thread warning per interval (the next counts those held back).
 STUCK_LOG_INTERVAL_S = 10.0
-#: Stuck threads, as a multiple of the pool size, past which the worker asks to be replaced.
+#: Stuck threads, as a multiple of the pool's core size, past which the worker asks to be
+#: replaced.
 STUCK_LIMIT_FACTOR = 4
+#: At most one pool-growth or pool-full log line per interval.
+POOL_LOG_INTERVAL_S = 10.0
 #: Name prefix of the pool threads (``stadium-env_0``, ...).
 THREAD_PREFIX = "stadium-env"
 
@@ -74,17 +84,20 @@ class Invoker:
     """Runs environment calls for one worker; owns the worker's thread pool.
 
     Args:
-        threads: size of the pool for blocking sync calls (created on first use).
+        threads: the most live threads of the pool for blocking sync calls
+            (:class:`~stadium._server.pool.ElasticPool`; threads start on demand).
         timeout: the default limit, in seconds, of a call that waits (0: none);
             ``--step-timeout``.
+        core: threads the pool keeps when idle (at most ``threads``).
     """
 
     __slots__ = (
-        "_executor",
+        "_grown",
         "_lock",
         "_log",
-        "_shut",
-        "pools_replaced",
+        "_pool_log",
+        "_saturated",
+        "executor",
         "stuck",
         "stuck_limit",
         "threads",
@@ -92,30 +105,23 @@ class Invoker:
         "timeouts",
     )
 
-    def __init__(self, threads: int, timeout: float = 0.0) -> None:
+    def __init__(self, threads: int, timeout: float = 0.0, core: int | None = None) -> None:
+        core = min(threads, core if core is not None else min(32, (os.cpu_count() or 1) + 4))
         self.threads = threads
         self.timeout = timeout
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._shut = False
+        self.executor = ElasticPool(core, threads, THREAD_PREFIX)
+        """The pool (``live``, ``busy``, ``queued``, ``peak``, ``saturated`` for metrics)."""
         self._lock = threading.Lock()
         self._log = Throttle(STUCK_LOG_INTERVAL_S)
+        self._pool_log = Throttle(POOL_LOG_INTERVAL_S)
+        self._grown = core
+        self._saturated = 0
         self.stuck = 0
         """Pool threads running an abandoned call right now (written off)."""
-        self.stuck_limit = STUCK_LIMIT_FACTOR * threads
+        self.stuck_limit = STUCK_LIMIT_FACTOR * core
         """Past this many stuck threads the worker should be replaced."""
-        self.pools_replaced = 0
         self.timeouts = 0
         """Calls abandoned because they ran past their limit."""
-
-    @property
-    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            if self._shut:
-                raise RuntimeError("the worker's thread pool is shut down")
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.threads, thread_name_prefix=THREAD_PREFIX
-            )
-        return self._executor
 
     def run(
         self,
@@ -161,6 +167,8 @@ class Invoker:
                 pool = self.executor
                 cf = pool.submit(fn, *args)
                 fut = asyncio.wrap_future(cf, loop=loop)
+                if pool.peak > self._grown or pool.saturated > self._saturated:
+                    self._pool_changed(pool)
         except Exception as exc:  # e.g. a coroutine function that raised before its coroutine
             on_done(token, None, exc)
             return None
@@ -223,9 +231,29 @@ class Invoker:
 
     def shutdown(self) -> None:
         """Stop the pool without waiting for running calls; queued calls are cancelled."""
-        self._shut = True
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _pool_changed(self, pool: ElasticPool) -> None:
+        """The pool grew to a new peak past its core, or a call found it full: say so
+        (at most once per :data:`POOL_LOG_INTERVAL_S`)."""
+        grew, full = pool.peak > self._grown, pool.saturated > self._saturated
+        self._grown, self._saturated = pool.peak, pool.saturated
+        held = self._pool_log.report(time.monotonic())
+        if held is None:
+            return
+        if full:
+            log.warning(
+                "all %d env threads (--executor-threads) are busy in blocking env calls; "
+                "%d call(s) wait for one (%d stuck in abandoned calls). Raise "
+                "--executor-threads, or set --step-timeout if calls hang",
+                pool.limit, pool.queued, self.stuck,
+            )  # fmt: skip
+        elif grew:
+            log.info(
+                "%d blocking env calls ran at once: the env thread pool grew to %d threads "
+                "(bound %d, --executor-threads)",
+                pool.busy, pool.peak, pool.limit,
+            )  # fmt: skip
 
     # -- abandoned pool calls -------------------------------------------------------
 
@@ -259,19 +287,16 @@ class Invoker:
         with self._lock:
             self.stuck += 1
         cf.add_done_callback(self._unstuck)
-        old = self._executor
-        if old is not None and old is pool and not self._shut:  # later calls: a fresh pool
-            self._executor = None
-            old.shutdown(wait=False)
-            self.pools_replaced += 1
+        if isinstance(pool, ElasticPool):  # its thread no longer counts against the bound
+            pool.write_off(cf)
         held = self._log.report(time.monotonic())
         if held is not None:
             log.warning(
                 "%d thread(s) stuck in abandoned blocking env calls (timed out or their "
-                "session gone); Python cannot stop them, so later calls go to a fresh "
-                "pool of %d thread(s)%s. Past %d stuck the worker asks to be replaced; "
+                "session gone); Python cannot stop them, so they are written off and new "
+                "threads serve later calls%s. Past %d stuck the worker asks to be replaced; "
                 "set --step-timeout and check the env for calls that never return",
-                self.stuck, self.threads,
+                self.stuck,
                 f" ({held} more written off since the last report)" if held else "",
                 self.stuck_limit,
             )  # fmt: skip

@@ -148,9 +148,14 @@ _RESET_H = _STEP_H + len(STEP_BUCKETS) + 2  # counts (+Inf included), then the s
 _WAIT_H = _RESET_H + len(STEP_BUCKETS) + 2
 _ISO_LIVE = _WAIT_H + len(WAIT_BUCKETS) + 2
 _ISO_STARTS, _ISO_CRASHES, _ISO_LIMITS = _ISO_LIVE + 1, _ISO_LIVE + 2, _ISO_LIVE + 3
-WIDTH = _ISO_LIVE + 4
+# The env thread pool: threads, busy ones, calls waiting, stuck threads (gauges), full (counter).
+_THREADS, _BUSY, _WAITING_CALLS, _STUCK, _POOL_FULL = range(_ISO_LIVE + 4, _ISO_LIVE + 9)
+WIDTH = _ISO_LIVE + 9
 """Float64 fields in one worker's row."""
-_GAUGES = (_PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE)
+_GAUGES = (
+    _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE,
+    _THREADS, _BUSY, _WAITING_CALLS, _STUCK,
+)  # fmt: skip
 """Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 
 
@@ -249,19 +254,26 @@ class WorkerCounts:
         queue: int,
         connections: int,
         isolated: tuple[int, int, int, int] = (0, 0, 0, 0),
+        pool: PoolStats = (0, 0, 0, 0, 0),
     ) -> None:
         """Copy the gauges into the row, with this process's memory, CPU time and I/O;
-        ``isolated``: env processes alive, started, crashed, stopped at a limit."""
+        ``isolated``: env processes alive, started, crashed, stopped at a limit; ``pool``:
+        the env thread pool's live threads, busy ones, calls waiting for one, threads
+        written off as stuck, calls that found it full (a counter)."""
         row = self.row
         row[_ISO_LIVE], row[_ISO_STARTS], row[_ISO_CRASHES], row[_ISO_LIMITS] = isolated
         row[_ACTIVE] = active
         row[_QUEUE] = queue
         row[_CONNS] = connections
+        row[_THREADS], row[_BUSY], row[_WAITING_CALLS], row[_STUCK], row[_POOL_FULL] = pool
         usage = resource.getrusage(resource.RUSAGE_SELF)
         row[_CPU] = usage.ru_utime + usage.ru_stime
         row[_RSS] = _resident_bytes()
         row[_BYTES_IN], row[_BYTES_OUT] = _io_bytes()
 
+
+PoolStats = tuple[int, int, int, int, int]
+"""The env thread pool's threads, busy threads, waiting calls, stuck threads, full count."""
 
 _ERROR_FIELDS = {code: _ERRORS + i for i, code in enumerate(ERROR_CODES)}
 _ERROR_FIELDS[""] = _ERROR_FIELDS["other"]
@@ -368,6 +380,27 @@ class StadiumCollector(Collector):
             ("stadium_bytes_received", "Bytes read (syscalls).", _BYTES_IN, CounterMetricFamily),
             ("stadium_bytes_sent", "Bytes written (syscalls).", _BYTES_OUT, CounterMetricFamily),
         ]
+        yield _gauge(
+            "stadium_executor_threads",
+            "Env threads alive for blocking sync calls (stuck ones not counted).",
+            total(_THREADS),
+        )
+        yield _gauge("stadium_executor_busy_threads", "Env threads running a call.", total(_BUSY))
+        yield _gauge(
+            "stadium_executor_queued_calls",
+            "Blocking env calls waiting for a thread (every thread busy).",
+            total(_WAITING_CALLS),
+        )
+        yield _gauge(
+            "stadium_executor_stuck_threads",
+            "Env threads written off: still running an abandoned call.",
+            total(_STUCK),
+        )
+        yield CounterMetricFamily(
+            "stadium_executor_saturated",
+            "Blocking env calls that found every env thread (--executor-threads) busy.",
+            total(_POOL_FULL),
+        )
         for name, doc, field, kind in per_worker:
             family = kind(name, f"{doc} Per worker (label: its pid).", labels=["worker"])
             for r in rows:

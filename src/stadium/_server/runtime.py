@@ -267,11 +267,14 @@ class Runtime:
     def publish_metrics(self) -> None:
         """Copy this worker's gauges into its row of :attr:`board` (see ``metrics``)."""
         waiting = self.admission.waiting
+        invoke = self.invoke
+        pool = invoke.executor
         self.counts.publish(
             active=len(self.sessions) - waiting,
             queue=waiting,
             connections=self.open_connections(),
             isolated=self.isolation.counts() if self.isolation is not None else (0, 0, 0, 0),
+            pool=(pool.live, pool.busy, pool.queued, invoke.stuck, pool.saturated),
         )
 
     def start_metrics(self) -> None:

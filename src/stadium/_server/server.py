@@ -497,7 +497,7 @@ def run_server(config: ServerConfig) -> int:
       never yields) ends itself with exit code
       :data:`~stadium._util.process.RECYCLE_EXIT_CODE` (75); its sessions are lost (a
       stuck loop cannot drain them). A worker past ``max_worker_memory``, or with
-      more than 4 x ``executor_threads`` threads stuck in abandoned env calls,
+      more than 4 x the env pool's core (cpus+4) threads stuck in abandoned env calls,
       stops accepting, drains its sessions as on SIGTERM and exits with the same
       code. With workers >= 2 the supervisor replaces such a worker at once (no
       crash counted, no backoff; the others keep serving). With ``workers == 1``

@@ -152,7 +152,7 @@ class Watchdog:
             if stuck > limit:
                 self._recycle(
                     f"{stuck} threads are stuck in abandoned env calls (more than {limit}, "
-                    "4 x --executor-threads)"
+                    "4 x the env pool's core of cpus+4)"
                 )
 
     def _recycle(self, why: str) -> None:

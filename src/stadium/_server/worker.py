@@ -33,6 +33,7 @@ from stadium._server.isolation import (
 )
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
+from stadium._server.pool import auto_limit
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
 from stadium._server.watchdog import Watchdog
@@ -152,7 +153,8 @@ class Worker:
         runtime = Runtime(
             spec,
             admission,
-            executor_threads=config.executor_threads,
+            executor_threads=config.executor_threads
+            or auto_limit(config.max_sessions, min(32, (os.cpu_count() or 1) + 4)),
             # Isolated: each call's limit is the env process's own (it is killed past it).
             step_timeout=0.0 if isolation is not None else config.step_timeout,
             env_kwargs=config.env_kwargs,
