@@ -62,8 +62,18 @@ def serve(target: str, **options: Any) -> None:
     from stadium._server.config import ServerConfig
     from stadium._server.server import run_server
 
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("auth_token") is click.core.ParameterSource.COMMANDLINE:
+        click.echo(AUTH_TOKEN_ON_COMMAND_LINE, err=True)
     config = ServerConfig.from_options(target=target, **options)
     sys.exit(run_server(config))
+
+
+AUTH_TOKEN_ON_COMMAND_LINE = (
+    "warning: --auth-token on the command line can be read by every local user "
+    "(/proc/PID/cmdline, ps); set STADIUM_AUTH_TOKEN in the environment or give "
+    "--auth-token-file FILE (a file only this user can read) instead"
+)
 
 
 @cli.command()

@@ -62,6 +62,11 @@ GRACE_HEADER = "X-Stadium-Resume-Grace"
 REPLAY_FRAMES = 8
 
 _MAX_ID = 64
+#: Digits a ``stadium_received`` count may have (a count of replies fits in 63 bits).
+MAX_RECEIVED_DIGITS = 18
+_DIGITS = frozenset("0123456789")
+_HEX = frozenset("0123456789abcdefABCDEF")
+_ALNUM = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 
 
 class Target(Protocol):
@@ -115,10 +120,11 @@ def resume_ask(query: str, token: str | None) -> ResumeAsk | str | None:
     if not token:
         return f"resuming session {value} needs its token in the {TOKEN_HEADER} header"
     received = (params.get(RECEIVED_PARAM) or ["0"])[0]
-    if not (received.isascii() and received.isdigit()):  # "²" is a digit int() refuses
+    if not received or len(received) > MAX_RECEIVED_DIGITS or not _DIGITS.issuperset(received):
+        shown = received if len(received) <= 24 else f"{received[:20]}... ({len(received)} chars)"
         return (
-            f"{RECEIVED_PARAM} must be a count of replies in ASCII digits (how many replies "
-            f"the client got on the session), got {received!r}"
+            f"{RECEIVED_PARAM} must be a count of replies (how many replies the client got "
+            f"on the session): 1 to {MAX_RECEIVED_DIGITS} ASCII digits, got {shown!r}"
         )
     return ResumeAsk(value, token, int(received))
 
@@ -131,12 +137,11 @@ def new_session_id(pid: int) -> str:
 def owner_pid(sid: str) -> int | None:
     """The pid of the worker that opened session ``sid``; ``None`` if ``sid`` is malformed."""
     head, sep, tail = sid.partition("-")
-    if not sep or not tail or not tail.isalnum() or not head.isalnum():
+    if not sep or not tail or not head or len(sid) > _MAX_ID:
         return None
-    try:
-        return int(head, 16)
-    except ValueError:
+    if not _HEX.issuperset(head) or not _ALNUM.issuperset(tail):  # ASCII only
         return None
+    return int(head, 16)
 
 
 def resume_target_sid(request_line: bytes) -> str | None:

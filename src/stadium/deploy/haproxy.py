@@ -31,6 +31,8 @@ HAProxy. :func:`render` writes a configuration that:
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import re
 import resource
 import urllib.parse
 
@@ -81,8 +83,46 @@ def servers(deployment: Deployment, options: RouterOptions) -> list[Server]:
     out = []
     for i, url in enumerate(deployment.nodes, start=1):
         parts = urllib.parse.urlsplit(url)
+        _check_node(url, parts)
         out.append(Server(f"node{i}", parts.netloc, cap, parts.scheme == "https"))
     return out
+
+
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def _check_node(url: str, parts: urllib.parse.SplitResult) -> None:
+    """Refuse a node whose host is not a host name or an IP address, or whose port is not
+    a number: its text goes into HAProxy's configuration, where a space, a brace or a
+    newline would become more tokens or lines."""
+    netloc = parts.netloc
+    if netloc.startswith("["):  # [IPv6]:port
+        host, _, port = netloc[1:].partition("]")
+        port = port.removeprefix(":")
+        ok_host = _is_ip(host, 6)
+    else:
+        host, _, port = netloc.rpartition(":")
+        if not host:
+            host, port = port, ""
+        labels = host.split(".")
+        ok_host = _is_ip(host, 4) or (
+            len(host) <= 253 and all(_LABEL.fullmatch(label) for label in labels)
+        )
+    ok_port = port.isascii() and port.isdigit() and 1 <= int(port) <= 65535
+    spaced = any(c.isspace() or ord(c) < 32 for c in url)  # urlsplit drops some silently
+    if spaced or not ok_host or not ok_port or parts.scheme not in ("http", "https"):
+        raise ConfigError(
+            f"node {url!r} is not http(s)://HOST:PORT with HOST a host name or an IP "
+            "address (letters, digits, '-', '.'; IPv6 in brackets) and PORT 1..65535",
+            node=url,
+        )
+
+
+def _is_ip(text: str, version: int) -> bool:
+    try:
+        return ipaddress.ip_address(text).version == version
+    except ValueError:
+        return False
 
 
 def _ms(seconds: float) -> str:

@@ -68,6 +68,23 @@ class SlurmOptions:
         for port in (self.port, self.router_port):
             if not 1 <= port <= 65535:
                 raise ConfigError("ports must be 1..65535", port=port)
+        # A newline would end a #SBATCH line or a shell line of the script: refused.
+        values = {
+            "--job-name": [self.job_name],
+            "--sbatch-arg": list(self.sbatch_args),
+            "--deployment": [str(self.deployment.resolve())],
+            "--python": [self.python],
+            "the target": [self.target],
+            "the serve arguments": list(self.serve_args),
+        }
+        for what, texts in values.items():
+            for text in texts:
+                if any(c in text for c in "\n\r\0"):
+                    raise ConfigError(
+                        f"{what} {text!r} has a newline (or NUL), which would become a "
+                        "line of the batch script; give it on one line",
+                        value=text,
+                    )
 
     @property
     def files(self) -> Path:
@@ -92,16 +109,18 @@ def job_script(opts: SlurmOptions) -> str:
     sbatch = "\n".join(f"#SBATCH {a}" for a in opts.sbatch_args)
     router = ""
     if opts.router == "haproxy":
-        cfg = f"{files}/haproxy-$SLURM_JOB_ID.cfg"
-        pid = f"{files}/haproxy-$SLURM_JOB_ID.pid"
-        sock = f"{files}/haproxy-$SLURM_JOB_ID.sock"
+        # Every path is shell-quoted (a `$(...)` in a directory name stays text).
+        base = q(str(files))
+        cfg = f'{base}/haproxy-"$SLURM_JOB_ID".cfg'
+        pid = f'{base}/haproxy-"$SLURM_JOB_ID".pid'
+        sock = f'{base}/haproxy-"$SLURM_JOB_ID".sock'
         router = f"""
 # The router, on this (the first) node: HAProxy in front of every server.
 {py} -m stadium router "${{NODES[@]}}" --port {opts.router_port} \\
     --max-sessions-per-node {opts.max_sessions_per_node} \\
-    --stats-socket "{sock}" -o "{cfg}"
-haproxy -D -f "{cfg}" -p "{pid}"
-HAPROXY_PID=$(cat "{pid}")
+    --stats-socket {sock} -o {cfg}
+haproxy -D -f {cfg} -p {pid}
+HAPROXY_PID=$(cat {pid})
 ROUTER="http://$(node_addr "${{HOSTS[0]}}"):{opts.router_port}"
 """
     return f"""#!/bin/bash
