@@ -6,7 +6,11 @@ file.py:SleepEnv``; OpenEnv: ``create_app`` under uvicorn), one worker each, and
 clients at once each run reset + step, over WebSocket (``/ws``) or HTTP (``POST /reset``
 then ``POST /step``). Printed: the wall time of the N sessions, per server and mode.
 
-    .venv/bin/python scripts/bench-sync-sleep.py --sessions 256 --wait 0.5 --repeat 2
+    .venv/bin/python scripts/bench-sync-sleep.py --sessions 256 --wait 0.5 --repeat 3 \\
+        [--workers 2] [--before ../main/.venv/bin/python]
+
+The HTTP client is the study's harness's (``tests/test_scaling.py``): httpx, at most 100
+keep-alive connections, ``POST /reset`` without a body.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -71,17 +76,19 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(kind: str, workdir: Path, port: int) -> subprocess.Popen[bytes]:
+def _start(
+    kind: str, python: str, workdir: Path, port: int, workers: int
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(workdir)}
-    if kind == "stadium":
+    if kind.startswith("stadium"):
         cmd = [
-            sys.executable, "-m", "stadium", "serve", f"{workdir}/sleepenv.py:SleepEnv",
-            "--port", str(port), "--log-level", "warning",
+            python, "-m", "stadium", "serve", f"{workdir}/sleepenv.py:SleepEnv",
+            "--port", str(port), "--log-level", "warning", "--workers", str(workers),
         ]  # fmt: skip
     else:
         cmd = [
-            sys.executable, "-m", "uvicorn", "sleepenv:app", "--factory", "--port", str(port),
-            "--log-level", "warning", "--ws-max-size", "10485760",
+            python, "-m", "uvicorn", "sleepenv:app", "--factory", "--port", str(port),
+            "--log-level", "warning", "--ws-max-size", "10485760", "--workers", str(workers),
         ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
@@ -105,7 +112,7 @@ async def _ws_session(url: str, wait: float) -> None:
 
 
 async def _http_session(client: httpx.AsyncClient, base: str, wait: float) -> None:
-    r = await client.post(f"{base}/reset", json={})
+    r = await client.post(f"{base}/reset")  # no body, as the study's harness sends it
     r.raise_for_status()
     r = await client.post(f"{base}/step", json={"action": {"wait_seconds": wait}})
     r.raise_for_status()
@@ -122,7 +129,8 @@ async def _run(mode: str, port: int, sessions: int, wait: float) -> float:
             120,
         )
     else:
-        limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
+        # The study's harness (tests/test_scaling.py): httpx, these limits.
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
         async with httpx.AsyncClient(limits=limits, timeout=120) as client:
             await asyncio.gather(*(_http_session(client, base, wait) for _ in range(sessions)))
     return time.perf_counter() - start
@@ -133,20 +141,30 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=256)
     parser.add_argument("--wait", type=float, default=0.5)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes per server")
+    parser.add_argument(
+        "--before",
+        metavar="PYTHON",
+        help="also run a 'stadium-before' arm: stadium serve under this Python (e.g. another "
+        "checkout's .venv/bin/python)",
+    )
     args = parser.parse_args()
+    arms = [("stadium", sys.executable), ("openenv", sys.executable)]
+    if args.before:
+        arms.insert(1, ("stadium-before", args.before))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         (workdir / "sleepenv.py").write_text(ENV_FILE)
-        for kind in ("stadium", "openenv"):
+        for kind, python in arms:
             port = _free_port()
-            proc = _start(kind, workdir, port)
+            proc = _start(kind, python, workdir, port, args.workers)
             try:
                 for mode in ("ws", "http"):
                     for i in range(args.repeat):
                         wall = asyncio.run(_run(mode, port, args.sessions, args.wait))
                         rows.append((kind, mode, i, wall))
-                        print(f"{kind:8} {mode:4} run {i}: {wall:.2f} s", flush=True)
+                        print(f"{kind:14} {mode:4} run {i}: {wall:.2f} s", flush=True)
             finally:
                 proc.terminate()
                 try:
@@ -154,16 +172,17 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    print(f"\nN = {args.sessions}, W = {args.wait} s, best of {args.repeat}:")
+    print(
+        f"\nN = {args.sessions}, W = {args.wait} s, --workers {args.workers}, "
+        f"median of {args.repeat} (ratio: to openenv):"
+    )
     for mode in ("ws", "http"):
-        best = {
-            k: min(w for kk, m, _, w in rows if kk == k and m == mode)
-            for k in ("stadium", "openenv")
+        med = {
+            k: statistics.median(w for kk, m, _, w in rows if kk == k and m == mode)
+            for k, _ in arms
         }
-        print(
-            f"  {mode:4}: stadium {best['stadium']:.2f} s, openenv {best['openenv']:.2f} s, "
-            f"ratio {best['stadium'] / best['openenv']:.2f}"
-        )
+        cells = ", ".join(f"{k} {v:.2f} s ({v / med['openenv']:.2f})" for k, v in med.items())
+        print(f"  {mode:4}: {cells}")
 
 
 if __name__ == "__main__":
