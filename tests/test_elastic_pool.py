@@ -135,7 +135,9 @@ async def test_hung_sync_steps_do_not_wedge_a_default_worker() -> None:
     try:
         async with serve(Hangs) as server:
             hung: list[asyncio.Future[Any]] = []
-            clients = [AsyncClient(server.url, max_retries=0) for _ in range(6)]
+            clients: list[AsyncClient[Any]] = [
+                AsyncClient(server.url, max_retries=0) for _ in range(6)
+            ]
             for client in clients:
                 await client.reset()
                 hung.append(asyncio.ensure_future(client.step({"hang": True})))
@@ -143,6 +145,7 @@ async def test_hung_sync_steps_do_not_wedge_a_default_worker() -> None:
             await wait_until(lambda: pool.busy >= 6, 10 * UNIT, "six hung steps running")
 
             async def fresh() -> bool:
+                client: AsyncClient[Any]
                 async with AsyncClient(server.url, max_retries=0) as client:
                     await client.reset()
                     return bool((await client.step({})).observation["ok"])
@@ -173,7 +176,9 @@ async def test_hung_sync_steps_do_not_wedge_a_default_worker() -> None:
 async def test_a_full_pool_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     try:
         async with serve(Hangs, executor_threads=2) as server:
-            clients = [AsyncClient(server.url, max_retries=0) for _ in range(3)]
+            clients: list[AsyncClient[Any]] = [
+                AsyncClient(server.url, max_retries=0) for _ in range(3)
+            ]
             hung = []
             for client in clients:  # resets first: they are pool calls too
                 await client.reset()
@@ -208,3 +213,19 @@ def _samples(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
+
+
+def test_a_thread_that_cannot_start_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ElasticPool(core=1, limit=4, name="test-pool")
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="cannot start a thread"):
+        pool.submit(lambda: None)
+    assert pool.queued == 0
+    assert pool.threads == 0
+    monkeypatch.undo()
+    assert pool.submit(lambda: 7).result(timeout=10 * UNIT) == 7
+    pool.shutdown()

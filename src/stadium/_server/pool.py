@@ -127,14 +127,20 @@ class ElasticPool(concurrent.futures.Executor):
                 self._cond.notify()
                 return future
             if self.threads - self.written_off < self.limit:
-                self._start()
+                if not self._start():
+                    queue.remove(item)
+                    raise RuntimeError(
+                        "cannot start a thread for a blocking env call (the system's thread "
+                        "limit?) and the pool has none"
+                    )
             else:
                 self.saturated += 1
         return future
 
-    def _start(self) -> None:  # with the lock held
+    def _start(self) -> bool:  # with the lock held
+        """Start a thread; ``False`` when none could be started and the pool has none (a
+        queued call would wait forever)."""
         self.threads += 1
-        self.peak = max(self.peak, self.threads - self.written_off)
         thread = threading.Thread(
             target=self._work, name=f"{self.name}_{next(self._numbers)}", daemon=True
         )
@@ -143,8 +149,9 @@ class ElasticPool(concurrent.futures.Executor):
         except RuntimeError:  # "can't start new thread": the queued call waits for one
             self.threads -= 1
             self.saturated += 1
-            if not self.threads:
-                raise
+            return self.threads > 0
+        self.peak = max(self.peak, self.threads - self.written_off)
+        return True
 
     def _work(self) -> None:
         cond, queue = self._cond, self._queue
