@@ -344,8 +344,12 @@ async def test_a_worker_whose_event_loop_is_stuck_is_replaced(tmp_path: Path) ->
             assert time.monotonic() < deadline, f"pid {stuck_pid} not replaced:\n{srv.output()}"
             assert (await healthy.step({})).observation["pid"] == healthy_pid
             await asyncio.sleep(0.05)
-        await wait_until(lambda: len(srv.workers()) == 2, 10 * UNIT, "a replacement worker")
-        assert stuck_pid not in srv.workers()
+        # Dead is not yet reaped: wait for the supervisor to list its replacement instead.
+        await wait_until(
+            lambda: stuck_pid not in srv.workers() and len(srv.workers()) == 2,
+            10 * UNIT,
+            "a replacement worker",
+        )
         assert healthy_pid in srv.workers()
         with pytest.raises(SessionClosedError):  # its session is lost
             await asyncio.wait_for(spin, 10 * UNIT)
