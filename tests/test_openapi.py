@@ -64,7 +64,7 @@ def _server(target: str, **env: str) -> Iterator[str]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the server inherits them
     try:
-        with spawn_server(target, "--log-level", "warning") as (_, url):
+        with spawn_server(target, "--log-level", "warning", timeout=90 * UNIT) as (_, url):
             for k, v in old.items():
                 if v is None:
                     os.environ.pop(k, None)
@@ -86,34 +86,34 @@ def test_openenv_validate_cli_six_of_six() -> None:
     Gymnasium env (simulation mode), and for a server in production mode."""
     pytest.importorskip("gymnasium")
     pytest.importorskip("fastmcp")
-    cli = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", _CLI],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-    )
-    targets = {
-        "echo": "echo",
-        "benchmark": "benchmark",
-        "wordguess": "wordguess",
-        "tools": "tools",
-        "openenv-mcp": OPENENV_NOTES,
-        "gymnasium": "gymnasium:CartPole-v1",
-    }
-    try:
-        with contextlib.ExitStack() as stack:
-            urls = {name: stack.enter_context(_server(t)) for name, t in targets.items()}
-            production = stack.enter_context(_server("echo", OPENENV_MODE="production"))
-            out, _ = cli.communicate(" ".join([*urls.values(), production]), 120 * UNIT)
-            with httpx.Client() as http:
-                assert http.post(production + "/reset", json={}).status_code == 404
-                assert http.post(production + "/step", json={"action": {}}).status_code == 404
-                assert http.get(production + "/state").status_code == 404
-                assert http.get(production + "/health").status_code == 200
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-            cli.wait()
+    ) as cli:  # its pipes closed however the block ends
+        targets = {
+            "echo": "echo",
+            "benchmark": "benchmark",
+            "wordguess": "wordguess",
+            "tools": "tools",
+            "openenv-mcp": OPENENV_NOTES,
+            "gymnasium": "gymnasium:CartPole-v1",
+        }
+        try:
+            with contextlib.ExitStack() as stack:
+                urls = {name: stack.enter_context(_server(t)) for name, t in targets.items()}
+                production = stack.enter_context(_server("echo", OPENENV_MODE="production"))
+                out, _ = cli.communicate(" ".join([*urls.values(), production]), 120 * UNIT)
+                with httpx.Client() as http:
+                    assert http.post(production + "/reset", json={}).status_code == 404
+                    assert http.post(production + "/step", json={"action": {}}).status_code == 404
+                    assert http.get(production + "/state").status_code == 404
+                    assert http.get(production + "/health").status_code == 200
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+                cli.wait()
     assert cli.returncode == 0
     reports = json.loads(out.split("\n", 1)[1])
     for name, url in urls.items():
