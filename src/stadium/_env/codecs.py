@@ -92,7 +92,31 @@ def _schema(tp: Any) -> dict[str, Any]:
         schema: dict[str, Any] = msgspec.json.schema(tp)
     except (TypeError, NotImplementedError):
         return {"type": "object", "description": f"{getattr(tp, '__name__', tp)} (no schema)"}
-    return schema
+    return _inline_top_ref(schema)
+
+
+def _inline_top_ref(schema: dict[str, Any]) -> dict[str, Any]:
+    """The type's own definition at the top, as pydantic's ``model_json_schema`` gives it.
+
+    msgspec answers ``{"$ref": "#/$defs/Guess", "$defs": {...}}``; clients read the top
+    level's ``properties`` / ``required`` directly (verifiers' OpenEnv taskset turns a bare
+    reply into ``{required[0]: reply}``), so the referenced definition is put in its place.
+    Nested types stay in ``$defs``; a recursive one keeps its own entry there too.
+    """
+    ref = schema.get("$ref")
+    defs = schema.get("$defs")
+    if set(schema) != {"$ref", "$defs"} or not isinstance(ref, str) or not isinstance(defs, dict):
+        return schema
+    name = ref.removeprefix("#/$defs/")
+    if name == ref or not isinstance(defs.get(name), dict):
+        return schema
+    top = dict(defs[name])
+    rest = dict(defs)
+    if f'"{ref}"' not in msgspec.json.encode(defs).decode():
+        del rest[name]
+    if rest:
+        top["$defs"] = rest
+    return top
 
 
 def _is_pydantic_model(tp: Any) -> bool:
