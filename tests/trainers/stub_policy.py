@@ -45,7 +45,9 @@ def history_from_text(text: str) -> list[tuple[str, str]]:
 
 def wordguess_policy(messages: list[dict[str, Any]]) -> str:
     """Reply with the next guess, reading the whole transcript (its user turns)."""
-    transcript = "\n".join(_text(m.get("content")) for m in messages if m.get("role") != "assistant")
+    transcript = "\n".join(
+        _text(m.get("content")) for m in messages if m.get("role") != "assistant"
+    )
     return solver_guess(history_from_text(transcript))
 
 
@@ -68,7 +70,9 @@ class StubPolicy:
 
 
 @contextmanager
-def serve_policy(policy: Policy = wordguess_policy, model: str = "stand-in") -> Iterator[StubPolicy]:
+def serve_policy(
+    policy: Policy = wordguess_policy, model: str = "stand-in"
+) -> Iterator[StubPolicy]:
     """Serve ``policy`` on 127.0.0.1:0 in a thread; a failure in a handler fails the caller."""
     stub = StubPolicy(policy)
 
@@ -87,7 +91,10 @@ def serve_policy(policy: Policy = wordguess_policy, model: str = "stand-in") -> 
 
         def do_GET(self) -> None:
             if self.path.rstrip("/").endswith("/models"):
-                data = {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "stadium"}]}
+                data = {
+                    "object": "list",
+                    "data": [{"id": model, "object": "model", "owned_by": "stadium"}],
+                }
                 self._send(200, json.dumps(data).encode())
             else:
                 self._send(404, b'{"error": {"message": "not found"}}')
@@ -119,7 +126,11 @@ def serve_policy(policy: Policy = wordguess_policy, model: str = "stand-in") -> 
                 self._send(200, json.dumps(body).encode())
                 return
             chunks = [
-                {"index": 0, "delta": {"role": "assistant", "content": reply}, "finish_reason": None},
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": reply},
+                    "finish_reason": None,
+                },
                 {"index": 0, "delta": {}, "finish_reason": "stop"},
             ]
             events = b"".join(
