@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals clean cluster-deps browser-deps k8s-deps container-deps sandbox-deps
+.PHONY: install demo test lint typecheck check bench-goals trainers clean cluster-deps browser-deps k8s-deps container-deps sandbox-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -67,5 +67,10 @@ sandbox-deps:
 test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps sandbox-deps
 	$(PY) -m pytest -q -ra
 
+# The trainers that pull torch (TRL), on CPU, against `stadium serve` (docs/TRAINERS.md):
+# their own venv (.venv-trainers-heavy, ~5.7 GB from PyPI, made once), then a short real run.
+trainers: install
+	bash scripts/run-trainers.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist
+	rm -rf $(VENV) .venv-trainers .venv-trainers-heavy .pytest_cache .mypy_cache .ruff_cache build dist
