@@ -7,7 +7,8 @@ namespaces; a read-only view of the interpreter and the env's code; a private
 session's limits (:class:`Cgroups`), and the process the template forks for it
 (:func:`enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
 namespaces of its own, mounts a private size-bounded tmpfs as its work directory
-(``/tmp``, also its home), hides the cgroup tree, and drops to an unprivileged uid of
+(``/sandbox``, also its home and ``TMPDIR``; ``/tmp`` is the same tmpfs, or read-only when
+the code lives under ``/tmp``), hides the cgroup tree, and drops to an unprivileged uid of
 its own (never root, never the server's user) with ``no_new_privs``, and a ``/proc``
 that shows only its own processes (``hidepid=2``). Sessions cannot
 see each other's files nor signal each other's processes (distinct uids), reach no
@@ -36,8 +37,10 @@ from stadium._errors import ConfigError
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: The folder under each hierarchy holding the sessions' cgroups.
 CGROUP_PARENT = "stadium"
-#: Where a sandboxed session works (its private tmpfs), as its process sees it.
-WORK_DIR = "/tmp"
+#: Where a sandboxed session works (its private tmpfs), as its process sees it. Not ``/tmp``:
+#: the code may live under ``/tmp`` (a checkout there), and a mount there would hide it.
+#: ``/tmp`` is the same private tmpfs when no code lives under it, else read-only.
+WORK_DIR = "/sandbox"
 #: The first uid of sandboxed sessions; each live session has its own.
 UID_BASE = 1_000_000
 UIDS_PER_WORKER = 65536
@@ -265,6 +268,7 @@ def bwrap_argv(extra_ro: Iterable[str]) -> list[str]:
     for path in sorted(set(roots), key=len):  # a folder inside one bound already: skipped
         if not any(path == k or path.startswith(k + "/") for k in kept):
             kept.append(path)
+    argv += ["--tmpfs", "/tmp"]  # first: code under /tmp is bound on top of it below
     made: set[str] = set()
     for path in kept:  # the folders above: traversable (bwrap makes them 0700 otherwise)
         parts = path.strip("/").split("/")[:-1]
@@ -274,10 +278,12 @@ def bwrap_argv(extra_ro: Iterable[str]) -> list[str]:
                 made.add(folder)
                 argv += ["--perms", "0755", "--dir", folder]
         argv += ["--ro-bind", path, path]
+    if any(path == "/tmp" or path.startswith("/tmp/") for path in kept):
+        argv += ["--remount-ro", "/tmp"]  # code lives there: nothing is written beside it
     argv += [
+        "--perms", "0755", "--dir", WORK_DIR,
         "--proc", "/proc",
         "--dev", "/dev",
-        "--tmpfs", "/tmp",
         "--bind", str(CGROUP_ROOT), str(CGROUP_ROOT),
         "--new-session",
         "--",
@@ -296,6 +302,7 @@ _MS_PRIVATE = 1 << 18
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _MS_NOEXEC = 8
+_MS_BIND = 4096
 _MNT_DETACH = 2
 _PR_SET_NO_NEW_PRIVS = 38
 _libc: Any = None
@@ -339,6 +346,8 @@ def enter_sandbox(cgroups: list[str], uid: int, disk_mib: int) -> None:
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
     opts = f"size={disk_mib}m,mode=0700,uid={uid},gid={uid}"
     _mount("tmpfs", WORK_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
+    if not os.statvfs("/tmp").f_flag & os.ST_RDONLY:  # no code under /tmp: the same tmpfs
+        _mount(WORK_DIR, "/tmp", None, _MS_BIND, None)
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
     os.setgroups([])
