@@ -16,6 +16,9 @@ import click
 from stadium._errors import ConfigError
 
 DEFAULT_MAX_SESSIONS = 8192
+DEFAULT_DETACHED_IDLE_TIMEOUT = 300.0
+"""Seconds an HTTP MCP session (no live connection) may sit unused before it is closed,
+unless ``--idle-timeout`` is given."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +37,10 @@ class ServerConfig:
         max_waiting_per_client: sessions one client address may have waiting for
             a slot, over its connections; more are refused at once (0: no bound).
         idle_timeout: seconds without a request before a session is closed (0: never).
+            ``None`` (the default): a session with a live connection (whose peer answers
+            pings) is never closed for being quiet; sessions without one (HTTP MCP
+            sessions) are closed after :data:`DEFAULT_DETACHED_IDLE_TIMEOUT`. A number
+            applies to every session, connected or not.
         max_message_bytes: largest accepted WebSocket message.
         drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
         resume_grace: seconds a resumable session (one a Stadium client opened) keeps
@@ -116,7 +123,7 @@ class ServerConfig:
     admission_timeout: float = 5.0
     max_waiting_per_connection: int = 4096
     max_waiting_per_client: int = 16384
-    idle_timeout: float = 300.0
+    idle_timeout: float | None = None
     max_message_bytes: int = 10 * 1024 * 1024
     drain_timeout: float = 30.0
     resume_grace: float = 60.0
@@ -165,7 +172,10 @@ class ServerConfig:
         _check(self.admission_timeout >= 0, "--admission-timeout must be >= 0")
         _check(self.max_waiting_per_connection >= 0, "--max-waiting-per-connection must be >= 0")
         _check(self.max_waiting_per_client >= 0, "--max-waiting-per-client must be >= 0")
-        _check(self.idle_timeout >= 0, "--idle-timeout must be >= 0 (0 disables it)")
+        _check(
+            self.idle_timeout is None or self.idle_timeout >= 0,
+            "--idle-timeout must be >= 0 (0 disables it)",
+        )
         _check(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _check(
             0 <= self.resume_grace <= 86400,
@@ -257,6 +267,16 @@ class ServerConfig:
                 "TLS file not found",
                 path=path,
             )
+
+    @property
+    def connected_idle_timeout(self) -> float:
+        """Seconds a quiet session with a live connection is kept (0: forever, the default)."""
+        return self.idle_timeout or 0.0
+
+    @property
+    def detached_idle_timeout(self) -> float:
+        """Seconds a session without a live connection (HTTP MCP) is kept unused (0: forever)."""
+        return DEFAULT_DETACHED_IDLE_TIMEOUT if self.idle_timeout is None else self.idle_timeout
 
     @classmethod
     def from_options(cls, **options: Any) -> ServerConfig:
@@ -366,7 +386,10 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Sessions one client address may have waiting for a slot; 0 no bound [16384].",
         ),
         click.option(
-            "--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."
+            "--idle-timeout",
+            type=float,
+            help="Close sessions idle this long, connected ones too; 0 off [connected: "
+            "never; HTTP MCP sessions: 300].",
         ),
         click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
         click.option(

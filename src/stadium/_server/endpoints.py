@@ -499,13 +499,12 @@ class _McpSession:
 class McpSessions:
     """OpenEnv's HTTP MCP sessions (``openenv/session/create``): an env per session id,
     each holding a session slot until ``openenv/session/close`` or until unused for
-    :attr:`IDLE_S` seconds (checked at each create and with each round of the worker's
+    ``--idle-timeout`` seconds (300 by default: ``Runtime.detached_idle_timeout``;
+    checked at each create and with each round of the worker's
     idle reaper: a client that vanished does not hold its slot). A WebSocket opened at
     ``/ws?session_id=ID`` drives the same env (``Session(attach=ID)``), as OpenEnv's
     ``MCPToolClient`` does. Per worker process.
     """
-
-    IDLE_S = 300.0
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
@@ -517,17 +516,24 @@ class McpSessions:
         return len(self._sessions)
 
     def _idle(self) -> list[str]:
+        limit = self.runtime.detached_idle_timeout
+        if limit <= 0:
+            return []
         now = asyncio.get_running_loop().time()
         attached = self.runtime.attached
         return [
             sid
             for sid, s in self._sessions.items()
-            if now - s.last_used > self.IDLE_S and not s.lock.locked() and sid not in attached
+            if now - s.last_used > limit and not s.lock.locked() and sid not in attached
         ]
 
     async def _sweep(self) -> None:
         for sid in self._idle():
-            await self.close(sid)
+            log.info(
+                "MCP session %s closed (reaped): unused for more than %gs",
+                sid, self.runtime.detached_idle_timeout,
+            )  # fmt: skip
+            await self.close(sid, outcome="reaped")
 
     def _sweep_soon(self) -> None:
         """The reaper's round: close the idle sessions (in a task: closing awaits the env)."""
@@ -570,12 +576,14 @@ class McpSessions:
             session.last_used = loop.time()  # bounded by --step-timeout, as on /ws
             return await self.runtime.invoke.call(loop, CallMode.TASK, call, session.env)
 
-    async def close(self, sid: str) -> bool:
-        """Close session ``sid`` (its env closed, its slot freed); whether it existed."""
+    async def close(self, sid: str, outcome: str = "completed") -> bool:
+        """Close session ``sid`` (its env closed, its slot freed, counted as ``outcome``
+        in ``stadium_sessions_total``); whether it existed."""
         session = self._sessions.pop(sid, None)
         if session is None:
             return False
         rt = self.runtime
+        rt.outcomes[outcome] += 1
         rt.attachable.pop(sid, None)
         attached = rt.attached.get(sid)
         if attached is not None:  # its WebSocket goes with it

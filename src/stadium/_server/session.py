@@ -53,6 +53,7 @@ from stadium._server.runtime import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
     NODE_NAME,
+    SESSION_ID,
     Channel,
     Phase,
     Runtime,
@@ -269,6 +270,8 @@ class Session(ResumableSession):
         if self._waiter is not None:
             self.runtime.admission.cancel(self._waiter)
             self._waiter = None
+        if self.phase is not Phase.CLOSING:
+            _log_close(self, None, "the connection was closed by the peer or lost")
         self._teardown()
 
     def close(self, code: int = CLOSE_GOING_AWAY, reason: str = "server closing session") -> None:
@@ -652,6 +655,7 @@ class Session(ResumableSession):
     # -- teardown ---------------------------------------------------------------
 
     def _finish_close(self, code: int, reason: str) -> None:
+        _log_close(self, code, reason)
         self.channel.close(code, reason)
         self._teardown()
 
@@ -695,6 +699,25 @@ class Session(ResumableSession):
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
+
+_QUIET_OUTCOMES = frozenset({"completed"})
+
+
+def _log_close(session: Session, code: int | None, reason: str) -> None:
+    """Log why ``session`` ends: at INFO when the server ends it (reaped, expired, errors,
+    drain), at DEBUG when its client does (a ``close`` request, a closed connection).
+    ``stadium_sessions_total`` counts it by outcome."""
+    server_side = code is not None and code != CLOSE_NORMAL
+    level = logging.INFO if server_side or session.outcome not in _QUIET_OUTCOMES else logging.DEBUG
+    if log.isEnabledFor(level):
+        token = SESSION_ID.set(session.sid)
+        try:
+            log.log(
+                level, "session closed (%s%s): %s", session.outcome,
+                "" if code is None else f", code {code}", reason,
+            )  # fmt: skip
+        finally:
+            SESSION_ID.reset(token)
 
 
 def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:

@@ -172,7 +172,9 @@ class Worker:
     def start(self) -> None:
         """Start the worker's timers (idle reaping, metrics, the session store's sweep)
         on the running event loop."""
-        self.runtime.start_reaper(self.config.idle_timeout)
+        self.runtime.start_reaper(
+            self.config.connected_idle_timeout, self.config.detached_idle_timeout
+        )
         self.runtime.start_metrics()
         if self.runtime.isolation is not None:
             self.runtime.isolation.start()
@@ -180,7 +182,7 @@ class Worker:
         if durable is not None:
             # Records of sessions nobody resumed (their server was drained or died): gone
             # once older than any live session's could be (idle sessions are reaped).
-            idle = self.config.idle_timeout or 86400.0
+            idle = self.config.connected_idle_timeout or 86400.0
             durable.start_sweeping(idle + self.config.resume_grace + 60.0)
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
