@@ -528,6 +528,8 @@ def run_server(config: ServerConfig) -> int:
             "the key in --session-store-key" if config.session_store_key else "a key made now",
         )
     sock = listen_socket(config.host, config.port)
+    # Where this server listens, for envs that report it (the benchmark env's host_url).
+    os.environ["STADIUM_PORT"] = str(sock.getsockname()[1])
     _announce(config, sock, spec.name)
     if config.workers == 1:
         server = Server(config, env_cls, sock=sock)
