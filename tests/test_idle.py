@@ -66,10 +66,12 @@ async def test_an_explicit_idle_timeout_reaps_connected_sessions_and_logs_why(
             await ws.recv()
             with pytest.raises(websockets.ConnectionClosed) as info:
                 await asyncio.wait_for(ws.recv(), 5 * UNIT)
-        assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+        assert info.value.rcvd is not None
+        assert info.value.rcvd.code == 1001
         assert server.runtime.outcomes["reaped"] == 1
     closes = [r for r in caplog.records if "session closed (reaped, code 1001)" in r.getMessage()]
-    assert closes and closes[0].levelno == logging.INFO
+    assert closes
+    assert closes[0].levelno == logging.INFO
     assert "idle for more than" in closes[0].getMessage()
 
 

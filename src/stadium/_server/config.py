@@ -113,6 +113,12 @@ class ServerConfig:
         sandbox_memory, sandbox_cpus, sandbox_pids, sandbox_disk: per-session limits
             of ``sandbox``: MiB of memory, CPU cores, processes, MiB of work directory.
             Each call is bounded by ``step_timeout`` (300 s when that is 0).
+        action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
+            model of an OpenEnv env class or app target, over the one it declares.
+        given: the names of the settings the operator gave (options, their environment
+            variables, or values other than the defaults in code); a setting an OpenEnv
+            app target's ``create_app`` was given (``max_concurrent_envs``) applies
+            where the operator gave none (:meth:`for_target`).
     """
 
     target: str
@@ -164,8 +170,18 @@ class ServerConfig:
     sandbox_cpus: float = 1.0
     sandbox_pids: int = 128
     sandbox_disk: int = 256
+    action_model: str | None = None
+    given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
+        differ = {
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "given"
+            and f.default is not dataclasses.MISSING
+            and getattr(self, f.name) != f.default
+        }
+        object.__setattr__(self, "given", self.given | differ)
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
         _check(1 <= self.workers <= 256, "--workers must be 1..256", workers=self.workers)
         _check(self.max_sessions >= 1, "--max-sessions must be at least 1", value=self.max_sessions)
@@ -298,7 +314,16 @@ class ServerConfig:
             kwargs["auth_token"] = read_token_file(token_file)
         if "allowed_origins" in kwargs:
             kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
-        return cls(**kwargs)
+        return cls(**kwargs, given=frozenset(kwargs))
+
+    def for_target(self, env_cls: type[Any]) -> ServerConfig:
+        """This configuration with the settings ``env_cls`` brings where the operator gave
+        none: an OpenEnv app target's ``max_concurrent_envs`` becomes ``max_sessions``."""
+        app = getattr(env_cls, "openenv_app", None)
+        limit = getattr(app, "max_concurrent_envs", None)
+        if limit is None or "max_sessions" in self.given or limit == self.max_sessions:
+            return self
+        return dataclasses.replace(self, max_sessions=int(limit), given=self.given)
 
 
 _DEFAULT_STORE: list[str] = []
@@ -417,6 +442,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Longest wait before restarting a worker that keeps crashing [30].",
         ),
         click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
+        click.option(
+            "--action-model",
+            metavar="MODULE:CLASS",
+            help="The pydantic action model of an OpenEnv env class or app (for envs that "
+            "give it only to create_app) [the one the env declares].",
+        ),
         click.option(
             "--log-level",
             type=click.Choice(["debug", "info", "warning", "error"]),

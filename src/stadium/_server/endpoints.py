@@ -99,6 +99,8 @@ class HttpEndpoints:
         self.workers = workers
         spec = runtime.spec
         self._schema = msgspec.json.encode(spec.schemas())
+        app = getattr(spec.env_cls, "openenv_app", None)  # an OpenEnv app's own mode
+        mode = mode or (app.mode if app is not None else None)
         mode = (mode or os.environ.get(MODE_ENV) or SIMULATION).strip().lower()
         if mode not in MODES:
             raise ConfigError(
@@ -106,9 +108,15 @@ class HttpEndpoints:
             )
         self.mode = mode
         """OpenEnv's server mode: ``simulation`` (default) or ``production`` (no
-        ``/reset``, ``/step``, ``/state``); from ``OPENENV_MODE`` unless given."""
+        ``/reset``, ``/step``, ``/state``); given, else the one an OpenEnv app target's
+        routes were registered for, else from ``OPENENV_MODE``."""
         self.production = mode != SIMULATION
-        self._openapi = msgspec.json.encode(openapi(spec, mode=mode, server_version=__version__))
+        self._openapi = msgspec.json.encode(
+            openapi(
+                spec, mode=mode, server_version=__version__,
+                api_version=str(getattr(spec.env_cls, "api_version", "")),
+            )
+        )  # fmt: skip
         self.mcp_sessions = McpSessions(runtime)
         self._metrics = registry_for(StadiumCollector(runtime.board, runtime.publish_metrics))
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""

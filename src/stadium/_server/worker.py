@@ -138,7 +138,10 @@ class Worker:
             TargetError: the target cannot be loaded or breaks the env contract.
         """
         if env_cls is None:
-            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+            env_cls = load_target(
+                config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
+            )
+        config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
         spec = EnvSpec.of(env_cls)
         isolation = _isolation(config, spec)
         if isolation is not None:
