@@ -17,9 +17,11 @@ An ``MCPEnvironment`` subclass (OpenEnv's tool environments, FastMCP tools) is
 served with its tools: ``step`` takes OpenEnv's ``{"type": "list_tools"}`` and
 ``{"type": "call_tool", ...}`` actions (whatever the env's own action model), and
 ``POST /mcp`` and the ``"mcp"`` WebSocket message reach the session's own tools
-through ``mcp_list_tools`` / ``mcp_call_tool``, which run the env's
-``step_async`` with those actions (FastMCP underneath, mode-specific tools
-included) and map OpenEnv's ``ToolError`` kinds to JSON-RPC errors.
+through ``mcp_list_tools`` / ``mcp_call_tool``, which call the env's FastMCP
+client directly, around ``step()``, as OpenEnv 0.10's server does (the env's step
+counters and rewards do not move on a tool call; mode-specific tools are reached
+through ``step`` actions only, as on OpenEnv), and map its errors to JSON-RPC
+errors.
 
 Sessions get Stadium's runtime: no thread per session, the server-wide session
 limit and the admission queue. OpenEnv's own clients (``GenericEnvClient`` and
@@ -260,36 +262,52 @@ class McpToolsAdapter(OpenEnvAdapter):
         return calls[rng.randrange(len(calls))]
 
     async def mcp_list_tools(self) -> list[dict[str, Any]]:
-        from openenv.core.env_server.mcp_types import ListToolsAction
-
+        """The tools of the env's MCP client, as OpenEnv 0.10's ``/mcp`` lists them:
+        straight from the client, around ``step()`` (no step counted)."""
+        client = getattr(self.env, "mcp_client", None)
+        if client is None:
+            raise ExecutionError("this environment's MCP client is closed", operation="tools/list")
         await self._mcp_open()
-        obs = await self.env.step_async(ListToolsAction())
-        error = (getattr(obs, "metadata", None) or {}).get("error")
-        if error:
-            raise ExecutionError(f"listing the tools failed: {error}", operation="tools/list")
-        return [
-            {"name": t.name, "description": t.description, "inputSchema": t.input_schema}
-            for t in getattr(obs, "tools", [])
-        ]
+        return [_jsonable(tool) for tool in await client.list_tools()]
 
     async def mcp_call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        from openenv.core.env_server.mcp_types import CallToolAction, ToolErrorType
-
+        """Call a tool through the env's MCP client, as OpenEnv 0.10's ``/mcp`` does:
+        around ``step()``, so the env's step counters and rewards do not move. An unknown
+        tool or bad arguments are :class:`~stadium.ToolCallError` (``-32602``), a tool
+        that raised an :class:`~stadium.ExecutionError` (``-32603``)."""
+        client = getattr(self.env, "mcp_client", None)
+        if client is None:
+            raise ExecutionError("this environment's MCP client is closed", operation="tools/call")
         await self._mcp_open()
-        obs = await self.env.step_async(CallToolAction(tool_name=name, arguments=arguments))
-        error = getattr(obs, "error", None)
-        if error is not None:
-            kind = error.error_type
-            if kind in (ToolErrorType.TOOL_NOT_FOUND, ToolErrorType.INVALID_ARGS) or (
-                "validation error for call[" in error.message  # FastMCP's bad arguments
-            ):
-                raise ToolCallError(error.message, tool=name, error_type=str(kind.value))
+        try:
+            result = await client.call_tool(name=name, arguments=arguments)
+        except Exception as exc:
+            message = str(exc)
+            if message.startswith("Unknown tool") or "validation error for call[" in message:
+                kind = "tool_not_found" if message.startswith("Unknown tool") else "invalid_args"
+                raise ToolCallError(message, tool=name, error_type=kind) from None
             raise ExecutionError(
-                f"tool {name!r} failed: {error.message}",
-                operation="tools/call",
-                error_type=str(kind.value),
-            )
-        return obs.model_dump(mode="json").get("result")
+                f"tool {name!r} failed: {message}", operation="tools/call",
+                error_type="execution_error",
+            ) from None  # fmt: skip
+        return _jsonable(result)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON values, the way OpenEnv's server serializes MCP results:
+    pydantic models dumped, other objects by their attributes."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    if hasattr(value, "__dict__"):
+        return {k: _jsonable(v) for k, v in vars(value).items()}
+    return str(value)
 
 
 def serialize_observation(observation: Any) -> StepResult[dict[str, Any]]:
