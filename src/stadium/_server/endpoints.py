@@ -39,6 +39,7 @@ from stadium._errors import (
 )
 from stadium._server.doorway import Door, Pass
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
+from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
 from stadium._util.throttle import ThrottledLog
 from stadium._version import __version__
@@ -122,6 +123,8 @@ class HttpEndpoints:
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
+        self.openenv = OpenEnvRoutes(self)
+        """OpenEnv's web-interface JSON endpoints and Task API (``openenv_http``)."""
 
     async def handle(
         self, method: str, path: str, body: bytes, client: str | None = None
@@ -156,6 +159,12 @@ class HttpEndpoints:
     async def _answer(
         self, method: str, path: str, body: bytes, client: str | None
     ) -> HttpResponse:
+        extra = self.openenv.route(method, path.split("?", 1)[0].rstrip("/") or "/")
+        if extra is not None:
+            try:
+                return await extra(body)
+            except Exception as exc:
+                return self._internal_error(method, path, exc)
         if method == "GET":
             if self.builds_env(path):
                 return await self.state(client)
@@ -169,9 +178,10 @@ class HttpEndpoints:
 
     def builds_env(self, path: str) -> bool:
         """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
-        return not self.production and (
-            (path.split("?", 1)[0].rstrip("/") or "/") in HttpEndpoints.ENV_GET_PATHS
-        )
+        path = path.split("?", 1)[0].rstrip("/") or "/"
+        return (
+            not self.production and path in HttpEndpoints.ENV_GET_PATHS
+        ) or self.openenv.async_get(path)
 
     def get(self, path: str) -> HttpResponse:
         """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
@@ -202,6 +212,11 @@ class HttpEndpoints:
             return UPGRADE_REQUIRED
         if path in PAGES and (self.web or path != "/web"):
             return page(PAGES[path])
+        if path == "/" and self.openenv.web:  # OpenEnv's root: its web interface
+            return HttpResponse(307, b"", headers=(("Location", "/web/"),))
+        extra = self.openenv.route("GET", path)
+        if extra is not None:  # e.g. /list_environments, /web/metadata: no env to wait on
+            return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         return self.not_found(path)
 
     def not_found(self, path: str) -> HttpResponse:
@@ -316,11 +331,12 @@ class HttpEndpoints:
         """Answer ``POST /mcp`` (always 200 with a JSON-RPC response, as OpenEnv does).
 
         ``tools/list`` / ``tools/call`` run on the OpenEnv MCP session named by
-        ``params.session_id``, else on a fresh env built for the request (holding a
-        session slot, as ``POST /step`` does). ``openenv/session/create`` and
-        ``openenv/session/close`` open and close such sessions (OpenEnv's
-        ``MCPToolClient`` does so); each holds a slot while it lives, and counts
-        against ``client``'s ``--max-sessions-per-client`` until closed.
+        ``params.session_id``, else on a fresh env built for the request (a
+        ``tools/call`` holds a session slot, as ``POST /step`` does; a ``tools/list``
+        takes none, so it is answered at capacity too, as on OpenEnv).
+        ``openenv/session/create`` and ``openenv/session/close`` open and close such
+        sessions (OpenEnv's ``MCPToolClient`` does so); each holds a slot while it lives,
+        and counts against ``client``'s ``--max-sessions-per-client`` until closed.
         """
         req = _mcp.parse(body)
         if isinstance(req, dict):
@@ -350,7 +366,11 @@ class HttpEndpoints:
                     )  # fmt: skip
                 return HttpResponse(200, rt.spec.json_encoder.encode(response))
             if req.method in _MCP_ENV_METHODS:  # a fresh env for the request (OpenEnv's)
-                response = await self._run(CallMode.TASK, dispatch, what="mcp", client=client)
+                # tools/list only reads: answered at capacity too, as OpenEnv does
+                listing = req.method == "tools/list"
+                response = await self._run(
+                    CallMode.TASK, dispatch, what="mcp", client=client, slot=not listing
+                )
             else:  # initialize, ping, unknown methods: no env needed
                 response = await dispatch(None)
             return HttpResponse(200, rt.spec.json_encoder.encode(response))
@@ -419,20 +439,22 @@ class HttpEndpoints:
         limit: float | None = None,
         what: str = "call",
         client: str | None = None,
+        slot: bool = True,
     ) -> Any:
         """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after.
 
         A session of ``client`` through the doorway (``Door.HTTP``): holds a session slot
         throughout (waiting for one as a WebSocket session does) and counts against the
-        client's quota; raises :class:`~stadium.CapacityError` over the quota or when no
-        slot frees in time, and
+        client's quota (neither with ``slot=False``: a stateless ``tools/list``, which
+        OpenEnv answers even at capacity); raises :class:`~stadium.CapacityError` over the
+        quota or when no slot frees in time, and
         :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
         runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
         without waiting (the abandoned call may still be running on it).
         """
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time())
+        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time()) if slot else None
         try:
             spec = rt.spec
             try:
@@ -451,7 +473,8 @@ class HttpEndpoints:
                 elif spec.has_close:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            rt.doors.release(charged, loop.time())
+            if charged is not None:
+                rt.doors.release(charged, loop.time())
 
 
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
@@ -519,6 +542,7 @@ class McpSessions:
         self._sessions: dict[str, _McpSession] = {}
         self._sweeping: asyncio.Task[None] | None = None
         runtime.sweepers.append(self._sweep_soon)
+        runtime.close_mcp_session = self.close
 
     def __len__(self) -> int:
         return len(self._sessions)

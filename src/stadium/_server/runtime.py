@@ -14,7 +14,7 @@ import enum
 import inspect
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from stadium._core.limits import ClientLimits
@@ -158,6 +158,9 @@ class Runtime:
         sessions (``endpoints.McpSessions``), which hold their slot and close their env."""
         self.attached: dict[str, SessionLike] = {}
         self.sweepers: list[Callable[[], None]] = []
+        self.close_mcp_session: Callable[[str], Awaitable[bool]] | None = None
+        """Closes an HTTP MCP session by id (set by the HTTP endpoints), for the
+        ``openenv/session/close`` a WebSocket session may send."""
         self.detached_idle_timeout = 300.0
         """Seconds a session without a live connection (HTTP MCP) is kept unused (0: forever;
         set by :meth:`start_reaper`)."""

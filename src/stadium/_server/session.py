@@ -504,6 +504,9 @@ class Session(ResumableSession):
             self.channel.send(self.protocol.mcp_reply(call, req))
             return None
         rt = self.runtime
+        if req.method in _SESSION_METHODS:  # OpenEnv's session methods, on this session
+            own = functools.partial(_session_method, rt, self._attach or self.resume_id or self.sid)
+            return rt.invoke.run(self.loop, CallMode.TASK, own, (req,), self._on_done, call)
         dispatch = functools.partial(
             _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe
         )
@@ -699,6 +702,30 @@ class Session(ResumableSession):
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
+
+_SESSION_METHODS = frozenset({"openenv/session/create", "openenv/session/close"})
+
+
+async def _session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[str, Any]:
+    """OpenEnv's session methods sent as an ``mcp`` message on ``/ws``, as OpenEnv 0.10
+    answers them: ``create`` returns this session's own id (no new session); ``close``
+    of this session is refused (close the WebSocket instead), of an HTTP MCP session
+    closes it."""
+    if req.method == "openenv/session/create":
+        return _mcp.success(req.id, {"session_id": own_id})
+    sid = req.params.get("session_id")
+    if not isinstance(sid, str) or not sid:
+        return _mcp.error(req.id, _mcp.INVALID_PARAMS, "Invalid params - 'session_id' is required")
+    if sid == own_id:
+        return _mcp.error(
+            req.id, _mcp.INVALID_REQUEST,
+            "Cannot close active WebSocket-managed session via MCP method",
+        )  # fmt: skip
+    close = rt.close_mcp_session
+    if close is None or not await close(sid):
+        return _mcp.error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid}")
+    return _mcp.success(req.id, {"session_id": sid, "closed": True})
+
 
 _QUIET_OUTCOMES = frozenset({"completed"})
 

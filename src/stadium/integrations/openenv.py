@@ -155,6 +155,8 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
     """
 
     openenv_class: ClassVar[type[Any]]
+    step_before_reset: ClassVar[bool] = True
+    """OpenEnv steps the env built at connect: a ``step`` before any ``reset`` is the env's."""
     openenv_factory: ClassVar[Callable[..., Any]]
     """What builds the wrapped env: the class, or the factory given to ``create_app``."""
     openenv_app: ClassVar[OpenEnvApp | None] = None
