@@ -21,12 +21,12 @@ from tests.conftest import TRANSPORTS, UNIT, serve
 pytest.importorskip("fastmcp")
 pytest.importorskip("openenv.core.env_server.mcp_environment")
 
-from fastmcp import FastMCP  # noqa: E402
-from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment  # noqa: E402
-from openenv.core.env_server.mcp_environment import MCPEnvironment  # noqa: E402
-from openenv.core.env_server.types import Action, Observation, State  # noqa: E402
+from fastmcp import FastMCP
+from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.types import Action, Observation, State
 
-from stadium.integrations.openenv import openenv_environment  # noqa: E402
+from stadium.integrations.openenv import openenv_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTES = f"{ROOT / 'tests/openenv_compat/mcp_notes.py'}:OpenEnvNotes"
@@ -198,12 +198,11 @@ async def test_json_rpc_over_a_websocket_at_mcp(transport: str) -> None:
         async with websockets.connect(_ws(server.url, "/mcp")) as ws:
             listed = await _ask(ws, _rpc("tools/list"))
             assert {t["name"] for t in listed["result"]["tools"]} >= {"add_note", "count"}
-            first = await _ask(ws, _rpc("tools/call", {"name": "add_note",
-                                                       "arguments": {"text": "a"}}, 2))  # fmt: skip
+            add = {"name": "add_note", "arguments": {"text": "a"}}
+            first = await _ask(ws, _rpc("tools/call", add, 2))
             assert first["id"] == 2
             assert first["result"]["data"] == 1
-            second = await _ask(ws, _rpc("tools/call", {"name": "add_note",
-                                                        "arguments": {"text": "b"}}, 3))  # fmt: skip
+            second = await _ask(ws, _rpc("tools/call", {**add, "arguments": {"text": "b"}}, 3))
             assert second["result"]["data"] == 2  # the connection's own env keeps its notes
             bad = await _ask(ws, _rpc("tools/call", {"name": "nope"}, 4))
             assert bad["error"]["code"] == -32602
