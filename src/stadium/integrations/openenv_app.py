@@ -256,14 +256,18 @@ def env_class_of(factory: Callable[..., Any], target: str) -> type[Any]:
 
 
 def package_version(cls: type[Any]) -> str | None:
-    """The version of the installed distribution ``cls``'s top-level package comes
-    from, if any (``openenv-coding-env`` 0.1.0), else ``None``."""
+    """The version of the installed distribution named after ``cls``'s top-level package
+    (``coding_env``: ``coding_env``, ``coding-env``, ``openenv-coding_env`` or
+    ``openenv-coding-env``, as OpenEnv names env packages), else ``None``. Looked up by
+    name: scanning every installed distribution costs about a second."""
     top = cls.__module__.split(".")[0]
-    try:
-        names = importlib.metadata.packages_distributions().get(top) or []
-        return importlib.metadata.version(names[0]) if names else None
-    except Exception:
-        return None
+    for name in dict.fromkeys((top, top.replace("_", "-"))):
+        for candidate in (name, f"openenv-{name}"):
+            try:
+                return importlib.metadata.version(candidate)
+            except (importlib.metadata.PackageNotFoundError, ValueError):
+                continue
+    return None
 
 
 def manifest_app(directory: Path, target: str) -> tuple[str, str]:
