@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 
@@ -39,7 +39,6 @@ from stadium._errors import (
 )
 from stadium._server.doorway import Door, Pass
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
-from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
 from stadium._util.throttle import ThrottledLog
 from stadium._version import __version__
@@ -76,6 +75,32 @@ UPGRADE_REQUIRED = error_response(
     "'Upgrade: websocket' (a WebSocket client does this)",
     "UPGRADE",
 )
+
+
+class ExtraRoutes(Protocol):
+    """Routes answered before the endpoints' own (``openenv_http.OpenEnvRoutes``)."""
+
+    web: bool
+    """Whether ``GET /`` redirects to the web interface (``/web/``)."""
+
+    def route(
+        self, method: str, path: str
+    ) -> Callable[[bytes], Awaitable[HttpResponse]] | None: ...
+
+    def async_get(self, path: str) -> bool: ...
+
+
+class _NoRoutes:
+    web = False
+
+    def route(self, method: str, path: str) -> None:
+        return None
+
+    def async_get(self, path: str) -> bool:
+        return False
+
+
+NO_EXTRA_ROUTES: ExtraRoutes = _NoRoutes()
 
 
 class HttpEndpoints:
@@ -123,8 +148,9 @@ class HttpEndpoints:
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
-        self.openenv = OpenEnvRoutes(self)
-        """OpenEnv's web-interface JSON endpoints and Task API (``openenv_http``)."""
+        self.openenv: ExtraRoutes = NO_EXTRA_ROUTES
+        """More routes (OpenEnv's web-interface JSON endpoints and Task API:
+        ``openenv_http.OpenEnvRoutes``, set by ``Worker.build``)."""
 
     async def handle(
         self, method: str, path: str, body: bytes, client: str | None = None

@@ -23,7 +23,7 @@ import functools
 import inspect
 import os
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -31,9 +31,14 @@ from stadium._core.protocol import reset_call
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError, ValidationError
-
-if TYPE_CHECKING:
-    from stadium._server.endpoints import HttpEndpoints, HttpResponse
+from stadium._server.endpoints import (
+    HttpEndpoints,
+    HttpResponse,
+    _new_episode_id,
+    _reset,
+    _step,
+    error_response,
+)
 
 TASK_METHODS = ("list_splits", "list_tasks", "num_tasks", "get_task", "get_task_range")
 _TASK_POSTS = {"tasks": "list_tasks", "num_tasks": "num_tasks", "task": "get_task",
@@ -112,8 +117,6 @@ class OpenEnvRoutes:
         return self._web_env
 
     async def _web_reset(self, body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import _new_episode_id, _reset
-
         data = _body(body)
         if isinstance(data, str):
             return self._error(422, data, "VALIDATION_ERROR")
@@ -134,8 +137,6 @@ class OpenEnvRoutes:
         return self._observation(result)
 
     async def _web_step(self, body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import _step
-
         data = _body(body)
         if isinstance(data, str):
             return self._error(422, data, "VALIDATION_ERROR")
@@ -154,8 +155,6 @@ class OpenEnvRoutes:
         return self._observation(result)
 
     async def _web_state(self, _body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import HttpResponse
-
         try:
             async with self._web_lock:
                 env = await self._web_env_ready()
@@ -165,20 +164,14 @@ class OpenEnvRoutes:
         return HttpResponse(200, self.runtime.spec.json_encoder.encode(state))
 
     async def _web_metadata(self, _body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import HttpResponse
-
         return HttpResponse(200, msgspec.json.encode(self.endpoints.metadata()))
 
     # -- the Task API --------------------------------------------------------------
 
     async def _list_environments(self, _body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import HttpResponse
-
         return HttpResponse(200, msgspec.json.encode([self.env_name]))
 
     async def _task(self, name: str, method: str, body: bytes) -> HttpResponse:
-        from stadium._server.endpoints import HttpResponse
-
         if name.lower() != self.env_name.lower():
             return self._error(404, f"unknown environment {name!r}", "NOT_FOUND")
         args: tuple[Any, ...] = ()
@@ -225,8 +218,6 @@ class OpenEnvRoutes:
     # -- answers ---------------------------------------------------------------------
 
     def _observation(self, result: Any) -> HttpResponse:
-        from stadium._server.endpoints import HttpResponse
-
         if isinstance(result, StepResult):
             payload = {"observation": result.observation, "reward": result.reward,
                        "done": result.done}  # fmt: skip
@@ -243,8 +234,6 @@ class OpenEnvRoutes:
 
     @staticmethod
     def _error(status: int, message: str, code: str) -> HttpResponse:
-        from stadium._server.endpoints import error_response
-
         return error_response(status, message, code)
 
 

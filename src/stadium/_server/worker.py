@@ -34,6 +34,7 @@ from stadium._server.isolation import (
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.pool import auto_limit
+from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
 from stadium._server.watchdog import Watchdog
@@ -170,7 +171,9 @@ class Worker:
             durable=durable,
         )
         runtime.isolation = isolation
-        return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
+        endpoints = HttpEndpoints(runtime, workers=config.workers)
+        endpoints.openenv = OpenEnvRoutes(endpoints)  # OpenEnv's web JSON API, Task API
+        return cls(config, spec, runtime, endpoints)
 
     def start(self) -> None:
         """Start the worker's timers (idle reaping, metrics, the session store's sweep)
