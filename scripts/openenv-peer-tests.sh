@@ -30,8 +30,16 @@ if [ -d "$REPO/.git" ]; then GIT=(git -C "$REPO"); else GIT=(git --git-dir="$REP
 WORK="$(mktemp -d -t openenv-peer.XXXXXX)"
 trap 'rm -rf "$WORK"' EXIT
 mkdir -p "$WORK/head" "$WORK/premcp" "$WORK/results"
-"${GIT[@]}" archive HEAD tests envs | tar -x -C "$WORK/head"
-"${GIT[@]}" archive "$PRE_MCP_ECHO" envs/echo_env | tar -x -C "$WORK/premcp"
+# File by file (not `git archive`): a mirror may lack its largest blobs; those are skipped.
+extract() {  # REV DEST PATH...
+  local rev="$1" dest="$2"; shift 2
+  "${GIT[@]}" ls-tree -r --name-only "$rev" -- "$@" | while read -r file; do
+    mkdir -p "$dest/$(dirname "$file")"
+    "${GIT[@]}" show "$rev:$file" >"$dest/$file" 2>/dev/null || { rm -f "$dest/$file"; echo "  (skipped $file: not in this copy)"; }
+  done
+}
+extract HEAD "$WORK/head" tests/envs tests/core envs/coding_env envs/echo_env envs/connect4_env
+extract "$PRE_MCP_ECHO" "$WORK/premcp" envs/echo_env
 echo "OpenEnv tests and envs at $("${GIT[@]}" rev-parse --short HEAD); pre-MCP echo_env at $PRE_MCP_ECHO"
 "$PY" -c 'import smolagents' 2>/dev/null || echo "warning: smolagents is not installed: coding_env cannot run (pip install smolagents)" >&2
 echo "openenv $("$PY" -c 'import importlib.metadata as m; print(m.version("openenv"))'), stadium $("$PY" -c 'import stadium; print(stadium.__version__)')"
