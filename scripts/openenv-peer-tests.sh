@@ -12,7 +12,8 @@
 # replaced by a local server), tests/core/test_production_mode_routes.py and
 # test_simulation_mode_preserves_api.py (TestClient replaced by a live server), and the
 # example envs coding_env, echo_env and the pre-MCP echo_env (commit 56f8922b) driven by
-# OpenEnv's GenericEnvClient. PEER_STARTUP_S (default 90) bounds each server's start.
+# OpenEnv's GenericEnvClient. PEER_STARTUP_S (default 90) bounds each server's start;
+# PEER_SUITES="coding_env examples" runs only those suites.
 # The real coding_env needs smolagents (`pip install smolagents`); without it its tests fail
 # on both servers alike.
 set -euo pipefail
@@ -45,16 +46,17 @@ echo "OpenEnv tests and envs at $("${GIT[@]}" rev-parse --short HEAD); pre-MCP e
 echo "openenv $("$PY" -c 'import importlib.metadata as m; print(m.version("openenv"))'), stadium $("$PY" -c 'import stadium; print(stadium.__version__)')"
 
 SUITES=(
-  "websockets:tests/envs/test_websockets.py"
   "coding_env:tests/envs/test_coding_env_integration.py"
   "production_mode:tests/core/test_production_mode_routes.py"
   "simulation_mode:tests/core/test_simulation_mode_preserves_api.py"
   "examples:$HERE/openenv_peer_examples.py"
+  "websockets:tests/envs/test_websockets.py"
 )
+[ -n "${PEER_SUITES:-}" ] && read -r -a SUITES <<<"$(for s in "${SUITES[@]}"; do case " $PEER_SUITES " in *" ${s%%:*} "*) printf '%s ' "$s";; esac; done)"
 export PEER_EXAMPLES="$WORK/head/envs=coding_env.server.app:app,$WORK/head=envs.echo_env.server.app:app,$WORK/premcp=envs.echo_env.server.app:app"
 export PEER_STARTUP_S="${PEER_STARTUP_S:-90}"
-for server in openenv stadium; do
-  for suite in "${SUITES[@]}"; do
+for suite in "${SUITES[@]}"; do
+  for server in openenv stadium; do
     name="${suite%%:*}"; path="${suite#*:}"
     [ -e "$path" ] || [ -e "$WORK/head/$path" ] || { echo "($name: $path not in this OpenEnv revision)"; continue; }
     echo "running $name against $server ..."
