@@ -62,7 +62,7 @@ for suite in "${SUITES[@]}"; do
     echo "running $name against $server ..."
     (cd "$WORK/head" && PEER_SERVER="$server" PYTHONPATH="$WORK/head:$WORK/head/envs:$HERE" \
       timeout "$SUITE_TIMEOUT" "$PY" -m pytest -q -p openenv_peer_plugin -p no:cacheprovider \
-        -o addopts="" --rootdir "$WORK/head" --junitxml "$WORK/results/$server-$name.xml" \
+        -o addopts="" -o asyncio_mode=auto --rootdir "$WORK/head" --junitxml "$WORK/results/$server-$name.xml" \
         "$path" >"$WORK/results/$server-$name.log" 2>&1) || true
   done
 done

@@ -74,8 +74,12 @@ def test_example_env_reset_step_state(directory: str, target: str) -> None:
 
 
 def _example(schema: dict[str, Any]) -> dict[str, Any]:
-    """An action for the schema: a string field gets "hello", numbers 1, booleans true."""
-    values = {"string": "hello", "integer": 1, "number": 1.0, "boolean": True}
+    """An action for the schema: a string field gets "hello", numbers 1, booleans true,
+    objects {}; of an ``anyOf`` (Stadium's schema of an MCP env's actions: its own model,
+    then OpenEnv's list_tools / call_tool) the first branch."""
+    if "anyOf" in schema and "properties" not in schema:
+        return _example(schema["anyOf"][0])
+    values = {"string": "hello", "integer": 1, "number": 1.0, "boolean": True, "object": {}}
     action: dict[str, Any] = {}
     for name in schema.get("required", []):
         kind = schema.get("properties", {}).get(name, {}).get("type", "string")
