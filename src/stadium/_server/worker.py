@@ -33,8 +33,8 @@ from stadium._server.isolation import (
 )
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
-from stadium._server.pool import auto_limit
 from stadium._server.openenv_http import OpenEnvRoutes
+from stadium._server.pool import auto_limit
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
 from stadium._server.watchdog import Watchdog
