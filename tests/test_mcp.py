@@ -336,15 +336,10 @@ def test_check_env_exercises_openenv_mcp_tools() -> None:
     assert stadium.check_env(env_cls, steps=6)
 
 
-async def test_an_abandoned_http_mcp_session_gives_its_slot_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_an_abandoned_http_mcp_session_gives_its_slot_back() -> None:
     """A client that created an HTTP MCP session and vanished does not hold its slot: the
-    worker's idle reaper closes the session once it is unused for ``IDLE_S``."""
-    from stadium._server.endpoints import McpSessions
-
-    monkeypatch.setattr(McpSessions, "IDLE_S", 0.2 * UNIT)
-    async with serve("tools", idle_timeout=0.4 * UNIT) as server, httpx.AsyncClient() as http:
+    worker's idle reaper closes the session once it is unused for ``--idle-timeout``."""
+    async with serve("tools", idle_timeout=0.2 * UNIT) as server, httpx.AsyncClient() as http:
         url = server.url + "/mcp"
         created = (await http.post(url, json=_rpc("openenv/session/create"))).json()
         sid = created["result"]["session_id"]

@@ -7,7 +7,8 @@ its own. In this order:
 1. **Access** (:class:`~stadium._core.access.AccessPolicy`): Host, Origin, bearer
    token. A refusal builds no environment and takes no slot. Every request is asked,
    not only upgrades (a ``GET /metrics`` needs the token too).
-2. **Is it a session upgrade?** ``GET /ws`` with ``Upgrade: websocket``; anything
+2. **Is it a session upgrade?** ``GET /ws`` (or OpenEnv's ``GET /mcp``: JSON-RPC
+   frames) with ``Upgrade: websocket``; anything
    else is ``None`` (an ordinary GET, which the HTTP endpoints answer: ``/ws``
    without the upgrade gets their ``426``).
 3. **What the connection carries**, from the query string and the offered subprotocols:
@@ -68,6 +69,9 @@ from stadium._core.resume import (
 
 WS_PATH = "/ws"
 """Where sessions live (OpenEnv's path)."""
+MCP_PATH = "/mcp"
+"""Where OpenEnv 0.10 serves JSON-RPC over a WebSocket (``WS /mcp``): one session per
+connection, each frame a bare JSON-RPC request (``stadium._server.mcp_socket``)."""
 ATTACH_PARAM = "session_id"
 """Query parameter of OpenEnv's attach to an HTTP MCP session (``/ws?session_id=``)."""
 
@@ -124,6 +128,8 @@ class Upgrade(NamedTuple):
     """A new resumable session's id and token (sent in the 101)."""
     resume: ResumeAsk | None = None
     """The existing session this connection resumes."""
+    mcp: bool = False
+    """JSON-RPC frames (``WS /mcp``), not the session protocol's."""
 
 
 # The upgrades most connections get, built once (an Upgrade is immutable).
@@ -135,6 +141,8 @@ BATCH = Upgrade(Encoding.JSON, BATCH_SUBPROTOCOL, batch=True)
 """A batch connection in JSON frames (its sessions not resumable)."""
 BATCH_MSGPACK = Upgrade(Encoding.MSGPACK, BATCH_MSGPACK_SUBPROTOCOL, batch=True)
 """A batch connection in MessagePack frames (its sessions not resumable)."""
+MCP = Upgrade(mcp=True)
+"""OpenEnv's ``WS /mcp``: a session whose frames are JSON-RPC requests and responses."""
 
 
 def negotiate(
@@ -175,12 +183,14 @@ def negotiate(
     if refusal is not None:
         return refusal
     path, _, query = target.partition("?")
-    if path != WS_PATH:
+    if path != WS_PATH and path != MCP_PATH:
         return None
     if websocket is None:
         websocket = (headers.get("upgrade") or "").strip().lower() == "websocket"
     if not websocket:
         return None
+    if path == MCP_PATH:
+        return MCP
     protocols = _offered(headers) if offered is None else list(offered)
     if not query and not protocols:
         return PLAIN  # OpenEnv's clients: nothing more to read

@@ -72,8 +72,14 @@ _ERROR = _json(
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def openapi(spec: EnvSpec, *, mode: str = SIMULATION, server_version: str = "") -> dict[str, Any]:
-    """The OpenAPI 3.1 document of a server of ``spec`` in ``mode``."""
+def openapi(
+    spec: EnvSpec, *, mode: str = SIMULATION, server_version: str = "", api_version: str = ""
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a server of ``spec`` in ``mode``.
+
+    ``info.version`` is the env's version, or ``api_version`` when given (an OpenEnv
+    env: OpenEnv's HTTP API version, as OpenEnv's server reports it; the env's own
+    version then goes in ``info.x-env-version``)."""
     defs: dict[str, Any] = {}
     schemas = spec.schemas()
     components = {
@@ -190,7 +196,8 @@ def openapi(spec: EnvSpec, *, mode: str = SIMULATION, server_version: str = "") 
         "openapi": "3.1.0",
         "info": {
             "title": spec.name,
-            "version": spec.version,
+            "version": api_version or spec.version,
+            **({"x-env-version": spec.version} if api_version else {}),
             "description": spec.description,
             "x-server": f"stadium {server_version}".strip(),
             "x-mode": mode,

@@ -316,7 +316,7 @@ class SessionProtocol:
             )
         try:
             if op is Op.STEP:
-                if self.state is not SessionState.READY:
+                if self.state is not SessionState.READY and not self.spec.step_before_reset:
                     raise SessionError("no episode is running: send reset before step")
                 return Call(
                     op, rid, action=self._decode_action(envelope.data), timeout_s=envelope.timeout_s

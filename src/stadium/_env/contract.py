@@ -114,6 +114,9 @@ class Environment(Generic[ActT, ObsT, StateT]):
     * ``allow_extra_fields`` (default ``False``): a ``msgspec.Struct`` action with a
       field the type does not declare is a ``VALIDATION_ERROR`` naming it; set
       ``True`` to accept (and drop) unknown fields.
+    * ``step_before_reset`` (default ``False``): a ``step`` sent before any ``reset``
+      is a ``SESSION_ERROR``; set ``True`` to step the instance as ``__init__`` left it
+      (what OpenEnv's server does; OpenEnv envs served by Stadium have it on).
 
     An environment may also define ``sample_action(self, rng: random.Random) -> Act``,
     which :func:`stadium.check_env` uses to try actions.
@@ -130,6 +133,7 @@ class Environment(Generic[ActT, ObsT, StateT]):
     description: ClassVar[str] = ""
     blocking: ClassVar[bool] = True
     allow_extra_fields: ClassVar[bool] = False
+    step_before_reset: ClassVar[bool] = False
     action_type: ClassVar[Any]
     observation_type: ClassVar[Any]
     state_type: ClassVar[Any] = State

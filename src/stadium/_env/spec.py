@@ -79,6 +79,9 @@ class EnvSpec:
     msgpack_encoder: msgspec.msgpack.Encoder
     schema_extra: dict[str, Any]
     info_key: str
+    step_before_reset: bool = False
+    """The class's ``step_before_reset``: a ``step`` before any ``reset`` steps the env
+    as it was built (OpenEnv's behaviour) instead of being a ``SESSION_ERROR``."""
 
     @classmethod
     def of(
@@ -148,6 +151,7 @@ class EnvSpec:
             msgpack_encoder=msgspec.msgpack.Encoder(enc_hook=enc_hook or msgpack_enc_hook),
             schema_extra=dict(schema_extra),
             info_key=str(getattr(env_cls, "info_key", "info")),
+            step_before_reset=bool(getattr(env_cls, "step_before_reset", False)),
         )
 
     def schemas(self) -> dict[str, Any]:

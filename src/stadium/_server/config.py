@@ -16,6 +16,9 @@ import click
 from stadium._errors import ConfigError
 
 DEFAULT_MAX_SESSIONS = 8192
+DEFAULT_DETACHED_IDLE_TIMEOUT = 300.0
+"""Seconds an HTTP MCP session (no live connection) may sit unused before it is closed,
+unless ``--idle-timeout`` is given."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -34,6 +37,10 @@ class ServerConfig:
         max_waiting_per_client: sessions one client address may have waiting for
             a slot, over its connections; more are refused at once (0: no bound).
         idle_timeout: seconds without a request before a session is closed (0: never).
+            ``None`` (the default): a session with a live connection (whose peer answers
+            pings) is never closed for being quiet; sessions without one (HTTP MCP
+            sessions) are closed after :data:`DEFAULT_DETACHED_IDLE_TIMEOUT`. A number
+            applies to every session, connected or not.
         max_message_bytes: largest accepted WebSocket message.
         drain_timeout: on SIGTERM, seconds in-flight requests get to finish.
         resume_grace: seconds a resumable session (one a Stadium client opened) keeps
@@ -106,6 +113,12 @@ class ServerConfig:
         sandbox_memory, sandbox_cpus, sandbox_pids, sandbox_disk: per-session limits
             of ``sandbox``: MiB of memory, CPU cores, processes, MiB of work directory.
             Each call is bounded by ``step_timeout`` (300 s when that is 0).
+        action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
+            model of an OpenEnv env class or app target, over the one it declares.
+        given: the names of the settings the operator gave (options, their environment
+            variables, or values other than the defaults in code); a setting an OpenEnv
+            app target's ``create_app`` was given (``max_concurrent_envs``) applies
+            where the operator gave none (:meth:`for_target`).
     """
 
     target: str
@@ -116,7 +129,7 @@ class ServerConfig:
     admission_timeout: float = 5.0
     max_waiting_per_connection: int = 4096
     max_waiting_per_client: int = 16384
-    idle_timeout: float = 300.0
+    idle_timeout: float | None = None
     max_message_bytes: int = 10 * 1024 * 1024
     drain_timeout: float = 30.0
     resume_grace: float = 60.0
@@ -157,15 +170,28 @@ class ServerConfig:
     sandbox_cpus: float = 1.0
     sandbox_pids: int = 128
     sandbox_disk: int = 256
+    action_model: str | None = None
+    given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
+        differ = {
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name != "given"
+            and f.default is not dataclasses.MISSING
+            and getattr(self, f.name) != f.default
+        }
+        object.__setattr__(self, "given", self.given | differ)
         _check(0 <= self.port <= 65535, "--port must be 0..65535", port=self.port)
         _check(1 <= self.workers <= 256, "--workers must be 1..256", workers=self.workers)
         _check(self.max_sessions >= 1, "--max-sessions must be at least 1", value=self.max_sessions)
         _check(self.admission_timeout >= 0, "--admission-timeout must be >= 0")
         _check(self.max_waiting_per_connection >= 0, "--max-waiting-per-connection must be >= 0")
         _check(self.max_waiting_per_client >= 0, "--max-waiting-per-client must be >= 0")
-        _check(self.idle_timeout >= 0, "--idle-timeout must be >= 0 (0 disables it)")
+        _check(
+            self.idle_timeout is None or self.idle_timeout >= 0,
+            "--idle-timeout must be >= 0 (0 disables it)",
+        )
         _check(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _check(
             0 <= self.resume_grace <= 86400,
@@ -258,6 +284,16 @@ class ServerConfig:
                 path=path,
             )
 
+    @property
+    def connected_idle_timeout(self) -> float:
+        """Seconds a quiet session with a live connection is kept (0: forever, the default)."""
+        return self.idle_timeout or 0.0
+
+    @property
+    def detached_idle_timeout(self) -> float:
+        """Seconds a session without a live connection (HTTP MCP) is kept unused (0: forever)."""
+        return DEFAULT_DETACHED_IDLE_TIMEOUT if self.idle_timeout is None else self.idle_timeout
+
     @classmethod
     def from_options(cls, **options: Any) -> ServerConfig:
         """Build from click options (``None`` means: use the default)."""
@@ -278,7 +314,16 @@ class ServerConfig:
             kwargs["auth_token"] = read_token_file(token_file)
         if "allowed_origins" in kwargs:
             kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
-        return cls(**kwargs)
+        return cls(**kwargs, given=frozenset(kwargs))
+
+    def for_target(self, env_cls: type[Any]) -> ServerConfig:
+        """This configuration with the settings ``env_cls`` brings where the operator gave
+        none: an OpenEnv app target's ``max_concurrent_envs`` becomes ``max_sessions``."""
+        app = getattr(env_cls, "openenv_app", None)
+        limit = getattr(app, "max_concurrent_envs", None)
+        if limit is None or "max_sessions" in self.given or limit == self.max_sessions:
+            return self
+        return dataclasses.replace(self, max_sessions=int(limit), given=self.given)
 
 
 _DEFAULT_STORE: list[str] = []
@@ -366,7 +411,10 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Sessions one client address may have waiting for a slot; 0 no bound [16384].",
         ),
         click.option(
-            "--idle-timeout", type=float, help="Close sessions idle this long; 0 off [300]."
+            "--idle-timeout",
+            type=float,
+            help="Close sessions idle this long, connected ones too; 0 off [connected: "
+            "never; HTTP MCP sessions: 300].",
         ),
         click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
         click.option(
@@ -394,6 +442,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             help="Longest wait before restarting a worker that keeps crashing [30].",
         ),
         click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
+        click.option(
+            "--action-model",
+            metavar="MODULE:CLASS",
+            help="The pydantic action model of an OpenEnv env class or app (for envs that "
+            "give it only to create_app) [the one the env declares].",
+        ),
         click.option(
             "--log-level",
             type=click.Choice(["debug", "info", "warning", "error"]),

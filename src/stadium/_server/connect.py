@@ -13,6 +13,7 @@ from stadium._core.handshake import Upgrade
 from stadium._core.protocol import SessionProtocol
 from stadium._errors import StadiumError
 from stadium._server.batch import BatchServerConnection
+from stadium._server.mcp_socket import McpSocket
 from stadium._server.reattach import resume_session
 from stadium._server.runtime import CLOSE_POLICY, NODE_NAME, Channel, Runtime
 from stadium._server.session import Session
@@ -25,7 +26,7 @@ def open_upgrade(
     *,
     client: str | None,
     address: Callable[[], str],
-) -> Session | BatchServerConnection | None:
+) -> Session | BatchServerConnection | McpSocket | None:
     """Open what ``upgrade`` names on ``channel``; ``None`` when a resume is refused
     (the client was told why, with ``RESUME_FAILED``, and the connection is closing).
 
@@ -44,6 +45,8 @@ def open_upgrade(
             channel.close(CLOSE_POLICY, "session cannot be resumed")
             return None
         return result
+    if upgrade.mcp:  # OpenEnv's WS /mcp: JSON-RPC frames on a session of its own
+        return McpSocket(runtime, channel, client)
     if upgrade.batch:
         where = (NODE_NAME, address()) if upgrade.resumable else None
         return BatchServerConnection(runtime, channel, upgrade.encoding, client, where)

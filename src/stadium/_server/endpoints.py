@@ -20,8 +20,8 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol
 
 import msgspec
 
@@ -77,6 +77,32 @@ UPGRADE_REQUIRED = error_response(
 )
 
 
+class ExtraRoutes(Protocol):
+    """Routes answered before the endpoints' own (``openenv_http.OpenEnvRoutes``)."""
+
+    web: bool
+    """Whether ``GET /`` redirects to the web interface (``/web/``)."""
+
+    def route(
+        self, method: str, path: str
+    ) -> Callable[[bytes], Awaitable[HttpResponse]] | None: ...
+
+    def async_get(self, path: str) -> bool: ...
+
+
+class _NoRoutes:
+    web = False
+
+    def route(self, method: str, path: str) -> None:
+        return None
+
+    def async_get(self, path: str) -> bool:
+        return False
+
+
+NO_EXTRA_ROUTES: ExtraRoutes = _NoRoutes()
+
+
 class HttpEndpoints:
     """The HTTP surface of one worker.
 
@@ -99,6 +125,8 @@ class HttpEndpoints:
         self.workers = workers
         spec = runtime.spec
         self._schema = msgspec.json.encode(spec.schemas())
+        app = getattr(spec.env_cls, "openenv_app", None)  # an OpenEnv app's own mode
+        mode = mode or (app.mode if app is not None else None)
         mode = (mode or os.environ.get(MODE_ENV) or SIMULATION).strip().lower()
         if mode not in MODES:
             raise ConfigError(
@@ -106,14 +134,23 @@ class HttpEndpoints:
             )
         self.mode = mode
         """OpenEnv's server mode: ``simulation`` (default) or ``production`` (no
-        ``/reset``, ``/step``, ``/state``); from ``OPENENV_MODE`` unless given."""
+        ``/reset``, ``/step``, ``/state``); given, else the one an OpenEnv app target's
+        routes were registered for, else from ``OPENENV_MODE``."""
         self.production = mode != SIMULATION
-        self._openapi = msgspec.json.encode(openapi(spec, mode=mode, server_version=__version__))
+        self._openapi = msgspec.json.encode(
+            openapi(
+                spec, mode=mode, server_version=__version__,
+                api_version=str(getattr(spec.env_cls, "api_version", "")),
+            )
+        )  # fmt: skip
         self.mcp_sessions = McpSessions(runtime)
         self._metrics = registry_for(StadiumCollector(runtime.board, runtime.publish_metrics))
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
+        self.openenv: ExtraRoutes = NO_EXTRA_ROUTES
+        """More routes (OpenEnv's web-interface JSON endpoints and Task API:
+        ``openenv_http.OpenEnvRoutes``, set by ``Worker.build``)."""
 
     async def handle(
         self, method: str, path: str, body: bytes, client: str | None = None
@@ -148,6 +185,12 @@ class HttpEndpoints:
     async def _answer(
         self, method: str, path: str, body: bytes, client: str | None
     ) -> HttpResponse:
+        extra = self.openenv.route(method, path.split("?", 1)[0].rstrip("/") or "/")
+        if extra is not None:
+            try:
+                return await extra(body)
+            except Exception as exc:
+                return self._internal_error(method, path, exc)
         if method == "GET":
             if self.builds_env(path):
                 return await self.state(client)
@@ -161,9 +204,10 @@ class HttpEndpoints:
 
     def builds_env(self, path: str) -> bool:
         """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
-        return not self.production and (
-            (path.split("?", 1)[0].rstrip("/") or "/") in HttpEndpoints.ENV_GET_PATHS
-        )
+        path = path.split("?", 1)[0].rstrip("/") or "/"
+        return (
+            not self.production and path in HttpEndpoints.ENV_GET_PATHS
+        ) or self.openenv.async_get(path)
 
     def get(self, path: str) -> HttpResponse:
         """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
@@ -194,6 +238,11 @@ class HttpEndpoints:
             return UPGRADE_REQUIRED
         if path in PAGES and (self.web or path != "/web"):
             return page(PAGES[path])
+        if path == "/" and self.openenv.web:  # OpenEnv's root: its web interface
+            return HttpResponse(307, b"", headers=(("Location", "/web/"),))
+        extra = self.openenv.route("GET", path)
+        if extra is not None:  # e.g. /list_environments, /web/metadata: no env to wait on
+            return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         return self.not_found(path)
 
     def not_found(self, path: str) -> HttpResponse:
@@ -308,11 +357,12 @@ class HttpEndpoints:
         """Answer ``POST /mcp`` (always 200 with a JSON-RPC response, as OpenEnv does).
 
         ``tools/list`` / ``tools/call`` run on the OpenEnv MCP session named by
-        ``params.session_id``, else on a fresh env built for the request (holding a
-        session slot, as ``POST /step`` does). ``openenv/session/create`` and
-        ``openenv/session/close`` open and close such sessions (OpenEnv's
-        ``MCPToolClient`` does so); each holds a slot while it lives, and counts
-        against ``client``'s ``--max-sessions-per-client`` until closed.
+        ``params.session_id``, else on a fresh env built for the request (a
+        ``tools/call`` holds a session slot, as ``POST /step`` does; a ``tools/list``
+        takes none, so it is answered at capacity too, as on OpenEnv).
+        ``openenv/session/create`` and ``openenv/session/close`` open and close such
+        sessions (OpenEnv's ``MCPToolClient`` does so); each holds a slot while it lives,
+        and counts against ``client``'s ``--max-sessions-per-client`` until closed.
         """
         req = _mcp.parse(body)
         if isinstance(req, dict):
@@ -342,7 +392,11 @@ class HttpEndpoints:
                     )  # fmt: skip
                 return HttpResponse(200, rt.spec.json_encoder.encode(response))
             if req.method in _MCP_ENV_METHODS:  # a fresh env for the request (OpenEnv's)
-                response = await self._run(CallMode.TASK, dispatch, what="mcp", client=client)
+                # tools/list only reads: answered at capacity too, as OpenEnv does
+                listing = req.method == "tools/list"
+                response = await self._run(
+                    CallMode.TASK, dispatch, what="mcp", client=client, slot=not listing
+                )
             else:  # initialize, ping, unknown methods: no env needed
                 response = await dispatch(None)
             return HttpResponse(200, rt.spec.json_encoder.encode(response))
@@ -411,20 +465,22 @@ class HttpEndpoints:
         limit: float | None = None,
         what: str = "call",
         client: str | None = None,
+        slot: bool = True,
     ) -> Any:
         """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after.
 
         A session of ``client`` through the doorway (``Door.HTTP``): holds a session slot
         throughout (waiting for one as a WebSocket session does) and counts against the
-        client's quota; raises :class:`~stadium.CapacityError` over the quota or when no
-        slot frees in time, and
+        client's quota (neither with ``slot=False``: a stateless ``tools/list``, which
+        OpenEnv answers even at capacity); raises :class:`~stadium.CapacityError` over the
+        quota or when no slot frees in time, and
         :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
         runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
         without waiting (the abandoned call may still be running on it).
         """
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time())
+        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time()) if slot else None
         try:
             spec = rt.spec
             try:
@@ -443,7 +499,8 @@ class HttpEndpoints:
                 elif spec.has_close:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            rt.doors.release(charged, loop.time())
+            if charged is not None:
+                rt.doors.release(charged, loop.time())
 
 
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
@@ -499,35 +556,42 @@ class _McpSession:
 class McpSessions:
     """OpenEnv's HTTP MCP sessions (``openenv/session/create``): an env per session id,
     each holding a session slot until ``openenv/session/close`` or until unused for
-    :attr:`IDLE_S` seconds (checked at each create and with each round of the worker's
+    ``--idle-timeout`` seconds (300 by default: ``Runtime.detached_idle_timeout``;
+    checked at each create and with each round of the worker's
     idle reaper: a client that vanished does not hold its slot). A WebSocket opened at
     ``/ws?session_id=ID`` drives the same env (``Session(attach=ID)``), as OpenEnv's
     ``MCPToolClient`` does. Per worker process.
     """
-
-    IDLE_S = 300.0
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._sessions: dict[str, _McpSession] = {}
         self._sweeping: asyncio.Task[None] | None = None
         runtime.sweepers.append(self._sweep_soon)
+        runtime.close_mcp_session = self.close
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def _idle(self) -> list[str]:
+        limit = self.runtime.detached_idle_timeout
+        if limit <= 0:
+            return []
         now = asyncio.get_running_loop().time()
         attached = self.runtime.attached
         return [
             sid
             for sid, s in self._sessions.items()
-            if now - s.last_used > self.IDLE_S and not s.lock.locked() and sid not in attached
+            if now - s.last_used > limit and not s.lock.locked() and sid not in attached
         ]
 
     async def _sweep(self) -> None:
         for sid in self._idle():
-            await self.close(sid)
+            log.info(
+                "MCP session %s closed (reaped): unused for more than %gs",
+                sid, self.runtime.detached_idle_timeout,
+            )  # fmt: skip
+            await self.close(sid, outcome="reaped")
 
     def _sweep_soon(self) -> None:
         """The reaper's round: close the idle sessions (in a task: closing awaits the env)."""
@@ -570,12 +634,14 @@ class McpSessions:
             session.last_used = loop.time()  # bounded by --step-timeout, as on /ws
             return await self.runtime.invoke.call(loop, CallMode.TASK, call, session.env)
 
-    async def close(self, sid: str) -> bool:
-        """Close session ``sid`` (its env closed, its slot freed); whether it existed."""
+    async def close(self, sid: str, outcome: str = "completed") -> bool:
+        """Close session ``sid`` (its env closed, its slot freed, counted as ``outcome``
+        in ``stadium_sessions_total``); whether it existed."""
         session = self._sessions.pop(sid, None)
         if session is None:
             return False
         rt = self.runtime
+        rt.outcomes[outcome] += 1
         rt.attachable.pop(sid, None)
         attached = rt.attached.get(sid)
         if attached is not None:  # its WebSocket goes with it

@@ -5,6 +5,12 @@ or ``gymnasium:ENV_ID``. The class may be a Stadium ``Environment``, an OpenEnv
 ``Environment`` (wrapped by :mod:`stadium.integrations.openenv`) or a
 ``gymnasium.Env`` (wrapped by :mod:`stadium.integrations.gymnasium`).
 
+TARGET may also be an OpenEnv *app*: ``pkg.server.app:app`` (what ``create_app(...)``
+returned, as served with uvicorn), or an env directory with an ``openenv.yaml``
+(whose ``app:`` names it). The env class, its action, observation and state models,
+``max_concurrent_envs`` and the mode are read from what ``create_app`` was given
+(:mod:`stadium.integrations.openenv_app`); OpenEnv's server is not started.
+
 Where imports look (as uvicorn and ``python`` do, so projects serve as laid out):
 
 * ``package.module:Class``: the working directory is put first on ``sys.path``.
@@ -36,7 +42,10 @@ GYMNASIUM_PREFIX = "gymnasium:"
 
 
 def load_target(
-    target: str, *, env_kwargs: dict[str, Any] | None = None
+    target: str,
+    *,
+    env_kwargs: dict[str, Any] | None = None,
+    action_model: str | None = None,
 ) -> type[Environment[Any, Any, Any]]:
     """Import TARGET and return the environment class it names.
 
@@ -45,12 +54,36 @@ def load_target(
         env_kwargs: the server's ``--env-kwargs``. Only Gymnasium targets use them
             here (their spaces are read from an instance built with them); every
             target's instances are built with them by the server.
+        action_model: ``--action-model module:Class`` (or ``file.py:Class``): the
+            pydantic action model of an OpenEnv env class or app, over the one it
+            declares (or the one ``create_app`` was given).
 
     Raises:
         TargetError: the module or attribute does not exist, is not an environment,
-            or an optional dependency (gymnasium, openenv) is missing.
+            or an optional dependency (gymnasium, openenv) is missing; an
+            ``action_model`` for a target that is not an OpenEnv env.
     """
     from stadium.envs import BUILTIN
+
+    if action_model is not None:
+        served = load_target(target, env_kwargs=env_kwargs)
+        from stadium.integrations.openenv import OpenEnvAdapter, openenv_environment
+
+        if not issubclass(served, OpenEnvAdapter):
+            raise TargetError(
+                f"--action-model names the action model of an OpenEnv env; {target!r} is not "
+                "one (a Stadium env declares its action type: Environment[Action, ...])",
+                target=target,
+            )
+        model_module, model_attr = _split(action_model, action_model)
+        model = _attribute(_import(model_module, action_model), model_attr, model_module)
+        return openenv_environment(served.openenv_class, action=model, app=served.openenv_app)
+    if target not in BUILTIN and os.path.isdir(target):
+        from stadium.integrations.openenv_app import manifest_app
+
+        module_part, attr = manifest_app(Path(target).resolve(), target)
+        obj = _attribute(_import(module_part, target), attr, module_part)
+        return _from_object(obj, target, env_kwargs)
 
     if target.startswith(GYMNASIUM_PREFIX):
         env_id = target[len(GYMNASIUM_PREFIX) :]
@@ -63,22 +96,42 @@ def load_target(
         )
         return cls
     spec = BUILTIN.get(target, target)
+    module_part, attr = _split(spec, target)
+    obj = _attribute(_import(module_part, target), attr, module_part)
+    return _from_object(obj, target, env_kwargs)
+
+
+def _split(spec: str, target: str) -> tuple[str, str]:
+    from stadium.envs import BUILTIN
+
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise TargetError(
             f"cannot understand target {target!r}: use a built-in name "
-            f"({', '.join(sorted(BUILTIN))}), package.module:Class or path/to/file.py:Class",
+            f"({', '.join(sorted(BUILTIN))}), package.module:Class, path/to/file.py:Class, "
+            "pkg.server.app:app (an OpenEnv app) or an env directory with an openenv.yaml",
             target=target,
         )
-    module = _import(module_part, target)
+    return module_part, attr
+
+
+def _attribute(module: Any, attr: str, module_part: str) -> Any:
     obj: Any = module
     for part in attr.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
             raise TargetError(
-                f"{module_part!r} has no attribute {attr!r} (target {target!r})", target=target
+                f"{module_part!r} has no attribute {attr!r}", target=f"{module_part}:{attr}"
             ) from None
+    return obj
+
+
+def _from_object(
+    obj: Any, target: str, env_kwargs: dict[str, Any] | None
+) -> type[Environment[Any, Any, Any]]:
+    """The environment class serving ``obj``: a Stadium, OpenEnv or Gymnasium env class,
+    or an OpenEnv app."""
     if isinstance(obj, type) and issubclass(obj, Environment):
         return obj
     from stadium.integrations.openenv import is_openenv_environment
@@ -87,6 +140,14 @@ def load_target(
         from stadium.integrations.openenv import openenv_environment
 
         return openenv_environment(obj)
+    from stadium.integrations.openenv_app import is_openenv_app
+
+    if is_openenv_app(obj):
+        from stadium.integrations.openenv import openenv_environment
+        from stadium.integrations.openenv_app import app_settings
+
+        app = app_settings(obj, target)
+        return openenv_environment(app.env_class, app=app)
     gym = sys.modules.get("gymnasium")
     if gym is not None and isinstance(obj, type) and issubclass(obj, gym.Env):
         gym_cls: type[Environment[Any, Any, Any]] = _gymnasium(target).gymnasium_environment(
@@ -95,7 +156,8 @@ def load_target(
         return gym_cls
     raise TargetError(
         f"{target!r} is {obj!r}, not a stadium.Environment subclass (nor an OpenEnv "
-        "Environment or gymnasium.Env subclass, which Stadium can also serve)",
+        "Environment or gymnasium.Env subclass, or an OpenEnv app from create_app(), "
+        "which Stadium can also serve)",
         target=target,
     )
 
@@ -112,6 +174,15 @@ def _gymnasium(target: str) -> Any:
 
 
 def _import(module_part: str, target: str) -> Any:
+    """Import ``module_part`` (a module or a file), noting what OpenEnv apps created
+    while it is imported are given (:func:`~stadium.integrations.openenv_app.recording_servers`)."""
+    from stadium.integrations.openenv_app import recording_servers
+
+    with recording_servers():
+        return _import_module(module_part, target)
+
+
+def _import_module(module_part: str, target: str) -> Any:
     if module_part.endswith(".py") or "/" in module_part:
         return _import_file(Path(module_part).expanduser().resolve(), target)
     add_to_path(os.getcwd())  # as uvicorn and ``python -m`` do

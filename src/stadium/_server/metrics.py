@@ -323,7 +323,9 @@ class StadiumCollector(Collector):
 
         yield _gauge("stadium_sessions_active", "Sessions open (admitted).", total(_ACTIVE))
         sessions = CounterMetricFamily(
-            "stadium_sessions_total", "WebSocket sessions ended, by outcome.", labels=["outcome"]
+            "stadium_sessions_total",
+            "Sessions ended (WebSocket and HTTP MCP), by outcome.",
+            labels=["outcome"],
         )
         for i, outcome in enumerate(OUTCOMES):
             sessions.add_metric([outcome], total(_OUTCOMES + i))

@@ -14,7 +14,7 @@ import enum
 import inspect
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from stadium._core.limits import ClientLimits
@@ -158,6 +158,12 @@ class Runtime:
         sessions (``endpoints.McpSessions``), which hold their slot and close their env."""
         self.attached: dict[str, SessionLike] = {}
         self.sweepers: list[Callable[[], None]] = []
+        self.close_mcp_session: Callable[[str], Awaitable[bool]] | None = None
+        """Closes an HTTP MCP session by id (set by the HTTP endpoints), for the
+        ``openenv/session/close`` a WebSocket session may send."""
+        self.detached_idle_timeout = 300.0
+        """Seconds a session without a live connection (HTTP MCP) is kept unused (0: forever;
+        set by :meth:`start_reaper`)."""
         """Called with each round of the idle reaper (e.g. ``endpoints``'s idle MCP sessions)."""
         """The session attached to each of :attr:`attachable` (one at a time)."""
         self.sessions: set[SessionLike] = set()
@@ -222,7 +228,8 @@ class Runtime:
                 SESSION_ID.reset(token)
 
     def reap_idle(self, idle_timeout: float) -> int:
-        """Close sessions with no request for ``idle_timeout`` seconds; return how many."""
+        """Close connected sessions with no request for ``idle_timeout`` seconds; return
+        how many (each closed with 1001, its reason logged, counted as ``reaped``)."""
         now = asyncio.get_running_loop().time()
         reaped = 0
         for session in list(self.sessions):
@@ -236,18 +243,26 @@ class Runtime:
                 reaped += 1
         return reaped
 
-    def start_reaper(self, idle_timeout: float) -> None:
-        """Reap idle sessions every ``idle_timeout / 4`` s (at most 5 s) on the running loop.
+    def start_reaper(self, connected: float, detached: float = 0.0) -> None:
+        """Reap idle sessions on the running loop, every quarter of the shorter timeout
+        (at most 5 s). Idempotent; :meth:`shutdown` stops it.
 
-        Idempotent; ``idle_timeout`` 0 disables it. :meth:`shutdown` stops it.
+        Args:
+            connected: seconds a quiet session with a live connection is kept (0: forever;
+                ``--idle-timeout`` given explicitly). Its peer's liveness is the pings' job.
+            detached: seconds a session without a live connection (an HTTP MCP session,
+                :attr:`sweepers`) is kept unused (0: forever).
         """
-        if self._reaper is not None or idle_timeout <= 0:
+        self.detached_idle_timeout = detached
+        timeouts = [t for t in (connected, detached) if t > 0]
+        if self._reaper is not None or not timeouts:
             return
         loop = asyncio.get_running_loop()
-        interval = max(0.05, min(idle_timeout / 4, 5.0))
+        interval = max(0.05, min(min(timeouts) / 4, 5.0))
 
         def reap() -> None:
-            self.reap_idle(idle_timeout)
+            if connected > 0:
+                self.reap_idle(connected)
             for sweep in self.sweepers:
                 sweep()
             self._reaper = loop.call_later(interval, reap)

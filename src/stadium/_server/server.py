@@ -217,8 +217,8 @@ class Server:
         board: MetricsBoard | None = None,
         handoff_dir: str | None = None,
     ) -> None:
-        self.config = config
         self.worker = Worker.build(config, env_cls, slots=slots, board=board)
+        self.config = self.worker.config
         self._handoff_dir = handoff_dir
         """The server's private directory of hand-off sockets (``handoff.private_dir``),
         shared by its workers; ``None``: this worker makes its own, removed on stop."""
@@ -510,7 +510,10 @@ def run_server(config: ServerConfig) -> int:
       ``os._exit`` (after flushing its logs) instead of joining them forever.
     """
     _setup_logging(config.log_level, config.log_format)
-    env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+    env_cls = load_target(
+        config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
+    )
+    config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
     spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
     check_fd_budget(config, raise_nofile_limit())
     server_ssl_context(config)  # fail fast, before binding, on unusable TLS files
@@ -528,6 +531,8 @@ def run_server(config: ServerConfig) -> int:
             "the key in --session-store-key" if config.session_store_key else "a key made now",
         )
     sock = listen_socket(config.host, config.port)
+    # Where this server listens, for envs that report it (the benchmark env's host_url).
+    os.environ["STADIUM_PORT"] = str(sock.getsockname()[1])
     _announce(config, sock, spec.name)
     if config.workers == 1:
         server = Server(config, env_cls, sock=sock)

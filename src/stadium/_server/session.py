@@ -53,6 +53,7 @@ from stadium._server.runtime import (
     MAX_PENDING,
     MAX_PENDING_BYTES,
     NODE_NAME,
+    SESSION_ID,
     Channel,
     Phase,
     Runtime,
@@ -269,6 +270,8 @@ class Session(ResumableSession):
         if self._waiter is not None:
             self.runtime.admission.cancel(self._waiter)
             self._waiter = None
+        if self.phase is not Phase.CLOSING:
+            _log_close(self, None, "the connection was closed by the peer or lost")
         self._teardown()
 
     def close(self, code: int = CLOSE_GOING_AWAY, reason: str = "server closing session") -> None:
@@ -501,6 +504,9 @@ class Session(ResumableSession):
             self.channel.send(self.protocol.mcp_reply(call, req))
             return None
         rt = self.runtime
+        if req.method in _SESSION_METHODS:  # OpenEnv's session methods, on this session
+            own = functools.partial(_session_method, rt, self._attach or self.resume_id or self.sid)
+            return rt.invoke.run(self.loop, CallMode.TASK, own, (req,), self._on_done, call)
         dispatch = functools.partial(
             _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe
         )
@@ -652,6 +658,7 @@ class Session(ResumableSession):
     # -- teardown ---------------------------------------------------------------
 
     def _finish_close(self, code: int, reason: str) -> None:
+        _log_close(self, code, reason)
         self.channel.close(code, reason)
         self._teardown()
 
@@ -695,6 +702,49 @@ class Session(ResumableSession):
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
+
+_SESSION_METHODS = frozenset({"openenv/session/create", "openenv/session/close"})
+
+
+async def _session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[str, Any]:
+    """OpenEnv's session methods sent as an ``mcp`` message on ``/ws``, as OpenEnv 0.10
+    answers them: ``create`` returns this session's own id (no new session); ``close``
+    of this session is refused (close the WebSocket instead), of an HTTP MCP session
+    closes it."""
+    if req.method == "openenv/session/create":
+        return _mcp.success(req.id, {"session_id": own_id})
+    sid = req.params.get("session_id")
+    if not isinstance(sid, str) or not sid:
+        return _mcp.error(req.id, _mcp.INVALID_PARAMS, "Invalid params - 'session_id' is required")
+    if sid == own_id:
+        return _mcp.error(
+            req.id, _mcp.INVALID_REQUEST,
+            "Cannot close active WebSocket-managed session via MCP method",
+        )  # fmt: skip
+    close = rt.close_mcp_session
+    if close is None or not await close(sid):
+        return _mcp.error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid}")
+    return _mcp.success(req.id, {"session_id": sid, "closed": True})
+
+
+_QUIET_OUTCOMES = frozenset({"completed"})
+
+
+def _log_close(session: Session, code: int | None, reason: str) -> None:
+    """Log why ``session`` ends: at INFO when the server ends it (reaped, expired, errors,
+    drain), at DEBUG when its client does (a ``close`` request, a closed connection).
+    ``stadium_sessions_total`` counts it by outcome."""
+    server_side = code is not None and code != CLOSE_NORMAL
+    level = logging.INFO if server_side or session.outcome not in _QUIET_OUTCOMES else logging.DEBUG
+    if log.isEnabledFor(level):
+        token = SESSION_ID.set(session.sid)
+        try:
+            log.log(
+                level, "session closed (%s%s): %s", session.outcome,
+                "" if code is None else f", code {code}", reason,
+            )  # fmt: skip
+        finally:
+            SESSION_ID.reset(token)
 
 
 def _log_close_error(_token: Any, _result: Any, error: BaseException | None) -> None:

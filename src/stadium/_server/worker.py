@@ -33,6 +33,7 @@ from stadium._server.isolation import (
 )
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
+from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.pool import auto_limit
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
@@ -138,7 +139,10 @@ class Worker:
             TargetError: the target cannot be loaded or breaks the env contract.
         """
         if env_cls is None:
-            env_cls = load_target(config.target, env_kwargs=config.env_kwargs)
+            env_cls = load_target(
+                config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
+            )
+        config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
         spec = EnvSpec.of(env_cls)
         isolation = _isolation(config, spec)
         if isolation is not None:
@@ -167,12 +171,16 @@ class Worker:
             durable=durable,
         )
         runtime.isolation = isolation
-        return cls(config, spec, runtime, HttpEndpoints(runtime, workers=config.workers))
+        endpoints = HttpEndpoints(runtime, workers=config.workers)
+        endpoints.openenv = OpenEnvRoutes(endpoints)  # OpenEnv's web JSON API, Task API
+        return cls(config, spec, runtime, endpoints)
 
     def start(self) -> None:
         """Start the worker's timers (idle reaping, metrics, the session store's sweep)
         on the running event loop."""
-        self.runtime.start_reaper(self.config.idle_timeout)
+        self.runtime.start_reaper(
+            self.config.connected_idle_timeout, self.config.detached_idle_timeout
+        )
         self.runtime.start_metrics()
         if self.runtime.isolation is not None:
             self.runtime.isolation.start()
@@ -180,7 +188,7 @@ class Worker:
         if durable is not None:
             # Records of sessions nobody resumed (their server was drained or died): gone
             # once older than any live session's could be (idle sessions are reaped).
-            idle = self.config.idle_timeout or 86400.0
+            idle = self.config.connected_idle_timeout or 86400.0
             durable.start_sweeping(idle + self.config.resume_grace + 60.0)
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:

@@ -1,7 +1,9 @@
 """``benchmark``: the scaling study's environment.
 
 ``step`` waits ``wait_seconds`` without blocking the event loop and reports
-where it ran; ``reset`` returns at once. ``reset(options={"state_kb": N})``
+where it ran (``pid``, ``host``, and ``host_url`` = ``"<hostname>:<port>"`` as the
+study's env reports it, ``port`` being the one ``stadium serve`` listens on, from
+``STADIUM_PORT``, else ``PORT``); ``reset`` returns at once. ``reset(options={"state_kb": N})``
 makes the session hold N KB of state, for memory benchmarks.
 """
 
@@ -21,6 +23,13 @@ _HOST = socket.gethostname()
 _MAX_STATE_KB = 1024 * 1024
 
 
+def host_url() -> str:
+    """``"<hostname>:<port>"``: this host and the port its server listens on
+    (``STADIUM_PORT``, set by ``stadium serve``; else OpenEnv's ``PORT``; else 8000)."""
+    port = os.environ.get("STADIUM_PORT") or os.environ.get("PORT") or "8000"
+    return f"{_HOST}:{port}"
+
+
 class BenchmarkAction(msgspec.Struct):
     """How long the step should wait, in seconds (0 to 3600)."""
 
@@ -35,6 +44,8 @@ class BenchmarkObservation(msgspec.Struct):
     session_hash: str
     host: str
     step_count: int
+    host_url: str = ""
+    """``"<hostname>:<port>"``: the server the session runs on (the study's field)."""
 
 
 class BenchmarkState(State, kw_only=True):
@@ -49,10 +60,11 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
     name = "benchmark"
     version = "1.0"
 
-    __slots__ = ("_ballast", "_hash", "_pid", "_steps")
+    __slots__ = ("_ballast", "_hash", "_host_url", "_pid", "_steps")
 
     def __init__(self) -> None:
         self._pid = os.getpid()  # per instance: workers are forked after import
+        self._host_url = host_url()
         self._steps = 0
         self._hash = hashlib.blake2s(os.urandom(8), digest_size=6).hexdigest()
         self._ballast = b""
@@ -71,7 +83,7 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
                 raise ValueError(f"state_kb must be an integer from 0 to {_MAX_STATE_KB}")
             # Real, touched memory (not a lazily mapped zero page).
             self._ballast = os.urandom(kb * 1024) if kb else b""
-        return BenchmarkObservation(0.0, self._pid, self._hash, _HOST, 0)
+        return BenchmarkObservation(0.0, self._pid, self._hash, _HOST, 0, self._host_url)
 
     async def step(self, action: BenchmarkAction) -> StepResult[BenchmarkObservation]:
         wait = action.wait_seconds
@@ -79,12 +91,14 @@ class BenchmarkEnv(Environment[BenchmarkAction, BenchmarkObservation, BenchmarkS
             await asyncio.sleep(wait)
         self._steps += 1
         return StepResult(
-            BenchmarkObservation(wait, self._pid, self._hash, _HOST, self._steps), reward=1.0
+            BenchmarkObservation(wait, self._pid, self._hash, _HOST, self._steps, self._host_url),
+            reward=1.0,
         )
 
     def restore(self, data: bytes) -> None:
         super().restore(data)
         self._pid = os.getpid()  # where this instance runs now, not where it was snapshotted
+        self._host_url = host_url()
 
     @property
     def state(self) -> BenchmarkState:

@@ -17,9 +17,11 @@ An ``MCPEnvironment`` subclass (OpenEnv's tool environments, FastMCP tools) is
 served with its tools: ``step`` takes OpenEnv's ``{"type": "list_tools"}`` and
 ``{"type": "call_tool", ...}`` actions (whatever the env's own action model), and
 ``POST /mcp`` and the ``"mcp"`` WebSocket message reach the session's own tools
-through ``mcp_list_tools`` / ``mcp_call_tool``, which run the env's
-``step_async`` with those actions (FastMCP underneath, mode-specific tools
-included) and map OpenEnv's ``ToolError`` kinds to JSON-RPC errors.
+through ``mcp_list_tools`` / ``mcp_call_tool``, which call the env's FastMCP
+client directly, around ``step()``, as OpenEnv 0.10's server does (the env's step
+counters and rewards do not move on a tool call; mode-specific tools are reached
+through ``step`` actions only, as on OpenEnv), and map its errors to JSON-RPC
+errors.
 
 Sessions get Stadium's runtime: no thread per session, the server-wide session
 limit and the admission queue. OpenEnv's own clients (``GenericEnvClient`` and
@@ -37,12 +39,16 @@ import logging
 import random
 import sys
 import typing
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from stadium._env.codecs import TypeCodec, register_codec_factory
 from stadium._env.contract import Environment, StepResult
 from stadium._env.tools import sample_arguments
 from stadium._errors import ExecutionError, TargetError, ToolCallError
+
+if TYPE_CHECKING:
+    from stadium.integrations.openenv_app import OpenEnvApp
 
 log = logging.getLogger("stadium.openenv")
 
@@ -149,6 +155,12 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
     """
 
     openenv_class: ClassVar[type[Any]]
+    step_before_reset: ClassVar[bool] = True
+    """OpenEnv steps the env built at connect: a ``step`` before any ``reset`` is the env's."""
+    openenv_factory: ClassVar[Callable[..., Any]]
+    """What builds the wrapped env: the class, or the factory given to ``create_app``."""
+    openenv_app: ClassVar[OpenEnvApp | None] = None
+    """What ``create_app`` was given, for an app target (``stadium serve pkg.server.app:app``)."""
     info_key: ClassVar[str] = "metadata"
     _reset_params: ClassVar[frozenset[str] | None]  # None: the env takes **kwargs
     _validate_action: ClassVar[Any]
@@ -157,7 +169,7 @@ class OpenEnvAdapter(Environment[Any, Any, Any]):
     passed on as OpenEnv's server does; Stadium also bounds the call by it)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.env = self.openenv_class(**kwargs)
+        self.env = self.openenv_factory(**kwargs)
 
     def _reset_kwargs(
         self, seed: int | None, options: dict[str, Any] | None, episode_id: str | None = None
@@ -252,36 +264,52 @@ class McpToolsAdapter(OpenEnvAdapter):
         return calls[rng.randrange(len(calls))]
 
     async def mcp_list_tools(self) -> list[dict[str, Any]]:
-        from openenv.core.env_server.mcp_types import ListToolsAction
-
+        """The tools of the env's MCP client, as OpenEnv 0.10's ``/mcp`` lists them:
+        straight from the client, around ``step()`` (no step counted)."""
+        client = getattr(self.env, "mcp_client", None)
+        if client is None:
+            raise ExecutionError("this environment's MCP client is closed", operation="tools/list")
         await self._mcp_open()
-        obs = await self.env.step_async(ListToolsAction())
-        error = (getattr(obs, "metadata", None) or {}).get("error")
-        if error:
-            raise ExecutionError(f"listing the tools failed: {error}", operation="tools/list")
-        return [
-            {"name": t.name, "description": t.description, "inputSchema": t.input_schema}
-            for t in getattr(obs, "tools", [])
-        ]
+        return [_jsonable(tool) for tool in await client.list_tools()]
 
     async def mcp_call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        from openenv.core.env_server.mcp_types import CallToolAction, ToolErrorType
-
+        """Call a tool through the env's MCP client, as OpenEnv 0.10's ``/mcp`` does:
+        around ``step()``, so the env's step counters and rewards do not move. An unknown
+        tool or bad arguments are :class:`~stadium.ToolCallError` (``-32602``), a tool
+        that raised an :class:`~stadium.ExecutionError` (``-32603``)."""
+        client = getattr(self.env, "mcp_client", None)
+        if client is None:
+            raise ExecutionError("this environment's MCP client is closed", operation="tools/call")
         await self._mcp_open()
-        obs = await self.env.step_async(CallToolAction(tool_name=name, arguments=arguments))
-        error = getattr(obs, "error", None)
-        if error is not None:
-            kind = error.error_type
-            if kind in (ToolErrorType.TOOL_NOT_FOUND, ToolErrorType.INVALID_ARGS) or (
-                "validation error for call[" in error.message  # FastMCP's bad arguments
-            ):
-                raise ToolCallError(error.message, tool=name, error_type=str(kind.value))
+        try:
+            result = await client.call_tool(name=name, arguments=arguments)
+        except Exception as exc:
+            message = str(exc)
+            if message.startswith("Unknown tool") or "validation error for call[" in message:
+                kind = "tool_not_found" if message.startswith("Unknown tool") else "invalid_args"
+                raise ToolCallError(message, tool=name, error_type=kind) from None
             raise ExecutionError(
-                f"tool {name!r} failed: {error.message}",
-                operation="tools/call",
-                error_type=str(kind.value),
-            )
-        return obs.model_dump(mode="json").get("result")
+                f"tool {name!r} failed: {message}", operation="tools/call",
+                error_type="execution_error",
+            ) from None  # fmt: skip
+        return _jsonable(result)
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON values, the way OpenEnv's server serializes MCP results:
+    pydantic models dumped, other objects by their attributes."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    dump = getattr(value, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    if hasattr(value, "__dict__"):
+        return {k: _jsonable(v) for k, v in vars(value).items()}
+    return str(value)
 
 
 def serialize_observation(observation: Any) -> StepResult[dict[str, Any]]:
@@ -389,6 +417,14 @@ def _model_types(cls: type[Any]) -> tuple[Any, Any, Any]:
     return result[0], result[1], result[2]
 
 
+def _narrower(given: Any, declared: Any) -> Any:
+    """``declared`` when it is a subclass of ``given`` (the class's ``CodeState`` over the
+    ``State`` ``create_app`` defaults to), else ``given``."""
+    if isinstance(given, type) and isinstance(declared, type) and issubclass(declared, given):
+        return declared
+    return given
+
+
 def _reset_params(cls: type[Any], method: str) -> frozenset[str] | None:
     params = inspect.signature(getattr(cls, method)).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
@@ -401,11 +437,25 @@ def _takes(cls: type[Any], method: str, name: str) -> bool:
     return params is None or name in params
 
 
-def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
+def openenv_environment(
+    cls: type[Any],
+    *,
+    action: type[Any] | None = None,
+    app: OpenEnvApp | None = None,
+) -> type[OpenEnvAdapter]:
     """A Stadium environment class serving the OpenEnv environment class ``cls``.
 
+    Args:
+        cls: the OpenEnv ``Environment`` subclass.
+        action: the action model (``--action-model``), over what ``app`` and ``cls``
+            say. Else ``app.action_cls``, else the class's generic parameters or its
+            ``step`` annotation (OpenEnv's base ``Action`` as the last resort).
+        app: what ``create_app`` was given, for an app target: its models, factory,
+            name and settings are used.
+
     Raises:
-        TargetError: ``cls`` is not an OpenEnv ``Environment`` subclass, or is abstract.
+        TargetError: ``cls`` is not an OpenEnv ``Environment`` subclass, is abstract,
+            or ``action`` is not an OpenEnv ``Action`` model.
     """
     if not is_openenv_environment(cls):
         raise TargetError(
@@ -421,10 +471,24 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
             target=cls.__name__,
         )
     from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
+    from openenv.core.env_server.types import Action
 
-    action, observation, state = _model_types(cls)
+    from stadium.integrations.openenv_app import OPENENV_API_VERSION, package_version
+
+    if action is not None and not (isinstance(action, type) and issubclass(action, Action)):
+        raise TargetError(
+            f"the action model {action!r} is not an OpenEnv Action subclass "
+            "(openenv.core.env_server.types.Action)",
+            target=cls.__name__,
+        )
+    action_model, observation, state = _model_types(cls)
+    if app is not None:  # what create_app was given, unless the class says more
+        action_model = _narrower(app.action_cls, action_model)
+        observation = _narrower(app.observation_cls, observation)
+        state = _narrower(app.state_cls, state)
+    action_model = action or action_model
     mcp = is_mcp_environment(cls)
-    declared_action: Any = McpActions(action) if mcp else action
+    declared_action: Any = McpActions(action_model) if mcp else action_model
     async_reset = cls.reset_async is not OpenEnvEnvironment.reset_async
     async_step = cls.step_async is not OpenEnvEnvironment.step_async
     if not getattr(cls, "SUPPORTS_CONCURRENT_SESSIONS", False):
@@ -445,11 +509,15 @@ def openenv_environment(cls: type[Any]) -> type[OpenEnvAdapter]:
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
         "name": cls.__name__,
+        "version": package_version(cls) or OPENENV_API_VERSION,
+        "api_version": OPENENV_API_VERSION,
         "description": doc or f"{cls.__name__} (OpenEnv environment)",
         "action_type": declared_action,
         "observation_type": McpObservations(observation) if mcp else observation,
         "state_type": state,
         "openenv_class": cls,
+        "openenv_factory": staticmethod(app.factory) if app is not None else cls,
+        "openenv_app": app,
         "blocking": True,
         "reset": _async_reset if async_reset else _sync_reset,
         "step": (_mcp_async_step if mcp else _async_step) if async_step else _sync_step,

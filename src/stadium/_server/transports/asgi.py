@@ -103,8 +103,8 @@ class AsgiApp:
     def __init__(
         self, config: ServerConfig, env_cls: type[Environment[Any, Any, Any]] | None = None
     ) -> None:
-        self.config = config
         self.worker = Worker.build(config, env_cls)
+        self.config = self.worker.config
         self.spec = self.worker.spec
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints

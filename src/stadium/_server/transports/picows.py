@@ -40,6 +40,7 @@ from stadium._core.protocol import Encoding
 from stadium._server.batch import BatchServerConnection
 from stadium._server.connect import open_upgrade
 from stadium._server.endpoints import HttpEndpoints, HttpResponse
+from stadium._server.mcp_socket import McpSocket
 from stadium._server.runtime import MAX_FRAGMENTS, MAX_UNSENT_BYTES, NODE_NAME, Runtime
 from stadium._server.session import Session
 from stadium._server.transports.h11 import HttpProtocol, encode_response, timeout_response
@@ -167,7 +168,7 @@ class _SessionListener(WSListener):
         self._frag_size = 0
         self._paused = False
         self.transport: WSTransport | None = None
-        self.session: Session | BatchServerConnection | None = None
+        self.session: Session | BatchServerConnection | McpSocket | None = None
 
     # picows callbacks ----------------------------------------------------------
 
