@@ -33,10 +33,11 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# The inner loop while working (~1 minute): style and contracts, then every test not marked
-# slow (no subprocess servers, clusters, containers, browsers, fresh venvs). `make test` runs all.
+# The inner loop while working (~1 minute on 2 cores): style and contracts, then every test not
+# marked slow (no subprocess servers, clusters, containers, browsers, fresh venvs), on two
+# processes (pytest-xdist). `make test` runs them all, in one process.
 check: lint
-	$(PY) -m pytest -q -m "not slow" -x
+	$(PY) -m pytest -q -m "not slow" -x -n 2
 
 # The emulated cluster's packages (SLURM, munge, HAProxy) for tests/cluster: installed when
 # root and missing, a no-op otherwise (the cluster tests then skip with the reason).
