@@ -52,7 +52,6 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +61,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.cluster.harness
 sys.path.insert(0, str(REPO / "src"))
 
+from stadium._util.health import healthy  # noqa: E402
 from stadium.bench import report  # noqa: E402
 from stadium.bench.arms import Arm, CpuCap  # noqa: E402
 from stadium.bench.loadspec import ThinkModel  # noqa: E402
@@ -103,16 +103,8 @@ def _pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
 def _ready(url: str, proc: subprocess.Popen[Any]) -> Callable[[], bool]:
-    return lambda: _healthy(url) or proc.poll() is not None
+    return lambda: healthy(url) or proc.poll() is not None
 
 
 @contextlib.contextmanager

@@ -42,7 +42,6 @@ import shlex
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.cluster.harness
 sys.path.insert(0, str(REPO / "src"))
 
+from stadium._util.health import healthy  # noqa: E402
 from stadium.bench import report  # noqa: E402
 from stadium.bench.arms import Arm, CpuCap, free_port  # noqa: E402
 from stadium.bench.metrics import SUCCESS_THRESHOLD, batch_per_core, max_batch  # noqa: E402
@@ -178,14 +178,6 @@ def _pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
 
 
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
-
-
 def _start_envoy(cluster: Cluster, name: str, text: str, out: Path,
                  suffix: str) -> subprocess.Popen[Any]:  # fmt: skip
     cfg = out / f"envoy-{name}.{suffix}"
@@ -226,7 +218,7 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
             log.close()
             urls.append(node.url(args.port))
         for url, proc in zip(urls, procs, strict=True):
-            wait_for(lambda u=url, p=proc: _healthy(u) or p.poll() is not None, 60.0, url)
+            wait_for(lambda u=url, p=proc: healthy(u) or p.poll() is not None, 60.0, url)
             if proc.poll() is not None:
                 raise RuntimeError(f"the node server at {url} exited: see {out}/node*.log")
         pids = [p.pid for p in procs]
