@@ -181,7 +181,6 @@ class ResumeChannel:
 
     __slots__ = (
         "_closing",
-        "_unsent",
         "_written",
         "after_held",
         "count",
@@ -189,6 +188,7 @@ class ResumeChannel:
         "persist",
         "recent",
         "target",
+        "unsent",
     )
 
     def __init__(self, target: Target) -> None:
@@ -204,7 +204,7 @@ class ResumeChannel:
         self.held: list[bytes] = []
         self.count = 0
         """Replies made on the session, from its start."""
-        self._unsent: collections.deque[tuple[int, Target, bytes, bool]] = collections.deque()
+        self.unsent: collections.deque[tuple[int, Target, bytes, bool]] = collections.deque()
         """Replies waiting for their record (or an earlier one's), in order: number,
         connection, bytes, whether a record is written for it."""
         self._written = 0
@@ -213,7 +213,7 @@ class ResumeChannel:
     def send(self, data: bytes) -> None:
         self.count += 1
         target = self.target
-        if self.persist is None and target is not None and not self._unsent:  # the usual case
+        if self.persist is None and target is not None and not self.unsent:  # the usual case
             self.recent.append(data)
             target.send(data)
             return
@@ -225,8 +225,8 @@ class ResumeChannel:
                 after()
             return
         self.recent.append(data)
-        if deferred or self._unsent:  # after its record, and after the replies before it
-            self._unsent.append((self.count, target, data, deferred))
+        if deferred or self.unsent:  # after its record, and after the replies before it
+            self.unsent.append((self.count, target, data, deferred))
             self._flush()
             return
         target.send(data)
@@ -237,7 +237,7 @@ class ResumeChannel:
         self._flush()
 
     def _flush(self) -> None:
-        unsent = self._unsent
+        unsent = self.unsent
         while unsent and (unsent[0][0] <= self._written or not unsent[0][3]):
             _n, target, data, _deferred = unsent.popleft()
             if target is self.target:
@@ -249,14 +249,14 @@ class ResumeChannel:
 
     def close(self, code: int, reason: str) -> None:
         if self.target is not None:
-            if self._unsent:  # after the replies waiting for their record
+            if self.unsent:  # after the replies waiting for their record
                 self._closing = (code, reason)
                 return
             self.target.close(code, reason)
 
     def detach(self) -> None:
         self.target = None
-        self._unsent.clear()  # kept in ``recent``: replayed to the client that resumes
+        self.unsent.clear()  # kept in ``recent``: replayed to the client that resumes
         self._closing = None
 
     def replay(self, received: int) -> list[bytes] | None:

@@ -234,9 +234,20 @@ class BatchServerConnection:
                 session.start(Door.BATCH, self)
                 session.feed(call)
                 continue
-            members[number].slots.append((batch, index))
-            if not session.step_now(call, now):  # anything but a plain step on an idle one
+            slots = members[number].slots
+            slots.append((batch, index))  # before: the reply may come through the channel
+            reply = session.step_now(call, now)
+            if reply is False:  # anything but a plain step on an idle one
                 session.feed(call)
+            elif reply is not True:  # answered at once and given back: filed here
+                slots.pop()
+                if batch.ready is None:  # _Batch.fill, inline (once per step)
+                    batch.results[index] = reply
+                    batch.left -= 1
+                    if not batch.left:
+                        self.reply(batch)
+                else:
+                    batch.fill(index, reply)
 
     def reply(self, batch: _Batch) -> None:
         """Every result of ``batch`` is in: one frame, the results in call order."""

@@ -207,11 +207,16 @@ class Session(ResumableSession):
             return
         self._handle(message)
 
-    def step_now(self, message: BatchCall, now: float) -> bool:
+    def step_now(self, message: BatchCall, now: float) -> bytes | bool:
         """A batch's step on an open, idle session, without the queue's checks and the
-        envelope's reading (``batch``; its reply goes to the channel as any other);
-        ``now``: the batch's arrival. ``False``, nothing done, when the session or the
-        call is not that simple: :meth:`feed` it then."""
+        envelope's reading (``batch``); ``now``: the batch's arrival.
+
+        Returns the reply itself when the step was answered at once and nothing stands
+        between it and the batch (the usual case): the batch files it in place, and a
+        resumable session's channel has already counted and kept it, as its ``send``
+        would have. ``True`` when the reply went, or will go, to the channel as any
+        other. ``False``, nothing done, when the session or the call is not that simple:
+        :meth:`feed` it then."""
         if self.phase is not _OPEN or self._call is not None or self._pending:
             return False
         if self._bucket is not None:
@@ -253,9 +258,18 @@ class Session(ResumableSession):
             counts = hist.counts
             counts[bisect_left(hist.bounds, took)] += 1
             counts[-1] += took
-            self.channel.send(frame)
         except Exception as exc:  # the env raised, or its observation cannot be encoded
             self._fail(call, exc)
+            return True
+        if self.resume_id is None:  # the channel is the batch's own: it files the reply
+            return frame
+        # ResumeChannel.send's usual case, inlined: counted and kept, then given back
+        channel: ResumeChannel = self.channel  # type: ignore[assignment]
+        if channel.persist is None and channel.target is not None and not channel.unsent:
+            channel.count += 1
+            channel.recent.append(frame)
+            return frame
+        channel.send(frame)  # a record to write first, or replies before it waiting
         return True
 
     def connection_lost(self, channel: Target | None = None) -> None:
