@@ -18,12 +18,15 @@ the server core; the load on the other core) through four paths, interleaved per
 3. **HAProxy** — ``stadium router`` (the default kind);
 4. **client-side** — no router: the benchmark spreads the sessions over the nodes.
 
-Both Envoys and HAProxy run on the host, pinned to the server core, Envoy with one worker
-thread (``--concurrency 1``). For each point: success, connect p50/p99, total p99, the
-sessions per node, the router's CPU, and for the Envoys their overflow counters from the
-admin ``/stats`` (``upstream_cx_overflow``, ``upstream_rq_pending_overflow``,
-``upstream_rq_pending_total``) over that point. Max batch is the study's rule (the largest
-N with >= 95 % success), batch per core divides it by the nodes' CPU caps added up.
+Both Envoys and HAProxy run on the host in a cgroup of their own with the nodes' and the
+load's ``cpu.shares`` and no quota, on ``--router-cpus`` (default: every CPU, as a router on a
+host of its own would have them), Envoy with ``--envoy-concurrency`` worker threads (default:
+Envoy's own, one per CPU). For each point: success,
+connect p50/p99, total p99, the sessions per node, the router's CPU, and for the Envoys
+their overflow counters from the admin ``/stats`` (``upstream_cx_overflow``,
+``upstream_rq_pending_overflow``, ``upstream_rq_pending_total``) over that point. Max batch
+is the study's rule (the largest N with >= 95 % success), batch per core divides it by the
+nodes' CPU caps added up.
 
 Writes ``study.md`` (tables and the command) and ``study.json`` to ``--output-dir``.
 Traffic goes only to loopback and the cluster's namespaces; every process started is
@@ -179,13 +182,13 @@ def _pin(pid: int, cpus: set[int]) -> None:
 
 
 def _start_envoy(cluster: Cluster, name: str, text: str, out: Path,
-                 suffix: str) -> subprocess.Popen[Any]:  # fmt: skip
+                 suffix: str, concurrency: int) -> subprocess.Popen[Any]:  # fmt: skip
     cfg = out / f"envoy-{name}.{suffix}"
     cfg.write_text(text)
     envoy.check_config(text, suffix=suffix)
     log = (out / f"envoy-{name}.log").open("wb")
     proc = subprocess.Popen(
-        envoy.command(str(cfg), concurrency=1), stdout=log, stderr=subprocess.STDOUT
+        envoy.command(str(cfg), concurrency=concurrency), stdout=log, stderr=subprocess.STDOUT
     )
     log.close()
     cluster._track(proc, f"envoy-{name}")
@@ -195,11 +198,14 @@ def _start_envoy(cluster: Cluster, name: str, text: str, out: Path,
 @contextlib.contextmanager
 def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
     """Capped nodes, both Envoys and HAProxy; torn down after the block."""
-    server_cpu = {args.server_cpu}
+    router_cpus = set(args.router_cpus)
     tag = f"stadium-study-{os.getpid()}"
     caps = [CpuCap(args.cpu_per_node, name=f"{tag}-node{k}", shares=args.shares)
             for k in (1, 2, 3)]  # fmt: skip
     load_cap = CpuCap(None, name=f"{tag}-load", shares=args.shares)
+    # The routers' own group: the nodes' and the load's weight, no quota (a router is
+    # not one of the capped nodes; at the host's default weight it got the core last).
+    router_cap = CpuCap(None, name=f"{tag}-router", shares=args.shares)
     procs: list[subprocess.Popen[Any]] = []
     cluster = Cluster(n_nodes=3, workdir=out / "cluster")
     try:
@@ -207,6 +213,7 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
         methods = {cap.create() for cap in caps}
         load_cap.create()
         load_cap.add(os.getpid())
+        router_cap.create()
         urls: list[str] = []
         for node, cap in zip(cluster.nodes, caps, strict=True):
             cmd = ["sh", "-c", 'echo $$ > "$0" && cpu="$1" && shift && exec taskset -c "$cpu" "$@"',
@@ -224,10 +231,13 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
         pids = [p.pid for p in procs]
         deployment = Deployment(nodes=tuple(urls), max_sessions_per_node=args.max_sessions)
         routers: dict[str, Router] = {}
+        # Started on their CPUs, so that HAProxy's and Envoy's default thread counts see them
+        os.sched_setaffinity(0, router_cpus)
         # 1. the study's Envoy
         port, admin = free_port(), free_port()
         nodes = [(n.addr, args.port) for n in cluster.nodes]
-        proxy = _start_envoy(cluster, "study", study_envoy_config(nodes, port, admin), out, "yaml")
+        proxy = _start_envoy(cluster, "study", study_envoy_config(nodes, port, admin), out, "yaml",
+                             args.envoy_concurrency)  # fmt: skip
         routers["study Envoy"] = Router("study Envoy", [f"http://127.0.0.1:{port}"], proxy.pid,
                                         admin, "openenv_cluster")  # fmt: skip
         # 2. Stadium's Envoy
@@ -235,7 +245,7 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
         text = envoy.render(
             deployment, haproxy.RouterOptions(bind="127.0.0.1", port=port), admin_port=admin
         )
-        proxy = _start_envoy(cluster, "stadium", text, out, "json")
+        proxy = _start_envoy(cluster, "stadium", text, out, "json", args.envoy_concurrency)
         routers["Stadium's Envoy"] = Router("Stadium's Envoy", [f"http://127.0.0.1:{port}"],
                                             proxy.pid, admin, envoy.ALL_NODES)  # fmt: skip
         # 3. HAProxy
@@ -247,11 +257,13 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
         (out / "haproxy.cfg").write_text(cfg)
         proxy = cluster.haproxy(cfg)
         routers["HAProxy"] = Router("HAProxy", [f"http://127.0.0.1:{port}"], proxy.pid)
+        os.sched_setaffinity(0, {args.load_cpu})
         routers["client-side"] = Router("client-side", urls)
         for r in routers.values():
             if r.pid is not None:
                 wait_for(lambda p=r.pid: os.path.isdir(f"/proc/{p}/task"), 10.0, r.name)
-                _pin(r.pid, server_cpu)
+                router_cap.add(r.pid)
+                _pin(r.pid, router_cpus)
         wait_for(lambda: set(haproxy_servers(stats, "stadium").values()) == {"UP"}, 20.0,
                  "HAProxy: nodes UP")  # fmt: skip
         for r in routers.values():
@@ -265,7 +277,7 @@ def cluster_setup(args: argparse.Namespace, out: Path) -> Iterator[Setup]:
         for proc in procs:
             stop_process(proc)
         cluster.down()
-        for cap in [*caps, load_cap]:
+        for cap in [*caps, load_cap, router_cap]:
             cap.remove()
 
 
@@ -312,7 +324,9 @@ def markdown(result: dict[str, Any], command: str, notes: Sequence[str]) -> str:
     lines = ["# The study's multi-node run, reproduced (emulated cluster)", "", "Command:", "",
              "```", command, "```", "",
              f"3 nodes, each `stadium serve benchmark` capped at {a['cpu_per_node']:g} CPU "
-             f"(cgroup CFS quota) and pinned with the routers to CPU {a['server_cpu']}; the "
+             f"(cgroup CFS quota) and pinned to CPU {a['server_cpu']}; the routers (no quota, "
+             f"the same cpu.shares, Envoy's --concurrency {a['envoy_concurrency'] or 'default'}) "
+             f"on CPU {','.join(map(str, a['router_cpus']))}; the "
              f"load on CPU {a['load_cpu']}. Bursts of N sessions: connect, reset, one step of "
              f"W = {a['wait']:g} s, close; connect and request timeouts {a['timeout']:g} s. "
              f"Paths interleaved per N.", "",
@@ -356,7 +370,19 @@ def markdown(result: dict[str, Any], command: str, notes: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-per-node", type=float, default=0.3, help="CPU cap of each node")
-    p.add_argument("--server-cpu", type=int, default=0, help="CPU of the nodes and routers")
+    p.add_argument("--server-cpu", type=int, default=0, help="CPU of the nodes")
+    p.add_argument(
+        "--router-cpus",
+        type=lambda t: [int(c) for c in t.split(",")],
+        default=None,
+        help="CPUs the routers are pinned to, comma-separated (default: every CPU)",
+    )
+    p.add_argument(
+        "--envoy-concurrency",
+        type=int,
+        default=None,
+        help="Envoy's worker threads (default: Envoy's own, one per CPU)",
+    )
     p.add_argument("--load-cpu", type=int, default=1, help="CPU of the load generator")
     p.add_argument("--wait", type=float, default=1.0, help="W: seconds the step waits")
     p.add_argument("--grid", default="512,1024,2048,4096", help="N of each burst")
@@ -372,6 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("needs root (network namespaces, cgroups)", file=sys.stderr)
         return 2
+    if args.router_cpus is None:
+        args.router_cpus = sorted(os.sched_getaffinity(0))
     out: Path = args.output_dir.resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {args.load_cpu})
