@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from stadium._errors import ConfigError
+from stadium.bench.clientwatch import ClientStats, ClientWatch, quiet_collector
 from stadium.bench.metrics import ErrorKind, percentile
 
 
@@ -128,6 +129,7 @@ class EpisodeRecord:
     connect_s: float | None = None
     reset_s: float | None = None
     turn_s: list[float] = field(default_factory=list)
+    turn_at: list[float] = field(default_factory=list)
 
 
 ConnectionFactory = Callable[[str, str | None], Any]
@@ -141,10 +143,11 @@ async def run_episode(
     rec: EpisodeRecord,
     step_body: bytes,
     reset_body: bytes,
+    t0: float = 0.0,
 ) -> None:
     """Connect and reset (holding one of the ``resets`` slots, as the stress test does),
-    then each turn: think, step, time the reply; then close. Never raises (but on
-    cancel): a failure is recorded in ``rec``."""
+    then each turn: think, step, time the reply (and note when it was sent, seconds after
+    ``t0``); then close. Never raises (but on cancel): a failure is recorded in ``rec``."""
     from stadium.bench.sessions import Fail
 
     now = time.monotonic
@@ -161,7 +164,11 @@ async def run_episode(
             await asyncio.sleep(think)
             t = now()
             await conn.request("step", step_body, limit)
-            rec.turn_s.append(now() - t)
+            # The reply's time is when its frame came off the socket (the transport's
+            # callback notes it), not when this task resumed after it.
+            done = getattr(conn, "replied_at", 0.0)
+            rec.turn_s.append((done if done >= t else now()) - t)
+            rec.turn_at.append(t - t0)
         conn.close()
         rec.ok = True
         rec.detail = await conn.closed(5.0)
@@ -182,10 +189,16 @@ async def run_profile(
     url: str,
     connection: ConnectionFactory | None = None,
     plan: Sequence[Episode] | None = None,
+    watch: list[ClientStats] | None = None,
 ) -> list[EpisodeRecord]:
     """Run every episode of ``profile`` against ``url`` (a WebSocket URL) on this loop;
     one record per episode, in order. ``connection`` defaults to the bench's picows
-    client."""
+    client. The client's cyclic collector runs as a Stadium server's does meanwhile
+    (:func:`~stadium.bench.clientwatch.quiet_collector`), so that its collections of
+    the connections' objects are not timed as the server's latency. With ``watch`` (a
+    list), the client's own loop lag and collections are watched during the run
+    (:class:`~stadium.bench.clientwatch.ClientWatch`) and their :class:`ClientStats`
+    appended to it."""
     if connection is None:
         from stadium.bench.sessions import ws_connection_class
 
@@ -195,12 +208,21 @@ async def run_profile(
     step = msgspec.json.encode({"type": "step", "data": {"wait_seconds": profile.tool_s}})
     reset = msgspec.json.encode({"type": "reset", "data": {}})
     records = [EpisodeRecord(ep.index, ep.turns) for ep in plan]
-    await asyncio.gather(
-        *(
-            run_episode(ep, connection(url, None), profile, resets, rec, step, reset)
-            for ep, rec in zip(plan, records, strict=True)
-        )
-    )
+    t0 = time.monotonic()
+    watcher = ClientWatch(t0) if watch is not None else None
+    with quiet_collector():
+        if watcher is not None:
+            watcher.start()
+        try:
+            await asyncio.gather(
+                *(
+                    run_episode(ep, connection(url, None), profile, resets, rec, step, reset, t0)
+                    for ep, rec in zip(plan, records, strict=True)
+                )
+            )
+        finally:
+            if watcher is not None and watch is not None:
+                watch.append(await watcher.stop())
     return records
 
 
@@ -302,6 +324,17 @@ def table(summaries: Sequence[RlSummary]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def client_note(arm: str, client: ClientStats) -> str:
+    """One line: how much the client's own loop lagged and collected during ``arm``'s run
+    (a stall of the client is timed as the server's latency)."""
+    lag = client.lag_ms
+    return (
+        f"{arm}: client loop lag p50 {_f(lag['p50'])} / p99 {_f(lag['p99'])} / max "
+        f"{_f(lag['max'], 1)} ms over {client.probes} probes; {len(client.gcs)} collections, "
+        f"{client.gc_ms:.1f} ms"
+    )
+
+
 def _event_loop_runner() -> Callable[[Any], Any]:
     try:
         import uvloop
@@ -319,9 +352,10 @@ def run_arm(
     client_cpus: tuple[int, ...] | None,
     url: str | None = None,
     openenv_py: str | None = None,
-) -> tuple[RlSummary, list[EpisodeRecord]]:
+) -> tuple[RlSummary, list[EpisodeRecord], ClientStats | None]:
     """Start ``arm_name``'s server (pinned to ``server_cpus``), run the profile against it
-    from this process (pinned to ``client_cpus``), sample the server's CPU; stop it."""
+    from this process (pinned to ``client_cpus``) watching the client itself, sample the
+    server's CPU; stop it."""
     from stadium.bench.arms import Arm, Caps, ServerSettings, start_server
     from stadium.bench.procstat import ServerSampler
 
@@ -335,10 +369,15 @@ def run_arm(
     try:
         if client_cpus is not None:
             os.sched_setaffinity(0, client_cpus)
-        sampler = ServerSampler(server.pids or server.pid)
+        # No sampling thread: its scans of /proc would stall this loop, which times the
+        # turns (ServerSampler); the server's CPU is read at the start and at the end.
+        sampler = ServerSampler(server.pids or server.pid, interval=0)
         sampler.start()
         t0 = time.monotonic()
-        records: list[EpisodeRecord] = _event_loop_runner()(run_profile(profile, server.url))
+        watch: list[ClientStats] = []
+        records: list[EpisodeRecord] = _event_loop_runner()(
+            run_profile(profile, server.url, watch=watch)
+        )
         wall = time.monotonic() - t0
         stats = sampler.stop()
     finally:
@@ -346,7 +385,8 @@ def run_arm(
         server.stop()
     cores = float(len(server_cpus)) if server_cpus else float(os.cpu_count() or 1)
     cpu = stats.cpu_s if sampler.pid is not None else None
-    return summarize(arm.name, profile, records, wall, cpu, cores), records
+    client = watch[0] if watch else None
+    return summarize(arm.name, profile, records, wall, cpu, cores), records, client
 
 
 def run_rl(
@@ -368,10 +408,11 @@ def run_rl(
 
         openenv_py = openenv_python(ServerSettings().cache_dir)
     summaries = []
+    notes = []
     raw: dict[str, Any] = {"profile": asdict(profile), "arms": {}}
     for name in arms:
         echo(f"rl: {name}: {profile.describe()}")
-        summary, records = run_arm(
+        summary, records, client = run_arm(
             name, profile, out_dir, server_cpus=server_cpus, client_cpus=client_cpus,
             url=url, openenv_py=openenv_py,
         )  # fmt: skip
@@ -379,10 +420,16 @@ def run_rl(
         raw["arms"][summary.arm] = {
             "summary": asdict(summary),
             "episodes": [asdict(r) for r in records],
+            "client": asdict(client) if client is not None else None,
         }
         echo(table([summary]).splitlines()[-1])
+        if client is not None:
+            notes.append(client_note(summary.arm, client))
+            echo(notes[-1])
     (out_dir / "rl.json").write_text(json.dumps(raw))
     text = f"# RL step: {profile.describe()}\n\n{table(summaries)}"
+    if notes:
+        text += "\nThe client itself (it times the turns):\n\n" + "".join(f"- {n}\n" for n in notes)
     (out_dir / "rl.md").write_text(text)
     echo(text)
     return summaries
@@ -402,10 +449,12 @@ def parse_range(text: str, kind: type[int] | type[float]) -> tuple[Any, Any]:
 
 __all__ = [
     "PRESETS",
+    "ClientStats",
     "Episode",
     "EpisodeRecord",
     "RlProfile",
     "RlSummary",
+    "client_note",
     "episodes",
     "parse_range",
     "run_arm",

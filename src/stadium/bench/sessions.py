@@ -271,10 +271,12 @@ def ws_connection_class() -> type[Any]:
     import picows
 
     text, binary, close = picows.WSMsgType.TEXT, picows.WSMsgType.BINARY, picows.WSMsgType.CLOSE
+    monotonic = time.monotonic
 
     class WsConnection(picows.WSListener):
         __slots__ = (
-            "close_code", "disconnected", "inbox", "loop", "source", "transport", "url", "waiter",
+            "close_code", "disconnected", "inbox", "loop", "replied_at", "source", "transport",
+            "url", "waiter",
         )  # fmt: skip
 
         def __init__(self, url: str, source: str | None) -> None:
@@ -286,6 +288,9 @@ def ws_connection_class() -> type[Any]:
             self.inbox: collections.deque[bytes] = collections.deque()
             self.close_code: int | None = None
             self.disconnected = False
+            # time.monotonic() when the last reply's frame came off the socket (in the
+            # transport's callback, before the waiting task resumes)
+            self.replied_at = 0.0
 
         subprotocol: str | None = None
 
@@ -359,6 +364,7 @@ def ws_connection_class() -> type[Any]:
         def on_ws_frame(self, transport: Any, frame: Any) -> None:
             mt = frame.msg_type
             if mt is text or mt is binary:
+                self.replied_at = monotonic()
                 payload = frame.get_payload_as_bytes()
                 w = self.waiter
                 if w is not None and not w.done():
