@@ -3,11 +3,14 @@ bounded concurrent resets, its figures, and the command against real servers."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import pytest
 from stadium import ConfigError
 from stadium._core.urls import ws_url
 from stadium.bench.arms import free_port
+from stadium.bench.clientwatch import CLIENT_GC_THRESHOLDS, ClientStats
 from stadium.bench.rl import (
     PRESETS,
     EpisodeRecord,
@@ -126,6 +130,82 @@ async def test_episodes_run_their_turns_with_resets_bounded() -> None:
     assert state["peak"] == SMALL.concurrent_resets  # reached, never passed
     # Every reply took at least the env's own time (its wait): the overhead is >= 0.
     assert min(t for r in records for t in r.turn_s) >= SMALL.tool_s
+    # Each turn's send time (from the run's start): one per turn, in order, each after the
+    # previous turn's reply.
+    for r in records:
+        assert len(r.turn_at) == len(r.turn_s)
+        assert all(a >= 0.0 for a in r.turn_at)
+        for (a, s), b in zip(zip(r.turn_at, r.turn_s, strict=False), r.turn_at[1:], strict=False):
+            assert b >= a + s
+
+
+class _Late:
+    """A connection with no socket whose replies 'arrive' at once (``replied_at``, as the
+    picows client notes it in its frame callback) but whose waiting task resumes late."""
+
+    def __init__(self, url: str, source: str | None) -> None:
+        self.replied_at = 0.0
+        self.sent: list[str] = []
+
+    async def connect(self, limit: float) -> None:
+        pass
+
+    async def request(self, kind: str, body: bytes, limit: float) -> dict[str, Any]:
+        self.sent.append(kind)
+        self.replied_at = time.monotonic()
+        await asyncio.sleep(0.05)  # the client busy elsewhere before this task resumes
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    async def closed(self, limit: float) -> str:
+        return ""
+
+    def abort(self) -> None:
+        pass
+
+
+async def test_a_turn_is_timed_to_its_replys_arrival_not_the_tasks_resumption() -> None:
+    profile = dataclasses.replace(SMALL, sessions=3, turns=(2, 2), think_s=(0.0, 0.0))
+    watch: list[ClientStats] = []
+    records = await run_profile(profile, "ws://unused", _Late, watch=watch)
+    assert all(r.ok for r in records)
+    turns = [t for r in records for t in r.turn_s]
+    assert len(turns) == 6
+    assert max(turns) < 0.05  # the 50 ms before each resumption is not counted
+    # The client watched itself meanwhile: its collector quiet, its loop probed.
+    assert len(watch) == 1
+    assert watch[0].probes > 0
+    assert gc.get_threshold() != CLIENT_GC_THRESHOLDS  # restored after the run
+
+
+async def test_a_connection_without_replied_at_is_timed_on_resumption() -> None:
+    class Plain(_Late):
+        async def request(self, kind: str, body: bytes, limit: float) -> dict[str, Any]:
+            del self.replied_at  # an HTTP-style connection: no frame callback
+            self.replied_at = 0.0
+            await asyncio.sleep(0.05)
+            return {}
+
+    profile = dataclasses.replace(SMALL, sessions=1, turns=(1, 1), think_s=(0.0, 0.0))
+    records = await run_profile(profile, "ws://unused", Plain)
+    assert records[0].ok
+    assert records[0].turn_s[0] >= 0.05
+
+
+async def test_the_picows_client_notes_when_each_reply_arrived() -> None:
+    conn_class = ws_connection_class()
+    async with serve("benchmark") as server:
+        conn = conn_class(ws_url(server.url), None)
+        try:
+            await conn.connect(10 * UNIT)
+            assert conn.replied_at == 0.0
+            t = time.monotonic()
+            await conn.request("reset", b'{"type":"reset","data":{}}', 10 * UNIT)
+            assert t <= conn.replied_at <= time.monotonic()
+        finally:
+            conn.abort()
 
 
 async def test_episodes_against_no_server_fail_as_refused() -> None:
@@ -153,6 +233,12 @@ def test_the_command_runs_each_arm_and_tables_them(tmp_path: Path) -> None:
         assert summary["turns"] == summary["planned_turns"] == sum(turns)
         assert summary["server_cpu_s"] is not None  # the server's process tree was sampled
         assert summary["server_cores"] == os.cpu_count()  # no --cpus: every core
+        client = raw["arms"][arm]["client"]  # the client watched itself
+        assert client["probes"] > 0
+        assert client["lag_ms"]["p99"] is not None
+        turn_at = [a for e in raw["arms"][arm]["episodes"] for a in e["turn_at"]]
+        assert len(turn_at) == summary["turns"]
     table = (tmp_path / "rl.md").read_text()
+    assert "stadium: client loop lag p50" in table
     assert "| stadium | 12 / 12 |" in table
     assert "| floor | 12 / 12 |" in table

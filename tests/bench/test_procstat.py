@@ -94,3 +94,19 @@ def test_spawn_server_says_why_it_did_not_start() -> None:
             pytest.fail("the server started")
     assert "exited" in info.value.message
     assert "no_such_environment_anywhere" in info.value.message  # the command and its output
+
+
+def test_a_sampler_with_interval_0_starts_no_thread_and_still_counts_cpu() -> None:
+    # The RL bench's client times replies on its loop: a sampling thread's /proc scans
+    # (which hold the GIL) would be timed as the server's latency, so it takes none.
+    pid = os.getpid()
+    sampler = ServerSampler(pid, interval=0)
+    before = threading.active_count()
+    sampler.start()
+    assert threading.active_count() == before
+    end = read_stat(pid).cpu_s + 0.05
+    while read_stat(pid).cpu_s < end:  # burn 50 ms of CPU (the clock ticks in 10 ms)
+        sum(range(10_000))
+    stats = sampler.stop()
+    assert (stats.cpu_s or 0.0) >= 0.04
+    assert stats.peak_procs == 1
