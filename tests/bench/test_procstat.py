@@ -13,8 +13,9 @@ from collections.abc import Iterator
 import pytest
 
 from stadium._errors import ConfigError
+from stadium.bench import procstat
 from stadium.bench.arms import spawn_server
-from stadium.bench.procstat import ServerSampler, process_tree, read_stat
+from stadium.bench.procstat import ServerSampler, process_tree, process_trees, read_stat
 
 _PARENT = """
 import subprocess, sys, time
@@ -58,6 +59,20 @@ def test_read_stat_agrees_with_psutil(parent_and_child: tuple[int, int]) -> None
     assert stat.rss_bytes == pytest.approx(p.memory_info().rss, abs=1 << 20)
     times = p.cpu_times()
     assert stat.cpu_s == pytest.approx(times.user + times.system, abs=0.05)
+
+
+def test_the_walk_down_children_finds_what_the_scan_of_every_process_finds(
+    parent_and_child: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pid, child = parent_and_child
+    me = os.getpid()
+    walked = process_trees([me])
+    assert walked[0] == me
+    assert walked.index(pid) < walked.index(child)  # a grandchild too, parents first
+    assert sorted(walked) == sorted(procstat._scan_trees([me]))
+    # A kernel without the children files: the scan answers
+    monkeypatch.setattr(procstat, "_children", lambda p: None)
+    assert sorted(process_trees([me])) == sorted(walked)
 
 
 def test_process_tree_and_sampler(parent_and_child: tuple[int, int]) -> None:
