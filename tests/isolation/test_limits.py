@@ -244,6 +244,12 @@ async def test_an_episode_past_its_time_is_killed_and_reset_starts_afresh(
             assert err.context["limit"] == "episode_time"
             assert err.context["value"] == limit
             assert "reset" in err.message
+            # Until a reset, reading the state is an error too, not a fresh process's state.
+            starts = isolation.starts
+            with pytest.raises(stadium.StadiumError, match="reset") as info:
+                await env.state()
+            assert info.value.code == ErrorCode.SESSION_ERROR
+            assert isolation.starts == starts  # no process started for it
             await env.reset()
             assert (await env.step({"do": "echo", "arg": "c"})).observation["text"] == "c"
             # A call still running when the time runs out is stopped with the same error.

@@ -65,7 +65,7 @@ class ProcessEnv:
         if self.ended is not None and not fresh:
             raise SessionError(
                 f"{self.ended.message.split(';')[0]}: send reset to start a fresh "
-                "env process before stepping",
+                f"env process before {_WHAT.get(op, op)}",
                 operation=op,
             )
         proc = self.proc = await iso.acquire()
@@ -158,13 +158,15 @@ class ProcessEnv:
     @property
     def state(self) -> Any:
         """The env's state, read in its process without blocking the worker (an awaitable
-        the session awaits); a fresh ``State`` when the session has no env process yet."""
-        if self.proc is None and not self._restoring:
+        the session awaits); a fresh ``State`` when the session has no env process yet.
+        After its episode ran out of time or its process died, the error (as a ``step``
+        gets), until a ``reset``: not a fresh process's state."""
+        if self.proc is None and not self._restoring and self.ended is None:
             return State()
         return self._state()
 
     async def _state(self) -> Any:
-        return (await self._call("state", self.isolation.encoder.encode(["state"]), True))[1]
+        return (await self._call("state", self.isolation.encoder.encode(["state"]), False))[1]
 
     async def close(self) -> None:
         self._end_episode()
@@ -220,16 +222,21 @@ class ToolProcessEnv(ProcessEnv):
         return await self._mcp_call("tools/list", body)  # type: ignore[no-any-return]
 
     async def mcp_call_tool(self, name: str, arguments: Any) -> Any:
+        # A tool call acts on the episode: after it ran out of time or its process died,
+        # the error until a reset (as a step). Listing the tools needs no episode.
         body = self.isolation.encoder.encode(["call_tool", name, arguments])
-        return await self._mcp_call("tools/call", body)
+        return await self._mcp_call("tools/call", body, fresh=False)
 
-    async def _mcp_call(self, op: str, body: bytes) -> Any:
-        proc = await self._process(op, True)
+    async def _mcp_call(self, op: str, body: bytes, fresh: bool = True) -> Any:
+        proc = await self._process(op, fresh)
         reply = await self._request(proc, op, body)
         if reply[0] != wire.OK:
             raise _foreign(reply)
         return reply[1]
 
+
+#: What a call that needs a live episode is, in an error's words.
+_WHAT = {"step": "stepping", "state": "reading its state", "tools/call": "calling a tool"}
 
 #: The first bytes of a durable record's payload (a fork's is the new process's pid).
 _DURABLE = b"D:"
