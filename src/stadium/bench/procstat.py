@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -92,6 +92,13 @@ def process_trees(pids: Sequence[int]) -> list[int]:
     from one scan of every process's parent in /proc. (The walk reads a few files for a
     server's tree; the scan reads every process's, which took ~6 ms on a busy machine and
     held the GIL of the load generator sampling it.)"""
+    tree = _walk(pids, _children)
+    return tree if tree is not None else _scan_trees(pids)
+
+
+def _walk(pids: Sequence[int], children: Callable[[int], list[int] | None]) -> list[int] | None:
+    """The trees rooted at ``pids``, breadth first, ``children(pid)`` giving each process's
+    children; ``None`` as soon as it gives ``None``."""
     tree: list[int] = []
     seen: set[int] = set()
     for root in pids:
@@ -100,11 +107,11 @@ def process_trees(pids: Sequence[int]) -> list[int]:
         at = len(tree)
         tree.append(root)
         seen.add(root)
-        while at < len(tree):  # breadth first: the list grows as children are found
-            kids = _children(tree[at])
+        while at < len(tree):  # the list grows as children are found
+            kids = children(tree[at])
             at += 1
             if kids is None:
-                return _scan_trees(pids)
+                return None
             for c in kids:
                 if c not in seen:
                     seen.add(c)
@@ -123,22 +130,7 @@ def _scan_trees(pids: Sequence[int]) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue  # exited while we looked
         children.setdefault(parent, []).append(int(entry.name))
-    tree: list[int] = []
-    seen: set[int] = set()
-    for root in pids:
-        if root in seen or not (_PROC / str(root)).exists():
-            continue
-        at = len(tree)
-        tree.append(root)
-        seen.add(root)
-        while at < len(tree):  # breadth first: the list grows as children are found
-            p = tree[at]
-            at += 1
-            for c in children.get(p, ()):
-                if c not in seen:
-                    seen.add(c)
-                    tree.append(c)
-    return tree
+    return _walk(pids, lambda p: children.get(p, [])) or []
 
 
 def run_time_s(pids: Sequence[int]) -> float:
