@@ -40,6 +40,7 @@ from typing import Any
 
 import stadium
 from stadium._util.health import healthy
+from stadium.bench.procstat import process_tree
 from stadium.bench.start import isolated_processes
 
 HERE = Path(__file__).resolve().parent
@@ -84,17 +85,7 @@ class ServerProc:
             self.proc.wait()
 
     def tree(self) -> list[int]:
-        out, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            try:
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                pass
-        return out
+        return process_tree(self.proc.pid)
 
     def cpu_s(self) -> float:
         tick = os.sysconf("SC_CLK_TCK")
