@@ -42,6 +42,7 @@ def _rpc(method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
 
 
 STADIUM_SCRIPT = [
+    {"type": "state"},  # before any reset: a fresh env's state (its own State class)
     {"type": "reset", "data": {"seed": 3}},
     {"type": "step", "data": {"add": 2}},
     {"type": "state"},
@@ -49,6 +50,7 @@ STADIUM_SCRIPT = [
     {"type": "state"},
 ]
 TOOL_SCRIPT = [
+    {"type": "state"},
     {"type": "reset", "data": {"seed": 3}},
     {"type": "step", "data": {"type": "call_tool", "tool_name": "add", "arguments": {"n": 2}}},
     _rpc("tools/list"),
@@ -132,6 +134,29 @@ async def test_every_env_shape_answers_the_same_in_its_own_process(shape: str) -
     assert isolated_pids  # made in the session's own process, not this one
     assert os.getpid() not in isolated_pids
     assert len(isolated_pids) == 1
+
+
+def _get_json(url: str) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30 * UNIT) as response:
+        return json.loads(response.read())
+
+
+@pytest.mark.parametrize("env", ["SyncEnv", "AsyncEnv"])
+async def test_http_state_is_a_fresh_envs_own_state_read_in_a_process(env: str) -> None:
+    """``GET /state`` (a fresh env's state, as OpenEnv's HTTP server answers it) has the
+    env's own ``State`` fields — an async ``state`` awaited — in-process and when the env
+    runs in a process, and that process is let go."""
+    async with serve(f"{SHAPES}:{env}") as server:
+        inline = await asyncio.to_thread(_get_json, server.url + "/state")
+    assert inline == {"total": 0, "episode_id": None, "step_count": 0}
+    async with _isolated(f"{SHAPES}:{env}") as server:
+        isolation = server.runtime.isolation
+        starts = isolation.starts
+        assert await asyncio.to_thread(_get_json, server.url + "/state") == inline
+        assert isolation.starts == starts + 1  # read in an env process of its own
+        await wait_until(lambda: not isolation.live, 10 * UNIT, "the process let go")
 
 
 async def test_an_async_state_does_not_hold_up_other_sessions() -> None:

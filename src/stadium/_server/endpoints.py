@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 import os
@@ -493,7 +494,10 @@ class HttpEndpoints:
                 raise _timed_out("create", exc) from None
             timed_out = False
             try:
-                return await rt.invoke.call(loop, mode, call, env, limit=limit)
+                result = await rt.invoke.call(loop, mode, call, env, limit=limit)
+                if inspect.isawaitable(result):  # an async ``state`` (an isolated env's too):
+                    result = await result  # read before the env is closed
+                return result
             except CallTimeoutError as exc:
                 timed_out = True
                 raise _timed_out(what, exc) from None

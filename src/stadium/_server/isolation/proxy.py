@@ -15,7 +15,6 @@ import asyncio
 import dataclasses
 from typing import Any
 
-from stadium._env.contract import State
 from stadium._env.snapshot import snapshot_env
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import SessionError, SnapshotError, StadiumError
@@ -158,11 +157,11 @@ class ProcessEnv:
     @property
     def state(self) -> Any:
         """The env's state, read in its process without blocking the worker (an awaitable
-        the session awaits); a fresh ``State`` when the session has no env process yet.
-        After its episode ran out of time or its process died, the error (as a ``step``
-        gets), until a ``reset``: not a fresh process's state."""
-        if self.proc is None and not self._restoring and self.ended is None:
-            return State()
+        the session awaits). Before any ``reset`` that is a fresh env's state, its own
+        ``State`` class and all, as in-process (the session's process starts for it, and
+        its ``reset`` then runs there; ``GET /state`` releases it again). After its episode
+        ran out of time or its process died, the error (as a ``step`` gets), until a
+        ``reset``: not a fresh process's state."""
         return self._state()
 
     async def _state(self) -> Any:
