@@ -76,6 +76,18 @@ class AsyncEnv(SyncEnv):
         await asyncio.sleep(0)
 
 
+class SlowStateEnv(AsyncEnv):
+    """An async ``state`` that never comes (a minute's sleep): bounded by the server."""
+
+    @property
+    def state(self) -> Any:
+        async def read() -> Counted:
+            await asyncio.sleep(60)
+            return Counted()
+
+        return read()
+
+
 class BusyStateEnv(SyncEnv):
     """A blocking env whose ``state`` property does work: ``total`` ms of it (at most 1 s)."""
 

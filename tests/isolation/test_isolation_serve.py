@@ -159,6 +159,20 @@ async def test_http_state_is_a_fresh_envs_own_state_read_in_a_process(env: str) 
         await wait_until(lambda: not isolation.live, 10 * UNIT, "the process let go")
 
 
+async def test_http_state_that_never_comes_is_abandoned_at_the_step_timeout() -> None:
+    import urllib.error
+
+    async with serve(f"{SHAPES}:SlowStateEnv", step_timeout=UNIT) as server:
+        with pytest.raises(urllib.error.HTTPError) as info:
+            await asyncio.to_thread(_get_json, server.url + "/state")
+        assert info.value.code == 504
+        body = json.loads(info.value.read())
+        info.value.close()
+        assert body["code"] == "TIMEOUT"
+        assert body["operation"] == "state"
+        assert server.runtime.admission.slots.active() == 0  # its slot is back
+
+
 async def test_an_async_state_does_not_hold_up_other_sessions() -> None:
     """``state`` is read in the env's process while the worker serves other sessions."""
     async with (

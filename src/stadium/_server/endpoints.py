@@ -496,8 +496,8 @@ class HttpEndpoints:
             try:
                 result = await rt.invoke.call(loop, mode, call, env, limit=limit)
                 if inspect.isawaitable(result):  # an async ``state`` (an isolated env's too):
-                    result = await result  # read before the env is closed
-                return result
+                    result = await _bounded(result, rt.invoke.timeout if limit is None else limit)
+                return result  # read before the env is closed
             except CallTimeoutError as exc:
                 timed_out = True
                 raise _timed_out(what, exc) from None
@@ -685,6 +685,19 @@ def _timeout_s(value: Any) -> float | None:
             f"timeout_s must be a number of seconds over 0, got {value!r}", field="$.timeout_s"
         )
     return float(value)
+
+
+async def _bounded(awaitable: Any, limit: float) -> Any:
+    """``awaitable``'s result, or :class:`~stadium.CallTimeoutError` past ``limit`` s (0: none)."""
+    if limit <= 0:
+        return await awaitable
+    try:
+        async with asyncio.timeout(limit):
+            return await awaitable
+    except TimeoutError:
+        raise CallTimeoutError(
+            f"the call ran longer than its {limit:g} s limit", timeout_s=limit
+        ) from None
 
 
 def _timed_out(what: str, exc: CallTimeoutError) -> CallTimeoutError:
