@@ -159,9 +159,12 @@ async def test_http_state_is_a_fresh_envs_own_state_read_in_a_process(env: str) 
         await wait_until(lambda: not isolation.live, 10 * UNIT, "the process let go")
 
 
-async def test_http_state_that_never_comes_is_abandoned_at_the_step_timeout() -> None:
+async def test_a_state_that_never_comes_is_abandoned_at_the_step_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import urllib.error
 
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", "true")  # for /web/state
     async with serve(f"{SHAPES}:SlowStateEnv", step_timeout=UNIT) as server:
         with pytest.raises(urllib.error.HTTPError) as info:
             await asyncio.to_thread(_get_json, server.url + "/state")
@@ -171,6 +174,12 @@ async def test_http_state_that_never_comes_is_abandoned_at_the_step_timeout() ->
         assert body["code"] == "TIMEOUT"
         assert body["operation"] == "state"
         assert server.runtime.admission.slots.active() == 0  # its slot is back
+        # The web page's state of its env: the same bound.
+        with pytest.raises(urllib.error.HTTPError) as info:
+            await asyncio.to_thread(_get_json, server.url + "/web/state")
+        assert info.value.code == 504
+        assert json.loads(info.value.read())["code"] == "TIMEOUT"
+        info.value.close()
 
 
 async def test_an_async_state_does_not_hold_up_other_sessions() -> None:

@@ -39,6 +39,7 @@ from stadium._errors import (
     ValidationError,
 )
 from stadium._server.doorway import Door, Pass
+from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
 from stadium._util.throttle import ThrottledLog
@@ -495,9 +496,10 @@ class HttpEndpoints:
             timed_out = False
             try:
                 result = await rt.invoke.call(loop, mode, call, env, limit=limit)
-                if inspect.isawaitable(result):  # an async ``state`` (an isolated env's too):
-                    result = await _bounded(result, rt.invoke.timeout if limit is None else limit)
-                return result  # read before the env is closed
+                if inspect.isawaitable(result):  # an async ``state`` (an isolated env's too),
+                    # read before the env is closed, within the same limit
+                    result = await rt.invoke.call(loop, CallMode.TASK, awaited, result, limit=limit)
+                return result
             except CallTimeoutError as exc:
                 timed_out = True
                 raise _timed_out(what, exc) from None
@@ -685,19 +687,6 @@ def _timeout_s(value: Any) -> float | None:
             f"timeout_s must be a number of seconds over 0, got {value!r}", field="$.timeout_s"
         )
     return float(value)
-
-
-async def _bounded(awaitable: Any, limit: float) -> Any:
-    """``awaitable``'s result, or :class:`~stadium.CallTimeoutError` past ``limit`` s (0: none)."""
-    if limit <= 0:
-        return await awaitable
-    try:
-        async with asyncio.timeout(limit):
-            return await awaitable
-    except TimeoutError:
-        raise CallTimeoutError(
-            f"the call ran longer than its {limit:g} s limit", timeout_s=limit
-        ) from None
 
 
 def _timed_out(what: str, exc: CallTimeoutError) -> CallTimeoutError:

@@ -46,7 +46,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stadium._env.spec import CallMode
@@ -62,6 +62,14 @@ OnDone = Callable[[Any, Any, "BaseException | None"], None]
 #: Tasks run synchronously up to their first suspension (``eager_start``), so a
 #: call that never waits completes with no event-loop trip (Python >= 3.12).
 EAGER_TASKS = sys.version_info >= (3, 12)
+
+
+async def awaited(value: Awaitable[Any]) -> Any:
+    """``value`` awaited: what an env gave that is awaitable (an async ``state``, an
+    isolated env's ``state`` read in its process), to run as a ``TASK`` call, so that
+    the invoker's limit applies to it as to any other env call."""
+    return await value
+
 
 # Module constants: an enum member looked up on its class costs ~20 ns, per step.
 _INLINE = CallMode.INLINE

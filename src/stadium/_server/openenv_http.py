@@ -39,6 +39,7 @@ from stadium._server.endpoints import (
     _step,
     error_response,
 )
+from stadium._server.invoke import awaited
 
 TASK_METHODS = ("list_splits", "list_tasks", "num_tasks", "get_task", "get_task_range")
 _TASK_POSTS = {"tasks": "list_tasks", "num_tasks": "num_tasks", "task": "get_task",
@@ -159,8 +160,10 @@ class OpenEnvRoutes:
             async with self._web_lock:
                 env = await self._web_env_ready()
                 state = env.state
-                if inspect.isawaitable(state):  # an isolated env's, read in its process
-                    state = await state
+                if inspect.isawaitable(state):  # an async state (an isolated env's too)
+                    state = await self.runtime.invoke.call(
+                        asyncio.get_running_loop(), CallMode.TASK, awaited, state
+                    )
         except Exception as exc:
             return self._failed("state", exc, status=409)
         return HttpResponse(200, self.runtime.spec.json_encoder.encode(state))

@@ -23,7 +23,7 @@ import logging
 import os
 import uuid
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from stadium._core import mcp as _mcp
@@ -42,7 +42,7 @@ from stadium._errors import (
 from stadium._server.admission import Verdict
 from stadium._server.doorway import Door, Pass
 from stadium._server.durable import SessionRecord
-from stadium._server.invoke import EAGER_TASKS
+from stadium._server.invoke import EAGER_TASKS, awaited
 from stadium._server.resumable import ResumableSession, Where
 from stadium._server.runtime import (
     CLOSE_GOING_AWAY,
@@ -483,7 +483,7 @@ class Session(ResumableSession):
                 self._reply(call, state)
                 return
             # An awaitable state (an isolated env's, read in its process): awaited as a task.
-            pending = rt.invoke.run(self.loop, CallMode.TASK, _awaited, (state,), self._on_done,
+            pending = rt.invoke.run(self.loop, CallMode.TASK, awaited, (state,), self._on_done,
                                     call)  # fmt: skip
         elif op is _MCP:  # after the common ops: nothing added to their path
             pending = self._mcp(call)
@@ -734,10 +734,6 @@ class Session(ResumableSession):
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
 
 _SESSION_METHODS = frozenset({"openenv/session/create", "openenv/session/close"})
-
-
-async def _awaited(value: Awaitable[Any]) -> Any:
-    return await value
 
 
 async def _session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[str, Any]:
