@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from typing import Any
 
 import stadium
 from stadium._util.health import healthy
-from stadium.bench.procstat import process_tree
+from stadium.bench.procstat import process_tree, terminate, tree_cpu_s
 from stadium.bench.start import isolated_processes
 
 HERE = Path(__file__).resolve().parent
@@ -77,27 +76,13 @@ class ServerProc:
             time.sleep(0.1)
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
 
     def tree(self) -> list[int]:
         return process_tree(self.proc.pid)
 
     def cpu_s(self) -> float:
-        tick = os.sysconf("SC_CLK_TCK")
-        total = 0
-        for pid in self.tree():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-        return total / tick
+        return tree_cpu_s(self.proc.pid)
 
     def memory_kib(self, pids: list[int] | None = None) -> tuple[int, int]:
         """(USS, PSS) of the tree (or of ``pids``), KiB."""

@@ -10,11 +10,11 @@ measure, e.g. another checkout's ``.venv/bin/python``; default: this one), one
    env process forked then); p50/p99/max of connect → first observation, and the
    server's CPU (its process tree) per session started;
 2. **mass close**: ``--sessions`` sessions opened (32 at a time) and held, then all
-   closed at once, while a probe session (a separate process, so the closing clients
-   do not delay it) asks for ``state`` in a loop: with no env process of its own (it
-   never resets) the worker answers it on its event loop, so the worker's loop lag shows
-   as the probe's latency (a probe whose env process answered would measure that
-   process's turn among a thousand exiting ones instead). Reported: the probe's max and
+   closed at once, while a probe connection (a separate process, so the closing clients
+   do not delay it) sends WebSocket pings in a loop: the worker's event loop answers
+   them (the connection never asks its env anything, so it has no env process), so the
+   worker's loop lag shows as the probe's latency (a probe whose env process answered
+   would measure that process's turn among a thousand exiting ones instead). Reported: the probe's max and
    p99 latency during the close (and its max before it, at rest), how long until every
    env process was gone, and the
    watchdog's stall reports (a loop stuck over 1 s, with its stack) from the server's log.
@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from typing import Any
 
 import stadium
 from stadium._util.health import healthy
+from stadium.bench.procstat import terminate, tree_cpu_s
 from stadium.bench.start import isolated_processes
 
 HERE = Path(__file__).resolve().parent
@@ -54,12 +54,13 @@ PHASE_DEADLINE_S = 180.0
 
 PROBE = r"""
 import asyncio, json, sys, time
-import stadium
+import websockets
 
 async def main(url):
     out = []
-    async with stadium.AsyncClient(url) as env:  # no reset: no env process of its own
-        await env.state()
+    # Pings only: the session never asks its env anything, so it has no env process.
+    async with websockets.connect(url.replace("http://", "ws://") + "/ws") as ws:
+        await (await ws.ping())
         print("ready", flush=True)
         loop = asyncio.get_running_loop()
         stop = loop.create_future()
@@ -67,7 +68,7 @@ async def main(url):
         deadline = time.monotonic() + 600
         while not stop.done() and time.monotonic() < deadline:
             t0 = time.monotonic()
-            await env.state()  # answered by the worker itself: its loop's lag
+            await (await ws.ping())  # the pong comes from the worker's loop: its lag
             out.append((t0, time.monotonic() - t0))
             await asyncio.sleep(0.001)
     print(json.dumps(out), flush=True)
@@ -106,29 +107,10 @@ class Server:
         return isolated_processes(self.url)
 
     def cpu_s(self) -> float:
-        tick = os.sysconf("SC_CLK_TCK")
-        total, todo = 0, [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                total += sum(int(x) for x in fields[11:15])
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo.extend(int(c) for c in f.read().split())
-            except OSError:
-                continue
-        return total / tick
+        return tree_cpu_s(self.proc.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 60.0)
         self._log_file.close()
 
 

@@ -7,6 +7,8 @@ Dependency-free (Linux /proc only; ``stadium demo`` uses it too):
 * :func:`process_tree` — a process and all its descendants (from the kernel's lists of
   children, or every process's parent in /proc); :func:`process_trees` — those of several;
 * :func:`run_time_s` — CPU seconds of trees to the nanosecond (schedstat);
+* :func:`tree_cpu_s` — CPU seconds of a tree, reaped children included;
+* :func:`terminate` — SIGTERM a server started here, SIGKILL after a grace;
 * :func:`count_fds` — a process's open file descriptors;
 * :func:`tree_figures` — RSS, threads, processes, fds and CPU of a tree, now;
 * :class:`ServerSampler` — samples a server's tree every ``interval``
@@ -25,10 +27,12 @@ Dependency-free (Linux /proc only; ``stadium demo`` uses it too):
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from stadium.bench.results import ServerStats
 
@@ -131,6 +135,32 @@ def _scan_trees(pids: Sequence[int]) -> list[int]:
             continue  # exited while we looked
         children.setdefault(parent, []).append(int(entry.name))
     return _walk(pids, lambda p: children.get(p, [])) or []
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid``'s tree now, each process's own and that of the children it
+    has reaped (``utime + stime + cutime + cstime``, 10 ms ticks): the processes of
+    sessions that came and went still count, through their parents."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            fields = _stat_fields(p)
+        except (OSError, IndexError):
+            continue
+        total += sum(int(x) for x in fields[11:15])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def terminate(proc: subprocess.Popen[Any], grace: float = 30.0) -> None:
+    """Stop a server this process started: SIGTERM (it drains), SIGKILL after ``grace``
+    seconds; reaped either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def run_time_s(pids: Sequence[int]) -> float:

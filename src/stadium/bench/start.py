@@ -26,7 +26,6 @@ import dataclasses
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ from typing import Any
 
 from stadium._core.urls import ws_url
 from stadium._util.health import healthy
+from stadium.bench.procstat import terminate
 from stadium.bench.sessions import connection_class
 
 PATTERNS = ("sequential", "staggered", "burst")
@@ -106,13 +106,7 @@ class _Server:
             await asyncio.sleep(0.2)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
 
 
 async def _first_observation(url: str, opened: list[Any]) -> float:
