@@ -21,7 +21,10 @@ _libc.syscall.restype = ctypes.c_long
 PTRACE_ATTACH = 16
 CLONE_NEWUSER = 0x10000000
 #: x86_64 numbers of the calls made raw below (no libc wrapper in Python).
-SYS = {"bpf": 321, "perf_event_open": 298, "add_key": 248, "clone3": 435, "io_uring_setup": 425}
+SYS = {
+    "bpf": 321, "perf_event_open": 298, "add_key": 248, "clone3": 435, "io_uring_setup": 425,
+    "fanotify_init": 300,
+}  # fmt: skip
 
 
 def _errno(rc: int) -> str:
@@ -89,6 +92,10 @@ class KernelHostile(Hostile):
             return _errno(rc)
         if do == "clone3":
             return _errno(_libc.syscall(SYS["clone3"], None, 0))
+        if do == "fanotify":  # fanotify_init(FAN_CLASS_NOTIF, O_RDONLY)
+            return _errno(_libc.syscall(SYS["fanotify_init"], 0, 0))
+        if do == "personality":  # personality(int(arg, 16)); the query 0xffffffff changes none
+            return _errno(_libc.personality(ctypes.c_ulong(int(arg, 16))))
         if do == "io_uring":
             return _errno(_libc.syscall(SYS["io_uring_setup"], 1, None))
         if do == "socket":  # family number ``arg``, raw (netlink, packet) or stream

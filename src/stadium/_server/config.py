@@ -125,6 +125,9 @@ class ServerConfig:
         sandbox_allow: the hosts (names, addresses, CIDR ranges) of ``allowlist``.
         sandbox_seccomp: ``on`` (each sandboxed session runs under Stadium's seccomp
             filter; the server refuses to start without libseccomp) or ``off``.
+        sandbox_output: what isolated env processes print (their stdout and stderr, a
+            pipe of their own, never the server's): ``log`` (the server's log, bounded in
+            rate, escaped, tagged with the session) or ``drop`` (``/dev/null``).
         action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
             model of an OpenEnv env class or app target, over the one it declares.
         given: the names of the settings the operator gave (options, their environment
@@ -186,6 +189,7 @@ class ServerConfig:
     sandbox_network: str | None = None
     sandbox_allow: tuple[str, ...] = ()
     sandbox_seccomp: str = "on"
+    sandbox_output: str = "log"
     action_model: str | None = None
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
@@ -262,6 +266,11 @@ class ServerConfig:
             self.sandbox_seccomp in ("on", "off"),
             "--sandbox-seccomp must be on or off",
             value=self.sandbox_seccomp,
+        )
+        _check(
+            self.sandbox_output in ("log", "drop"),
+            "--sandbox-output must be log or drop",
+            value=self.sandbox_output,
         )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
@@ -613,6 +622,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--sandbox-seccomp",
             type=click.Choice(["on", "off"]),
             help="The seccomp filter of sandboxed sessions (off: none; on needs libseccomp) [on].",
+        ),
+        click.option(
+            "--sandbox-output",
+            type=click.Choice(["log", "drop"]),
+            help="What isolated env processes print: log (the server's log, bounded, tagged "
+            "with the session) or drop [log].",
         ),
     ]
     for option in reversed(options):

@@ -159,7 +159,7 @@ def isolation_config(config: ServerConfig, env_cls: type[Any]) -> IsolationConfi
     limits = limits_for(config, manifest_of(config), config.step_timeout or DEFAULT_CALL_TIMEOUT_S)
     return IsolationConfig(
         mode, target, dict(config.env_kwargs), config.warm_pool, limits,
-        seccomp=config.sandbox_seccomp == "on",
+        seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """The env side of isolated sessions: the template process and each session's process.
 
-``python -m stadium._server.isolation.child`` (its settings, JSON, in the environment
-variable ``STADIUM_ISOLATION_SETTINGS``) is a worker's *template*:
+:func:`template_main` (started by :mod:`.boot`, its settings read from a memfd, never from
+argv or the environment) is a worker's *template*:
 it imports the env's code once, then waits on its control socket (a
 ``SOCK_SEQPACKET`` socket inherited as ``control_fd``). For each ``spawn`` it
 forks: the child (a session's process) gets one end of a new socket pair, the
@@ -42,7 +42,6 @@ import ctypes
 import gc
 import inspect
 import itertools
-import json
 import os
 import selectors
 import signal
@@ -77,6 +76,7 @@ class _Ctx:
     env_kwargs: dict[str, Any]
     sandbox: bool
     disk_mib: int
+    ptys = 16
     seccomp: Filter | None = None
     key_base = 0
     """Added to a pid to make its key (sandboxed: the family's number << KEY_SHIFT)."""
@@ -94,6 +94,9 @@ class _Ctx:
     unreported: set[int] = set()
     """Keys of sessions' processes whose exit their init has not reported yet."""
     encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook_default)
+    output = "log"
+    """``log``: each spawn's first descriptor is its family's stdout and stderr (a pipe the
+    worker reads, :mod:`.output`); ``drop``: they are ``/dev/null``."""
 
 
 def template_main(config: dict[str, Any]) -> None:
@@ -113,7 +116,9 @@ def template_main(config: dict[str, Any]) -> None:
         os._exit(3)
     _Ctx.env_kwargs = env_kwargs
     _Ctx.sandbox = bool(config.get("sandbox"))
+    _Ctx.output = "drop" if config.get("output") == "drop" else "log"
     _Ctx.disk_mib = int(config.get("disk_mib", 256))
+    _Ctx.ptys = int(config.get("ptys", 16))
     if config.get("seccomp"):  # built once here, loaded in each session's process
         try:
             _Ctx.seccomp = build_filter()
@@ -150,16 +155,18 @@ def template_main(config: dict[str, Any]) -> None:
                 _relay(control, _Ctx.report)
             elif key.fileobj is control:
                 try:
-                    packet, fds, _flags, _addr = socket.recv_fds(control, 65536, 1)
+                    packet, fds, _flags, _addr = socket.recv_fds(control, 65536, 2)
                 except OSError:  # the worker is gone
                     packet, fds = b"", []
                 if not packet:
                     os._exit(0)
                 msg = wire.decode(packet)
                 if msg[0] == "spawn":
+                    out = fds[0] if fds and _Ctx.output == "log" else -1
+                    rest = fds[1:] if out >= 0 else fds
                     _spawn(
                         control, sel, wake_r, wake_w, report_w, *msg[1:],
-                        netns_fd=fds[0] if fds else -1,
+                        netns_fd=rest[0] if rest else -1, out_fd=out,
                     )  # fmt: skip
                 for fd in fds:
                     os.close(fd)
@@ -258,7 +265,7 @@ def _start_family(
     _Ctx.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     procs = [os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY) for p in cgroups]
     # The init stays out of the session's cgroups; the family shares its namespaces.
-    enter_sandbox([], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts)
+    enter_sandbox([], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys)
     if _Ctx.seccomp is not None:  # the last step: no env code has run yet
         _Ctx.seccomp.load()
     if os.fork() == 0:  # the session's process (pid 2)
@@ -297,8 +304,11 @@ def _spawn(
     hosts: str | None = None,
     *,
     netns_fd: int = -1,
+    out_fd: int = -1,
 ) -> None:
     mine, theirs = socket.socketpair()
+    sys.stdout.flush()  # nothing of the template's own output is printed twice
+    sys.stderr.flush()
     if _Ctx.sandbox:
         try:
             pid, base = _fork_family()
@@ -312,6 +322,7 @@ def _spawn(
         pid, base = os.fork(), 0
     if pid == 0:
         try:
+            _own_output(out_fd)
             sel.close()
             control.close()
             os.close(wake_r)
@@ -340,6 +351,16 @@ def _spawn(
         _Ctx.inits[pid] = key
         _Ctx.unreported.add(key)
     _spawned(control, key, mine)
+
+
+def _own_output(out_fd: int) -> None:
+    """The family's stdout and stderr: its pipe to the worker (``out_fd``), or ``/dev/null``
+    (``drop``); never the template's (nor the server's). stdin stays ``/dev/null``."""
+    if out_fd < 0:
+        out_fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
 
 
 def _spawned(control: socket.socket, key: int, mine: socket.socket) -> None:
@@ -503,7 +524,3 @@ def session_main(sock: socket.socket) -> None:
     except BaseException:
         code = 5
     os._exit(code)
-
-
-if __name__ == "__main__":
-    template_main(json.loads(os.environ.pop(wire.SETTINGS_VAR)))

@@ -41,13 +41,16 @@ from stadium._errors import (
 )
 from stadium._server.isolation import wire
 from stadium._server.isolation.netns import Networks, SessionNet
+from stadium._server.isolation.output import OutputReader
 from stadium._server.isolation.proc import EnvProcess, Gone
 from stadium._server.isolation.reaper import Reaper
-from stadium._server.isolation.sandbox import Cgroups, Limits, bwrap_argv, uid_for
+from stadium._server.isolation.sandbox import Cgroups, Limits, UidLease, bwrap_argv
 
 log = logging.getLogger("stadium.isolation")
 
 MODES = ("none", "process", "sandbox")
+#: The script a template process starts with (:mod:`.boot`).
+BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
 #: Seconds a template has to import the env's code and say it is ready.
 TEMPLATE_START_S = 60.0
 #: Seconds to wait for the template's report of a dead process's wait status.
@@ -71,6 +74,9 @@ class IsolationConfig:
     limits: Limits = dataclasses.field(default_factory=Limits)
     seccomp: bool = True
     """``sandbox``: each session's process runs under the seccomp filter (:mod:`.seccomp`)."""
+    output: str = "log"
+    """What env processes print: ``log`` (a pipe per family, read into the server's log,
+    bounded: :mod:`.output`) or ``drop`` (``/dev/null``)."""
 
 
 class _TemplateGone(ExecutionError):
@@ -87,6 +93,8 @@ class Isolation:
         self.durable = False
         """``--durable``: sessions' env processes send their env's snapshot with each reply."""
         self.cgroups = Cgroups(config.limits, f"w{os.getpid()}") if self.sandbox else None
+        self.uids = UidLease(start=os.getpid()) if self.sandbox else None
+        """Sandboxed: the node-wide lease of this worker's session uids."""
         networked = self.sandbox and config.limits.network != "none"
         self.networks = (
             Networks(config.limits.network, config.limits.allowed_hosts, f"w{os.getpid()}")
@@ -114,6 +122,9 @@ class Isolation:
         """Closes released processes' sockets and recycles or removes ended ones' cgroups,
         off the loop."""
         self._cgroup_users: dict[str, int] = {}
+        self.outputs: dict[int, OutputReader] = {}
+        """The output pipe of each family, by its first process's key, while it is open."""
+        self._template_output: OutputReader | None = None
         """Live processes per cgroup (a fork shares its parent's): released at the last exit."""
         # Counters (``/metrics``: stadium_isolated_*).
         self.starts = 0
@@ -145,29 +156,47 @@ class Isolation:
             return self._ready
         loop = self._loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sys_path = [p for p in sys.path if p]
+        sys_path = [os.path.abspath(p) for p in sys.path if p]
         settings: dict[str, Any] = {
             "target": self.config.target,
             "env_kwargs": self.config.env_kwargs,
             "control_fd": theirs.fileno(),
             "sandbox": self.sandbox,
             "disk_mib": self.limits.disk_mib,
+            "ptys": self.limits.ptys,
             "seccomp": self.sandbox and self.config.seccomp,
             "sys_path": sys_path,
+            "output": self.config.output,
         }
-        # The settings (env kwargs may hold secrets) go in the environment, which only the
-        # template's uid can read in /proc, not in argv, which every process can.
-        argv = [sys.executable, "-m", "stadium._server.isolation.child"]
+        # The settings (env kwargs may hold secrets) go in a memfd the template reads and
+        # closes first (:mod:`.boot`): not in argv, which every process can read, nor in its
+        # environment, which would stay in every session's initial environment block.
+        settings_fd = os.memfd_create("stadium-template-settings", os.MFD_CLOEXEC)
+        os.write(settings_fd, json.dumps(settings).encode())
+        argv = [sys.executable, "-P", BOOT, str(settings_fd)]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.sandbox:
             argv = bwrap_argv(sys_path, resolver=self.limits.network == "public") + argv
         else:
             env = dict(os.environ)
-        env[wire.SETTINGS_VAR] = json.dumps(settings)
-        self._template = subprocess.Popen(
-            argv, pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
-            cwd="/" if self.sandbox else None,
-        )  # fmt: skip
+        # Its stdout and stderr (bubblewrap's, the env's import-time output): a pipe the
+        # worker reads, bounded, never the server's own descriptors.
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            self._template = subprocess.Popen(
+                argv, pass_fds=[theirs.fileno(), settings_fd], env=env,
+                stdin=subprocess.DEVNULL, stdout=out_w, stderr=out_w,
+                cwd="/" if self.sandbox else None,
+            )  # fmt: skip
+        except BaseException:
+            os.close(out_r)
+            raise
+        finally:
+            os.close(settings_fd)
+            os.close(out_w)
+        if self._template_output is not None:
+            self._template_output.close()
+        self._template_output = OutputReader(loop, out_r, "template")
         theirs.close()
         ours.setblocking(False)
         self._control = ours
@@ -277,27 +306,39 @@ class Isolation:
             cgroups, baseline = await asyncio.get_running_loop().run_in_executor(
                 None, self._new_cgroups, str(n)
             )
-        uid = uid_for(os.getpid(), n) if self.sandbox else 0
+        uid = self.uids.take() if self.uids is not None else 0  # held until _track's
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[tuple[int, int]] = loop.create_future()
         net: SessionNet | None = None
+        out_r = -1
         try:
             if self.networks is not None:  # its own namespace, veth pair and rules
                 net = await self.networks.acquire()
             if self._control is None:
                 raise _TemplateGone("the isolation template process ended; retry")
+            fds = [net.fd] if net is not None else []
+            if self.config.output == "log":  # the family's stdout and stderr: first
+                out_r, out_w = os.pipe2(os.O_CLOEXEC)
+                fds.insert(0, out_w)
             try:
                 msg = self.encoder.encode(["spawn", cgroups, uid])
                 if net is not None:  # the namespace goes along; the template joins it
                     hosts = None if self.limits.network == "public" else net.hosts
                     msg = self.encoder.encode(["spawn", cgroups, uid, hosts])
-                socket.send_fds(self._control, [msg], [net.fd] if net is not None else [])
+                socket.send_fds(self._control, [msg], fds)
             except OSError:  # it died; its end of stream may not have been read yet
                 self._template_gone()
                 raise _TemplateGone("the isolation template process ended; retry") from None
+            finally:
+                if out_r >= 0:
+                    os.close(out_w)
             self._spawns.append(fut)  # its reply comes in order (never before the next await)
             fd, pid = await fut
         except BaseException:
+            if self.uids is not None:
+                self.uids.release(uid)
+            if out_r >= 0:
+                os.close(out_r)
             if cgroups:
                 self.reaper.remove(cgroups)
             if net is not None and self.networks is not None:
@@ -306,7 +347,13 @@ class Isolation:
         proc = EnvProcess(loop, socket.socket(fileno=fd))
         proc.pid, proc.uid, proc.cgroups, proc.baseline = pid, uid, cgroups, baseline
         proc.net = net
+        if out_r >= 0:
+            self.outputs[pid] = OutputReader(
+                loop, out_r, f"env process {pid}", on_close=lambda: self.outputs.pop(pid, None)
+            )
         self._track(proc)
+        if self.uids is not None:
+            self.uids.release(uid)  # _track holds it while the process lives
         await self._hello(proc)
         self.starts += 1
         self.start_seconds.append(time.perf_counter() - started)
@@ -333,14 +380,22 @@ class Isolation:
         paths = self.reaper.take(name)  # a spare (an ended session's, emptied), else new
         return paths, self.cgroups.counters(paths)
 
-    async def acquire(self) -> EnvProcess:
-        """A process with the env built: from the warm pool, else forked now."""
+    async def acquire(self, session: str | None = None) -> EnvProcess:
+        """A process with the env built: from the warm pool, else forked now. ``session``:
+        the short id of the session taking it, which its output's log lines then name."""
+        proc: EnvProcess | None = None
         while self.warm:
-            proc = self.warm.popleft()
+            warm = self.warm.popleft()
             self.refill()
-            if proc.sock.fileno() >= 0 and proc.pid in self.live:
-                return proc
-        return await self._spawn()
+            if warm.sock.fileno() >= 0 and warm.pid in self.live:
+                proc = warm
+                break
+        if proc is None:
+            proc = await self._spawn()
+        reader = self.outputs.get(proc.pid)
+        if reader is not None and session is not None:
+            reader.session = session
+        return proc
 
     def refill(self) -> None:
         """Fork processes ahead until the warm pool holds ``warm_pool`` of them."""
@@ -386,6 +441,8 @@ class Isolation:
         never reaches a process that took its pid over (its exit may go unreported when
         the template died)."""
         self.live[proc.pid] = proc
+        if self.uids is not None:
+            self.uids.hold(proc.uid)
         if proc.cgroups:
             key = proc.cgroups[0]
             self._cgroup_users[key] = self._cgroup_users.get(key, 0) + 1
@@ -418,6 +475,8 @@ class Isolation:
                 os.killpg(proc.pid, signal.SIGKILL)
 
     def _cleanup(self, proc: EnvProcess) -> None:
+        if self.uids is not None:
+            self.uids.release(proc.uid)
         if proc.pidfd >= 0:
             os.close(proc.pidfd)
             proc.pidfd = -1
@@ -533,6 +592,11 @@ class Isolation:
             self.kill(proc)
             proc.close()
         self.warm.clear()
+        for reader in [*self.outputs.values(), self._template_output]:
+            if reader is not None:
+                reader.close()
+        self.outputs.clear()
+        self._template_output = None
         if self._control is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._control.fileno())
         if self._control is not None:
@@ -552,6 +616,8 @@ class Isolation:
             self.networks.close([p.net for p in self.live.values() if p.net is not None])
         self.live.clear()
         self._cgroup_users.clear()
+        if self.uids is not None:  # every session's process is gone: the block is free
+            self.uids.close()
 
 
 _FOREIGN: dict[str, type[Exception]] = {}

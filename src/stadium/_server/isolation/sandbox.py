@@ -8,10 +8,13 @@ session's limits (:class:`Cgroups`), and the process the template forks for it
 (:func:`enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
 namespaces of its own, mounts a private size-bounded tmpfs as its work directory
 (``/sandbox``, also its home and ``TMPDIR``; ``/tmp`` is the same tmpfs, or read-only when
-the code lives under ``/tmp``), hides the cgroup tree, and drops to an unprivileged uid of
-its own (never root, never the server's user) with ``no_new_privs``, and a ``/proc``
-that shows only its own processes (``hidepid=2``). Sessions cannot
-see each other's files nor signal each other's processes (distinct uids), reach no
+the code lives under ``/tmp``), mounts a ``devpts`` instance of its own with a small
+``max`` (:attr:`Limits.ptys`: one session cannot take the host's pseudo-terminals), hides
+the cgroup tree, and drops to an unprivileged uid of its own (never root, never the
+server's user; unique among the node's live sessions: :class:`UidLease`) with
+``no_new_privs``, and a ``/proc`` that shows only its own processes (``hidepid=2``).
+Sessions cannot see each other's files nor signal each other's processes (distinct
+uids), reach no
 network (unless the server's sandbox network is ``allowlist`` or ``public``: then the
 session joins the network namespace :mod:`.netns` made for it, with its own
 ``/etc/hosts``), and are bounded in memory, CPU, processes, work-directory size and
@@ -25,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import os
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -42,9 +47,14 @@ CGROUP_PARENT = "stadium"
 #: the code may live under ``/tmp`` (a checkout there), and a mount there would hide it.
 #: ``/tmp`` is the same private tmpfs when no code lives under it, else read-only.
 WORK_DIR = "/sandbox"
-#: The first uid of sandboxed sessions; each live session has its own.
+#: The first uid of sandboxed sessions; each live session has its own (:class:`UidLease`).
 UID_BASE = 1_000_000
-UIDS_PER_WORKER = 65536
+#: The last uid a session may have (below 2**31: tools take uids as signed ints).
+UID_LAST = 2**31 - 2
+#: Uids per block a worker leases.
+UID_BLOCK = 4096
+#: Where the node's workers lease their blocks of uids (root's alone).
+UID_RUN_DIR = "/run/stadium-uids"
 MIB = 1024 * 1024
 
 
@@ -68,6 +78,8 @@ class Limits:
             ``allowed_hosts``) or ``public`` (any address but the host's own);
             see :mod:`~stadium._server.isolation.netns`.
         allowed_hosts: host names, addresses or CIDR ranges of ``allowlist``.
+        ptys: pseudo-terminals the session may hold at once (its own ``devpts``
+            instance's ``max``; the host's and other sessions' are not shared).
     """
 
     memory_mib: int = 1024
@@ -78,6 +90,7 @@ class Limits:
     network: str = "none"
     episode_timeout: float = 0.0
     allowed_hosts: tuple[str, ...] = ()
+    ptys: int = 16
 
     def __post_init__(self) -> None:
         if self.memory_mib < 16:
@@ -86,6 +99,8 @@ class Limits:
             raise ConfigError("--sandbox-cpus must be between 0.01 and 1024", value=self.cpus)
         if self.pids < 4:
             raise ConfigError("--sandbox-pids must be at least 4", value=self.pids)
+        if not 1 <= self.ptys <= 1024:
+            raise ConfigError("a session's pseudo-terminals must be 1..1024", value=self.ptys)
         if self.disk_mib < 1:
             raise ConfigError("--sandbox-disk must be at least 1 MiB", value=self.disk_mib)
         if self.episode_timeout < 0:
@@ -250,9 +265,107 @@ def _keyed(path: Path) -> dict[str, int]:
     return out
 
 
-def uid_for(worker_pid: int, n: int) -> int:
-    """The uid of a worker's ``n``-th sandboxed session process (distinct while alive)."""
-    return UID_BASE + (worker_pid % 4096) * UIDS_PER_WORKER + n % UIDS_PER_WORKER
+class UidLease:
+    """The uids of one worker's sandboxed sessions: unique per live session across every
+    worker and server of the node.
+
+    A worker leases blocks of :data:`UID_BLOCK` uids node-wide: block ``b`` is the file
+    ``run_dir/block-b``, held with ``flock`` for the worker's life (the descriptor is
+    close-on-exec: no child holds it). A worker that dies, however it dies, lets its
+    lease go with its descriptor, and the kernel has ended its sessions by then (each
+    family's init dies with the template, which dies with the worker; a pid namespace
+    ends with its init): the next worker finds the block free (a non-blocking ``flock``).
+    ``run_dir`` is root's alone (``0700``; refused otherwise). Inside its blocks the worker
+    hands uids out round-robin, skipping those still held by a live process (a session's,
+    or a copy ``fork`` made, which shares its parent's uid); when every uid of its blocks
+    is live it leases another block. ``take`` is O(1) amortized while fewer than half
+    the uids are live.
+
+    Args:
+        run_dir: the folder of the leases.
+        start: the block to try first (spread: the worker's pid), then the next ones.
+        block: uids per block (tests use small ones).
+    """
+
+    def __init__(self, run_dir: str = UID_RUN_DIR, start: int = 0, block: int = UID_BLOCK) -> None:
+        self.run_dir = run_dir
+        self.block = block
+        self.blocks = (UID_LAST - UID_BASE + 1) // block
+        self._next_block = start % self.blocks
+        self._fds: list[int] = []
+        self._bases: list[int] = []
+        self._live: dict[int, int] = {}
+        self._cursor = 0
+        _private_dir(run_dir)
+        self._lease()
+
+    def _lease(self) -> None:
+        for _ in range(self.blocks):
+            b = self._next_block
+            self._next_block = (b + 1) % self.blocks
+            fd = os.open(
+                os.path.join(self.run_dir, f"block-{b}"),
+                os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                0o600,
+            )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a live worker's
+                os.close(fd)
+                continue
+            self._fds.append(fd)
+            self._bases.append(UID_BASE + b * self.block)
+            return
+        raise ConfigError(f"every block of sandbox uids in {self.run_dir} is leased")
+
+    @property
+    def leased(self) -> list[range]:
+        """The uids this worker holds."""
+        return [range(base, base + self.block) for base in self._bases]
+
+    def take(self) -> int:
+        """A uid no live process of any worker of the node has (held once: :meth:`release`)."""
+        size = len(self._bases) * self.block
+        if len(self._live) * 2 >= size:  # crowded: a new block keeps take() short
+            self._lease()
+            size += self.block
+        for _ in range(size):
+            i, self._cursor = self._cursor, (self._cursor + 1) % size
+            uid = self._bases[i // self.block] + i % self.block
+            if uid not in self._live:
+                self._live[uid] = 1
+                return uid
+        raise AssertionError("unreachable: fewer than half the leased uids are live")
+
+    def hold(self, uid: int) -> None:
+        """One more live process with ``uid`` (a copy made by ``fork``)."""
+        self._live[uid] = self._live.get(uid, 0) + 1
+
+    def release(self, uid: int) -> None:
+        """A process with ``uid`` ended: at the last one, the uid may be handed out again."""
+        left = self._live.get(uid, 0) - 1
+        if left > 0:
+            self._live[uid] = left
+        else:
+            self._live.pop(uid, None)
+
+    def close(self) -> None:
+        """Give the leases back (the worker's end does the same)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def _private_dir(path: str) -> None:
+    """Make ``path`` (root's, ``0700``), or check that it is so."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise ConfigError(
+            f"{path} must be a folder of the server's user that only it can open (0700): "
+            "it holds the node's leases of sandbox uids"
+        )
 
 
 def bwrap_argv(extra_ro: Iterable[str], *, resolver: bool = False) -> list[str]:
@@ -370,14 +483,20 @@ def _mount(source: str, target: str, fstype: str | None, flags: int, data: str |
 
 
 def enter_sandbox(
-    cgroups: list[str], uid: int, disk_mib: int, *, netns_fd: int = -1, hosts: str | None = None
+    cgroups: list[str],
+    uid: int,
+    disk_mib: int,
+    *,
+    netns_fd: int = -1,
+    hosts: str | None = None,
+    ptys: int = 16,
 ) -> None:
     """Make the calling process (a session's, as root with capabilities inside the
     template's namespaces) a sandboxed one: see the module docstring. Irreversible.
 
     ``netns_fd``: the network namespace the worker made for it (``allowlist``,
     ``public``: :mod:`.netns`), joined instead of a new one with no network; ``hosts``:
-    its ``/etc/hosts``."""
+    its ``/etc/hosts``; ``ptys``: the ``max`` of its own ``devpts`` instance."""
     for path in cgroups:
         with open(os.path.join(path, "cgroup.procs"), "w") as f:
             f.write("0")
@@ -400,6 +519,12 @@ def enter_sandbox(
         _bind_file(hosts, "/etc/hosts")
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
+    # Pseudo-terminals of its own (``/dev/ptmx`` is bubblewrap's link to ``pts/ptmx``): at
+    # most ``ptys``; none of the host's nor of another session's instance.
+    _mount(
+        "devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
+        f"newinstance,ptmxmode=0666,mode=0620,max={ptys}",
+    )  # fmt: skip
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
