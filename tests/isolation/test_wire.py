@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import msgspec
 import pytest
 
 from stadium import ConfigError
 from stadium._server.isolation import Limits, wire
-from stadium._server.isolation.sandbox import bwrap_argv, uid_for
+from stadium._server.isolation.sandbox import UidLease, bwrap_argv
 
 
 def test_frames_split_anywhere_come_out_whole_and_in_order() -> None:
@@ -53,11 +54,12 @@ def test_the_limits_refuse_what_cannot_be_enforced() -> None:
         Limits(network="allowlist")
 
 
-def test_each_session_of_a_worker_gets_its_own_unprivileged_uid() -> None:
-    uids = {uid_for(4242, n) for n in range(1000)}
+def test_each_session_of_a_worker_gets_its_own_unprivileged_uid(tmp_path: Path) -> None:
+    lease = UidLease(str(tmp_path / "uids"), start=4242)
+    uids = {lease.take() for _ in range(1000)}
     assert len(uids) == 1000
     assert min(uids) >= 1_000_000
-    assert not uids & {uid_for(4243, n) for n in range(1000)}
+    lease.close()
 
 
 def test_the_template_sees_the_code_read_only_and_no_home() -> None:

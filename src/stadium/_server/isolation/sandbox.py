@@ -358,6 +358,7 @@ class UidLease:
 
 def _private_dir(path: str) -> None:
     """Make ``path`` (root's, ``0700``), or check that it is so."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     info = os.lstat(path)
