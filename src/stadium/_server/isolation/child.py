@@ -5,7 +5,9 @@ argv or the environment) is a worker's *template*:
 it imports the env's code once, then waits on its control socket (a
 ``SOCK_SEQPACKET`` socket inherited as ``control_fd``). For each ``spawn`` it
 forks: the child (a session's process) gets one end of a new socket pair, the
-worker the other (attached to a ``spawned`` reply). The template is a child
+worker the other (attached to a ``spawned`` reply). The child's stdout and stderr are the
+pipe the worker sent with the ``spawn`` (its first descriptor; :mod:`.output`), or
+``/dev/null`` (``--sandbox-output drop``); stdin is ``/dev/null``. The template is a child
 subreaper: it reaps every session process (and the processes forked from them by
 ``fork``) and reports each one's wait status as ``["exit", pid, status]``, so the
 worker can tell a segfault from an OOM kill from an exit.

@@ -7,6 +7,10 @@ them out, and turns a process's death into the error its session gets:
 :class:`~stadium.EnvCrashedError` (a signal, an exit) or
 :class:`~stadium.LimitExceededError` (memory, processes, wall time). The session
 stays open; its next ``reset`` takes a fresh process.
+
+It hands the template its settings in a memfd (:mod:`.boot`), each spawn the write end of
+a pipe for the family's stdout and stderr (read here by an :class:`.output.OutputReader`),
+and, sandboxed, a uid from the worker's node-wide lease (:class:`.sandbox.UidLease`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,13 @@ writes to ``/dev/null`` (no pipe at all: it costs the worker nothing).
   the process, the env process's key or ``template``.
 
 It ends at end of file (every process holding the write end has exited), or when closed.
+A copy of a session made by ``fork`` shares its family's pipe (and its tag).
+
+``--isolation process`` gets the same pipes (they cost a spawn one ``pipe2`` and a reader),
+but there they are tidiness, not a boundary: env processes run as the server's own user,
+who can open the server's descriptors through ``/proc`` anyway. The template's own output
+(bubblewrap's errors, the env's import-time prints) is always logged, bounded the same way,
+tagged ``template``, whatever ``--sandbox-output`` says.
 """
 
 from __future__ import annotations
