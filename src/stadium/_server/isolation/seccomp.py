@@ -49,10 +49,10 @@ socket with a family other than AF_UNIX,  Docker refuses only AF_ALG (38) and AF
 AF_INET, AF_INET6                         Stadium refuses netlink (the kernel's routing and
                                           firewall interfaces), AF_PACKET (raw frames) and
                                           the rarer families behind many kernel bugs
-calls newer than libseccomp's table       ``ENOSYS`` (e.g. ``fchmodat2``, ``cachestat``,
-(numbers it cannot name: 335, 457..599)   ``mseal``, ``statmount``, ``*xattrat``,
-                                          ``uretprobe``, which Docker allows): the filter
-                                          cannot name them; the C library falls back
+calls newer than libseccomp's table       ``ENOSYS``: the filter cannot name them, the C
+(numbers below 600 it cannot name; with   library falls back. Docker allows some of them:
+libseccomp 2.5.4: 335, 457 and on)        ``uretprobe``, ``statmount``, ``listmount``,
+                                          ``mseal``, ``setxattrat`` and the other ``*xattrat``
 i386 and x32 calls                        killed (Docker allows both ABIs on amd64)
 ========================================  ======================================================
 
@@ -116,8 +116,7 @@ NEW_CALLS_END = 600
 #: ``process_vm_readv``, ``process_vm_writev``). Its argument rules (``clone``,
 #: ``personality``, ``socket``) are applied apart; names of other architectures are
 #: skipped when the filter is built.
-DOCKER_ALLOWED = frozenset(
-    """
+_DOCKER_NAMES = """
     accept accept4 access adjtimex alarm bind brk cachestat capget capset chdir chmod
     chown chown32 clock_adjtime clock_adjtime64 clock_getres clock_getres_time64
     clock_gettime clock_gettime64 clock_nanosleep clock_nanosleep_time64 close
@@ -166,8 +165,8 @@ DOCKER_ALLOWED = frozenset(
     uname unlink unlinkat uretprobe utime utimensat utimensat_time64 utimes vfork
     vmsplice wait4 waitid waitpid write writev
     arch_prctl modify_ldt ptrace process_vm_readv process_vm_writev
-""".split()
-)  # noqa: SIM905 (a block of names is easier to compare with Docker's file)
+"""
+DOCKER_ALLOWED = frozenset(_DOCKER_NAMES.split())
 #: What Stadium refuses of Docker's list (the docstring's table says why).
 STRICTER = frozenset(
     {
