@@ -71,6 +71,18 @@ class IsolationConfig:
     limits: Limits = dataclasses.field(default_factory=Limits)
     seccomp: bool = True
     """``sandbox``: each session's process runs under the seccomp filter (:mod:`.seccomp`)."""
+    untrusted: bool = False
+    """``--untrusted-env-code``: the template never imports the target; each session's
+    process does, in its sandbox (:mod:`.remote`)."""
+    preload: tuple[str, ...] = ()
+    """``--preload``: operator-trusted modules the template imports (with ``untrusted``)."""
+    action_model: str | None = None
+    """``--action-model``, applied where the target is loaded (``untrusted``: the sandbox)."""
+
+
+#: The folder holding the ``stadium`` package this worker runs (bound in the sandbox: it is
+#: on ``sys.path``), first on the template's path so that ``-m`` finds the same code.
+_STADIUM_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
 
 
 class _TemplateGone(ExecutionError):
@@ -155,12 +167,18 @@ class Isolation:
             "seccomp": self.sandbox and self.config.seccomp,
             "sys_path": sys_path,
         }
+        if self.config.untrusted:
+            settings.update(
+                untrusted=True, preload=list(self.config.preload),
+                action_model=self.config.action_model,
+            )  # fmt: skip
         # The settings (env kwargs may hold secrets) go in the environment, which only the
         # template's uid can read in /proc, not in argv, which every process can.
         argv = [sys.executable, "-m", "stadium._server.isolation.child"]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.sandbox:
             argv = bwrap_argv(sys_path, resolver=self.limits.network == "public") + argv
+            env["PYTHONPATH"] = _STADIUM_ROOT  # the template runs this worker's Stadium
         else:
             env = dict(os.environ)
         env[wire.SETTINGS_VAR] = json.dumps(settings)
