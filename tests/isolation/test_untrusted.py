@@ -16,6 +16,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import sys
 import urllib.request
 import uuid
@@ -31,6 +32,7 @@ from stadium import ErrorCode
 from stadium._server.isolation import sandbox_unavailable
 from stadium._server.isolation.seccomp import seccomp_unavailable
 from tests.conftest import serve
+from tests.isolation.test_isolation_serve import _workers
 from tests.test_durable import _Server
 
 HERE = Path(__file__).parent
@@ -91,6 +93,18 @@ async def test_import_time_code_runs_only_in_a_sessions_sandbox(
         assert invalid.value.code == ErrorCode.VALIDATION_ERROR
         assert invalid.value.context["field"] == "$.n"
         assert _get_now(server.url + "/schema")["action"]["required"] == ["n"]
+        # --durable: sessions outlive their worker, restored into fresh sandboxed processes
+        async with stadium.SessionPool(server.url, size=2, max_retries=40) as pool:
+            await pool.reset()
+            await pool.step([{"n": 1}] * 2)
+            workers = _workers(server.proc.pid)
+            assert len(workers) == 2
+            for pid in workers:
+                os.kill(pid, signal.SIGKILL)
+            after = await pool.step([{"n": 2}] * 2)
+            assert [r.reward for r in after] == [2.0, 2.0]
+            assert all(client.resumes == 1 for client in pool.clients)
+            assert all(_findings(r)["uid"] != 0 for r in after)
     finally:
         server.stop()
     # Only a session's process, pid 2 of its family's namespace under its init, ran it:

@@ -523,4 +523,5 @@ def session_main(sock: socket.socket) -> None:
 
 
 if __name__ == "__main__":
+    os.environ.pop("PYTHONPATH", None)  # the worker's Stadium found; not the sessions' concern
     template_main(json.loads(os.environ.pop(wire.SETTINGS_VAR)))

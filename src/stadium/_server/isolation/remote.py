@@ -160,9 +160,15 @@ def load_spec(settings: dict[str, Any]) -> EnvSpec:
     return EnvSpec.of(env_cls)
 
 
+#: Stadium's own modules the loader uses (its built-in envs among them: trusted code),
+#: imported by the template so that sessions share them.
+STADIUM_PRELOAD = ("stadium.envs", "stadium.integrations.openenv_app")
+
+
 def preload(modules: list[str]) -> None:
-    """Import the operator-trusted ``--preload`` modules (in the template, privileged)."""
-    for name in modules:
+    """Import Stadium's loader modules and the operator-trusted ``--preload`` modules (in
+    the template, privileged: nothing of the env's)."""
+    for name in (*STADIUM_PRELOAD, *modules):
         importlib.import_module(name)
 
 
