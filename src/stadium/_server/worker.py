@@ -4,6 +4,12 @@
 the target loaded, its class compiled to an :class:`~stadium._env.spec.EnvSpec`, the
 :class:`~stadium._server.runtime.Runtime` (admission, env calls, idle reaping) and the
 :class:`~stadium._server.endpoints.HttpEndpoints`. Transports add only the bytes.
+
+With ``--isolation sandbox --untrusted-env-code`` nothing of the env is imported here: the
+spec is built from the description a sandboxed process gave
+(:mod:`stadium._server.isolation.remote`: :func:`untrusted_spec`), asked once by the
+supervisor before it binds (inherited by forked workers) or by an in-process server when
+it is built; ``openenv.yaml`` is found by looking and read as data.
 """
 
 from __future__ import annotations

@@ -27,6 +27,14 @@ ends a namespace whose pid 1 ends. It is not dumpable (the interpreter, having c
 uid; the native init, by ``prctl``): the session's processes, of the same uid, can
 neither see it nor open its memory.
 
+With ``--untrusted-env-code`` (:mod:`.remote`) the template never imports the env's
+code: only Stadium's loader modules and the operator's ``--preload`` modules. Each
+session's process imports the target itself (:func:`~.remote.load_spec`), once it runs
+as the session's uid with no capabilities, ``no_new_privs`` and the seccomp filter loaded,
+so import-time code runs with exactly a session's privileges (the cost: one import per
+session, paid ahead in the warm pool); it answers ``describe`` (the env's
+:class:`~.remote.Description`) and decodes each action the worker passes through undecoded.
+
 A session's process (:func:`session_main`) builds the env (construction happens
 before the session asks: a warm process has paid it), then serves the requests
 of :mod:`~stadium._server.isolation.wire` one at a time, synchronously (an async
