@@ -61,6 +61,8 @@ def test_a_description_is_decoded_with_limits() -> None:
     with pytest.raises(ConfigError, match="invalid"):
         remote.decode_description(_described(name="x" * 1000))  # text past its limit
     with pytest.raises(ConfigError, match="invalid"):
+        remote.decode_description(_described(name="echo\x1b[2J"))  # to the operator's terminal
+    with pytest.raises(ConfigError, match="invalid"):
         remote.decode_description(_described(surprise=1))  # unknown field
     with pytest.raises(ConfigError, match="invalid"):
         remote.decode_description(_described(tools="yes"))

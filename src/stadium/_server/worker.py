@@ -20,6 +20,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from stadium._core.limits import ClientLimits
 from stadium._env.contract import Environment
 from stadium._env.snapshot import why_not_durable
@@ -201,6 +203,12 @@ def untrusted_spec(
     assert settings is not None  # --untrusted-env-code goes with --isolation sandbox
     if described is None:
         described = describe_remote(settings)
+        app = described.app
+        limit = app.max_concurrent_envs if app is not None else None
+        if app is not None and limit is not None and limit > config.max_sessions:
+            # an untrusted env may lower the session limit the operator left, not raise it
+            app = msgspec.structs.replace(app, max_concurrent_envs=None)
+            described = msgspec.structs.replace(described, app=app)
     spec = remote_spec(described)
     return config.for_target(spec.env_cls), spec, described
 

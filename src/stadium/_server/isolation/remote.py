@@ -57,8 +57,9 @@ MAX_DESCRIPTION_BYTES = 1024 * 1024
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_NODES = 50_000
 
-_Name = Annotated[str, msgspec.Meta(max_length=256)]
-_Text = Annotated[str, msgspec.Meta(max_length=8192)]
+# No control characters (they reach logs and the operator's terminal); text keeps \t and \n.
+_Name = Annotated[str, msgspec.Meta(max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")]
+_Text = Annotated[str, msgspec.Meta(max_length=8192, pattern=r"^[^\x00-\x08\x0b-\x1f\x7f]*$")]
 
 
 class RemoteApp(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
