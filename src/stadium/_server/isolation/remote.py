@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -186,8 +187,6 @@ def describe(spec: EnvSpec) -> bytes:
             max_concurrent_envs=getattr(app, "max_concurrent_envs", None),
         )
     try:
-        import inspect
-
         takes_timeout = "timeout_s" in inspect.signature(env_cls.step).parameters
     except (TypeError, ValueError):
         takes_timeout = False
