@@ -128,6 +128,13 @@ class ServerConfig:
         sandbox_output: what isolated env processes print (their stdout and stderr, a
             pipe of their own, never the server's): ``log`` (the server's log, bounded in
             rate, escaped, tagged with the session) or ``drop`` (``/dev/null``).
+        untrusted_env_code: the env's code is third-party (``--isolation sandbox``
+            only): its module is imported only by each session's process, inside its
+            sandbox, never by the server's processes or the template; the server learns
+            the env's name and schemas from a sandboxed process
+            (:mod:`stadium._server.isolation.remote`). Costs each session the import.
+        preload: with ``untrusted_env_code``, operator-trusted modules (``numpy``) the
+            template imports once, so that sessions share them instead of importing them.
         action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
             model of an OpenEnv env class or app target, over the one it declares.
         given: the names of the settings the operator gave (options, their environment
@@ -190,6 +197,8 @@ class ServerConfig:
     sandbox_allow: tuple[str, ...] = ()
     sandbox_seccomp: str = "on"
     sandbox_output: str = "log"
+    untrusted_env_code: bool = False
+    preload: tuple[str, ...] = ()
     action_model: str | None = None
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
@@ -272,6 +281,23 @@ class ServerConfig:
             "--sandbox-output must be log or drop",
             value=self.sandbox_output,
         )
+        _check(
+            not self.untrusted_env_code or self.isolation == "sandbox",
+            "--untrusted-env-code needs --isolation sandbox (the env's code is imported "
+            "only inside a sandbox, so its class cannot ask for the mode itself)",
+            value=self.isolation,
+        )
+        _check(
+            not self.preload or self.untrusted_env_code,
+            "--preload is for --untrusted-env-code (otherwise the template imports the "
+            "env's code, and what it imports, already)",
+        )
+        for module in self.preload:
+            _check(
+                all(part.isidentifier() for part in module.split(".")),
+                "--preload takes module names (numpy, torch.nn)",
+                value=module,
+            )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
             self.stall_limit == 0 or self.stall_limit >= 1,
@@ -351,6 +377,12 @@ class ServerConfig:
             kwargs["sandbox_allow"] = tuple(kwargs["sandbox_allow"])
             if not kwargs["sandbox_allow"]:
                 del kwargs["sandbox_allow"]
+        if "preload" in kwargs:
+            kwargs["preload"] = tuple(
+                name.strip() for item in kwargs["preload"] for name in item.split(",") if name
+            )
+            if not kwargs["preload"]:
+                del kwargs["preload"]
         if "allowed_origins" in kwargs:
             kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
         return cls(**kwargs, given=frozenset(kwargs))
@@ -628,6 +660,22 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(["log", "drop"]),
             help="What isolated env processes print: log (the server's log, bounded, tagged "
             "with the session) or drop [log].",
+        ),
+        click.option(
+            "--untrusted-env-code",
+            is_flag=True,
+            default=None,
+            envvar="STADIUM_UNTRUSTED_ENV_CODE",
+            help="The env's code is third-party (with --isolation sandbox): imported only "
+            "inside each session's sandbox, never by the server or its template; each "
+            "session pays the import [env STADIUM_UNTRUSTED_ENV_CODE; off].",
+        ),
+        click.option(
+            "--preload",
+            multiple=True,
+            metavar="MODULES",
+            help="With --untrusted-env-code: operator-trusted modules (comma-separated or "
+            "repeated, e.g. numpy) the template imports once for every session.",
         ),
     ]
     for option in reversed(options):

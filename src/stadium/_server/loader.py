@@ -268,3 +268,41 @@ def _import_file(path: Path, target: str) -> Any:
             f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
         ) from exc
     return module
+
+
+def target_files(target: str) -> tuple[list[str], str | None]:
+    """Without importing anything of it: the folders :func:`load_target` would put first on
+    ``sys.path`` for ``target``, and the file of its module when that can be found by
+    looking (``--untrusted-env-code``: the sandbox needs the folders bound, the manifest
+    search the file; only ``openenv.yaml`` is read, as data).
+
+    A dotted module is looked for on ``sys.path`` (the working directory first) as a
+    ``.py`` file or a package's ``__init__.py``, as the import system would find a plain
+    source module; not found (a namespace package, an extension, an import hook): no file.
+    """
+    from stadium.envs import BUILTIN
+
+    spec = BUILTIN.get(target, target)
+    if target.startswith(GYMNASIUM_PREFIX):
+        return [], None
+    if target not in BUILTIN and os.path.isdir(target):
+        from stadium.integrations.openenv_app import manifest_app
+
+        module_part, _attr = manifest_app(Path(target).resolve(), target)
+    else:
+        module_part, _attr = _split(spec, target)
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part).expanduser().resolve()
+        found = package_module(path)
+        return [str(found[0] if found is not None else path.parent)], str(path)
+    folders = [] if target in BUILTIN else [os.getcwd()]
+    parts = module_part.split(".")
+    if not all(p.isidentifier() for p in parts):
+        return folders, None
+    for base in [os.getcwd(), *sys.path]:
+        root = Path(base or os.getcwd())
+        module_file = root.joinpath(*parts[:-1], parts[-1] + ".py")
+        for candidate in (module_file, root.joinpath(*parts, "__init__.py")):
+            if candidate.is_file():
+                return folders, str(candidate)
+    return folders, None

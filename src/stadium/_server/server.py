@@ -47,6 +47,7 @@ from stadium._server.admission import SharedSlots, Slots
 from stadium._server.config import ServerConfig, default_session_store
 from stadium._server.durable import process_key, read_key_file
 from stadium._server.invoke import running_pool_threads
+from stadium._server.isolation.remote import Description
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
@@ -54,7 +55,7 @@ from stadium._server.store import store_from_url
 from stadium._server.supervisor import Supervisor
 from stadium._server.transports.handoff import Handoff, private_dir
 from stadium._server.transports.picows import PicowsTransport
-from stadium._server.worker import Worker, isolation_config, startup_warnings
+from stadium._server.worker import Worker, isolation_config, startup_warnings, untrusted_spec
 from stadium._util.process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
 from stadium._util.throttle import Throttle
 
@@ -216,8 +217,9 @@ class Server:
         slots: Slots | None = None,
         board: MetricsBoard | None = None,
         handoff_dir: str | None = None,
+        described: Description | None = None,
     ) -> None:
-        self.worker = Worker.build(config, env_cls, slots=slots, board=board)
+        self.worker = Worker.build(config, env_cls, slots=slots, board=board, described=described)
         self.config = self.worker.config
         self._handoff_dir = handoff_dir
         """The server's private directory of hand-off sockets (``handoff.private_dir``),
@@ -510,12 +512,21 @@ def run_server(config: ServerConfig) -> int:
       ``os._exit`` (after flushing its logs) instead of joining them forever.
     """
     _setup_logging(config.log_level, config.log_format)
-    env_cls = load_target(
-        config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
-    )
-    config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
-    spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
-    isolation_config(config, env_cls)  # fail fast, before binding, on unusable limits
+    env_cls: type[Environment[Any, Any, Any]] | None = None
+    described: Description | None = None
+    if config.untrusted_env_code:  # never imported here: described by a sandboxed process
+        config, spec, described = untrusted_spec(config)
+        log.info(
+            "--untrusted-env-code: %s %s described by a sandboxed process; its code runs "
+            "only in sessions' sandboxes", spec.name, spec.version,
+        )  # fmt: skip
+    else:
+        env_cls = load_target(
+            config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
+        )
+        config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
+        spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
+        isolation_config(config, env_cls)  # fail fast, before binding, on unusable limits
     for warning in startup_warnings(config, env_cls):  # openenv.yaml limits left unenforced
         log.warning("%s", warning)
     check_fd_budget(config, raise_nofile_limit())
@@ -538,7 +549,7 @@ def run_server(config: ServerConfig) -> int:
     os.environ["STADIUM_PORT"] = str(sock.getsockname()[1])
     _announce(config, sock, spec.name)
     if config.workers == 1:
-        server = Server(config, env_cls, sock=sock)
+        server = Server(config, env_cls, sock=sock, described=described)
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             code = runner.run(_serve_until_signal(server, alone=True))
         _exit_past_stuck_threads(code)
@@ -551,8 +562,9 @@ def run_server(config: ServerConfig) -> int:
         slots: SharedSlots, on_serving: Callable[[], None], on_retiring: Callable[[], None]
     ) -> int:
         server = Server(
-            config, env_cls, sock=sock, slots=slots, board=board, handoff_dir=handoff_dir
-        )
+            config, env_cls, sock=sock, slots=slots, board=board, handoff_dir=handoff_dir,
+            described=described,
+        )  # fmt: skip
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             return runner.run(
                 _serve_until_signal(server, on_serving=on_serving, on_retiring=on_retiring)

@@ -4,6 +4,12 @@
 the target loaded, its class compiled to an :class:`~stadium._env.spec.EnvSpec`, the
 :class:`~stadium._server.runtime.Runtime` (admission, env calls, idle reaping) and the
 :class:`~stadium._server.endpoints.HttpEndpoints`. Transports add only the bytes.
+
+With ``--isolation sandbox --untrusted-env-code`` nothing of the env is imported here: the
+spec is built from the description a sandboxed process gave
+(:mod:`stadium._server.isolation.remote`: :func:`untrusted_spec`), asked once by the
+supervisor before it binds (inherited by forked workers) or by an in-process server when
+it is built; ``openenv.yaml`` is found by looking and read as data.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from stadium._core.limits import ClientLimits
 from stadium._env.contract import Environment
@@ -37,8 +45,9 @@ from stadium._server.isolation.manifest import (
     manifest_warning,
     read_manifest,
 )
+from stadium._server.isolation.remote import Description, describe_remote, remote_spec
 from stadium._server.isolation.seccomp import seccomp_unavailable
-from stadium._server.loader import load_target
+from stadium._server.loader import add_to_path, load_target, target_files
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.pool import auto_limit
@@ -80,11 +89,11 @@ def _store(config: ServerConfig) -> Durable:
     return Durable(store_from_url(config.session_store or default_session_store()), key)
 
 
-def _name(env_cls: type[Any]) -> str:
-    return str(getattr(env_cls, "name", None) or env_cls.__name__)
+def _name(env_cls: type[Any] | None) -> str:
+    return str(getattr(env_cls, "name", None) or getattr(env_cls, "__name__", "the env"))
 
 
-def isolation_mode(config: ServerConfig, env_cls: type[Any]) -> str:
+def isolation_mode(config: ServerConfig, env_cls: type[Any] | None) -> str:
     """``--isolation``, else the env class's ``isolation`` attribute, else ``none``.
 
     Raises:
@@ -105,11 +114,17 @@ def manifest_of(config: ServerConfig) -> Manifest | None:
     Raises:
         ConfigError: the manifest is malformed (names the field).
     """
-    path = find_manifest(config.target)
+    target = config.target
+    if config.untrusted_env_code:  # its module is not imported here: found by looking
+        _module, sep, attr = target.rpartition(":")
+        _folders, file = target_files(target) if sep or os.path.isdir(target) else ([], None)
+        if file is not None and not os.path.isdir(target):
+            target = f"{file}:{attr}"
+    path = find_manifest(target)
     return read_manifest(path) if path is not None else None
 
 
-def startup_warnings(config: ServerConfig, env_cls: type[Any]) -> list[str]:
+def startup_warnings(config: ServerConfig, env_cls: type[Any] | None) -> list[str]:
     """What ``stadium serve`` (and ``stadium check``) warn of before serving: an
     ``openenv.yaml`` declaring limits the isolation level does not enforce."""
     manifest = manifest_of(config)
@@ -119,7 +134,7 @@ def startup_warnings(config: ServerConfig, env_cls: type[Any]) -> list[str]:
     return [warning] if warning else []
 
 
-def isolation_config(config: ServerConfig, env_cls: type[Any]) -> IsolationConfig | None:
+def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> IsolationConfig | None:
     """How sessions are isolated: ``--isolation`` (or the env class's ``isolation``
     attribute) with its limits; ``None`` when sessions' envs live in the worker.
     Checked before the server binds (``run_server``) and in each worker.
@@ -156,11 +171,46 @@ def isolation_config(config: ServerConfig, env_cls: type[Any]) -> IsolationConfi
     module, sep, attr = target.rpartition(":")
     if sep and (module.endswith(".py") or "/" in module):  # a file: absolute for the template
         target = f"{os.path.abspath(module)}:{attr}"
+    untrusted = config.untrusted_env_code
+    if untrusted:
+        if config.sandbox_seccomp != "on":
+            raise ConfigError(
+                "--untrusted-env-code needs the seccomp filter: drop --sandbox-seccomp off "
+                "(the env's import-time code would run unfiltered)"
+            )
+        for folder in target_files(config.target)[0]:  # bound read-only in the sandbox
+            add_to_path(folder)
     limits = limits_for(config, manifest_of(config), config.step_timeout or DEFAULT_CALL_TIMEOUT_S)
     return IsolationConfig(
         mode, target, dict(config.env_kwargs), config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
+        untrusted=untrusted, preload=config.preload, action_model=config.action_model,
     )  # fmt: skip
+
+
+def untrusted_spec(
+    config: ServerConfig, described: Description | None = None
+) -> tuple[ServerConfig, EnvSpec, Description]:
+    """``--untrusted-env-code``: the env's spec from a sandboxed process's description
+    (asked for now unless ``described`` is given), and the configuration with what it
+    brings (an OpenEnv app's ``max_concurrent_envs``). Nothing of the env is imported.
+
+    Raises:
+        ConfigError, TargetError: see :func:`isolation_config` and
+            :func:`~stadium._server.isolation.remote.describe_remote`.
+    """
+    settings = isolation_config(config, None)
+    assert settings is not None  # --untrusted-env-code goes with --isolation sandbox
+    if described is None:
+        described = describe_remote(settings)
+        app = described.app
+        limit = app.max_concurrent_envs if app is not None else None
+        if app is not None and limit is not None and limit > config.max_sessions:
+            # an untrusted env may lower the session limit the operator left, not raise it
+            app = msgspec.structs.replace(app, max_concurrent_envs=None)
+            described = msgspec.structs.replace(described, app=app)
+    spec = remote_spec(described)
+    return config.for_target(spec.env_cls), spec, described
 
 
 def _isolation(config: ServerConfig, spec: EnvSpec) -> Isolation | None:
@@ -186,6 +236,7 @@ class Worker:
         *,
         slots: Slots | None = None,
         board: MetricsBoard | None = None,
+        described: Description | None = None,
     ) -> Worker:
         """Load ``config.target`` (unless ``env_cls`` is given) and build the worker's parts.
 
@@ -196,16 +247,26 @@ class Worker:
                 default: this process's own, ``config.max_sessions`` of them.
             board: where the worker publishes its metrics (shared across forked
                 workers); default: a board of its own.
+            described: ``--untrusted-env-code``: the env's description (the supervisor's,
+                inherited); default: asked of a sandboxed process now.
 
         Raises:
             TargetError: the target cannot be loaded or breaks the env contract.
         """
-        if env_cls is None:
-            env_cls = load_target(
-                config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
-            )
-        config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
-        spec = EnvSpec.of(env_cls)
+        if config.untrusted_env_code:  # the env's code is imported in sandboxes only
+            if env_cls is not None:
+                raise ConfigError(
+                    "--untrusted-env-code serves a target by name: an env class given "
+                    "in-process has been imported in this process already"
+                )
+            config, spec, _ = untrusted_spec(config, described)
+        else:
+            if env_cls is None:
+                env_cls = load_target(
+                    config.target, env_kwargs=config.env_kwargs, action_model=config.action_model
+                )
+            config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
+            spec = EnvSpec.of(env_cls)
         isolation = _isolation(config, spec)
         if isolation is not None:
             spec = isolated_spec(spec, isolation)

@@ -29,6 +29,14 @@ ends a namespace whose pid 1 ends. It is not dumpable (the interpreter, having c
 uid; the native init, by ``prctl``): the session's processes, of the same uid, can
 neither see it nor open its memory.
 
+With ``--untrusted-env-code`` (:mod:`.remote`) the template never imports the env's
+code: only Stadium's loader modules and the operator's ``--preload`` modules. Each
+session's process imports the target itself (:func:`~.remote.load_spec`), once it runs
+as the session's uid with no capabilities, ``no_new_privs`` and the seccomp filter loaded,
+so import-time code runs with exactly a session's privileges (the cost: one import per
+session, paid ahead in the warm pool); it answers ``describe`` (the env's
+:class:`~.remote.Description`) and decodes each action the worker passes through undecoded.
+
 A session's process (:func:`session_main`) builds the env (construction happens
 before the session asks: a warm process has paid it), then serves the requests
 of :mod:`~stadium._server.isolation.wire` one at a time, synchronously (an async
@@ -59,7 +67,7 @@ from stadium._env.contract import StepResult
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import EnvSpec
 from stadium._errors import StadiumError, ToolCallError
-from stadium._server.isolation import wire
+from stadium._server.isolation import remote, wire
 from stadium._server.isolation.sandbox import enter_sandbox
 from stadium._server.isolation.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
@@ -74,7 +82,10 @@ KEY_SHIFT = 22
 class _Ctx:
     """What every session process of a template shares (set once, inherited by fork)."""
 
-    spec: EnvSpec
+    spec: EnvSpec | None = None
+    untrusted: dict[str, Any] | None = None
+    """``--untrusted-env-code``: the template's settings; each session's process imports
+    the target (:func:`~.remote.load_spec`) once in its sandbox, the template never."""
     env_kwargs: dict[str, Any]
     sandbox: bool
     disk_mib: int
@@ -111,8 +122,11 @@ def template_main(config: dict[str, Any]) -> None:
     control = socket.socket(fileno=config["control_fd"])
     env_kwargs = config.get("env_kwargs") or {}
     try:
-        env_cls = load_target(config["target"], env_kwargs=env_kwargs)
-        _Ctx.spec = EnvSpec.of(env_cls)
+        if config.get("untrusted"):  # only operator-trusted modules here: never the env's
+            remote.preload(config.get("preload") or [])
+            _Ctx.untrusted = config
+        else:
+            _Ctx.spec = EnvSpec.of(load_target(config["target"], env_kwargs=env_kwargs))
     except Exception as exc:
         control.send(_Ctx.encoder.encode(["failed", f"{type(exc).__name__}: {exc}"]))
         os._exit(3)
@@ -395,6 +409,9 @@ class _Session:
         self.create_error: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         try:
+            if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
+                _Ctx.spec = remote.load_spec(_Ctx.untrusted)
+            assert _Ctx.spec is not None
             self.env = _Ctx.spec.factory(**_Ctx.env_kwargs)
         except Exception as exc:
             self.create_error = f"creating the environment failed: {type(exc).__name__}: {exc}"
@@ -408,7 +425,12 @@ class _Session:
 
     def serve(self) -> None:
         _send(self.sock, ["hello", _Ctx.key_base + os.getpid()])
-        decode_action = _Ctx.spec.action.msgpack_decoder.decode
+        spec = _Ctx.spec
+        decode_action: Any = None
+        if spec is not None:
+            decode_action = spec.action.msgpack_decoder.decode
+            if _Ctx.untrusted is not None:  # the worker passes actions through, undecoded
+                decode_action = remote.action_decoder(spec)
         while True:
             body = wire.recv_frame(self.sock)
             if body is None:
@@ -416,7 +438,8 @@ class _Session:
                 os._exit(0)
             msg = wire.decode(body)
             op = msg[0]
-            if self.create_error is not None and op != "close":
+            described = op == remote.DESCRIBE and spec is not None  # the env may not build
+            if self.create_error is not None and op != "close" and not described:
                 _send(self.sock, [wire.RAISED, "FactoryError", self.create_error, None])
                 continue
             try:
@@ -436,6 +459,8 @@ class _Session:
                             f"unknown tool {msg[1]!r}: this environment has no tools"
                         )
                     reply = self.run(self.env.mcp_call_tool(msg[1], msg[2]))
+                elif op == remote.DESCRIBE and spec is not None:
+                    reply = remote.describe(spec)
                 elif op == "restore":
                     self.restore(msg[1])
                     reply = None

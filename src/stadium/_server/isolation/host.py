@@ -81,6 +81,13 @@ class IsolationConfig:
     output: str = "log"
     """What env processes print: ``log`` (a pipe per family, read into the server's log,
     bounded: :mod:`.output`) or ``drop`` (``/dev/null``)."""
+    untrusted: bool = False
+    """``--untrusted-env-code``: the template never imports the target; each session's
+    process does, in its sandbox (:mod:`.remote`)."""
+    preload: tuple[str, ...] = ()
+    """``--preload``: operator-trusted modules the template imports (with ``untrusted``)."""
+    action_model: str | None = None
+    """``--action-model``, applied where the target is loaded (``untrusted``: the sandbox)."""
 
 
 class _TemplateGone(ExecutionError):
@@ -172,6 +179,11 @@ class Isolation:
             "sys_path": sys_path,
             "output": self.config.output,
         }
+        if self.config.untrusted:
+            settings.update(
+                untrusted=True, preload=list(self.config.preload),
+                action_model=self.config.action_model,
+            )  # fmt: skip
         # The settings (env kwargs may hold secrets) go in a memfd the template reads and
         # closes first (:mod:`.boot`): not in argv, which every process can read, nor in its
         # environment, which would stay in every session's initial environment block.
