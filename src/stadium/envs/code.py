@@ -197,7 +197,7 @@ class _Channel:
     def receive(self) -> bytes:
         """The next reply line (without its newline), waited for to the deadline."""
         while True:
-            end = self.inbox.find(b"\n")
+            end = self.inbox.find(b"\n", 0, MAX_REPLY + 1)
             if end >= 0:
                 line = bytes(self.inbox[:end])
                 del self.inbox[: end + 1]
