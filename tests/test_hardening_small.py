@@ -1,4 +1,4 @@
-"""Issue 22's smaller items: a warning for --auth-token on the command line; resume
+"""Issue 22's smaller items: no word for a token from the environment; resume
 parameters validated (400 RESUME_FAILED, never a 500); the SLURM script quotes every value
 and refuses newlines; the router refuses node hosts that are not names or addresses."""
 
@@ -24,16 +24,9 @@ from tests.conftest import UNIT, serve
 # -- --auth-token on the command line ------------------------------------------------
 
 
-def test_auth_token_on_the_command_line_is_warned_about() -> None:
-    # --port 70000 stops serve at its configuration, after the warning.
-    out = CliRunner().invoke(cli, ["serve", "echo", "--auth-token", "s3cret", "--port", "70000"])
-    assert isinstance(out.exception, ConfigError)
-    assert AUTH_TOKEN_ON_COMMAND_LINE in out.stderr
-    assert "STADIUM_AUTH_TOKEN" in AUTH_TOKEN_ON_COMMAND_LINE
-    assert "s3cret" not in out.stderr
-
-
-def test_auth_token_from_the_environment_is_not_warned_about() -> None:
+def test_auth_token_from_the_environment_is_taken_without_a_word() -> None:
+    # --port 70000 stops serve at its configuration. (On the command line the token is
+    # refused: tests/test_token_argv.py.)
     out = CliRunner().invoke(
         cli, ["serve", "echo", "--port", "70000"], env={"STADIUM_AUTH_TOKEN": "s3cret"}
     )

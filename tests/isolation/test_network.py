@@ -1,7 +1,13 @@
 """Sandboxed sessions' network modes (``none``, ``allowlist``, ``public``) against an
 "outside" host this test makes: a network namespace of its own, joined to this host by
 a veth pair, with a listener on two addresses. Traffic goes only to namespaces made
-here and to loopback. Root, bubblewrap, iproute2 and nftables (``make sandbox-deps``)."""
+here and to loopback. Root, bubblewrap, iproute2 and nftables (``make sandbox-deps``).
+
+"This host" is itself a network namespace the module makes (:func:`own_host`): the
+test's thread joins it, so the servers, their workers and templates, the sessions'
+veth pairs and each worker's NAT table are all made inside it, where IPv4 forwarding
+is switched on. The machine's own ``net.ipv4.ip_forward`` (0 on a fresh machine) and
+its nftables are never touched; the namespace is deleted afterwards."""
 
 from __future__ import annotations
 
@@ -22,12 +28,13 @@ from stadium._server.isolation.netns import (
     Networks,
     host_addresses,
     leftovers,
+    network_tools_missing,
     network_unavailable,
 )
 from tests.conftest import UNIT, serve, wait_until
 from tests.isolation.test_limits import EPISODIC
 
-WHY = sandbox_unavailable() or network_unavailable()
+WHY = sandbox_unavailable() or network_tools_missing()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(WHY is not None, reason=f"sandbox network: {WHY}"),
@@ -92,6 +99,38 @@ class Outside:
 
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def own_host() -> Iterator[str]:
+    """This module's host: a new network namespace (its loopback up, forwarding IPv4) that
+    the test's thread joins for the module; what it starts (the event loop's threads, each
+    server's workers and templates, ``ip`` and ``nft``) is made there. Deleted after."""
+    name = f"stadiumtest-host-{os.getpid()}"
+    _ip("netns", "add", name)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        there = os.open(f"/run/netns/{name}", os.O_RDONLY)
+        try:
+            os.setns(there, os.CLONE_NEWNET)
+        finally:
+            os.close(there)
+        try:
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as f:  # this namespace's own
+                f.write("1")
+            assert network_unavailable() is None, network_unavailable()
+            yield name
+            own = leftovers()
+        finally:
+            os.setns(home, os.CLONE_NEWNET)
+    finally:
+        os.close(home)
+        subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    # Nothing of the tests' sessions was made in the machine's own namespace.
+    assert [n for n in own["namespaces"] if n.startswith("stadiumtest")] == []
+    machine = leftovers()
+    assert [t for t in machine["tables"] if t.endswith(f"w{os.getpid()}")] == []
 
 
 @pytest.fixture

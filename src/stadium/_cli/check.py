@@ -282,7 +282,7 @@ def check_server(url: str, *, actions: Sequence[Any] | None = None) -> list[str]
 
     The session steps with each of ``actions`` (JSON values), if given, until one ends
     the episode.
-    A server started with ``--auth-token`` is checked with ``$STADIUM_AUTH_TOKEN``.
+    A server started with a bearer token is checked with ``$STADIUM_AUTH_TOKEN``.
     """
     from stadium._client.pool import Client
     from stadium._client.session import TOKEN_ENV, ws_url

@@ -65,15 +65,15 @@ def serve(target: str, **options: Any) -> None:
 
     ctx = click.get_current_context()
     if ctx.get_parameter_source("auth_token") is click.core.ParameterSource.COMMANDLINE:
-        click.echo(AUTH_TOKEN_ON_COMMAND_LINE, err=True)
+        raise click.UsageError(AUTH_TOKEN_ON_COMMAND_LINE)
     config = ServerConfig.from_options(target=target, **options)
     sys.exit(run_server(config))
 
 
 AUTH_TOKEN_ON_COMMAND_LINE = (
-    "warning: --auth-token on the command line can be read by every local user "
-    "(/proc/PID/cmdline, ps); set STADIUM_AUTH_TOKEN in the environment or give "
-    "--auth-token-file FILE (a file only this user can read) instead"
+    "--auth-token on the command line is refused: every local user can read a command "
+    "line (/proc/PID/cmdline, ps). Set STADIUM_AUTH_TOKEN in the environment, or give "
+    "--auth-token-file FILE (a file only this user can read)"
 )
 
 

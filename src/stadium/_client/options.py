@@ -212,7 +212,7 @@ def refused(exc: WSHandshakeError, url: str) -> ConnectError:
     if status == 401:
         hint = (
             "the server requires a bearer token: pass token=... (or set "
-            f"{TOKEN_ENV}) with the server's --auth-token"
+            f"{TOKEN_ENV}) with the server's token"
         )
     elif status == 403:
         hint = "the server refused this client's Origin or Host header"

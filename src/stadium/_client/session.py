@@ -27,7 +27,7 @@ A refused or timed-out connect, or ``CAPACITY_REACHED``, moves the opening sessi
 another node; ``client.url`` is the node it landed on. A session lost mid-episode is
 not moved (its episode lived on that node): it fails as with one server.
 
-Servers started with ``--auth-token`` want ``token=`` (sent as ``Authorization:
+Servers started with a bearer token want ``token=`` (sent as ``Authorization:
 Bearer``; by default the ``STADIUM_AUTH_TOKEN`` environment variable). TLS
 servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
 ``ssl.SSLContext`` (e.g. one trusting a self-signed certificate).
@@ -103,7 +103,7 @@ class AsyncClient(Generic[ObsT]):
             several nodes: rounds over them, each trying every node once).
         max_message_bytes: largest reply accepted.
         headers: extra HTTP headers of the WebSocket handshake.
-        token: bearer token for a server started with ``--auth-token``, sent as
+        token: bearer token for a server started with one, sent as
             ``Authorization: Bearer <token>`` (unless ``headers`` has an
             ``Authorization``); default: ``$STADIUM_AUTH_TOKEN``; ``""``: none.
         ssl: TLS context for ``wss://`` (``https://``) URLs; default: the

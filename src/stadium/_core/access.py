@@ -241,7 +241,7 @@ def exposure_warnings(host: str, *, token: bool, tls: bool) -> list[str]:
         return [
             f"listening on {where} without authentication: anyone who can reach this "
             f"port can create environments and run code paths of the env. Set a token "
-            f"(--auth-token-file FILE, --auth-token or STADIUM_AUTH_TOKEN), or bind "
+            f"(--auth-token-file FILE or STADIUM_AUTH_TOKEN), or bind "
             f"--host 127.0.0.1"
         ]
     if not tls:

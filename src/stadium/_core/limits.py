@@ -17,10 +17,23 @@ Two limits, each off unless configured (``--max-sessions-per-client``,
   ``burst`` saved up), one token per WebSocket request or HTTP request; a request
   that finds the bucket empty is refused, with the seconds until a token is due.
 
-Counting here is per worker process. The session quota also holds over every
-worker (``stadium._server.client_counts``, shared memory); the rate is per worker:
-with ``--workers W`` a client may send up to W times the rate, at worst
-(connections are spread over the workers by the kernel).
+Counting here is per worker process; both limits also hold over every worker
+(``stadium._server.client_counts``, shared memory made before the fork). With one
+worker the rate is a :class:`TokenBucket`; with several, each client's bucket is a view
+of windowed counters every worker adds to (:func:`window_take`, below): one budget per
+client for the node, however the kernel spreads its connections over the workers.
+
+**The shared rate** is a sliding window of ``burst / rate`` seconds holding at most
+``burst`` requests (the same long-run rate and the same burst as the bucket). Each
+client has a counter per worker and window (the current and the previous one); a
+request is admitted when ``current + previous * (1 - elapsed share of the current
+window)`` over every worker's counters is below ``burst``, and then counted in its own
+worker's current counter. A counter is a 64-bit word: the window's number in its high
+bits, the count in the low :data:`COUNT_BITS`, so one store updates it and a stale
+word (an older window's) reads as 0: no lock, nothing to reset, nothing a killed
+worker could leave held. Two workers admitting one client's requests at the same
+instant may let through one extra each (the check and the count are not one step): the
+bound is soft by at most the number of workers.
 
 Pure: no clock of its own (callers pass ``now``, a monotonic time, so it is
 tested without waiting) and no I/O. Memory is bounded: a client's record lives
@@ -34,7 +47,8 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from stadium._errors import CapacityError, RateLimitError
 
@@ -51,6 +65,18 @@ def client_address(peer: Any) -> str | None:
     if isinstance(peer, tuple | list) and peer and isinstance(peer[0], str):
         return peer[0]
     return None
+
+
+class Bucket(Protocol):
+    """A client's request budget: :class:`TokenBucket`, or its view of the shared windows."""
+
+    def take(self, now: float) -> float:
+        """Spend one request: ``0.0`` if allowed, else the seconds until one is due."""
+        ...
+
+    def full(self, now: float) -> bool:
+        """Whether forgetting it now loses nothing (it is as good as a fresh one)."""
+        ...
 
 
 class TokenBucket:
@@ -87,6 +113,60 @@ class TokenBucket:
         return self.tokens + max(0.0, now - self.stamp) * self.rate >= self.burst
 
 
+#: Low bits of a window counter that hold the count (the rest: the window's number).
+COUNT_BITS = 24
+_COUNT_MASK = (1 << COUNT_BITS) - 1
+_WINDOW_MASK = (1 << (63 - COUNT_BITS)) - 1
+
+
+def window_take(
+    words: memoryview[int], keys: Sequence[int], width: int, column: int, limit: int,
+    window_s: float, now: float,
+) -> float:  # fmt: skip
+    """Spend one of a client's ``limit`` requests per sliding window of ``window_s`` s.
+
+    ``words`` (64-bit) holds, from each of ``keys``, two groups of ``width`` counters (one
+    per worker; the group of even windows, then of odd ones); this process writes only
+    the counters at ``column``. The client's count is the smallest over its keys (a
+    count-min sketch: at least its own). ``0.0``: admitted and counted; else the seconds
+    until the estimate leaves room for one (nothing counted). See the module docstring."""
+    tick = now / window_s
+    window = math.floor(tick)
+    elapsed = tick - window
+    current, previous = window & _WINDOW_MASK, (window - 1) & _WINDOW_MASK
+    weight = 1.0 - elapsed
+    group = 2 * width  # both groups: a word of either window is in its parity's group
+    best = math.inf
+    best_cur = best_prev = 0
+    for key in keys:
+        cur = prev = 0
+        for word in words[key : key + group]:
+            if word:
+                stamp = word >> COUNT_BITS
+                if stamp == current:
+                    cur += word & _COUNT_MASK
+                elif stamp == previous:
+                    prev += word & _COUNT_MASK
+        estimate = cur + prev * weight
+        if estimate < best:
+            best, best_cur, best_prev = estimate, cur, prev
+    if best < limit:
+        for key in keys:
+            at = key + (window & 1) * width + column
+            word = words[at]
+            if word >> COUNT_BITS != current:
+                word = current << COUNT_BITS
+            if word & _COUNT_MASK != _COUNT_MASK:
+                word += 1
+            words[at] = word
+        return 0.0
+    if best_cur < limit:  # the previous window's share has to fade: within this one
+        due = 1.0 - (limit - best_cur) / best_prev - elapsed
+    else:  # this window's own count: in the next one, as it fades there
+        due = 1.0 - elapsed + 1.0 - limit / best_cur
+    return max(due * window_s, 0.0) + 0.001  # just past the moment it leaves room
+
+
 class ClientRecord:
     """One client address's record: its open sessions and its bucket (``None``: no rate limit).
 
@@ -97,7 +177,7 @@ class ClientRecord:
 
     __slots__ = ("address", "bucket", "holds", "sessions")
 
-    def __init__(self, address: str | None, bucket: TokenBucket | None) -> None:
+    def __init__(self, address: str | None, bucket: Bucket | None) -> None:
         self.address = address
         self.bucket = bucket
         self.sessions = 0
@@ -112,9 +192,12 @@ class ClientLimits:
         rate: requests per second per client (0: no rate limit).
         burst: requests a client may send at once (the bucket's size).
         max_idle: records of clients without sessions kept at most.
+
+    ``new_bucket(address, now)`` makes a client's bucket (a :class:`TokenBucket` unless
+    set: ``stadium._server.client_counts`` sets its view of the shared windows).
     """
 
-    __slots__ = ("_active", "_idle", "burst", "max_idle", "max_sessions", "rate")
+    __slots__ = ("_active", "_idle", "burst", "max_idle", "max_sessions", "new_bucket", "rate")
 
     def __init__(
         self, max_sessions: int, rate: float, burst: int, *, max_idle: int = MAX_IDLE_CLIENTS
@@ -125,6 +208,10 @@ class ClientLimits:
         self.max_idle = max_idle
         self._active: dict[str | None, ClientRecord] = {}
         self._idle: collections.OrderedDict[str | None, ClientRecord] = collections.OrderedDict()
+        self.new_bucket: Callable[[str | None, float], Bucket] = self._token_bucket
+
+    def _token_bucket(self, address: str | None, now: float) -> Bucket:
+        return TokenBucket(self.rate, self.burst, now)
 
     @classmethod
     def of(cls, max_sessions: int, rate: float, burst: int) -> ClientLimits | None:
@@ -147,7 +234,7 @@ class ClientLimits:
         if client is None:
             client = self._idle.pop(address, None)
             if client is None:
-                bucket = TokenBucket(self.rate, self.burst, now) if self.rate > 0 else None
+                bucket = self.new_bucket(address, now) if self.rate > 0 else None
                 client = ClientRecord(address, bucket)
             self._active[address] = client
         return client

@@ -29,7 +29,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from stadium._errors import CapacityError
-from stadium._server.client_counts import SharedClientCounts, buckets_for
+from stadium._server.client_counts import (
+    SharedClientCounts,
+    SharedClientRates,
+    buckets_for,
+    rate_buckets_for,
+)
 from stadium._util.fence import full_fence
 
 #: How often waiters look for slots freed by other workers.
@@ -46,6 +51,8 @@ class Slots(Protocol):
     limit: int
     clients: SharedClientCounts | None
     """The per-client quota over every worker (``None``: one worker, or no quota)."""
+    rates: SharedClientRates | None
+    """The per-client rate over every worker (``None``: one worker, or no rate limit)."""
 
     def try_acquire(self) -> bool: ...
 
@@ -57,12 +64,13 @@ class Slots(Protocol):
 class LocalSlots:
     """Slots counted in this process only (a single worker)."""
 
-    __slots__ = ("_count", "clients", "limit")
+    __slots__ = ("_count", "clients", "limit", "rates")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._count = 0
         self.clients: SharedClientCounts | None = None
+        self.rates: SharedClientRates | None = None
 
     def try_acquire(self) -> bool:
         if self._count < self.limit:
@@ -97,7 +105,10 @@ class SharedSlots:
     (:data:`POLL_INTERVAL_S`), an unqueued one (admission timeout 0) is refused.
     """
 
-    def __init__(self, limit: int, counters: int, *, per_client: int = 0) -> None:
+    def __init__(
+        self, limit: int, counters: int, *, per_client: int = 0, rate: float = 0.0,
+        burst: int = 1,
+    ) -> None:  # fmt: skip
         self.limit = limit
         self.clients = (
             SharedClientCounts(per_client, counters, buckets=buckets_for(limit))
@@ -105,6 +116,12 @@ class SharedSlots:
             else None
         )
         """``--max-sessions-per-client`` over every worker (``client_counts``)."""
+        self.rates = (
+            SharedClientRates(rate, burst, counters, buckets=rate_buckets_for(limit))
+            if rate > 0
+            else None
+        )
+        """``--rate-limit`` over every worker (``client_counts``)."""
         shared = multiprocessing.sharedctypes.RawArray("q", counters)
         # A memoryview reads and writes the same shared memory, ~7x faster to sum than ctypes.
         self._counts = memoryview(shared).cast("B").cast("q")
@@ -121,6 +138,8 @@ class SharedSlots:
         self._index = index
         if self.clients is not None:
             self.clients.bind(index)
+        if self.rates is not None:
+            self.rates.bind(index)
 
     def try_acquire(self) -> bool:
         counts = self._counts
@@ -144,6 +163,8 @@ class SharedSlots:
         self._counts[index] = 0
         if self.clients is not None:
             self.clients.forget_worker(index)
+        if self.rates is not None:
+            self.rates.forget_worker(index)
 
 
 Waiter = Callable[[bool], None]

@@ -1,5 +1,6 @@
-"""The per-client session quota across worker processes (``--max-sessions-per-client``
-with ``--workers`` > 1).
+"""The per-client limits across worker processes (``--max-sessions-per-client`` and
+``--rate-limit`` with ``--workers`` > 1): :class:`SharedClientCounts` (sessions) and
+:class:`SharedClientRates` (requests).
 
 Each worker keeps its own :class:`~stadium._core.limits.ClientLimits` (records, buckets),
 which sees only that worker's sessions: with W workers, a client whose connections the
@@ -33,9 +34,10 @@ import hashlib
 import multiprocessing.sharedctypes
 import secrets
 
+from stadium._core.limits import Bucket, window_take
 from stadium._util.fence import full_fence
 
-__all__ = ["TABLES", "SharedClientCounts", "buckets_for"]
+__all__ = ["TABLES", "SharedClientCounts", "SharedClientRates", "buckets_for", "rate_buckets_for"]
 
 #: Buckets per table: bounds of :func:`buckets_for`.
 MIN_BUCKETS, MAX_BUCKETS = 1 << 12, 1 << 20
@@ -127,3 +129,103 @@ class SharedClientCounts:
         counts = self._counts
         for start in range(index, len(counts), self._width):
             counts[start] = 0
+
+
+#: Buckets per table of the shared rate windows: bounds of :func:`rate_buckets_for`.
+MIN_RATE_BUCKETS, MAX_RATE_BUCKETS = 1 << 10, 1 << 14
+
+
+def rate_buckets_for(max_sessions: int) -> int:
+    """Buckets per table of :class:`SharedClientRates` for a server of ``max_sessions``
+    sessions: the power of two at least twice that, within [:data:`MIN_RATE_BUCKETS`,
+    :data:`MAX_RATE_BUCKETS`] (16 bytes per bucket, table and worker process: 768 KiB
+    per worker at most)."""
+    want = max(MIN_RATE_BUCKETS, 2 * max_sessions)
+    return min(MAX_RATE_BUCKETS, 1 << (want - 1).bit_length())
+
+
+class SharedClientRates:
+    """``--rate-limit`` per client address over all worker processes: one budget per
+    client for the node (:func:`~stadium._core.limits.window_take`'s sliding windows).
+
+    A client's address is hashed (keyed BLAKE2b, as for :class:`SharedClientCounts`) to a
+    bucket of each of :data:`TABLES` tables; a bucket holds two groups (even and odd
+    windows) of one 64-bit counter per worker process, each written only by its process
+    (and zeroed by the supervisor once that process is dead and reaped). Requests of
+    other clients hashed to the same buckets count against a client only where all its
+    buckets are shared (the smallest count wins), and only while they are recent (two
+    windows).
+
+    Args:
+        rate: requests per second per client (``--rate-limit``, > 0).
+        burst: requests at once (``--rate-burst``, >= 1): the window holds ``burst``
+            requests and lasts ``burst / rate`` seconds.
+        counters: worker processes that may be alive at once (one column each).
+        buckets: buckets per table (a power of two; :func:`rate_buckets_for`).
+    """
+
+    __slots__ = ("_index", "_key", "_mask", "_width", "_words", "limit", "window_s")
+
+    def __init__(
+        self, rate: float, burst: int, counters: int, *, buckets: int = MIN_RATE_BUCKETS
+    ) -> None:
+        assert rate > 0 and burst >= 1, (rate, burst)  # noqa: PT018
+        assert counters > 0, counters
+        assert buckets > 0 and buckets & (buckets - 1) == 0, buckets  # noqa: PT018
+        self.limit = burst
+        self.window_s = burst / rate
+        self._width = counters
+        self._mask = buckets - 1
+        shared = multiprocessing.sharedctypes.RawArray("q", TABLES * buckets * 2 * counters)
+        self._words = memoryview(shared).cast("B").cast("q")
+        self._key = secrets.token_bytes(16)  # drawn before the fork: every worker has it
+        self._index = 0
+
+    def bind(self, index: int) -> None:
+        """Make this process count in column ``index`` (no other live process uses it)."""
+        self._index = index
+
+    def keys(self, address: str | None) -> Keys:
+        """Where ``address``'s counters are (``None``, an unknown peer, is one client)."""
+        digest = hashlib.blake2b(
+            (address or "").encode(), key=self._key, digest_size=4 * TABLES
+        ).digest()
+        group = 2 * self._width
+        size = (self._mask + 1) * group
+        return tuple(
+            t * size + (int.from_bytes(digest[4 * t : 4 * t + 4], "little") & self._mask) * group
+            for t in range(TABLES)
+        )
+
+    def take(self, keys: Keys, now: float) -> float:
+        """Spend one request of the client at ``keys`` at ``now`` (a monotonic time, the
+        same clock in every worker): ``0.0``, or the seconds until one is due."""
+        return window_take(
+            self._words, keys, self._width, self._index, self.limit, self.window_s, now
+        )
+
+    def bucket(self, address: str | None, now: float) -> Bucket:
+        """``address``'s bucket: a view of its shared counters (``ClientLimits.new_bucket``)."""
+        return SharedBucket(self, self.keys(address))
+
+    def forget_worker(self, index: int) -> None:
+        """Zero the column of the dead, reaped worker that used ``index`` (supervisor)."""
+        words = self._words
+        for start in range(index, len(words), self._width):
+            words[start] = 0
+
+
+class SharedBucket:
+    """A client's rate budget in :class:`SharedClientRates` (what a session spends from)."""
+
+    __slots__ = ("keys", "rates")
+
+    def __init__(self, rates: SharedClientRates, keys: Keys) -> None:
+        self.rates = rates
+        self.keys = keys
+
+    def take(self, now: float) -> float:
+        return self.rates.take(self.keys, now)
+
+    def full(self, now: float) -> bool:
+        return True  # its state is in shared memory: the record may go at once

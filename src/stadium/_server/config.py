@@ -371,7 +371,7 @@ class ServerConfig:
         token_file = kwargs.pop("auth_token_file", None)
         if token_file is not None:
             if "auth_token" in kwargs:
-                raise ConfigError("give --auth-token or --auth-token-file, not both")
+                raise ConfigError("give STADIUM_AUTH_TOKEN or --auth-token-file, not both")
             kwargs["auth_token"] = read_token_file(token_file)
         if "sandbox_allow" in kwargs:
             kwargs["sandbox_allow"] = tuple(kwargs["sandbox_allow"])
@@ -554,15 +554,14 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=float,
             help="Seconds an idle HTTP keep-alive connection is kept [15].",
         ),
-        click.option(
-            "--auth-token",
-            envvar="STADIUM_AUTH_TOKEN",
-            help="Bearer token clients must send [env STADIUM_AUTH_TOKEN; none].",
-        ),
+        # Read from the environment only: `stadium serve` refuses it on the command line,
+        # where every local user can read it (/proc/PID/cmdline).
+        click.option("--auth-token", envvar="STADIUM_AUTH_TOKEN", hidden=True),
         click.option(
             "--auth-token-file",
             type=click.Path(dir_okay=False),
-            help="Read the bearer token from this file's first line.",
+            help="Read the bearer token clients must send from this file's first line "
+            "[env STADIUM_AUTH_TOKEN; none].",
         ),
         click.option(
             "--allow-origin",

@@ -13,9 +13,12 @@ the worker's :class:`Doorway`, which
   it forks, an MCP session to the client that created it; with several workers, the
   quota holds over all of them (:mod:`~stadium._server.client_counts`);
 * gives it its client's token bucket (``--rate-limit``): every request on it, whatever
-  door it came through, spends one token; a WebSocket attached to an MCP session holds
-  its client's record without a session of the quota (it rides on the MCP session's
-  slot and env) and its requests are rate-limited like any other;
+  door it came through, spends one token; with several workers the bucket is the
+  client's view of windowed counters all workers share
+  (:class:`~stadium._server.client_counts.SharedClientRates`): one budget per client;
+  a WebSocket attached to an MCP session holds its client's record without a session
+  of the quota (it rides on the MCP session's slot and env) and its requests are
+  rate-limited like any other;
 * takes its slot (``--max-sessions``, :class:`~stadium._server.admission.Admission`):
   queued (a WebSocket, batch or restored session), awaited (HTTP, MCP create) or now
   or never (a fork);
@@ -33,7 +36,7 @@ import enum
 import os
 import uuid
 
-from stadium._core.limits import ClientLimits, ClientRecord, TokenBucket
+from stadium._core.limits import Bucket, ClientLimits, ClientRecord
 from stadium._core.resume import new_session_id, new_token
 from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission import Admission, Verdict, Waiter
@@ -66,7 +69,7 @@ class Pass:
     ) -> None:
         self.door = door
         self.record = record
-        self.bucket: TokenBucket | None = None if record is None else record.bucket
+        self.bucket: Bucket | None = None if record is None else record.bucket
         self.counted = counted
         """Whether it counts against the client's quota (all but an MCP attach)."""
         self.keys = keys
@@ -91,6 +94,9 @@ class Doorway:
         self.admission = admission
         self.limits = limits
         self.opened = opened
+        rates = admission.slots.rates
+        if limits is not None and limits.rate > 0 and rates is not None:
+            limits.new_bucket = rates.bucket  # one budget per client over every worker
         assert [door.name.lower() for door in Door] == list(DOORS)
         # Without per-client limits a pass holds nothing: one per door, shared (no allocation).
         self._free = tuple(Pass(door, None, True) for door in Door)

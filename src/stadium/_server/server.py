@@ -574,6 +574,8 @@ def run_server(config: ServerConfig) -> int:
         workers=config.workers,
         max_sessions=config.max_sessions,
         max_sessions_per_client=config.max_sessions_per_client,
+        rate_limit=config.rate_limit,
+        rate_burst=config.rate_burst,
         restart_max_delay=config.restart_max_delay,
         stop_grace_s=config.drain_timeout + FINAL_GRACE_S + KILL_MARGIN_S,
         run_worker=run_worker,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stadium._core import mcp as _mcp
-from stadium._core.limits import TokenBucket
+from stadium._core.limits import Bucket
 from stadium._core.protocol import BatchCall, Call, Encoding, Op, SessionProtocol
 from stadium._core.resume import NOWHERE, ResumeAsk, ResumeChannel, Target
 from stadium._env.snapshot import restore_env, snapshot_env
@@ -123,7 +123,7 @@ class Session(ResumableSession):
         ``/ws?session_id=``): no slot of its own, the env not created nor closed here."""
         self._pass: Pass | None = None
         """What it is charged (``doorway``): its door, its client's quota and bucket."""
-        self._bucket: TokenBucket | None = None
+        self._bucket: Bucket | None = None
         self.channel = channel
         self.loop = loop or asyncio.get_running_loop()
         self.protocol = SessionProtocol(runtime.spec, encoding, _new_episode_id)

@@ -138,6 +138,8 @@ class Supervisor:
         max_sessions: the server-wide session limit.
         max_sessions_per_client: ``--max-sessions-per-client``, counted over every worker
             (0: no quota).
+        rate_limit, rate_burst: ``--rate-limit`` / ``--rate-burst``, one budget per client
+            over every worker (0: no rate limit).
         restart_max_delay: the longest delay before a crashed worker is restarted.
         stop_grace_s: how long a worker sent SIGTERM may take to exit before SIGKILL.
         run_worker: runs one worker in the forked process.
@@ -155,6 +157,8 @@ class Supervisor:
         workers: int,
         max_sessions: int,
         max_sessions_per_client: int = 0,
+        rate_limit: float = 0.0,
+        rate_burst: int = 1,
         restart_max_delay: float,
         stop_grace_s: float,
         run_worker: WorkerMain,
@@ -170,7 +174,10 @@ class Supervisor:
         # One counter per process that can be alive at once: the workers, a
         # starting replacement, and the retiring workers of up to one recycle.
         counters = self.counters_for(workers)
-        self.session_slots = SharedSlots(max_sessions, counters, per_client=max_sessions_per_client)
+        self.session_slots = SharedSlots(
+            max_sessions, counters, per_client=max_sessions_per_client, rate=rate_limit,
+            burst=rate_burst,
+        )  # fmt: skip
         self._ready = memoryview(multiprocessing.sharedctypes.RawArray("b", counters)).cast("B")
         self._free = list(range(counters - 1, -1, -1))  # pop() takes the lowest
         self._slots = [_Slot(i) for i in range(workers)]

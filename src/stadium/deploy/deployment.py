@@ -27,6 +27,22 @@ from typing import Any
 from stadium._core.urls import base_url
 from stadium._errors import ConfigError
 
+#: Why a launcher refuses ``--auth-token VALUE`` among a server's arguments.
+TOKEN_IN_ARGV = (
+    "--auth-token VALUE would put the bearer token in the server's command line (and a "
+    "generated script), which every local user can read (/proc/PID/cmdline, ps): give it "
+    "in the servers' environment (STADIUM_AUTH_TOKEN, e.g. env={...}) or as "
+    "--auth-token-file FILE"
+)
+
+
+def refuse_token_in_argv(args: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` (:data:`TOKEN_IN_ARGV`) if ``args``, a ``stadium serve``
+    command line's options, carry ``--auth-token`` (``--auth-token-file`` is fine)."""
+    for arg in args:
+        if arg == "--auth-token" or arg.startswith("--auth-token="):
+            raise ConfigError(TOKEN_IN_ARGV)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Deployment:

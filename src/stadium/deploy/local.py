@@ -37,7 +37,7 @@ from pathlib import Path
 
 from stadium._errors import ConfigError
 from stadium._util.health import healthy
-from stadium.deploy.deployment import Deployment
+from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.running import Running
 
 #: The server's announce line names its URL (``--port 0``: the port the kernel chose).
@@ -65,7 +65,9 @@ def serve_command(
     serve_args: Sequence[str] = (),
     python: str = sys.executable,
 ) -> list[str]:
-    """The ``stadium serve`` command line of one server."""
+    """The ``stadium serve`` command line of one server (never with ``--auth-token``: the
+    token goes in its environment, ``STADIUM_AUTH_TOKEN``)."""
+    refuse_token_in_argv(serve_args)
     cmd = [python, "-m", "stadium", "serve", target, "--host", host, "--port", str(port)]
     cmd += ["--workers", str(workers)]
     if max_sessions is not None:

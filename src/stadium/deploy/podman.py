@@ -48,7 +48,7 @@ from pathlib import Path
 
 from stadium._errors import ConfigError
 from stadium._util.health import healthy
-from stadium.deploy.deployment import Deployment
+from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.running import Running
 
 #: The image ``start`` runs unless told otherwise (what the README's build command tags).
@@ -86,12 +86,20 @@ def _podman(podman: str) -> str:
 
 
 def _run(
-    cmd: Sequence[str], *, timeout: float, check: bool = True, what: str = ""
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    check: bool = True,
+    what: str = "",
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """Run a Podman command; ``env``: variables added to its environment (never its argv,
+    which every local user can read: ``--env=NAME`` passes one on to a container)."""
     try:
         out = subprocess.run(
-            list(cmd), capture_output=True, text=True, timeout=timeout, check=False
-        )
+            list(cmd), capture_output=True, text=True, timeout=timeout, check=False,
+            env=None if env is None else {**os.environ, **env},
+        )  # fmt: skip
     except subprocess.TimeoutExpired:
         raise ConfigError(
             f"{what or cmd[1]} did not finish within {timeout:.0f} s: {' '.join(cmd)}"
@@ -366,6 +374,7 @@ def start(
         raise ConfigError("max_sessions must be at least 1", max_sessions=max_sessions)
     if drain_timeout is not None and drain_timeout < 0:
         raise ConfigError("drain_timeout must be >= 0", drain_timeout=drain_timeout)
+    refuse_token_in_argv(serve_args)
     extra = () if drain_timeout is None else ("--drain-timeout", str(drain_timeout))
     exe = _podman(podman)
     if _run([exe, "image", "exists", image], timeout=60, check=False).returncode != 0:
@@ -399,10 +408,10 @@ def start(
                 net = ["--network", network, "--publish", f"{host}:{p}:{CONTAINER_PORT}"]
             cmd = [
                 exe, "run", "--detach", "--name", cname, "--label", f"{LABEL}={ident}", *net,
-                *(f"--env={k}={v}" for k, v in values.items()),
+                *(f"--env={k}" for k in values),  # values from podman's environment
                 *run_args, image, target, *serve_args, *extra,
             ]  # fmt: skip
-            _run(cmd, timeout=120, what=f"podman run of {cname}")
+            _run(cmd, timeout=120, what=f"podman run of {cname}", env=values)
         _wait_healthy(d, exe, timeout_s)
     except BaseException:
         d.stop(timeout=0)

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from stadium._errors import ConfigError
-from stadium.deploy.deployment import Deployment
+from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.local import ServerProcess, serve_command, wait_all_ready
 from stadium.deploy.running import Running
 
@@ -260,6 +260,7 @@ def start(
             ``timeout_s`` (e.g. more servers than nodes, one per node), a server that
             did not come up (with the end of its stderr). Nothing is left running.
     """
+    refuse_token_in_argv(serve_args)  # before Ray: the token goes in ``env``
     ray = _ray()
     owns = _connect(ray, address)
     actors: list[Any] = []

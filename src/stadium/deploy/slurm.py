@@ -43,7 +43,7 @@ from pathlib import Path
 from stadium._errors import ConfigError
 from stadium._util.health import healthy
 from stadium.deploy import envoy
-from stadium.deploy.deployment import Deployment
+from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.haproxy import RouterOptions, render
 
 ROUTERS = ("haproxy", "envoy", "none")
@@ -80,6 +80,7 @@ class SlurmOptions:
         for port in (self.port, self.router_port, self.admin_port):
             if not 1 <= port <= 65535:
                 raise ConfigError("ports must be 1..65535", port=port)
+        refuse_token_in_argv(self.serve_args)  # the job inherits STADIUM_AUTH_TOKEN instead
         # A newline would end a #SBATCH line or a shell line of the script: refused.
         values = {
             "--job-name": [self.job_name],

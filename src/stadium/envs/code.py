@@ -6,66 +6,304 @@ Each step's code runs in a fresh ``python -I`` subprocess of the session (bounde
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
 uid, memory, process and disk limits (README, "Isolated sessions"); so the policy's
 code can do what it likes to it and nothing else.
+
+Grading (:func:`run_tests`): nothing the submission writes counts as a result. The
+grader (this env's process) keeps each test's expected value to itself and asks the
+submission's process only for return values: one request per test on a pipe (the
+call's arguments), one reply per request on another (``{"kind": "returned",
+"value": ...}``, JSON, at most :data:`MAX_REPLY` bytes), decoded into the type the task
+declares (``returns``: ``int`` accepts no ``true`` and no ``1.0``; a ``list[int]`` no
+deeper list). The grader compares plain decoded values; so a printed results line, an
+early ``exit(0)``, a patched harness or an object whose ``__eq__`` is always true pass
+no test. Sandboxed, the grader is not dumpable (its process changed uid), so the
+submission's process, of the same uid, can neither open its memory nor its
+descriptors; what it can still do is kill the grader or stop it, which fails the step
+with an error (no reward). Unsandboxed (``--isolation none``/``process``) the
+submission runs as the server's user, which no grader can fence in: the env asks for
+the sandbox for that. Tests whose expected values can be read (this module's are)
+can still be matched by a lookup table; keep held-out tests where the code cannot
+read them.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import functools
 import os
 import random
+import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
-from typing import Any, ClassVar
+import time
+from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
 
+#: The most bytes one reply of the submission's process may take (the rest: that test fails).
+MAX_REPLY = 1 << 20
+#: The most characters of the submission's output (stdout and stderr) kept, from the end.
+MAX_OUTPUT = 2000
+#: The most characters kept of a message the submission's process sends (an exception).
+MAX_MESSAGE = 500
+
+T = TypeVar("T")
+
 
 class Task(msgspec.Struct, frozen=True):
-    """A function to write and the calls that test it."""
+    """A function to write, the calls that test it and the type its results have."""
 
     name: str
     prompt: str
     function: str
     tests: list[tuple[list[Any], Any]]
+    returns: Any
 
 
 TASKS: tuple[Task, ...] = (
     Task("add", "Write add(a, b) returning a + b.", "add",
-         [([1, 2], 3), ([-1, 1], 0), ([10, 32], 42)]),
+         [([1, 2], 3), ([-1, 1], 0), ([10, 32], 42)], int),
     Task("reverse", "Write reverse(s) returning the string s reversed.", "reverse",
-         [(["abc"], "cba"), ([""], ""), (["racecar"], "racecar")]),
+         [(["abc"], "cba"), ([""], ""), (["racecar"], "racecar")], str),
     Task("fizzbuzz", "Write fizzbuzz(n): 'Fizz' if n % 3 == 0, 'Buzz' if n % 5 == 0, "
          "'FizzBuzz' if both, else str(n).", "fizzbuzz",
-         [([3], "Fizz"), ([5], "Buzz"), ([15], "FizzBuzz"), ([7], "7")]),
+         [([3], "Fizz"), ([5], "Buzz"), ([15], "FizzBuzz"), ([7], "7")], str),
     Task("primes", "Write primes(n) returning the list of primes below n.", "primes",
-         [([10], [2, 3, 5, 7]), ([2], []), ([20], [2, 3, 5, 7, 11, 13, 17, 19])]),
+         [([10], [2, 3, 5, 7]), ([2], []), ([20], [2, 3, 5, 7, 11, 13, 17, 19])], list[int]),
 )  # fmt: skip
 
-_RUNNER = """
-import json, sys
-spec = json.loads(sys.argv[1])
-results = []
+# The submission's side: untrusted from its first line on (the submission may replace any
+# of it); the grader believes nothing of what it sends but return values.
+_HARNESS = """
+import json, os, sys
+function, requests, replies = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out = os.fdopen(replies, "w")
+def send(**reply):
+    out.write(json.dumps(reply, allow_nan=False) + "\\n")
+    out.flush()
 try:
     scope = {"__name__": "submission"}
     exec(compile(open("submission.py").read(), "submission.py", "exec"), scope)
-    fn = scope[spec["function"]]
+    fn = scope[function]
 except BaseException as exc:
-    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+    send(kind="unloadable", message=f"{type(exc).__name__}: {exc}")
     sys.exit(0)
-for args, expected in spec["tests"]:
-    call = f"{spec['function']}{tuple(args)!r}"
+for line in os.fdopen(requests):
     try:
-        got = fn(*args)
-        ok = got == expected
-        results.append([ok, None if ok else f"{call} returned {got!r}, expected {expected!r}"])
+        got = fn(*json.loads(line))
     except BaseException as exc:
-        results.append([False, f"{call} raised {type(exc).__name__}: {exc}"])
-print(json.dumps({"results": results}))
+        send(kind="failed", message=f"raised {type(exc).__name__}: {exc}")
+        continue
+    try:
+        send(kind="returned", value=got)
+    except (TypeError, ValueError) as exc:
+        send(kind="failed", message=f"returned a {type(got).__name__}, not plain data ({exc})")
 """
+
+
+class Returned(
+    msgspec.Struct, Generic[T], tag="returned", tag_field="kind", forbid_unknown_fields=True
+):
+    """The function returned ``value`` (of the task's declared type)."""
+
+    value: T
+
+
+class Failed(msgspec.Struct, tag="failed", tag_field="kind", forbid_unknown_fields=True):
+    """The call raised, or returned what JSON cannot carry; ``message`` says which."""
+
+    message: str
+
+
+class Unloadable(msgspec.Struct, tag="unloadable", tag_field="kind", forbid_unknown_fields=True):
+    """The submission did not load (a syntax error, an exception at import, no such function)."""
+
+    message: str
+
+
+@functools.cache
+def _decoder(returns: Any) -> msgspec.json.Decoder[Any]:
+    return msgspec.json.Decoder(Returned[returns] | Failed | Unloadable)
+
+
+class Report(msgspec.Struct):
+    """How a submission did: tests passed, the first failures, the tail of its output."""
+
+    passed: int = 0
+    failures: list[str] = msgspec.field(default_factory=list)
+    output: str = ""
+
+
+class _Ended(Exception):
+    """The submission's process stopped answering: exited, closed its pipes, ran out of time
+    or sent a reply over :data:`MAX_REPLY`; ``str()`` says which (for every test left)."""
+
+
+class _Channel:
+    """The grader's end: requests out, replies and output in, all bounded by one deadline.
+    One selector over the three pipes, no thread; every read takes what is there."""
+
+    def __init__(self, requests: int, replies: int, output: int, deadline: float, limit: float):
+        self.requests, self.replies, self.output = requests, replies, output
+        self.deadline, self.limit = deadline, limit
+        self.inbox = bytearray()
+        self.tail = bytearray()
+        self.sel = selectors.DefaultSelector()
+        for fd in (requests, replies, output):
+            os.set_blocking(fd, False)
+        self.sel.register(replies, selectors.EVENT_READ, "reply")
+        self.sel.register(output, selectors.EVENT_READ, "output")
+
+    def _wait(self) -> None:
+        """One round: wait (to the deadline) until a pipe is ready; read what is there."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _Ended(f"the code ran longer than {self.limit:g} s")
+        for key, _ in self.sel.select(left):
+            if key.data == "output":
+                self.drain()
+            elif key.data == "reply":
+                self._read_reply()
+
+    def send(self, data: bytes) -> None:
+        """Write a request (to the deadline)."""
+        view = memoryview(data)
+        self.sel.register(self.requests, selectors.EVENT_WRITE, "request")
+        try:
+            while view:
+                try:
+                    view = view[os.write(self.requests, view) :]
+                except BlockingIOError:
+                    self._wait()
+                except BrokenPipeError:
+                    raise _Ended("the code exited before returning") from None
+        finally:
+            self.sel.unregister(self.requests)
+
+    def _read_reply(self) -> None:
+        try:
+            chunk = os.read(self.replies, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self.sel.unregister(self.replies)
+            self.replies = -1
+        self.inbox += chunk
+
+    def receive(self) -> bytes:
+        """The next reply line (without its newline), waited for to the deadline."""
+        while True:
+            end = self.inbox.find(b"\n", 0, MAX_REPLY + 1)
+            if end >= 0:
+                line = bytes(self.inbox[:end])
+                del self.inbox[: end + 1]
+                return line
+            if len(self.inbox) > MAX_REPLY:
+                raise _Ended(f"the code sent a reply over {MAX_REPLY} bytes")
+            if self.replies < 0:
+                raise _Ended("the code exited before returning")
+            self._wait()
+
+    def drain(self) -> None:
+        """Read the output that is there (without waiting), keeping its tail."""
+        for _ in range(64):  # at most 4 MiB a call: the rest waits for the next
+            try:
+                chunk = os.read(self.output, 65536)
+            except (BlockingIOError, OSError):
+                return
+            if not chunk:
+                if self.output >= 0:
+                    self.sel.unregister(self.output)
+                    self.output = -1
+                return
+            self.tail += chunk
+            del self.tail[: -4 * MAX_OUTPUT]
+
+    def text(self) -> str:
+        return self.tail.decode("utf-8", "replace")[-MAX_OUTPUT:]
+
+    def close(self) -> None:
+        self.sel.close()
+
+
+def _message(text: str) -> str:
+    return text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + "..."
+
+
+def run_tests(
+    folder: str, function: str, tests: list[tuple[list[Any], Any]], returns: Any,
+    timeout_s: float,
+) -> Report:  # fmt: skip
+    """Run ``folder/submission.py``'s ``function`` on each test's arguments in a fresh
+    ``python -I`` process (cwd ``folder``, at most ``timeout_s`` in all); compare what it
+    returns, decoded as ``returns``, with each test's expected value, here."""
+    report = Report()
+    requests_r, requests_w = os.pipe()
+    replies_r, replies_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-u", "-c", _HARNESS, function, str(requests_r), str(replies_w)],
+            cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=(requests_r, replies_w),
+            env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+        )  # fmt: skip
+    except OSError as exc:
+        for fd in (requests_r, requests_w, replies_r, replies_w):
+            os.close(fd)
+        report.failures = [f"the tests could not be run: {exc}"]
+        return report
+    os.close(requests_r)
+    os.close(replies_w)
+    assert proc.stdout is not None
+    channel = _Channel(
+        requests_w, replies_r, proc.stdout.fileno(), time.monotonic() + timeout_s, timeout_s
+    )
+    decoder = _decoder(returns)
+    try:
+        for i, (args, expected) in enumerate(tests):
+            call = f"{function}{tuple(args)!r}"
+            try:
+                channel.send(msgspec.json.encode(args) + b"\n")
+                line = channel.receive()
+            except _Ended as ended:
+                report.failures += [str(ended)] if i == 0 else [f"{call}: {ended}"]
+                break
+            try:
+                reply = decoder.decode(line)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                report.failures.append(
+                    f"{call}: its reply is no {_name(returns)} ({_message(str(exc))})"
+                )
+                continue
+            if isinstance(reply, Unloadable):
+                report.failures = [_message(reply.message)]
+                break
+            if isinstance(reply, Failed):
+                report.failures.append(f"{call} {_message(reply.message)}")
+            elif reply.value == expected:  # plain values the decoder built: no __eq__ of theirs
+                report.passed += 1
+            else:
+                report.failures.append(f"{call} returned {reply.value!r}, expected {expected!r}")
+    finally:
+        proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # and what it started in its group
+        proc.wait()
+        channel.drain()
+        report.output = channel.text()
+        channel.close()
+        os.close(requests_w)
+        os.close(replies_r)
+        proc.stdout.close()
+    return report
+
+
+def _name(returns: Any) -> str:
+    return returns.__name__ if isinstance(returns, type) else repr(returns)
 
 
 class CodeAction(msgspec.Struct):
@@ -129,28 +367,11 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         folder = self._workdir()
         with open(os.path.join(folder, "submission.py"), "w") as f:
             f.write(action.code)
-        spec = json.dumps({"function": task.function, "tests": task.tests})
-        obs = CodeObservation(task.name, task.prompt, total=len(task.tests))
-        report: dict[str, Any]
-        try:
-            run = subprocess.run(
-                [sys.executable, "-I", "-c", _RUNNER, spec], cwd=folder, capture_output=True,
-                text=True, timeout=self.timeout_s, env={"PATH": "/usr/bin:/bin"},
-            )  # fmt: skip
-            lines = run.stdout.strip().splitlines()
-            report = json.loads(lines[-1]) if lines else {"error": "no output"}
-            obs.output = (run.stdout[:-1] if not lines else "\n".join(lines[:-1]))[-2000:]
-            obs.output += run.stderr[-2000:]
-        except subprocess.TimeoutExpired:
-            report = {"error": f"the code ran longer than {self.timeout_s:g} s"}
-        except (json.JSONDecodeError, OSError) as exc:
-            report = {"error": f"the tests could not be run: {exc}"}
-        if "error" in report:
-            obs.failures = [str(report["error"])]
-        else:
-            results: list[tuple[bool, str]] = report["results"]
-            obs.passed = sum(1 for ok, _ in results if ok)
-            obs.failures = [msg for ok, msg in results if not ok][:5]
+        report = run_tests(folder, task.function, task.tests, task.returns, self.timeout_s)
+        obs = CodeObservation(
+            task.name, task.prompt, passed=report.passed, total=len(task.tests),
+            failures=report.failures[:5], output=report.output,
+        )  # fmt: skip
         reward = obs.passed / obs.total if obs.total else 0.0
         done = obs.passed == obs.total or self.attempts >= self.max_attempts
         return StepResult(obs, reward=reward, done=done)

@@ -55,11 +55,21 @@ TABLE_PREFIX = "stadium_w"
 COMMAND_S = 10.0
 
 
-def network_unavailable() -> str | None:
-    """Why sandboxed sessions cannot have network here (``None``: they can)."""
+def network_tools_missing() -> str | None:
+    """Which tool sessions' networks need is not installed (``None``: all are)."""
     for tool, package in (("ip", "iproute2"), ("nft", "nftables"), ("nsenter", "util-linux")):
         if _which(tool) is None:
             return f"{tool} is not installed: apt-get install {package} (make sandbox-deps)"
+    return None
+
+
+def network_unavailable() -> str | None:
+    """Why sandboxed sessions cannot have network here (``None``: they can). Forwarding
+    is a setting of the network namespace the server runs in (``/proc/sys/net`` shows
+    the caller's)."""
+    missing = network_tools_missing()
+    if missing is not None:
+        return missing
     try:
         forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
     except OSError:

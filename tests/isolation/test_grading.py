@@ -1,0 +1,95 @@
+"""The ``code`` env's reward cannot be forged by the code it grades: submissions that print
+a results line, exit early, write to every descriptor they hold, patch the harness or
+return an object equal to everything pass no test, served as the env asks
+(``isolation = "sandbox"``) and in-process; a right submission still gets 1.0."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import stadium
+from tests.conftest import serve
+from tests.isolation.test_isolation import needs_sandbox
+
+pytestmark = pytest.mark.slow
+CODE_ENV = "code"  # the class asks for the sandbox itself
+
+RESULTS = "{'results': [[True, None]] * 3}"  # the line the old runner printed, all passed
+
+FORGERIES = {
+    "prints a results line and exits": (
+        "import json, os\n"
+        "def add(a, b):\n"
+        f"    print(json.dumps({RESULTS}), flush=True)\n"
+        "    os._exit(0)\n"
+    ),
+    "prints a results line at import and exits": (
+        f"import json, os\nprint(json.dumps({RESULTS}), flush=True)\nos._exit(0)\n"
+    ),
+    "writes a results line to every descriptor": (
+        "import json, os\n"
+        f"line = (json.dumps({RESULTS}) + '\\n').encode()\n"
+        "for fd in range(256):\n"
+        "    try:\n"
+        "        os.write(fd, line)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "os._exit(0)\n"
+    ),
+    "patches json.dumps": (
+        "import json\n"
+        f"json.dumps = (lambda real: lambda *a, **k: real({RESULTS}))(json.dumps)\n"
+        "def add(a, b):\n    return -1\n"
+    ),
+    "returns an object equal to everything": (
+        "class Same:\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "class SameInt(int):\n"
+        "    def __eq__(self, other):\n        return True\n"
+        "answers = iter([Same(), SameInt(-7), Same()])\n"
+        "def add(a, b):\n    return next(answers)\n"
+    ),
+    "exits 0 at import": "import sys\nsys.exit(0)\ndef add(a, b):\n    return a + b\n",
+    "exits 0 before returning": "import os\ndef add(a, b):\n    os._exit(0)\n",
+}
+
+RIGHT = "def add(a, b):\n    return a + b\n"
+
+# Sandboxed, the grader (the env's process, the submission's parent) is not dumpable: the
+# submission, of the same uid, can neither open its memory nor its descriptors (its /proc
+# entry is hidden: ``hidepid=2`` hides what the caller may not inspect).
+REACHES_FOR_THE_GRADER = (
+    "import os\n"
+    "for path in ('/proc/%d/mem' % os.getppid(), '/proc/%d/fd/0' % os.getppid()):\n"
+    "    try:\n"
+    "        open(path, 'r+b')\n"
+    "        print('opened', path)\n"
+    "    except OSError as exc:\n"
+    "        print('refused', type(exc).__name__)\n"
+    "def add(a, b):\n    return -1\n"
+)
+
+
+async def _submit(env: stadium.AsyncClient[Any], code: str) -> Any:
+    await env.reset(options={"task": "add"})
+    return await env.step({"code": code})
+
+
+@pytest.mark.parametrize("mode", ["none", pytest.param("sandbox", marks=needs_sandbox)])
+async def test_a_submission_cannot_forge_its_reward(mode: str) -> None:
+    async with serve(CODE_ENV, isolation=mode) as server:
+        isolation = server.runtime.isolation
+        assert (isolation is not None and isolation.sandbox) == (mode == "sandbox")
+        async with stadium.AsyncClient(server.url) as env:
+            for attack, code in FORGERIES.items():
+                result = await _submit(env, code)
+                assert (attack, result.reward, result.observation["passed"]) == (attack, 0.0, 0)
+            if mode == "sandbox":
+                reached = await _submit(env, REACHES_FOR_THE_GRADER)
+                assert reached.reward == 0.0
+                lines = reached.observation["output"].splitlines()
+                assert [line.split()[0] for line in lines] == ["refused", "refused"], lines
+            right = await _submit(env, RIGHT)
+            assert (right.reward, right.observation["passed"], right.done) == (1.0, 3, True)
