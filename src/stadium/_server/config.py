@@ -123,6 +123,10 @@ class ServerConfig:
             or ``public`` (any address but the host's own); ``None``: the env's
             ``openenv.yaml`` ``network``, else ``none``.
         sandbox_allow: the hosts (names, addresses, CIDR ranges) of ``allowlist``.
+        sandbox_reply_mib: isolated sessions (``process`` and ``sandbox``): MiB one reply
+            of a session's env process may take in its worker, as a frame and, estimated,
+            decoded (each; so at most twice this held per session at a time). A reply
+            over it, or malformed, ends its call with ``ENV_PROTOCOL`` and the process.
         sandbox_seccomp: ``on`` (each sandboxed session runs under Stadium's seccomp
             filter; the server refuses to start without libseccomp) or ``off``.
         action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
@@ -186,6 +190,7 @@ class ServerConfig:
     sandbox_network: str | None = None
     sandbox_allow: tuple[str, ...] = ()
     sandbox_seccomp: str = "on"
+    sandbox_reply_mib: int = 64
     action_model: str | None = None
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
@@ -262,6 +267,11 @@ class ServerConfig:
             self.sandbox_seccomp in ("on", "off"),
             "--sandbox-seccomp must be on or off",
             value=self.sandbox_seccomp,
+        )
+        _check(
+            8 <= self.sandbox_reply_mib <= 4096,
+            "--sandbox-reply-mib must be 8..4096 (MiB a reply may take)",
+            value=self.sandbox_reply_mib,
         )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
@@ -613,6 +623,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--sandbox-seccomp",
             type=click.Choice(["on", "off"]),
             help="The seccomp filter of sandboxed sessions (off: none; on needs libseccomp) [on].",
+        ),
+        click.option(
+            "--sandbox-reply-mib",
+            type=int,
+            help="Isolated sessions: MiB one reply of an env process may take in the worker, "
+            "as a frame and decoded; over it: ENV_PROTOCOL [64].",
         ),
     ]
     for option in reversed(options):

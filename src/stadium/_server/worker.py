@@ -38,6 +38,7 @@ from stadium._server.isolation.manifest import (
     read_manifest,
 )
 from stadium._server.isolation.seccomp import seccomp_unavailable
+from stadium._server.isolation.wire import WireLimits
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
@@ -160,6 +161,7 @@ def isolation_config(config: ServerConfig, env_cls: type[Any]) -> IsolationConfi
     return IsolationConfig(
         mode, target, dict(config.env_kwargs), config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on",
+        replies=WireLimits.of_mib(config.sandbox_reply_mib),
     )  # fmt: skip
 
 

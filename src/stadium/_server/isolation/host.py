@@ -140,9 +140,14 @@ class Isolation:
         self.seccomp = "off"
         """The seccomp filter sandboxed sessions run under (its template's report), or off."""
 
-    def counts(self) -> tuple[int, int, int, int]:
-        """Processes alive, started, crashed, stopped at a limit (``/metrics``)."""
-        return len(self.live), self.starts, self.crashes, self.limit_kills
+    def counts(self) -> tuple[int, ...]:
+        """Processes alive, started, crashed, stopped at a limit; bytes they sent, replies
+        refused, bytes of reply buffers held, bytes spilled (``/metrics``)."""
+        wire_stats = self.wire_stats
+        return (
+            len(self.live), self.starts, self.crashes, self.limit_kills, wire_stats.received,
+            wire_stats.refused, wire_stats.held, self.spilled,
+        )  # fmt: skip
 
     # -- the template ---------------------------------------------------------------
 
