@@ -485,7 +485,7 @@ def scan(buf: bytes | bytearray, limits: WireLimits) -> int:
 def _run(buf: bytes | bytearray, i: int, n: int, end: int) -> tuple[int, int] | None:
     """An array's ``n`` values starting at ``i``, when they are all one-byte values or
     all floats of one width: ``(the index after them, their estimated cost)``."""
-    if n < 8:
+    if n < 8 or i >= end:
         return None
     first = buf[i]
     if first in (0xCA, 0xCB):
