@@ -39,20 +39,26 @@ pytestmark = [
 ]
 
 
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+_start: list[int] = []
+
+
 def _peak_reset() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM to the current RSS
         f.write("5")
+    _start[:] = [_status("VmHWM")]
 
 
 def _peak_growth() -> int:
-    """Bytes the peak resident memory rose since :func:`_peak_reset` (above current RSS
-    then: its bytes)."""
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value
-    return (int(fields["VmHWM"].split()[0]) - int(fields["VmRSS"].split()[0])) * 1024
+    """Bytes the peak resident memory rose above what it was at :func:`_peak_reset`."""
+    return _status("VmHWM") - _start[0]
 
 
 @asynccontextmanager
