@@ -222,6 +222,8 @@ async def _pair(limits: wire.WireLimits = SMALL) -> tuple[EnvProcess, socket.soc
 async def test_replies_split_anywhere_come_out_whole() -> None:
     proc, theirs, stats = await _pair()
     loop = asyncio.get_running_loop()
+    raised: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: raised.append(context))
     for reply in (wire.ValueOk("x" * 70_000), wire.ValueOk(3), wire.ValueOk(b"y" * 300_000)):
         stream = wire.frame(wire.encode(reply))
         for cut in (1, 3, 4, 5, 4096, len(stream)):
@@ -232,12 +234,15 @@ async def test_replies_split_anywhere_come_out_whole() -> None:
             theirs.setblocking(True)
             assert wire.recv_frame(theirs) == wire.encode(wire.GetState())
             theirs.setblocking(False)
-            for i in range(0, len(stream), cut * 997):
-                await loop.sock_sendall(theirs, stream[i : i + cut * 997])
-                await asyncio.sleep(0)
+            # Eight pieces of ``cut`` bytes, each read before the next is sent, then the rest.
+            pieces = [stream[i : i + cut] for i in range(0, 8 * cut, cut)]
+            for piece in [*pieces, stream[8 * cut :]]:
+                await loop.sock_sendall(theirs, piece)
+                await asyncio.sleep(0.002)
             assert await asyncio.wait_for(request, 5 * UNIT) == reply
     assert (stats.held, stats.refused) == (0, 0)
     assert stats.received > 300_000
+    assert not raised  # nothing went wrong in the loop's callbacks
     proc.close()
     theirs.close()
 

@@ -371,6 +371,7 @@ class _Session:
         self.env: Any = None
         self.create_error: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.decode_action = _Ctx.spec.action.msgpack_decoder.decode
         try:
             self.env = _Ctx.spec.factory(**_Ctx.env_kwargs)
         except Exception as exc:
@@ -416,7 +417,7 @@ class _Session:
             self.sock.sendall(wire.frame(out))
 
     def _step(self, msg: wire.Step) -> wire.StepOk:
-        action = _Ctx.spec.action.msgpack_decoder.decode(msg.action)
+        action = self.decode_action(msg.action)
         return self._result(self.run(self.env.step(action, **msg.kwargs)), msg.snap)
 
     def _reset(self, msg: wire.Reset) -> wire.StepOk:

@@ -426,7 +426,7 @@ class Isolation:
             Gone: ``parent`` died. EnvProtocolError: it answered with what is refused.
             SnapshotError: the fork failed or its copy cannot be told apart.
         """
-        reply = await parent.request(wire.encode(wire.Fork()), wire.DONE_REPLY, fds=True)
+        reply = await parent.request_fds(wire.encode(wire.Fork()), wire.DONE_REPLY)
         fd = parent.take_fd()
         if isinstance(reply, wire.Raised) or fd < 0:
             if fd >= 0:

@@ -25,6 +25,8 @@ from stadium._server.isolation.reaper import Reaper
 
 #: Bytes read from a session's socket at a time (a reply this size or less: one read).
 READ_BYTES = 1 << 16
+_HEADER = wire.HEADER
+_BAD = object()
 
 
 class Gone(Exception):
@@ -145,6 +147,20 @@ class EnvProcess:
         if self._head:
             data = self._head + data
             self._head = b""
+        elif (
+            len(data) > 4
+            and len(data) - 4 == _HEADER.unpack_from(data)[0] <= wire.DIRECT_BYTES
+            and (waiter := self.waiter) is not None
+            and not waiter.done()
+        ):  # the usual: one whole small reply, awaited
+            try:
+                reply = self.decoder.decode(memoryview(data)[4:])
+            except Exception:  # said by the checked path below
+                reply = _BAD
+            if reply is not _BAD:
+                self.waiter = None
+                waiter.set_result(reply)
+                return
         self._frames(data)
 
     def _frames(self, data: bytes) -> None:
@@ -254,11 +270,8 @@ class EnvProcess:
         waiter = self.waiter = self.loop.create_future()
         return waiter
 
-    async def request(
-        self, body: bytes, decoder: msgspec.msgpack.Decoder[Any], fds: bool = False
-    ) -> Any:
-        """Send one request; its reply, as ``decoder``'s type (``fds``: a descriptor may
-        come with it, left in :attr:`fd`).
+    async def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+        """Send one request; its reply, as ``decoder``'s type.
 
         Raises:
             Gone: the process died (or was stopped).
@@ -268,14 +281,20 @@ class EnvProcess:
             raise self.broken
         if self.sock.fileno() < 0:
             raise Gone()
-        self.want_fds = fds
-        waiter = self.expect(decoder)
+        self.decoder = decoder
+        waiter = self.waiter = self.loop.create_future()
         try:
             await self.loop.sock_sendall(self.sock, wire.frame(body))
         except OSError:
             raise Gone() from None
+        return await waiter
+
+    async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+        """:meth:`request`, whose reply may come with a descriptor (``fork``), left in
+        :attr:`fd` (:meth:`take_fd`)."""
+        self.want_fds = True
         try:
-            return await waiter
+            return await self.request(body, decoder)
         finally:
             self.want_fds = False
 

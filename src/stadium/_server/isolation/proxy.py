@@ -176,13 +176,13 @@ class ProcessEnv:
             self.isolation.limit_kills += 1
             self.isolation.kill(proc)
 
-    async def _result(self, reply: wire.StepOk) -> Any:
-        if reply.unsnapshotted is not None:  # --durable: why there is no snapshot
+    async def _durable(self, reply: wire.StepOk) -> None:
+        """``--durable``: the env's snapshot that came with ``reply``, or why none did."""
+        if reply.unsnapshotted is not None:
             self.record = reply.unsnapshotted
             self.durable = False  # said once (by the session); no more asked for
         elif reply.snapshot is not None:
             await self._keep(reply.snapshot)
-        return _step_result(reply)
 
     async def _keep(self, snapshot: memoryview) -> None:
         """Hold the env's latest snapshot: as bytes when small, else in the spill file."""
@@ -218,15 +218,22 @@ class ProcessEnv:
     async def reset(self, **kwargs: Any) -> Any:
         self._end_episode()
         body = wire.encode(wire.Reset(kwargs, self._snap_limit()))
-        result = await self._result(await self._call("reset", body, True, wire.STEP_REPLY))
+        reply = await self._call("reset", body, True, wire.STEP_REPLY)
+        if self.durable:
+            await self._durable(reply)
+        result = _step_result(reply)
         if not (result.done or result.truncated):
             self._start_episode()
         return result
 
     async def step(self, action: Any, **kwargs: Any) -> Any:
         iso = self.isolation
-        body = wire.encode(wire.Step(iso.action_encode(action), kwargs, self._snap_limit()))
-        result = await self._result(await self._call("step", body, False, wire.STEP_REPLY))
+        snap = self._snap_limit()
+        body = wire.encode(wire.Step(iso.action_encode(action), kwargs, snap))
+        reply = await self._call("step", body, False, wire.STEP_REPLY)
+        if snap:
+            await self._durable(reply)
+        result = _step_result(reply)
         if result.done or result.truncated:  # the episode ended in time
             self._end_episode()
         return result
