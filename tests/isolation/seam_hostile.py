@@ -87,6 +87,17 @@ class Seam(stadium.Environment[Act, Obs, stadium.State]):
         if do == "forge-fork":  # the next fork's reply: a socket of ours, saying key ``arg``
             _patch_fork_reply(forged=int(arg))
             return "armed"
+        if do == "oversnap":  # from the next call on, a snapshot 1 byte over what is asked
+            cls = type(_session())
+            result = cls._result
+
+            def oversized(self: Any, value: Any, snap: int) -> Any:
+                out = result(self, value, snap)
+                out.snapshot, out.unsnapshotted = memoryview(b"o" * (snap + 1)), None
+                return out
+
+            cls._result = oversized
+            return "armed"
         raise ValueError(f"unknown action {do!r}")
 
 
@@ -138,6 +149,6 @@ class HugeSnapshot(Seam):
 
 
 class SpilledSnapshot(HugeSnapshot):
-    """``--durable``: an 8 MiB snapshot: kept in a spill file, not in the worker's memory."""
+    """``--durable``: a 4 MiB snapshot: kept in a spill file, not in the worker's memory."""
 
-    size = 8 * 1024 * 1024
+    size = 4 * 1024 * 1024

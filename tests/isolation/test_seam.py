@@ -166,16 +166,23 @@ async def test_durable_snapshots_are_bounded_and_spilled_not_held() -> None:
             for env in (a, b):
                 assert (await env.step({"do": "echo", "arg": "x"})).observation["text"] == "x"
             assert _peak_growth() < 64 * MIB  # the snapshots never reached the worker
-    async with serve(f"{CODE}:SpilledSnapshot", isolation="sandbox", durable=True) as server:
+    async with serve(
+        f"{CODE}:SpilledSnapshot", isolation="sandbox", durable=True, sandbox_reply_mib=8
+    ) as server:
         isolation = server.runtime.isolation
         async with stadium.AsyncClient(server.url) as env:
             await env.reset()
             await env.step({"do": "echo"})
-            assert 8 * MIB < isolation.spilled < 9 * MIB
+            assert 4 * MIB < isolation.spilled < 5 * MIB
             spill_dir = Path(isolation.spill_path(1)).parent
             (spill,) = spill_dir.iterdir()
             assert stat.S_IMODE(os.stat(spill).st_mode) == 0o600
             assert stat.S_IMODE(os.stat(spill_dir).st_mode) == 0o700
+            # A snapshot larger than asked for (7 MiB: under 8 MiB replies) is refused.
+            await env.step({"do": "oversnap"})
+            err = await _error(env, "echo")
+            assert (err.code, err.context.get("limit")) == ("ENV_PROTOCOL", "snapshot_bytes")
+            assert (await env.reset()).observation["text"] == "ready"
         await asyncio.sleep(0.1 * UNIT)
         assert isolation.spilled == 0
         assert not list(spill_dir.iterdir())  # removed with its session

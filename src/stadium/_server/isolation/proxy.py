@@ -132,15 +132,7 @@ class ProcessEnv:
             err = self.ended = await iso.death(proc, op)
             raise err from None
         except EnvProtocolError as exc:  # it sent what is refused: stopped, as a crash
-            self.proc = None
-            iso.kill(proc)
-            iso.release(proc)
-            err = self.ended = EnvProtocolError(
-                f"{op}: the env's process sent {exc.message}; it was stopped: reset to start "
-                "a fresh one",
-                operation=op, **exc.context,
-            )  # fmt: skip
-            raise err from None
+            raise self._stop(proc, op, exc) from None
         except asyncio.CancelledError:  # abandoned (its session gone, a request's timeout_s)
             self.proc = None
             iso.kill(proc)
@@ -148,6 +140,18 @@ class ProcessEnv:
             raise
         finally:
             timer.cancel()
+
+    def _stop(self, proc: EnvProcess, op: str, exc: EnvProtocolError) -> EnvProtocolError:
+        """``proc`` sent what is refused during ``op``: killed; the error its call gets."""
+        self.proc = None
+        self.isolation.kill(proc)
+        self.isolation.release(proc)
+        err = self.ended = EnvProtocolError(
+            f"{op}: the env's process sent {exc.message}; it was stopped: reset to start a "
+            "fresh one",
+            operation=op, **exc.context,
+        )  # fmt: skip
+        return err
 
     def _expire(self, proc: EnvProcess) -> None:
         proc.expired = True
@@ -176,22 +180,23 @@ class ProcessEnv:
             self.isolation.limit_kills += 1
             self.isolation.kill(proc)
 
-    async def _durable(self, reply: wire.StepOk) -> None:
+    async def _durable(self, reply: wire.StepOk, op: str) -> None:
         """``--durable``: the env's snapshot that came with ``reply``, or why none did."""
         if reply.unsnapshotted is not None:
             self.record = reply.unsnapshotted
             self.durable = False  # said once (by the session); no more asked for
         elif reply.snapshot is not None:
+            limit = self._snap_limit()
+            if len(reply.snapshot) > limit and self.proc is not None:  # more than asked for
+                raise self._stop(self.proc, op, EnvProtocolError(
+                    f"a snapshot of {len(reply.snapshot)} bytes, over the {limit} asked for "
+                    "(snapshot_bytes)", limit="snapshot_bytes", value=limit,
+                ))  # fmt: skip
             await self._keep(reply.snapshot)
 
     async def _keep(self, snapshot: memoryview) -> None:
         """Hold the env's latest snapshot: as bytes when small, else in the spill file."""
         size = len(snapshot)
-        if size > self._snap_limit():  # asked for at most that: the process broke the wire
-            raise EnvProtocolError(
-                f"a snapshot of {size} bytes, over the {self._snap_limit()} asked for",
-                limit="snapshot_bytes", value=self._snap_limit(),
-            )  # fmt: skip
         if size <= SPILL_BYTES:
             self.record = bytes(snapshot)
             self._unspill()
@@ -220,7 +225,7 @@ class ProcessEnv:
         body = wire.encode(wire.Reset(kwargs, self._snap_limit()))
         reply = await self._call("reset", body, True, wire.STEP_REPLY)
         if self.durable:
-            await self._durable(reply)
+            await self._durable(reply, "reset")
         result = _step_result(reply)
         if not (result.done or result.truncated):
             self._start_episode()
@@ -232,7 +237,7 @@ class ProcessEnv:
         body = wire.encode(wire.Step(iso.action_encode(action), kwargs, snap))
         reply = await self._call("step", body, False, wire.STEP_REPLY)
         if snap:
-            await self._durable(reply)
+            await self._durable(reply, "step")
         result = _step_result(reply)
         if result.done or result.truncated:  # the episode ended in time
             self._end_episode()
