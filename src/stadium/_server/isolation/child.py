@@ -196,7 +196,10 @@ def _relay(control: socket.socket, report: socket.socket) -> None:
             packet = report.recv(256)
         except OSError:  # none left (non-blocking)
             return
-        _Ctx.unreported.discard(_EXIT.decode(packet).key)
+        try:
+            _Ctx.unreported.discard(_EXIT.decode(packet).key)
+        except msgspec.DecodeError:  # no exit report: not passed on
+            continue
         try:
             control.send(packet)
         except OSError:  # the worker is gone

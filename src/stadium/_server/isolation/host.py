@@ -5,8 +5,13 @@ An :class:`Isolation` (one per worker) starts the template (under bubblewrap for
 ``sandbox``), keeps ``warm_pool`` processes forked ahead (their envs built), hands
 them out, and turns a process's death into the error its session gets:
 :class:`~stadium.EnvCrashedError` (a signal, an exit) or
-:class:`~stadium.LimitExceededError` (memory, processes, wall time). The session
-stays open; its next ``reset`` takes a fresh process.
+:class:`~stadium.LimitExceededError` (memory, processes, wall time). A reply the worker
+refuses (:mod:`.wire`'s limits) is :class:`~stadium.EnvProtocolError`, and its process
+is killed. The session stays open; its next ``reset`` takes a fresh process.
+
+Nothing a template or a session's process sends is taken on its word: control packets
+are decoded into their types (others are logged and dropped, their descriptors closed),
+and a ``fork``'s copy is known by the kernel's word (:meth:`Isolation._fork_key`).
 """
 
 from __future__ import annotations
