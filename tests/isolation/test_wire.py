@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 from typing import Any
@@ -348,3 +349,32 @@ def test_an_env_that_asks_for_the_sandbox_says_why_it_cannot_have_it(
     monkeypatch.setattr(sandbox.shutil, "which", lambda _name: None)
     with pytest.raises(ConfigError, match=r"bubblewrap.*code asks for it; --isolation process"):
         Worker.build(ServerConfig(target="code"))
+
+
+async def test_the_control_socket_takes_control_messages_only_and_keeps_no_descriptor() -> None:
+    from stadium._server.isolation import Isolation, IsolationConfig
+
+    iso = Isolation(IsolationConfig("process", "echo"))
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours.setblocking(False)
+    loop = asyncio.get_running_loop()
+    iso._control, iso._loop, iso._ready = ours, loop, loop.create_future()
+    stray, other = socket.socketpair()
+    before = len(os.listdir("/proc/self/fd"))
+    for packet, fds in [
+        (b"\xc1junk", [stray.fileno()]),  # not MessagePack, a descriptor along
+        (msgspec.msgpack.encode(["exit", "not a key", 0]), []),  # ill-typed
+        (msgspec.msgpack.encode(["reboot"]), []),  # unknown
+        (wire.encode(wire.Spawned(7)), [stray.fileno()]),  # no spawn asked for
+        (wire.encode(wire.Exit(7, 9)), [stray.fileno()]),
+        (wire.encode(wire.Ready(1)), []),
+    ]:
+        socket.send_fds(theirs, [packet], fds)
+    iso._on_control()
+    assert iso.control_refused == 3
+    assert iso._exits == {7: 9}
+    assert iso._ready.done()
+    assert iso._control is ours  # the template is not taken for gone
+    assert len(os.listdir("/proc/self/fd")) == before  # every descriptor sent was closed
+    for s in (ours, theirs, stray, other):
+        s.close()
