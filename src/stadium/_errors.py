@@ -15,8 +15,11 @@ on the wire and a client can rebuild it on the other side::
     │   ├── CallTimeoutError          TIMEOUT: an env call ran past its time limit
     │   ├── EnvCrashedError           ENV_CRASHED: an isolated env's process died
     │   │                             (a signal such as SIGSEGV, or an exit)
-    │   └── LimitExceededError        LIMIT_EXCEEDED: an isolated env went past a limit
-    │                                 (memory, processes, wall time) and was stopped
+    │   ├── LimitExceededError        LIMIT_EXCEEDED: an isolated env went past a limit
+    │   │                             (memory, processes, wall time) and was stopped
+    │   └── EnvProtocolError          ENV_PROTOCOL: an isolated env's process sent what
+    │                                 the worker does not accept (a reply too large,
+    │                                 too deep, malformed or unexpected) and was stopped
     ├── CapacityError                 CAPACITY_REACHED: no free session slot
     ├── RateLimitError                RATE_LIMITED: a client sent requests too fast
     ├── SnapshotError                 SNAPSHOT_FAILED: an env cannot be snapshotted or
@@ -61,6 +64,7 @@ class ErrorCode(enum.StrEnum):
     RESUME_FAILED = "RESUME_FAILED"
     ENV_CRASHED = "ENV_CRASHED"
     LIMIT_EXCEEDED = "LIMIT_EXCEEDED"
+    ENV_PROTOCOL = "ENV_PROTOCOL"
     # Stadium-only codes: never sent on the wire by the server.
     CONNECT_ERROR = "CONNECT_ERROR"
     CONFIG_ERROR = "CONFIG_ERROR"
@@ -169,6 +173,20 @@ class LimitExceededError(ExecutionError):
     code = ErrorCode.LIMIT_EXCEEDED
 
 
+class EnvProtocolError(ExecutionError):
+    """An isolated session's env process sent its worker something it does not accept: a
+    reply over a limit of the worker's (``--sandbox-reply-mib``), nested too deep,
+    malformed, of the wrong type, or not asked for. The process was stopped.
+
+    ``context`` holds ``operation``, ``limit`` (``frame_bytes``, ``decoded_bytes``,
+    ``elements``, ``depth``, ``malformed``, ``type``, ``unexpected``, ``fork``) and
+    ``value`` (the limit; 0 when none applies). The session stays open; its next
+    ``reset`` starts a fresh process.
+    """
+
+    code = ErrorCode.ENV_PROTOCOL
+
+
 class RateLimitError(StadiumError):
     """A client sent requests faster than the server's ``--rate-limit``.
 
@@ -261,6 +279,7 @@ _BY_CODE: dict[str, type[StadiumError]] = {
     ErrorCode.RESUME_FAILED: ResumeError,
     ErrorCode.ENV_CRASHED: EnvCrashedError,
     ErrorCode.LIMIT_EXCEEDED: LimitExceededError,
+    ErrorCode.ENV_PROTOCOL: EnvProtocolError,
 }
 
 

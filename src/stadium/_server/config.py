@@ -123,6 +123,10 @@ class ServerConfig:
             or ``public`` (any address but the host's own); ``None``: the env's
             ``openenv.yaml`` ``network``, else ``none``.
         sandbox_allow: the hosts (names, addresses, CIDR ranges) of ``allowlist``.
+        sandbox_reply_mib: isolated sessions (``process`` and ``sandbox``): MiB one reply
+            of a session's env process may take in its worker, as a frame and, estimated,
+            decoded (each; so at most twice this held per session at a time). A reply
+            over it, or malformed, ends its call with ``ENV_PROTOCOL`` and the process.
         sandbox_seccomp: ``on`` (each sandboxed session runs under Stadium's seccomp
             filter; the server refuses to start without libseccomp) or ``off``.
         sandbox_output: what isolated env processes print (their stdout and stderr, a
@@ -199,6 +203,7 @@ class ServerConfig:
     sandbox_output: str = "log"
     untrusted_env_code: bool = False
     preload: tuple[str, ...] = ()
+    sandbox_reply_mib: int = 64
     action_model: str | None = None
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
@@ -298,6 +303,11 @@ class ServerConfig:
                 "--preload takes module names (numpy, torch.nn)",
                 value=module,
             )
+        _check(
+            8 <= self.sandbox_reply_mib <= 4096,
+            "--sandbox-reply-mib must be 8..4096 (MiB a reply may take)",
+            value=self.sandbox_reply_mib,
+        )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
             self.stall_limit == 0 or self.stall_limit >= 1,
@@ -675,6 +685,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             metavar="MODULES",
             help="With --untrusted-env-code: operator-trusted modules (comma-separated or "
             "repeated, e.g. numpy) the template imports once for every session.",
+        ),
+        click.option(
+            "--sandbox-reply-mib",
+            type=int,
+            help="Isolated sessions: MiB one reply of an env process may take in the worker, "
+            "as a frame and decoded; over it: ENV_PROTOCOL [64].",
         ),
     ]
     for option in reversed(options):

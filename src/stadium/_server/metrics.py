@@ -148,14 +148,16 @@ _RESET_H = _STEP_H + len(STEP_BUCKETS) + 2  # counts (+Inf included), then the s
 _WAIT_H = _RESET_H + len(STEP_BUCKETS) + 2
 _ISO_LIVE = _WAIT_H + len(WAIT_BUCKETS) + 2
 _ISO_STARTS, _ISO_CRASHES, _ISO_LIMITS = _ISO_LIVE + 1, _ISO_LIVE + 2, _ISO_LIVE + 3
+# What env processes sent: bytes, replies refused (counters); reply buffers, spilled (gauges).
+_ISO_REPLY_BYTES, _ISO_REFUSED, _ISO_HELD, _ISO_SPILLED = range(_ISO_LIVE + 4, _ISO_LIVE + 8)
 # The env thread pool: threads, busy ones, calls waiting, stuck threads (gauges), full (counter).
-_THREADS, _BUSY, _WAITING_CALLS, _STUCK, _POOL_FULL = range(_ISO_LIVE + 4, _ISO_LIVE + 9)
-_HANDOFF_REFUSED = _ISO_LIVE + 9  # connection hand-offs refused (counter)
-WIDTH = _ISO_LIVE + 10
+_THREADS, _BUSY, _WAITING_CALLS, _STUCK, _POOL_FULL = range(_ISO_LIVE + 8, _ISO_LIVE + 13)
+_HANDOFF_REFUSED = _ISO_LIVE + 13  # connection hand-offs refused (counter)
+WIDTH = _ISO_LIVE + 14
 """Float64 fields in one worker's row."""
 _GAUGES = (
     _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE,
-    _THREADS, _BUSY, _WAITING_CALLS, _STUCK,
+    _ISO_HELD, _ISO_SPILLED, _THREADS, _BUSY, _WAITING_CALLS, _STUCK,
 )  # fmt: skip
 """Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 
@@ -254,17 +256,19 @@ class WorkerCounts:
         active: int,
         queue: int,
         connections: int,
-        isolated: tuple[int, int, int, int] = (0, 0, 0, 0),
+        isolated: tuple[int, ...] = (0,) * 8,
         pool: PoolStats = (0, 0, 0, 0, 0),
         handoff_refused: int = 0,
     ) -> None:
         """Copy the gauges into the row, with this process's memory, CPU time and I/O;
-        ``isolated``: env processes alive, started, crashed, stopped at a limit; ``pool``:
+        ``isolated``: env processes alive, started, crashed, stopped at a limit, the bytes
+        they sent, their replies refused, reply buffers held, spilled snapshots; ``pool``:
         the env thread pool's live threads, busy ones, calls waiting for one, threads
         written off as stuck, calls that found it full (a counter); ``handoff_refused``:
         connection hand-offs this worker refused (``Handoff.refused``)."""
         row = self.row
-        row[_ISO_LIVE], row[_ISO_STARTS], row[_ISO_CRASHES], row[_ISO_LIMITS] = isolated
+        for i, value in enumerate(isolated):
+            row[_ISO_LIVE + i] = value
         row[_ACTIVE] = active
         row[_QUEUE] = queue
         row[_CONNS] = connections
@@ -377,8 +381,23 @@ class StadiumCollector(Collector):
              "an exit): ENV_CRASHED.", _ISO_CRASHES),
             ("stadium_isolated_limit_kills_total", "Isolated env calls stopped at a limit "
              "(memory, processes, wall time per call or episode): LIMIT_EXCEEDED.", _ISO_LIMITS),
+            ("stadium_isolated_reply_bytes_total", "Bytes isolated env processes sent their "
+             "worker.", _ISO_REPLY_BYTES),
+            ("stadium_isolated_protocol_errors_total", "Replies of isolated env processes "
+             "refused (over --sandbox-reply-mib, malformed, unexpected): ENV_PROTOCOL.",
+             _ISO_REFUSED),
         ):  # fmt: skip
             yield CounterMetricFamily(name, doc, total(field))
+        yield _gauge(
+            "stadium_isolated_reply_buffer_bytes",
+            "Bytes of large replies of isolated env processes being read or decoded now.",
+            total(_ISO_HELD),
+        )
+        yield _gauge(
+            "stadium_isolated_spilled_bytes",
+            "Bytes of durable isolated sessions' snapshots in spill files, not in memory.",
+            total(_ISO_SPILLED),
+        )
         per_worker: list[tuple[str, str, int, type[GaugeMetricFamily | CounterMetricFamily]]] = [
             ("stadium_worker_resident_memory_bytes", "Resident memory.", _RSS, GaugeMetricFamily),
             ("stadium_worker_cpu_seconds", "CPU time (user+system).", _CPU, CounterMetricFamily),

@@ -290,7 +290,7 @@ class Runtime:
             active=len(self.sessions) - waiting,
             queue=waiting,
             connections=self.open_connections(),
-            isolated=self.isolation.counts() if self.isolation is not None else (0, 0, 0, 0),
+            isolated=self.isolation.counts() if self.isolation is not None else (0,) * 8,
             pool=(pool.live, pool.busy, pool.queued, invoke.stuck, pool.saturated),
             handoff_refused=self.handoff_refused(),
         )

@@ -488,8 +488,7 @@ class Session(ResumableSession):
         elif op is _MCP:  # after the common ops: nothing added to their path
             pending = self._mcp(call)
         elif op is Op.FORK:
-            self._fork(call)
-            return
+            pending = self._fork(call)
         else:  # CLOSE
             self.phase = Phase.CLOSING
             self._pending = None
@@ -583,6 +582,8 @@ class Session(ResumableSession):
             frame = protocol.state_reply(call, result)
         elif op is _MCP:  # a JSON-RPC response (or error object): an ``mcp`` frame
             frame = protocol.mcp_reply(call, result)
+        elif op is Op.FORK:  # an isolated env's, forked off the loop (_fork_later)
+            frame = protocol.forked_reply(call, result)
         else:
             frame = protocol.observation_reply(call, result)
             rt = self.runtime
@@ -628,11 +629,12 @@ class Session(ResumableSession):
         self.runtime.errors_total[str(err.code)] += 1
         self.channel.send(self.protocol.error_reply(call, err))
 
-    def _fork(self, call: Call) -> None:
+    def _fork(self, call: Call) -> asyncio.Future[Any] | None:
         """``fork``: a new session from this one's snapshot, its env restored from it, held
         detached (as a lost session is) until a client resumes it with the id and token of
         the ``forked`` reply. Charged to this session's client (its quota and its bucket)
-        and takes a slot of its own at once (``CAPACITY_REACHED`` if either is full)."""
+        and takes a slot of its own at once (``CAPACITY_REACHED`` if either is full). An
+        isolated env's process forks first, off the loop (``prepare_fork``; a step's wait)."""
         rt = self.runtime
         if self.resume_id is None or rt.resume_grace <= 0:
             self._send_error(
@@ -642,26 +644,41 @@ class Session(ResumableSession):
                     "clients do) on a server whose --resume-grace is above 0"
                 ),
             )
-            return
+            return None
         doors = rt.doors
         try:
             charged = doors.admit_now(Door.FORK, self.client, self.loop.time())
         except CapacityError as err:
             self._send_error(call, err)
-            return
+            return None
+        run, on_done = rt.invoke.run, self._on_done
+        prepare = getattr(self.env, "prepare_fork", None)
+        if prepare is None:  # in-process: the copy made now
+            return run(self.loop, CallMode.INLINE, self._forked, (charged,), on_done, call)
+        return run(self.loop, CallMode.TASK, self._fork_later, (prepare, charged), on_done, call)
+
+    async def _fork_later(self, prepare: Any, charged: Pass) -> dict[str, Any]:
+        try:  # the env's process forks, off the loop
+            await prepare()
+        except BaseException:
+            self.runtime.doors.release(charged, self.loop.time())
+            raise
+        return self._forked(charged)
+
+    def _forked(self, charged: Pass) -> dict[str, Any]:
+        """The fork: a new session holding a copy of this one's env; the reply's data."""
+        rt = self.runtime
         try:
             env = restore_env(rt.new_env, snapshot_env(self.env))
-        except Exception as exc:
-            doors.release(charged, self.loop.time())
-            self._fail(call, exc)
-            return
-        sid, token = doors.mint()
+        except BaseException:
+            rt.doors.release(charged, self.loop.time())
+            raise
+        sid, token = rt.doors.mint()
         child = Session(
             rt, NOWHERE, self.protocol.encoding, self.loop, client=self.client, resume=(sid, token)
         )
         child._adopt(env, self.protocol, charged)
-        data = {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
-        self.channel.send(self.protocol.forked_reply(call, data))
+        return {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
 
     def _adopt(self, env: Any, parent: SessionProtocol, charged: Pass) -> None:
         """Become a fork holding ``env`` (its slot and charge: ``charged``), with

@@ -47,6 +47,7 @@ from stadium._server.isolation.manifest import (
 )
 from stadium._server.isolation.remote import Description, describe_remote, remote_spec
 from stadium._server.isolation.seccomp import seccomp_unavailable
+from stadium._server.isolation.wire import WireLimits
 from stadium._server.loader import add_to_path, load_target, target_files
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
@@ -185,6 +186,7 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
         mode, target, dict(config.env_kwargs), config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
         untrusted=untrusted, preload=config.preload, action_model=config.action_model,
+        replies=WireLimits.of_mib(config.sandbox_reply_mib),
     )  # fmt: skip
 
 

@@ -76,7 +76,7 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_PDEATHSIG = 1
 _CLONE_NEWPID = 0x20000000
 #: Bits of a sandboxed process's key holding its pid (pid_max is at most 2**22).
-KEY_SHIFT = 22
+KEY_SHIFT = wire.KEY_SHIFT
 
 
 class _Ctx:
@@ -128,7 +128,7 @@ def template_main(config: dict[str, Any]) -> None:
         else:
             _Ctx.spec = EnvSpec.of(load_target(config["target"], env_kwargs=env_kwargs))
     except Exception as exc:
-        control.send(_Ctx.encoder.encode(["failed", f"{type(exc).__name__}: {exc}"]))
+        control.send(wire.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
         os._exit(3)
     _Ctx.env_kwargs = env_kwargs
     _Ctx.sandbox = bool(config.get("sandbox"))
@@ -139,7 +139,7 @@ def template_main(config: dict[str, Any]) -> None:
         try:
             _Ctx.seccomp = build_filter()
         except Exception as exc:
-            control.send(_Ctx.encoder.encode(["failed", f"{type(exc).__name__}: {exc}"]))
+            control.send(wire.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
             os._exit(3)
     # The imported code's objects go to the permanent generation: the collector then never
     # walks them in a session's process, so its pages stay shared with the template.
@@ -159,7 +159,7 @@ def template_main(config: dict[str, Any]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     described = _Ctx.seccomp.description if _Ctx.seccomp is not None else None
-    control.send(_Ctx.encoder.encode(["ready", os.getpid(), described, _Ctx.init]))
+    control.send(wire.encode(wire.Ready(os.getpid(), described, _Ctx.init)))
     sel = selectors.DefaultSelector()
     sel.register(control, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -176,14 +176,13 @@ def template_main(config: dict[str, Any]) -> None:
                     packet, fds = b"", []
                 if not packet:
                     os._exit(0)
-                msg = wire.decode(packet)
-                if msg[0] == "spawn":
-                    out = fds[0] if fds and _Ctx.output == "log" else -1
-                    rest = fds[1:] if out >= 0 else fds
-                    _spawn(
-                        control, sel, wake_r, wake_w, report_w, *msg[1:],
-                        netns_fd=rest[0] if rest else -1, out_fd=out,
-                    )  # fmt: skip
+                msg = wire.decode_spawn(packet)  # from the worker: only ever a spawn
+                out = fds[0] if fds and _Ctx.output == "log" else -1
+                rest = fds[1:] if out >= 0 else fds
+                _spawn(
+                    control, sel, wake_r, wake_w, report_w, msg.cgroups, msg.uid, msg.hosts,
+                    netns_fd=rest[0] if rest else -1, out_fd=out,
+                )  # fmt: skip
                 for fd in fds:
                     os.close(fd)
             else:
@@ -208,7 +207,7 @@ def _reap(control: socket.socket) -> None:
             _Ctx.unreported.discard(key)
             pid = key
         try:
-            control.send(_Ctx.encoder.encode(["exit", pid, status]))
+            control.send(wire.encode(wire.Exit(pid, status)))
         except OSError:  # the worker is gone
             os._exit(0)
 
@@ -220,7 +219,10 @@ def _relay(control: socket.socket, report: socket.socket) -> None:
             packet = report.recv(256)
         except OSError:  # none left (non-blocking)
             return
-        _Ctx.unreported.discard(wire.decode(packet)[1])
+        try:
+            _Ctx.unreported.discard(_EXIT.decode(packet).key)
+        except msgspec.DecodeError:  # no exit report: not passed on
+            continue
         try:
             control.send(packet)
         except OSError:  # the worker is gone
@@ -304,7 +306,7 @@ def _start_family(
         except ChildProcessError:  # the namespace is empty: its end
             os._exit(0)
         try:
-            report.send(_Ctx.encoder.encode(["exit", _Ctx.key_base + pid, status]))
+            report.send(wire.encode(wire.Exit(_Ctx.key_base + pid, status)))
         except OSError:  # the template is gone
             os._exit(0)
 
@@ -329,10 +331,10 @@ def _spawn(
         try:
             pid, base = _fork_family()
         except OSError as exc:
-            _send(theirs, [wire.RAISED, "SandboxError", f"no pid namespace: {exc}"])
+            _send(theirs, wire.Raised("SandboxError", f"no pid namespace: {exc}"))
             theirs.close()
             _spawned(control, 0, mine)
-            _tell(control, ["exit", 0, 4 << 8])  # the worker forgets it
+            _tell(control, wire.Exit(0, 4 << 8))  # the worker forgets it
             return
     else:
         pid, base = os.fork(), 0
@@ -355,9 +357,7 @@ def _spawn(
                 # returns in the session's process
                 _start_family(theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts)
         except BaseException as exc:  # the session's socket says why, then the process ends
-            _send(
-                theirs, [wire.RAISED, "SandboxError", f"setting up the sandbox failed: {exc}", None]
-            )
+            _send(theirs, wire.Raised("SandboxError", f"setting up the sandbox failed: {exc}"))
             os._exit(4)
         session_main(theirs)
     theirs.close()
@@ -382,22 +382,25 @@ def _own_output(out_fd: int) -> None:
 def _spawned(control: socket.socket, key: int, mine: socket.socket) -> None:
     """Hand the worker its end of a new session's socket (``["spawned", key]``)."""
     try:
-        socket.send_fds(control, [_Ctx.encoder.encode(["spawned", key])], [mine.fileno()])
+        socket.send_fds(control, [wire.encode(wire.Spawned(key))], [mine.fileno()])
     except OSError:  # the worker is gone (it stopped): so is this template, quietly
         os._exit(0)
     finally:
         mine.close()
 
 
-def _tell(control: socket.socket, msg: list[Any]) -> None:
+def _tell(control: socket.socket, msg: msgspec.Struct) -> None:
     try:
-        control.send(_Ctx.encoder.encode(msg))
+        control.send(wire.encode(msg))
     except OSError:  # the worker is gone
         os._exit(0)
 
 
-def _send(sock: socket.socket, msg: Any) -> None:
+def _send(sock: socket.socket, msg: msgspec.Struct) -> None:
     sock.sendall(wire.frame(_Ctx.encoder.encode(msg)))
+
+
+_EXIT = msgspec.msgpack.Decoder(wire.Exit)
 
 
 class _Session:
@@ -408,10 +411,16 @@ class _Session:
         self.env: Any = None
         self.create_error: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.decode_action: Any = None
         try:
             if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
                 _Ctx.spec = remote.load_spec(_Ctx.untrusted)
             assert _Ctx.spec is not None
+            self.decode_action = (
+                _Ctx.spec.action.msgpack_decoder.decode
+                if _Ctx.untrusted is None
+                else remote.action_decoder(_Ctx.spec)  # the worker passes actions undecoded
+            )
             self.env = _Ctx.spec.factory(**_Ctx.env_kwargs)
         except Exception as exc:
             self.create_error = f"creating the environment failed: {type(exc).__name__}: {exc}"
@@ -424,62 +433,90 @@ class _Session:
         return value
 
     def serve(self) -> None:
-        _send(self.sock, ["hello", _Ctx.key_base + os.getpid()])
-        spec = _Ctx.spec
-        decode_action: Any = None
-        if spec is not None:
-            decode_action = spec.action.msgpack_decoder.decode
-            if _Ctx.untrusted is not None:  # the worker passes actions through, undecoded
-                decode_action = remote.action_decoder(spec)
+        """Answer the worker's requests (:mod:`.wire`), each by its type's handler."""
+        _send(self.sock, wire.Hello())
+        handlers: dict[type[Any], Any] = {
+            wire.Step: self._step,
+            wire.Reset: self._reset,
+            wire.GetState: self._state,
+            wire.ListTools: self._tools,
+            wire.CallTool: self._call_tool,
+            wire.Restore: self._restore,
+            wire.Fork: self.fork,
+            wire.Close: self._close,
+            wire.Describe: self._describe,
+        }
+        encode = _Ctx.encoder.encode
         while True:
             body = wire.recv_frame(self.sock)
             if body is None:
                 self.close()
                 os._exit(0)
-            msg = wire.decode(body)
-            op = msg[0]
-            described = op == remote.DESCRIBE and spec is not None  # the env may not build
-            if self.create_error is not None and op != "close" and not described:
-                _send(self.sock, [wire.RAISED, "FactoryError", self.create_error, None])
+            msg = wire.decode_request(body)
+            # a describe is answered whenever the env's module loaded (the env may not build)
+            described = type(msg) is wire.Describe and _Ctx.spec is not None
+            if self.create_error is not None and type(msg) is not wire.Close and not described:
+                _send(self.sock, wire.Raised("FactoryError", self.create_error))
                 continue
             try:
-                if op == "step":
-                    action = decode_action(msg[1])
-                    reply: Any = _result(self.run(self.env.step(action, **msg[2])))
-                elif op == "reset":
-                    reply = _result(self.run(self.env.reset(**msg[1])))
-                elif op == "state":
-                    value = self.run(self.env.state)  # a property, or one giving an awaitable
-                    reply = msgspec.to_builtins(value, enc_hook=enc_hook_default)
-                elif op == "tools":
-                    reply = self.run(self.env.mcp_list_tools()) if self.has_tools() else []
-                elif op == "call_tool":
-                    if not self.has_tools():
-                        raise ToolCallError(
-                            f"unknown tool {msg[1]!r}: this environment has no tools"
-                        )
-                    reply = self.run(self.env.mcp_call_tool(msg[1], msg[2]))
-                elif op == remote.DESCRIBE and spec is not None:
-                    reply = remote.describe(spec)
-                elif op == "restore":
-                    self.restore(msg[1])
-                    reply = None
-                elif op == "fork":
-                    self.fork()
+                reply = handlers[type(msg)](msg)
+                if reply is None:  # answered already (fork)
                     continue
-                elif op == "close":
-                    self.close()
-                    _send(self.sock, [wire.OK, None])
-                    os._exit(0)
-                else:
-                    raise ValueError(f"unknown request {op!r}")
-                if len(msg) > 3 and msg[3] and op in ("step", "reset"):
-                    out = _Ctx.encoder.encode([wire.OK, reply, self.snapshot()])
-                else:
-                    out = _Ctx.encoder.encode([wire.OK, reply])
+                out = encode(reply)
             except Exception as exc:
-                out = _Ctx.encoder.encode(_raised(exc))
+                out = encode(_raised(exc))
             self.sock.sendall(wire.frame(out))
+
+    def _step(self, msg: wire.Step) -> wire.StepOk:
+        action = self.decode_action(msg.action)
+        return self._result(self.run(self.env.step(action, **msg.kwargs)), msg.snap)
+
+    def _reset(self, msg: wire.Reset) -> wire.StepOk:
+        return self._result(self.run(self.env.reset(**msg.kwargs)), msg.snap)
+
+    def _result(self, value: Any, snap: int) -> wire.StepOk:
+        if isinstance(value, StepResult):
+            out = wire.StepOk(value.observation, value.reward, value.done, value.truncated,
+                              value.info)  # fmt: skip
+        else:  # a reset giving its observation only
+            out = wire.StepOk(value, None, False, False, None)
+        if snap:  # --durable: the env's snapshot, taken after the call
+            snapshot = self.snapshot()
+            if isinstance(snapshot, str):
+                out.unsnapshotted = snapshot
+            elif len(snapshot) > snap:
+                out.unsnapshotted = (
+                    f"its snapshot is {len(snapshot)} bytes, over the {snap} a durable record "
+                    "may hold (a smaller state, or serve it without --durable)"
+                )
+            else:
+                out.snapshot = memoryview(snapshot)
+        return out
+
+    def _state(self, _msg: wire.GetState) -> wire.ValueOk:
+        value = self.run(self.env.state)  # a property, or one giving an awaitable
+        return wire.ValueOk(msgspec.to_builtins(value, enc_hook=enc_hook_default))
+
+    def _tools(self, _msg: wire.ListTools) -> wire.ToolsOk:
+        return wire.ToolsOk(self.run(self.env.mcp_list_tools()) if self.has_tools() else [])
+
+    def _call_tool(self, msg: wire.CallTool) -> wire.ValueOk:
+        if not self.has_tools():
+            raise ToolCallError(f"unknown tool {msg.name!r}: this environment has no tools")
+        return wire.ValueOk(self.run(self.env.mcp_call_tool(msg.name, msg.arguments)))
+
+    def _restore(self, msg: wire.Restore) -> wire.Done:
+        self.restore(msg.snapshot)
+        return wire.Done()
+
+    def _describe(self, _msg: wire.Describe) -> wire.DescribeOk:
+        assert _Ctx.spec is not None
+        return wire.DescribeOk(remote.describe(_Ctx.spec))
+
+    def _close(self, _msg: wire.Close) -> None:
+        self.close()
+        _send(self.sock, wire.Done())
+        os._exit(0)
 
     def has_tools(self) -> bool:
         return callable(getattr(self.env, "mcp_call_tool", None)) and callable(
@@ -503,26 +540,38 @@ class _Session:
                 self.run(env.close())
         self.env = restored
 
-    def fork(self) -> None:
+    def fork(self, _msg: wire.Fork) -> None:
         """A copy of this process (the kernel copies the env), on a new socket sent back
         attached to the reply. Forked twice, so that the copy is the template's (a
-        subreaper's) to reap, not this env's."""
-        mine, theirs = socket.socketpair()
+        subreaper's) to reap, not this env's. The copy makes its socket itself: the
+        socket's peer credentials then name the copy, which is how the worker knows its
+        key (never from what a process says)."""
+        ours, handoff = socket.socketpair()
         first = os.fork()
         if first == 0:
-            if os.fork() == 0:
-                self.sock.close()
-                mine.close()
-                os.setsid()
-                self.sock = theirs
-                self.serve()
-            os._exit(0)
-        theirs.close()
+            try:
+                if os.fork() == 0:
+                    self.sock.close()
+                    ours.close()
+                    mine, theirs = socket.socketpair()
+                    socket.send_fds(handoff, [b"s"], [mine.fileno()])
+                    mine.close()
+                    handoff.close()
+                    os.setsid()
+                    self.sock = theirs
+                    self.serve()
+            finally:  # the copy never returns here; the first child ends either way
+                os._exit(0)
+        handoff.close()
         os.waitpid(first, 0)
-        socket.send_fds(
-            self.sock, [wire.frame(_Ctx.encoder.encode([wire.OK, None]))], [mine.fileno()]
-        )
-        mine.close()
+        _data, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
+        ours.close()
+        if not fds:
+            raise OSError("the forked copy sent no socket")
+        try:
+            socket.send_fds(self.sock, [wire.frame(_Ctx.encoder.encode(wire.Done()))], fds)
+        finally:
+            os.close(fds[0])
 
     def close(self) -> None:
         if self.env is not None:
@@ -530,17 +579,11 @@ class _Session:
                 self.run(self.env.close())
 
 
-def _raised(exc: Exception) -> list[Any]:
-    """A ``RAISED`` reply: the exception's type and message, and a Stadium error's wire
+def _raised(exc: Exception) -> wire.Raised:
+    """A ``Raised`` reply: the exception's type and message, and a Stadium error's wire
     form (code and context), so the worker raises the same error."""
     data = exc.to_wire() if isinstance(exc, StadiumError) else None
-    return [wire.RAISED, type(exc).__name__, str(exc), data]
-
-
-def _result(value: Any) -> list[Any]:
-    if isinstance(value, StepResult):
-        return [value.observation, value.reward, value.done, value.truncated, value.info]
-    return [value, None, False, False, None]
+    return wire.Raised(type(exc).__name__, str(exc), data)
 
 
 def session_main(sock: socket.socket) -> None:

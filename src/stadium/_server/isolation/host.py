@@ -5,8 +5,13 @@ An :class:`Isolation` (one per worker) starts the template (under bubblewrap for
 ``sandbox``), keeps ``warm_pool`` processes forked ahead (their envs built), hands
 them out, and turns a process's death into the error its session gets:
 :class:`~stadium.EnvCrashedError` (a signal, an exit) or
-:class:`~stadium.LimitExceededError` (memory, processes, wall time). The session
-stays open; its next ``reset`` takes a fresh process.
+:class:`~stadium.LimitExceededError` (memory, processes, wall time). A reply the worker
+refuses (:mod:`.wire`'s limits) is :class:`~stadium.EnvProtocolError`, and its process
+is killed. The session stays open; its next ``reset`` takes a fresh process.
+
+Nothing a template or a session's process sends is taken on its word: control packets
+are decoded into their types (others are logged and dropped, their descriptors closed),
+and a ``fork``'s copy is known by the kernel's word (:meth:`Isolation._fork_key`).
 
 It hands the template its settings in a memfd (:mod:`.boot`), each spawn the write end of
 a pipe for the family's stdout and stderr (read here by an :class:`.output.OutputReader`),
@@ -23,10 +28,13 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,6 +44,7 @@ import msgspec
 from stadium._errors import (
     ConfigError,
     EnvCrashedError,
+    EnvProtocolError,
     ExecutionError,
     LimitExceededError,
     SnapshotError,
@@ -46,11 +55,13 @@ from stadium._errors import (
 from stadium._server.isolation import wire
 from stadium._server.isolation.netns import Networks, SessionNet
 from stadium._server.isolation.output import OutputReader
-from stadium._server.isolation.proc import EnvProcess, Gone
+from stadium._server.isolation.proc import EnvProcess, Gone, WireStats
 from stadium._server.isolation.reaper import Reaper
 from stadium._server.isolation.sandbox import Cgroups, Limits, UidLease, bwrap_argv
+from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.isolation")
+_CONTROL_REFUSED = ThrottledLog(log, logging.WARNING)
 
 MODES = ("none", "process", "sandbox")
 #: The script a template process starts with (:mod:`.boot`).
@@ -61,8 +72,8 @@ TEMPLATE_START_S = 60.0
 EXIT_REPORT_S = 2.0
 #: Seconds a released process has to close its env and exit before it is killed.
 RELEASE_GRACE_S = 5.0
-#: Seconds a synchronous request (``fork``) may take.
-SYNC_REQUEST_S = 10.0
+#: Seconds a ``fork`` may take (its reply, then the copy's hello), at most.
+FORK_S = 10.0
 #: Sandbox cgroups each worker makes ahead at its start (then recycled from ended sessions).
 SPARE_CGROUPS = 32
 
@@ -88,6 +99,8 @@ class IsolationConfig:
     """``--preload``: operator-trusted modules the template imports (with ``untrusted``)."""
     action_model: str | None = None
     """``--action-model``, applied where the target is loaded (``untrusted``: the sandbox)."""
+    replies: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
+    """What one reply from a session's process may cost the worker (``--sandbox-reply-mib``)."""
 
 
 class _TemplateGone(ExecutionError):
@@ -113,6 +126,15 @@ class Isolation:
             else None
         )
         self.encoder = msgspec.msgpack.Encoder()
+        self.replies = config.replies
+        self.wire_stats = WireStats()
+        """Bytes env processes sent, held now, replies refused (``/metrics``)."""
+        self.control_refused = 0
+        """Packets of the template's control socket that were no control message."""
+        self.spilled = 0
+        """Bytes of durable snapshots in spill files now (:meth:`spill_path`)."""
+        self._spill_dir: str | None = None
+        self.spill_ids = itertools.count(1)
         self.action_encode: Callable[[Any], bytes] = self.encoder.encode
         """Actions to MessagePack (the env spec's encoder, set by :func:`isolated_spec`)."""
         self.warm: collections.deque[EnvProcess] = collections.deque()
@@ -145,9 +167,14 @@ class Isolation:
         self.seccomp = "off"
         """The seccomp filter sandboxed sessions run under (its template's report), or off."""
 
-    def counts(self) -> tuple[int, int, int, int]:
-        """Processes alive, started, crashed, stopped at a limit (``/metrics``)."""
-        return len(self.live), self.starts, self.crashes, self.limit_kills
+    def counts(self) -> tuple[int, ...]:
+        """Processes alive, started, crashed, stopped at a limit; bytes they sent, replies
+        refused, bytes of reply buffers held, bytes spilled (``/metrics``)."""
+        wire_stats = self.wire_stats
+        return (
+            len(self.live), self.starts, self.crashes, self.limit_kills, wire_stats.received,
+            wire_stats.refused, wire_stats.held, self.spilled,
+        )  # fmt: skip
 
     # -- the template ---------------------------------------------------------------
 
@@ -223,59 +250,82 @@ class Isolation:
     def _on_control(self) -> None:
         control = self._control
         assert control is not None
-        while True:
+        for _ in range(1024):  # bounded: the loop's other callbacks run between batches
             try:
-                data, fds, _flags, _addr = socket.recv_fds(control, 65536, 4)
+                data, fds, flags, _addr = socket.recv_fds(control, 65536, 4)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                data, fds = b"", []
-            if not data:
+                data, fds, flags = b"", [], 0
+            if not data and not fds:
                 self._template_gone()
                 return
-            msg = wire.decode(data)
-            kind = msg[0]
-            if kind == "exit":
-                pid, status = msg[1], msg[2]
-                waiter = self._exit_waiters.pop(pid, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(status)
-                else:
-                    self._exits[pid] = status
-                    if len(self._exits) > 4096:  # never asked for: forget the oldest
-                        self._exits.pop(next(iter(self._exits)))
-                proc = self.live.pop(pid, None)
-                if proc is not None:
-                    self._cleanup(proc)
-            elif kind == "spawned":
-                fut = self._spawns.popleft()
-                if not fut.done():
-                    fut.set_result((fds[0], msg[1]))
-                else:
-                    os.close(fds[0])
-            elif kind in ("ready", "failed") and self._ready is not None:
-                if self._ready.done():
-                    continue
-                if kind == "ready":
-                    if self.sandbox:
-                        self.seccomp = msg[2] or "off"
-                        log.log(
-                            logging.INFO if msg[2] else logging.WARNING,
-                            "sandboxed sessions' seccomp filter: %s%s", self.seccomp,
-                            "" if msg[2] else " (--sandbox-seccomp off: no filter)",
-                        )  # fmt: skip
-                        if len(msg) > 3 and not msg[3]:
-                            log.warning(
-                                "the sandbox's native init is not built, or others may read "
-                                "it (make sandbox-deps builds native/stadium-init with cargo "
-                                "and installs it execute-only): each sandboxed session's "
-                                "pid 1 is a forked interpreter, ~0.8 MiB more"
-                            )
-                    self._ready.set_result(None)
-                else:
-                    self._ready.set_exception(
-                        ConfigError(f"the isolated env's template failed to start: {msg[1]}")
-                    )
+            try:
+                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    raise EnvProtocolError("a control packet cut short", limit="frame_bytes")
+                msg = wire.decode_control(data)
+            except EnvProtocolError as exc:  # never acted on: logged, its descriptors closed
+                self.control_refused += 1
+                _CONTROL_REFUSED("the isolation template sent what is refused: %s", exc)
+                msg = None
+            if isinstance(msg, wire.Spawned):
+                self._on_spawned(msg, fds)
+                fds = []
+            else:
+                if isinstance(msg, wire.Exit):
+                    self._on_exit(msg.key, msg.status)
+                elif isinstance(msg, wire.Ready | wire.Failed):
+                    self._on_ready(msg)
+            for fd in fds:
+                os.close(fd)
+
+    def _on_exit(self, key: int, status: int) -> None:
+        waiter = self._exit_waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(status)
+        else:
+            self._exits[key] = status
+            if len(self._exits) > 4096:  # never asked for: forget the oldest
+                self._exits.pop(next(iter(self._exits)))
+        proc = self.live.pop(key, None)
+        if proc is not None:
+            self._cleanup(proc)
+
+    def _on_spawned(self, msg: wire.Spawned, fds: list[int]) -> None:
+        """A spawned process's socket: to the oldest spawn waiting (in order)."""
+        fut = self._spawns.popleft() if self._spawns else None
+        if fut is None or fut.done() or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if fut is not None and not fut.done():
+                fut.set_exception(ExecutionError("the isolation template sent no socket"))
+            return
+        fut.set_result((fds[0], msg.key))
+
+    def _on_ready(self, msg: wire.Ready | wire.Failed) -> None:
+        ready = self._ready
+        if ready is None or ready.done():
+            return
+        if isinstance(msg, wire.Failed):
+            ready.set_exception(
+                ConfigError(f"the isolated env's template failed to start: {msg.reason}")
+            )
+            return
+        if self.sandbox:
+            self.seccomp = msg.seccomp or "off"
+            log.log(
+                logging.INFO if msg.seccomp else logging.WARNING,
+                "sandboxed sessions' seccomp filter: %s%s", self.seccomp,
+                "" if msg.seccomp else " (--sandbox-seccomp off: no filter)",
+            )  # fmt: skip
+            if not msg.init:
+                log.warning(
+                    "the sandbox's native init is not built, or others may read it (make "
+                    "sandbox-deps builds native/stadium-init with cargo and installs it "
+                    "execute-only): each sandboxed session's pid 1 is a forked interpreter, "
+                    "~0.8 MiB more"
+                )
+        ready.set_result(None)
 
     def _template_gone(self) -> None:
         """The template died (killed, or failed): later sessions start a new one."""
@@ -337,10 +387,10 @@ class Isolation:
                 out_r, out_w = os.pipe2(os.O_CLOEXEC)
                 fds.insert(0, out_w)
             try:
-                msg = self.encoder.encode(["spawn", cgroups, uid])
+                hosts = None
                 if net is not None:  # the namespace goes along; the template joins it
                     hosts = None if self.limits.network == "public" else net.hosts
-                    msg = self.encoder.encode(["spawn", cgroups, uid, hosts])
+                msg = wire.encode(wire.Spawn(cgroups, uid, hosts))
                 socket.send_fds(self._control, [msg], fds)
             except OSError:  # it died; its end of stream may not have been read yet
                 self._template_gone()
@@ -360,7 +410,7 @@ class Isolation:
             if net is not None and self.networks is not None:
                 self.networks.remove(net)
             raise
-        proc = EnvProcess(loop, socket.socket(fileno=fd))
+        proc = self._process(socket.socket(fileno=fd))
         proc.pid, proc.uid, proc.cgroups, proc.baseline = pid, uid, cgroups, baseline
         proc.net = net
         if out_r >= 0:
@@ -376,18 +426,23 @@ class Isolation:
         del self.start_seconds[:-1024]
         return proc
 
-    async def _hello(self, proc: EnvProcess) -> None:
-        waiter = proc.waiter = proc.loop.create_future()
+    def _process(self, sock: socket.socket) -> EnvProcess:
+        assert self._loop is not None
+        return EnvProcess(self._loop, sock, self.replies, self.wire_stats)
+
+    async def _hello(self, proc: EnvProcess, within: float = TEMPLATE_START_S) -> None:
+        """Wait for a new process's hello (its env built); kill it if none comes in time."""
         try:
-            hello = await asyncio.wait_for(waiter, TEMPLATE_START_S)
-        except (Gone, TimeoutError):
+            hello = await asyncio.wait_for(proc.expect(wire.HELLO_REPLY), within)
+        except (Gone, TimeoutError, EnvProtocolError) as exc:
             self.kill(proc)
             proc.close()
-            raise ExecutionError("an isolated env process died while starting") from None
-        if hello[0] != "hello":  # [RAISED, type, message]: the sandbox could not be set up
+            why = exc.message if isinstance(exc, EnvProtocolError) else "died while starting"
+            raise ExecutionError(f"an isolated env process {why}") from None
+        if isinstance(hello, wire.Raised):  # the sandbox could not be set up
             self.kill(proc)
             proc.close()
-            raise ExecutionError(str(hello[2]), exception=str(hello[1]), operation="create")
+            raise ExecutionError(hello.message, exception=hello.exception, operation="create")
 
     def _new_cgroups(self, name: str) -> tuple[list[str], dict[str, int]]:
         """A session's cgroups and their counters' start (in the executor: the kernel's
@@ -403,9 +458,11 @@ class Isolation:
         while self.warm:
             warm = self.warm.popleft()
             self.refill()
-            if warm.sock.fileno() >= 0 and warm.pid in self.live:
+            if warm.sock.fileno() >= 0 and warm.pid in self.live and warm.broken is None:
                 proc = warm
                 break
+            self.kill(warm)  # it sent what was refused while it waited
+            self.release(warm)
         if proc is None:
             proc = await self._spawn()
         reader = self.outputs.get(proc.pid)
@@ -432,25 +489,84 @@ class Isolation:
             self._filling -= 1
         self.warm.append(proc)
 
-    def adopt_fork(self, parent: EnvProcess) -> EnvProcess:
-        """The copy of ``parent``'s process made by ``fork`` (its env copied by the kernel)."""
-        reply, fd = parent.request_sync(self.encoder.encode(["fork"]), SYNC_REQUEST_S, fds=True)
-        if reply[0] != wire.OK or fd is None:
-            raise SnapshotError(f"forking the env's process failed: {reply[2]}", reason="fork")
-        sock = socket.socket(fileno=fd)
-        sock.settimeout(SYNC_REQUEST_S)
-        body = wire.recv_frame(sock)
-        if body is None:
+    async def adopt_fork(self, parent: EnvProcess) -> EnvProcess:
+        """The copy of ``parent``'s process made by ``fork`` (its env copied by the kernel).
+
+        Read without blocking the loop. The copy's key comes from the kernel, never from
+        the process: the copy makes its socket itself, so the socket's peer credentials
+        (``SO_PEERCRED``) name it (:meth:`_fork_key`).
+
+        Raises:
+            Gone: ``parent`` died. EnvProtocolError: it answered with what is refused.
+            SnapshotError: the fork failed or its copy cannot be told apart.
+        """
+        reply = await parent.request_fds(wire.encode(wire.Fork()), wire.DONE_REPLY)
+        fd = parent.take_fd()
+        if isinstance(reply, wire.Raised) or fd < 0:
+            if fd >= 0:
+                os.close(fd)
+            why = reply.message if isinstance(reply, wire.Raised) else "no socket came with it"
+            raise SnapshotError(f"forking the env's process failed: {why}", reason="fork")
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            raise _forged("its socket is no socket") from None
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
             sock.close()
-            raise SnapshotError("the forked env process died at once", reason="fork")
-        hello = wire.decode(body)
-        proc = EnvProcess(asyncio.get_running_loop(), sock)
-        proc.pid, proc.uid, proc.cgroups = hello[1], parent.uid, parent.cgroups
+            raise _forged("its socket is not a Unix stream socket")
+        try:
+            key = self._fork_key(parent, sock)
+        except EnvProtocolError:
+            sock.close()
+            raise
+        proc = self._process(sock)
+        proc.pid, proc.uid, proc.cgroups = key, parent.uid, parent.cgroups
         proc.net = parent.net
         proc.baseline = parent.baseline
         self._track(proc)
+        try:
+            await self._hello(proc, min(FORK_S, self.limits.call_timeout))
+        except ExecutionError as exc:
+            raise SnapshotError(f"the forked env process {exc.message}", reason="fork") from None
         self.starts += 1
         return proc
+
+    def _fork_key(self, parent: EnvProcess, sock: socket.socket) -> int:
+        """The key of the process that made ``sock`` (the copy), from the kernel: its pid
+        (``SO_PEERCRED``, as the worker sees it) and, sandboxed, its pid in its family's
+        namespace (``/proc/PID/status``), in ``parent``'s family (the worker knows that
+        one). A socket made by another process of the session names that one: never
+        another session's, nor a process already tracked."""
+        pid, uid, _gid = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        )
+        if pid <= 0:
+            raise _forged("its socket's maker is not visible")
+        key: int = pid
+        if self.sandbox:
+            if uid != parent.uid:
+                raise _forged(f"its socket was made by uid {uid}, not the session's")
+            pids = _ns_pids(pid)
+            if len(pids) != _ns_depth() + 2:  # the template's namespace, then the family's
+                raise _forged("its socket was made outside the session's pid namespace")
+            key = (parent.pid >> wire.KEY_SHIFT << wire.KEY_SHIFT) | pids[-1]
+        if key in self.live:
+            raise _forged("its socket was made by a process already known")
+        return key
+
+    def spill_path(self, spill_id: int) -> str:
+        """The spill file of a session's proxy (its ``spill_id``, from :attr:`spill_ids`): in
+        a directory of the worker's, ``0700``, made at the first spill, removed at
+        :meth:`shutdown`."""
+        if self._spill_dir is None:
+            self._spill_dir = tempfile.mkdtemp(prefix="stadium-spill-")
+        return os.path.join(self._spill_dir, str(spill_id))
+
+    def unspill(self, spill_id: int) -> None:
+        """Remove a spill file (superseded by a small snapshot, or its session ended)."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.spill_path(spill_id))
 
     def _track(self, proc: EnvProcess) -> None:
         """Count ``proc`` alive; in ``process`` mode hold a pidfd on it, so that a kill
@@ -583,7 +699,7 @@ class Isolation:
             operation=op, reason="unknown",
         )  # fmt: skip
 
-    def raised(self, proc: EnvProcess, op: str, reply: list[Any]) -> StadiumError:
+    def raised(self, proc: EnvProcess, op: str, reply: wire.Raised) -> StadiumError:
         """The error of a call the env raised in: a refused fork past the process limit
         is ``LIMIT_EXCEEDED``, anything else ``EXECUTION_ERROR``."""
         if self.cgroups is not None and proc.cgroups:
@@ -593,14 +709,15 @@ class Isolation:
                 self.limit_kills += 1
                 return LimitExceededError(
                     f"{op} tried to run more than {self.limits.pids} processes at once and "
-                    f"was refused ({reply[1]}: {reply[2]})",
+                    f"was refused ({reply.exception}: {reply.message})",
                     operation=op, limit="pids", value=self.limits.pids,
                 )  # fmt: skip
-        if len(reply) > 3 and isinstance(reply[3], dict):  # a Stadium error: itself
+        if reply.data is not None:  # a Stadium error: itself
             return _foreign(reply)  # type: ignore[return-value]
         return ExecutionError(
-            f"{op} raised {reply[1]}: {reply[2]}", exception=str(reply[1]), operation=op
-        )
+            f"{op} raised {reply.exception}: {reply.message}", exception=reply.exception,
+            operation=op,
+        )  # fmt: skip
 
     def shutdown(self) -> None:
         """End every env process and the template."""
@@ -634,17 +751,20 @@ class Isolation:
         self._cgroup_users.clear()
         if self.uids is not None:  # every session's process is gone: the block is free
             self.uids.close()
+        if self._spill_dir is not None:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+            self._spill_dir = None
 
 
 _FOREIGN: dict[str, type[Exception]] = {}
 
 
-def _foreign(reply: list[Any]) -> Exception:
+def _foreign(reply: wire.Raised) -> Exception:
     """The exception an env process reported, raised again in the worker: a Stadium error
     as itself (code, context), any other as an exception of the same type name and message
     (so that error replies read as in-process)."""
-    name, message, data = reply[1], reply[2], reply[3] if len(reply) > 3 else None
-    if isinstance(data, dict):
+    name, message, data = reply.exception, reply.message, reply.data
+    if data is not None:
         context = {k: v for k, v in data.items() if k not in ("message", "code")}
         if name == "ToolCallError":
             return ToolCallError(message, **context)
@@ -653,5 +773,30 @@ def _foreign(reply: list[Any]) -> Exception:
     if cls is None:
         if len(_FOREIGN) >= 256:
             _FOREIGN.clear()
-        cls = _FOREIGN[name] = type(str(name), (Exception,), {"__module__": "stadium.isolated"})
+        cls = _FOREIGN[name] = type(name, (Exception,), {"__module__": "stadium.isolated"})
     return cls(message)
+
+
+def _forged(why: str) -> EnvProtocolError:
+    """A fork whose copy cannot be told apart from the kernel's word (its process is
+    stopped by the caller)."""
+    return EnvProtocolError(
+        f"a fork's reply the worker cannot trust: {why} (fork)", limit="fork", value=0
+    )
+
+
+def _ns_pids(pid: int) -> list[int]:
+    """``pid``'s pids in each pid namespace it is in, outermost first (``NSpid``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status.read(1 << 16).splitlines():
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def _ns_depth() -> int:
+    """How many pid namespaces the worker is in (1: the host's)."""
+    return len(_ns_pids(os.getpid())) or 1

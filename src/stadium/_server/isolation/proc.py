@@ -1,19 +1,50 @@
 """One isolated env process as the worker holds it: its socket (non-blocking, read by the
-event loop), its key, uid, cgroups and network, and the request/reply exchange over it."""
+event loop), its key, uid, cgroups and network, and the request/reply exchange over it.
+
+Nothing read from the socket is trusted (:mod:`.wire`): a reply frame over the session's
+limit is refused by its header, before its body is read; a large frame is read straight
+into a buffer of its size and checked and decoded in a thread (the loop never waits on
+it); a frame the worker did not ask for, or one that breaks a limit, ends the exchange
+with :class:`~stadium.EnvProtocolError` (the caller kills the process). No read ever
+blocks: a reply that never ends is the call's timer's to stop.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from typing import Any
 
+import msgspec
+
+from stadium._errors import EnvProtocolError
 from stadium._server.isolation import wire
 from stadium._server.isolation.netns import SessionNet
 from stadium._server.isolation.reaper import Reaper
 
+#: Bytes read from a session's socket at a time (a reply this size or less: one read).
+READ_BYTES = 1 << 16
+_HEADER = wire.HEADER
+_BAD = object()
+
 
 class Gone(Exception):
-    """The session's process closed its socket (it died)."""
+    """The session's process closed its socket (it died), or its call was stopped."""
+
+
+class WireStats:
+    """What the worker's env processes sent it (``/metrics``: stadium_isolated_reply_*)."""
+
+    __slots__ = ("held", "received", "refused")
+
+    def __init__(self) -> None:
+        self.received = 0
+        """Bytes read from env processes' sockets."""
+        self.held = 0
+        """Bytes of reply buffers held now (large frames being read or decoded)."""
+        self.refused = 0
+        """Replies refused (a limit broken, malformed, unexpected): ENV_PROTOCOL."""
 
 
 class EnvProcess:
@@ -21,29 +52,45 @@ class EnvProcess:
 
     ``pid`` is the process's key: its pid (``process``), or ``family << 22 | its pid in
     its family's pid namespace`` (``sandbox``; see :mod:`.child`), as the template's and
-    the families' exit reports name it.
+    the families' exit reports name it (never as the process says).
     """
 
     __slots__ = (
+        "_body",
+        "_got",
+        "_head",
         "baseline",
+        "broken",
         "cgroups",
+        "decoder",
         "episode_over",
         "expired",
+        "fd",
         "final",
+        "limits",
         "loop",
         "net",
         "pid",
         "pidfd",
-        "reader",
         "released",
         "sock",
+        "stats",
         "uid",
         "waiter",
+        "want_fds",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sock: socket.socket,
+        limits: wire.WireLimits,
+        stats: WireStats,
+    ) -> None:
         self.loop = loop
         self.sock = sock
+        self.limits = limits
+        self.stats = stats
         self.pid = 0
         self.pidfd = -1
         self.uid = 0
@@ -57,42 +104,184 @@ class EnvProcess:
         """Killed at the end of its episode's time (``--episode-timeout``)."""
         self.released = False
         """Its session let it go (:meth:`Isolation.release`): nobody asks why it ended."""
-        self.reader = wire.FrameReader()
+        self.broken: EnvProtocolError | None = None
+        """What it sent that was refused: it is never asked anything again."""
         self.waiter: asyncio.Future[Any] | None = None
+        self.decoder: msgspec.msgpack.Decoder[Any] = wire.HELLO_REPLY
+        """The type the awaited reply must have."""
+        self.want_fds = False
+        self.fd = -1
+        """A descriptor that came with the awaited reply (``fork``), until taken."""
+        self._head = b""
+        """Bytes of a header or small frame read so far."""
+        self._body: bytearray | None = None
+        """A large frame's buffer (its size), being filled; ``_got`` bytes so far."""
+        self._got = 0
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._readable)
 
+    # -- reading (event loop callbacks) ------------------------------------------------
+
     def _readable(self) -> None:
+        if self._body is not None:
+            self._fill(self._body)
+            return
         try:
-            data = self.sock.recv(1 << 18)
+            if self.want_fds:  # ``fork``: the new process's socket comes with the reply
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, READ_BYTES, 1)
+                for fd in fds:
+                    if self.fd < 0:
+                        self.fd = fd
+                    else:
+                        os.close(fd)
+            else:  # (descriptors sent with anything else are closed by the kernel)
+                data = self.sock.recv(READ_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data = b""
         if not data:
-            self._detach()
-            waiter, self.waiter = self.waiter, None
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(Gone())
+            self._ended(Gone())
             return
+        self.stats.received += len(data)
+        if self._head:
+            data = self._head + data
+            self._head = b""
+        elif (
+            len(data) > 4
+            and len(data) - 4 == _HEADER.unpack_from(data)[0] <= wire.DIRECT_BYTES
+            and (waiter := self.waiter) is not None
+            and not waiter.done()
+        ):  # the usual: one whole small reply, awaited
+            try:
+                reply = self.decoder.decode(memoryview(data)[4:])
+            except Exception:  # said by the checked path below
+                reply = _BAD
+            if reply is not _BAD:
+                self.waiter = None
+                waiter.set_result(reply)
+                return
+        self._frames(data)
+
+    def _frames(self, data: bytes) -> None:
+        start, end = 0, len(data)
+        header = wire.HEADER
+        while end - start >= header.size:
+            (size,) = header.unpack_from(data, start)
+            if size > self.limits.frame_bytes:  # refused by its header: its body never read
+                self._refuse(wire.frame_over(size, self.limits.frame_bytes))
+                return
+            begin = start + header.size
+            if end - begin < size:
+                if size > wire.DIRECT_BYTES:  # read on straight into a buffer of its size
+                    body = self._body = bytearray(size)
+                    self.stats.held += size
+                    self._got = end - begin
+                    body[: self._got] = memoryview(data)[begin:end]
+                    return
+                break
+            if not self._reply(memoryview(data)[begin : begin + size]):
+                return
+            start = begin + size
+        self._head = data[start:] if start < end else b""
+
+    def _fill(self, body: bytearray) -> None:
         try:
-            bodies = self.reader.feed(data)
-        except ValueError:
-            bodies = []
-            self._detach()
-        for body in bodies:
+            n = self.sock.recv_into(memoryview(body)[self._got :])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        if n == 0:
+            self._ended(Gone())
+            return
+        self.stats.received += n
+        self._got += n
+        if self._got == len(body):
+            self._body = None
+            if not self._reply(body, held=len(body)):
+                return
+
+    def _reply(self, body: memoryview | bytearray, held: int = 0) -> bool:
+        """A whole frame: the awaited reply (``True``: read on), or a refusal."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is None or waiter.done():
+            self.stats.held -= held
+            self._refuse(
+                EnvProtocolError(
+                    "a frame the worker did not ask for (unexpected)", limit="unexpected", value=0
+                )
+            )
+            return False
+        if held == 0:  # small: decoded at once (no scan needed)
+            try:
+                waiter.set_result(self.limits.decode(self.decoder, body))
+            except EnvProtocolError as err:
+                self._refuse(err, waiter)
+                return False
+            return True
+        # Large: checked and decoded in a thread; the loop goes on meanwhile.
+        decoded = self.loop.run_in_executor(None, self.limits.decode, self.decoder, body)
+        decoded.add_done_callback(lambda done: self._decoded(done, waiter, held))
+        return True
+
+    def _decoded(self, done: asyncio.Future[Any], waiter: asyncio.Future[Any], held: int) -> None:
+        self.stats.held -= held
+        exc = done.exception()
+        if isinstance(exc, EnvProtocolError):
+            self._refuse(exc, waiter)
+        elif not waiter.done():
+            if exc is not None:
+                waiter.set_exception(exc)
+            else:
+                waiter.set_result(done.result())
+
+    def _refuse(self, err: EnvProtocolError, waiter: asyncio.Future[Any] | None = None) -> None:
+        """Stop reading: the process sent what is refused; whoever waits gets ``err``."""
+        self.stats.refused += 1
+        self.broken = err
+        self._ended(err, waiter)
+
+    def _ended(self, err: BaseException, waiter: asyncio.Future[Any] | None = None) -> None:
+        self._detach()
+        if self._body is not None:
+            self.stats.held -= len(self._body)
+            self._body = None
+        self._head = b""
+        if waiter is None:
             waiter, self.waiter = self.waiter, None
-            if waiter is not None and not waiter.done():
-                waiter.set_result(wire.decode(body))
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(err)
+
+    def abort(self) -> None:
+        """Stop the exchange in flight (its process was killed at a limit): its caller gets
+        :class:`Gone` now, whether or not the socket ever reads as closed."""
+        self._ended(Gone())
 
     def _detach(self) -> None:
         if self.sock.fileno() >= 0:
             self.loop.remove_reader(self.sock.fileno())
 
-    async def request(self, body: bytes) -> Any:
-        """Send one request; its reply (decoded). Raises :class:`_Gone` if the process died."""
+    # -- requests ----------------------------------------------------------------------
+
+    def expect(self, decoder: msgspec.msgpack.Decoder[Any]) -> asyncio.Future[Any]:
+        """The next frame, once it comes, as ``decoder``'s type (the ``hello``)."""
+        self.decoder = decoder
+        waiter = self.waiter = self.loop.create_future()
+        return waiter
+
+    async def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+        """Send one request; its reply, as ``decoder``'s type.
+
+        Raises:
+            Gone: the process died (or was stopped).
+            EnvProtocolError: it sent what is refused (now or before).
+        """
+        if self.broken is not None:
+            raise self.broken
         if self.sock.fileno() < 0:
             raise Gone()
+        self.decoder = decoder
         waiter = self.waiter = self.loop.create_future()
         try:
             await self.loop.sock_sendall(self.sock, wire.frame(body))
@@ -100,40 +289,25 @@ class EnvProcess:
             raise Gone() from None
         return await waiter
 
-    def request_sync(self, body: bytes, timeout: float, fds: bool = False) -> Any:
-        """A request answered before this returns (``state``, ``fork``: the loop waits)."""
-        sock = self.sock
-        if sock.fileno() < 0:
-            raise Gone()
-        self.loop.remove_reader(sock.fileno())
-        sock.settimeout(timeout)
+    async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
+        """:meth:`request`, whose reply may come with a descriptor (``fork``), left in
+        :attr:`fd` (:meth:`take_fd`)."""
+        self.want_fds = True
         try:
-            sock.sendall(wire.frame(body))
-            got: list[int] = []
-            if fds:  # the reply's first bytes carry the new process's socket
-                data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
-                if not data:
-                    raise Gone()
-                bodies = self.reader.feed(data)
-            else:
-                bodies = []
-            while not bodies:
-                data = sock.recv(1 << 18)
-                if not data:
-                    raise Gone()
-                bodies = self.reader.feed(data)
-            reply = wire.decode(bodies[0])
-            return (reply, got[0] if got else None) if fds else reply
-        except (TimeoutError, OSError) as exc:
-            raise Gone() from exc
+            return await self.request(body, decoder)
         finally:
-            if sock.fileno() >= 0:
-                sock.setblocking(False)
-                self.loop.add_reader(sock.fileno(), self._readable)
+            self.want_fds = False
+
+    def take_fd(self) -> int:
+        """The descriptor that came with the last reply (-1: none); the caller's now."""
+        fd, self.fd = self.fd, -1
+        return fd
 
     def close(self, reaper: Reaper | None = None) -> None:
         """Close the socket (idempotent): now, or by ``reaper`` off the loop (the socket
         reads as closed at once either way)."""
+        if self.fd >= 0:
+            os.close(self.take_fd())
         if self.sock.fileno() >= 0:
             self._detach()
             if reaper is None:

@@ -50,8 +50,6 @@ from stadium._server.isolation import wire
 from stadium._server.isolation.host import TEMPLATE_START_S, Isolation, IsolationConfig
 from stadium._server.loader import load_target
 
-#: The request a session's process answers with its env's :class:`Description`.
-DESCRIBE = "describe"
 #: The largest description accepted (its MessagePack bytes).
 MAX_DESCRIPTION_BYTES = 1024 * 1024
 #: The deepest nesting and the most values a description's schemas may hold.
@@ -394,8 +392,10 @@ async def _describe(settings: IsolationConfig) -> Description:
                 f"--untrusted-env-code: no sandboxed env process in {TEMPLATE_START_S:g} s"
             ) from None
         try:
-            body = isolation.encoder.encode([DESCRIBE])
-            reply = await asyncio.wait_for(proc.request(body), settings.limits.call_timeout)
+            body = wire.encode(wire.Describe())
+            reply = await asyncio.wait_for(
+                proc.request(body, wire.DESCRIBE_REPLY), settings.limits.call_timeout
+            )
         except TimeoutError:
             raise ConfigError(
                 f"--untrusted-env-code: the env did not describe itself within "
@@ -409,14 +409,11 @@ async def _describe(settings: IsolationConfig) -> Description:
             ) from None
         finally:
             isolation.release(proc)
-        if not isinstance(reply, list) or not reply:
-            raise ConfigError("--untrusted-env-code: the env's process sent no description")
-        if reply[0] != wire.OK:
+        if isinstance(reply, wire.Raised):
             raise TargetError(
-                f"loading {settings.target!r} in its sandbox failed: "
-                f"{str(reply[2])[:2000] if len(reply) > 2 else reply}",
+                f"loading {settings.target!r} in its sandbox failed: {reply.message[:2000]}",
                 target=settings.target,
             )
-        return decode_description(reply[1] if len(reply) > 1 else None)
+        return decode_description(reply.description)
     finally:
         isolation.shutdown()
