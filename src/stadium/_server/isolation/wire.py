@@ -56,7 +56,6 @@ DIRECT_BYTES = 64 * 1024
 KEY_SHIFT = 22
 
 
-
 # -- requests: worker -> env process ---------------------------------------------------
 
 
