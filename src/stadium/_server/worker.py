@@ -38,6 +38,8 @@ from stadium._server.isolation.manifest import (
     read_manifest,
 )
 from stadium._server.isolation.seccomp import seccomp_unavailable
+from stadium._server.ledger import RecordConfig
+from stadium._server.ledger.record import load_redactor
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
@@ -82,6 +84,19 @@ def _store(config: ServerConfig) -> Durable:
 
 def _name(env_cls: type[Any]) -> str:
     return str(getattr(env_cls, "name", None) or env_cls.__name__)
+
+
+def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig | None:
+    """``--record`` and its companions, or ``None`` (no recording); ``check``: import the
+    ``--record-redact`` function too (ConfigError if it cannot be)."""
+    if not config.record:
+        return None
+    record = RecordConfig(
+        config.record, config.record_sample, config.record_filter, config.record_redact
+    )
+    if check:
+        load_redactor(record.redact)
+    return record
 
 
 def isolation_mode(config: ServerConfig, env_cls: type[Any]) -> str:
@@ -238,6 +253,7 @@ class Worker:
             board=board,
             resume_grace=config.resume_grace,
             durable=durable,
+            record=record_config(config),
         )
         runtime.isolation = isolation
         endpoints = HttpEndpoints(runtime, workers=config.workers)
