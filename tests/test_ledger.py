@@ -261,6 +261,22 @@ async def test_every_episode_is_recorded_and_replays(tmp_path: Path) -> None:
     assert checked.exit_code == 0, checked.output
 
 
+@pytest.mark.slow  # importing datasets takes seconds
+async def test_a_recording_loads_as_a_hugging_face_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")  # the dev extra installs it
+    record = tmp_path / "rec"
+    async with serve(Walker, record=str(record)) as server:
+        await _episode(server.url, 1, [0.5, 1.0, 0.25])
+        await _recorded(record, 1)
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(record / "*.parquet"), split="train",
+        cache_dir=str(tmp_path / "cache"),
+    )  # fmt: skip
+    assert ds.num_rows == 1
+    assert ds[0]["actions"] == ['{"n":0.5}', '{"n":1.0}', '{"n":0.25}']
+    assert ds[0]["steps"] == 3
+
+
 async def test_replay_on_a_server(tmp_path: Path) -> None:
     async with serve(Walker, record=str(tmp_path)) as server:
         for seed in (1, 2):

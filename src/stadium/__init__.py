@@ -29,6 +29,7 @@ import importlib as _importlib
 import typing as _typing
 
 from stadium._env.contract import Environment, State, StepResult
+from stadium._env.cost import EpisodeCost
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
@@ -109,6 +110,7 @@ __all__ = [
     "EnvCheckError",
     "EnvCrashedError",
     "Environment",
+    "EpisodeCost",
     "ErrorCode",
     "ExecutionError",
     "InvalidMessageError",
