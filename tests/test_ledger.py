@@ -171,6 +171,18 @@ async def test_bytes_in_and_out_are_the_frames_exactly() -> None:
         assert cost["bytes_in"] == sum(len(f) for f in sent)
         assert cost["bytes_out"] == sum(len(r) for r in replies[:-1]) + len(bare)
         assert cost["steps"] == 2
+        # state carries the running episode's cost so far (here: none running)
+        async with websockets.connect(server.url.replace("http", "ws") + "/ws") as ws:
+            await ws.send(b'{"type":"state"}')
+            assert "cost" not in json.loads(await ws.recv())
+            await ws.send(b'{"type":"reset","data":{"seed":1}}')
+            await ws.recv()
+            await ws.send(b'{"type":"step","data":{"n":1}}')
+            await ws.recv()
+            await ws.send(b'{"type":"state"}')
+            state = json.loads(await ws.recv())
+            assert state["data"]["step_count"] == 1
+            assert state["cost"]["steps"] == 1
 
 
 @pytest.mark.slow  # OpenEnv's client takes seconds to import

@@ -115,7 +115,7 @@ def replay(
     """Replay the episodes recorded under ``directory`` in process (``target``) or on the
     server at ``url``; ``jobs`` at once. See the module doc."""
     if (target is None) == (url is None):
-        raise ConfigError("replay needs a TARGET (in process) or --url URL (a server), not both")
+        raise ConfigError("replay needs one of TARGET (in process) and --url URL (a server)")
     if jobs < 1:
         raise ConfigError("--jobs must be at least 1", value=jobs)
     rows = read_episodes(directory) if episodes is None else episodes

@@ -141,6 +141,26 @@ class EpisodeAccounts(ResumableSession):
         if self._ep_log is not None and call.op.name.lower() == _STEP_OP:
             self._keep(call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
 
+    def _cost(self, now: float) -> EpisodeCost:
+        """The running episode's cost up to ``now`` (the loop's clock)."""
+        return EpisodeCost(
+            wall_s=max(0.0, now - self._ep_start),
+            cpu_s=self._ep_cpu,
+            steps=self.protocol.step_count,
+            bytes_in=self._ep_in,
+            bytes_out=self._ep_out,
+            cpu_source=self.runtime.ledger.cpu_source,
+        )
+
+    def _state_cost(self, frame: bytes) -> bytes:
+        """A ``state`` reply with the running episode's cost so far as its ``cost`` (none
+        when no episode runs)."""
+        if not self._ep_start:
+            return frame
+        return with_cost(
+            frame, self._cost(self.loop.time()), self.protocol.encoding is Encoding.JSON
+        )
+
     def _episode_closed(self) -> None:
         """The session ends: so does its running episode, if any."""
         if self._ep_start:
@@ -151,14 +171,7 @@ class EpisodeAccounts(ResumableSession):
         kept; returns ``frame`` (the reply that ended it) with its cost (``b""`` if none)."""
         ledger = self.runtime.ledger
         protocol = self.protocol
-        cost = EpisodeCost(
-            wall_s=max(0.0, now - self._ep_start),
-            cpu_s=self._ep_cpu,
-            steps=protocol.step_count,
-            bytes_in=self._ep_in,
-            bytes_out=self._ep_out,
-            cpu_source=ledger.cpu_source,
-        )
+        cost = self._cost(now)
         self._ep_start = 0.0
         ledger.ended(cost)
         json = protocol.encoding is Encoding.JSON

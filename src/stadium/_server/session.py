@@ -599,7 +599,7 @@ class Session(EpisodeAccounts):
         protocol = self.protocol
         op = call.op
         if op is _STATE:
-            frame = protocol.state_reply(call, result)
+            frame = self._state_cost(protocol.state_reply(call, result))
         elif op is _MCP:  # a JSON-RPC response (or error object): an ``mcp`` frame
             frame = protocol.mcp_reply(call, result)
         else:
