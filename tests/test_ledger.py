@@ -435,3 +435,33 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
     assert killed_at - max(r["started_at"] for r in lost) < 5 * UNIT
     leftovers = glob.glob(str(record / "*.tmp"))
     assert all(f"-{victim}-" in name for name in leftovers), leftovers
+
+
+class Hog(Burner):
+    """Burner whose step with ``n == 2`` holds 100 MiB, touched, until the episode ends."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Obs:
+        self.held = b""
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Move) -> stadium.StepResult[Obs]:
+        if action.n == 2:
+            self.held = b"\x01" * (100 << 20)  # written: every page resident
+        return super().step(action)
+
+
+@pytest.mark.slow
+async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory() -> None:
+    async with serve(Hog, isolation="process") as server:
+        async with AsyncClient(server.url) as env:
+            await env.reset(seed=1)
+            steps = [await env.step({"n": n}) for n in (2.0, 0.0, 0.0)]
+            hog = steps[-1].cost
+            await env.reset(seed=2)  # the same process: its peak starts again
+            steps = [await env.step({"n": 0.0}) for _ in range(3)]
+            lean = steps[-1].cost
+    assert hog.cpu_source == lean.cpu_source == "process"
+    # three steps of >= 10 ms each in the env process, in 10 ms ticks
+    assert 0.02 <= hog.cpu_s <= hog.wall_s
+    assert hog.peak_rss_bytes >= 100 << 20
+    assert lean.peak_rss_bytes < 100 << 20

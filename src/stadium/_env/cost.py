@@ -24,14 +24,14 @@ class EpisodeCost(msgspec.Struct, frozen=True, kw_only=True):
         steps: steps answered with an observation in the episode.
         bytes_in: bytes of the episode's request frames (reset and steps) as received.
         bytes_out: bytes of its reply frames as sent, this ``cost`` object excluded.
-        peak_rss_bytes: the env process's peak resident memory during the episode,
-            where isolation makes it measurable (``--isolation process|sandbox``);
-            ``None`` in process.
+        peak_rss_bytes: the env process's peak resident memory since the reset's reply
+            (``--isolation process``); ``None`` in process and under ``sandbox``.
         cpu_source: how ``cpu_s`` was measured: ``thread`` (the env pool thread's own
             CPU clock around each call), ``loop`` (the time of each call on the event
             loop thread: its CPU unless the OS took the core away meanwhile; an async
-            call's part before its first suspension), ``process`` (the env process's
-            CPU, children included), or a mix joined by ``+``.
+            call's part before its first suspension), ``loop+thread``, ``process`` (the
+            env process's CPU since the reset's reply, its waited-for children
+            included), or ``unmeasured`` (``cpu_s`` is 0: a sandboxed session).
     """
 
     wall_s: float = 0.0

@@ -22,7 +22,7 @@ from stadium._core.protocol import Call, Encoding
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
-from stadium._server.ledger import EndReason, Episode, ThreadTimed, with_cost
+from stadium._server.ledger import EndReason, Episode, ThreadTimed, usage, with_cost
 from stadium._server.resumable import ResumableSession
 
 _clock = time.perf_counter
@@ -41,6 +41,7 @@ class EpisodeAccounts(ResumableSession):
         "_ep_in",
         "_ep_log",
         "_ep_out",
+        "_ep_proc",
         "_ep_reset",
         "_ep_start",
         "_t0",
@@ -53,6 +54,7 @@ class EpisodeAccounts(ResumableSession):
     _t0: float
     _ep_log: list[tuple[Any, bytes | str, float]] | None
     _ep_reset: tuple[Call, bytes, float] | None
+    _ep_proc: tuple[int, float] | None
     _ep_clipped: bool
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
@@ -67,6 +69,7 @@ class EpisodeAccounts(ResumableSession):
         self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
         self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
         self._ep_reset = None  # the reset call, its reply, its Unix time (recorded)
+        self._ep_proc = None  # an isolated env process's pid and CPU seconds at the reset
         self._ep_clipped = False
 
     def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
@@ -96,7 +99,14 @@ class EpisodeAccounts(ResumableSession):
         return pending
 
     def _episode_reset(self, call: Call, frame: bytes) -> None:
-        """The reset's reply: the episode's recording starts, if ``--record`` keeps it."""
+        """The reset's reply: an isolated env process's CPU and peak memory are read from
+        here; the episode's recording starts, if ``--record`` keeps it."""
+        if self.runtime.isolation is not None:
+            self._ep_proc = None
+            pid = usage.env_pid(self.env)
+            if pid is not None and (cpu := usage.cpu_seconds(pid)) is not None:
+                usage.reset_peak(pid)
+                self._ep_proc = (pid, cpu)
         recorder = self.runtime.ledger.recorder
         if recorder is not None and self._ep_start and recorder.wants():
             self._ep_log = []
@@ -143,13 +153,23 @@ class EpisodeAccounts(ResumableSession):
 
     def _cost(self, now: float) -> EpisodeCost:
         """The running episode's cost up to ``now`` (the loop's clock)."""
+        cpu, source, peak = self._ep_cpu, self.runtime.ledger.cpu_source, None
+        if self.runtime.isolation is not None:  # the env process's, not the proxy's
+            cpu, source = 0.0, "unmeasured"
+            started = self._ep_proc
+            if started is not None and usage.env_pid(self.env) == started[0]:
+                now_cpu = usage.cpu_seconds(started[0])
+                if now_cpu is not None:
+                    cpu, source = max(0.0, now_cpu - started[1]), "process"
+                    peak = usage.peak_rss(started[0])
         return EpisodeCost(
             wall_s=max(0.0, now - self._ep_start),
-            cpu_s=self._ep_cpu,
+            cpu_s=cpu,
             steps=self.protocol.step_count,
             bytes_in=self._ep_in,
             bytes_out=self._ep_out,
-            cpu_source=self.runtime.ledger.cpu_source,
+            peak_rss_bytes=peak,
+            cpu_source=source,
         )
 
     def _state_cost(self, frame: bytes) -> bytes:
