@@ -88,7 +88,7 @@ def _name(env_cls: type[Any]) -> str:
 
 def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig | None:
     """``--record`` and its companions, or ``None`` (no recording); ``check``: import the
-    ``--record-redact`` function too (ConfigError if it cannot be)."""
+    ``--record-redact`` function and pyarrow too (ConfigError if they cannot be)."""
     if not config.record:
         return None
     record = RecordConfig(
@@ -96,6 +96,11 @@ def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig 
     )
     if check:
         load_redactor(record.redact)
+        try:  # here, before the workers fork: they share its pages
+            import pyarrow.json
+            import pyarrow.parquet  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"--record needs pyarrow ({exc}): pip install pyarrow") from None
     return record
 
 

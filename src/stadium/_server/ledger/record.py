@@ -7,14 +7,15 @@ encoding on the event loop), up to :attr:`RecordConfig.episode_bytes`. When the 
 ends, :meth:`Recorder.submit` puts it on a queue bounded in bytes
 (:attr:`RecordConfig.queue_bytes`): when the queue is full the episode is dropped and
 counted (``stadium_record_dropped_episodes_total``), never waited for. The writer
-thread decodes the frames, applies the redaction hook and the filter, and gathers rows.
+thread takes the queue every :data:`WAKE_S` and turns each episode into a row
+(:mod:`.rows`: the redaction hook, the filter).
 
 **Shards.** Each worker writes its own files (no cross-process lock), named
 ``episodes-<env>-<pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
 ``.tmp`` name, then renamed: a file with the final name is always a complete Parquet file
 (its footer written). Parquet cannot be appended to (the footer is at the end), so to
-lose at most ~:attr:`RecordConfig.flush_s` of episodes when a worker is killed
-(SIGKILL), the writer closes a shard as soon as its first row is that old, or once its
+lose at most ~:attr:`RecordConfig.flush_s` (+ :data:`WAKE_S`) of episodes when a worker is
+killed (SIGKILL), the writer closes a shard as soon as its first row is that old, or once its
 rows reach :attr:`RecordConfig.shard_bytes`: a busy worker writes one shard a second. What a
 SIGKILL loses: the rows gathered for the open shard (≤ ``flush_s``), the episodes on the
 queue, and the episodes still running. No ``fsync``: a killed process's written pages are
@@ -34,7 +35,6 @@ import dataclasses
 import enum
 import importlib
 import logging
-import math
 import operator
 import os
 import random
@@ -44,17 +44,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
-from stadium._env.codecs import enc_hook_default
 from stadium._errors import ConfigError
-from stadium._server.ledger.episode import EndReason, Episode
+from stadium._server.ledger.episode import Episode
+from stadium._server.ledger.rows import Rows, Summary, write_shard
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
 
 #: Seconds recording pauses after a failed shard write (then it tries again).
 PAUSE_S = 10.0
+#: The writer thread takes what is queued this often (not at each episode: a wake-up and the
+#: GIL passed back and forth per episode cost the loop more than the writing itself).
+WAKE_S = 0.2
 #: Fields of the ``counts`` row the recorder writes: recorded, dropped, write errors, on.
 RECORDED, DROPPED, WRITE_ERRORS, RECORDING = range(4)
 
@@ -104,11 +105,6 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
     ">": operator.gt, "<": operator.lt,
 }  # fmt: skip
 _TERM = re.compile(r"^\s*(not\s+)?([a-z_]+)\s*(?:(>=|<=|==|!=|>|<)\s*(-?[0-9.eE+-]+|inf))?\s*$")
-
-Summary = dict[str, float | bool]
-"""What a filter reads of an episode: ``reward`` (the sum of its rewards), ``steps``,
-``wall_s``, ``cpu_s``, ``bytes_in``, ``bytes_out``; ``error``, ``done``, ``truncated``,
-``clipped``."""
 
 
 def parse_filter(text: str) -> Callable[[Summary], bool] | None:
@@ -219,8 +215,7 @@ class Recorder:
         self.env_name, self.env_version = env
         self.info_key = info_key
         self.counts = counts
-        self._filter = parse_filter(config.filter)
-        self._redact = load_redactor(config.redact)
+        self._rows = Rows(env, info_key, parse_filter(config.filter), load_redactor(config.redact))
         self.state = RecorderState.IDLE
         self._cond = threading.Condition(threading.Lock())
         self._queue: list[tuple[Episode, int]] = []
@@ -255,7 +250,8 @@ class Recorder:
                 return
             self._queue.append((episode, size))
             self._queued_bytes += size
-            self._cond.notify()
+            if self._queued_bytes > self.config.queue_bytes // 2:  # else it wakes on its own
+                self._cond.notify()
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued and gathered, then stop the thread (waits up to ``timeout``)."""
@@ -290,15 +286,15 @@ class Recorder:
         flush_s = self.config.flush_s
         cond = self._cond
         while True:
-            with cond:
-                if not self._queue and self.state is not RecorderState.CLOSED:
-                    cond.wait(max(0.0, first + flush_s - time.monotonic()) if rows else None)
+            with cond:  # woken by a close or a half-full queue, else every WAKE_S
+                if self.state is not RecorderState.CLOSED:
+                    cond.wait(WAKE_S)
                 batch, self._queue = self._queue, []
                 self._queued_bytes = 0
                 closing = self.state is RecorderState.CLOSED
             for episode, weight in batch:
                 try:
-                    row = self._row(episode)
+                    row = self._rows.row(episode)
                 except Exception as exc:  # e.g. a redaction hook that raised
                     self.counts[DROPPED] += 1
                     self._warn("an episode could not be recorded: %r", exc)
@@ -352,143 +348,9 @@ class Recorder:
         if held is not None:
             log.warning(msg + (f" ({held} more since the last report)" if held else ""), *args)
 
-    def _row(self, ep: Episode) -> dict[str, Any] | None:
-        """The episode as a row of the shard's table; ``None``: redacted or filtered out."""
-        decode = msgspec.json.decode if ep.json else msgspec.msgpack.decode
-        info_key = self.info_key
-        reset = decode(ep.reset_frame).get("data") or {}
-        steps = []
-        total = 0.0
-        errored = False
-        for action, reply, took in ep.steps:
-            step: dict[str, Any] = {
-                "action": msgspec.to_builtins(action, enc_hook=enc_hook_default),
-                "observation": None, "reward": None, "done": False, "truncated": False,
-                "info": None, "error": None, "step_s": took,
-            }  # fmt: skip
-            if isinstance(reply, str):
-                step["error"] = reply
-                errored = True
-            else:
-                data = decode(reply).get("data") or {}
-                reward = data.get("reward")
-                step.update(
-                    observation=data.get("observation"), reward=reward,
-                    done=bool(data.get("done")), truncated=bool(data.get("truncated")),
-                    info=data.get(info_key),
-                )  # fmt: skip
-                if isinstance(reward, int | float) and math.isfinite(reward):
-                    total += reward
-            steps.append(step)
-        cost = ep.cost
-        record: dict[str, Any] = {
-            "env": self.env_name,
-            "env_version": self.env_version,
-            "episode_id": ep.episode_id,
-            "worker": os.getpid(),
-            "started_at": ep.started_at,
-            "seed": ep.seed,
-            "options": ep.options,
-            "end": ep.end.value,
-            "reset_observation": reset.get("observation"),
-            "reset_info": reset.get(info_key),
-            "steps": steps,
-            "cost": msgspec.to_builtins(cost),
-            "clipped": ep.clipped,
-        }
-        if self._redact is not None:
-            redacted = self._redact(record)
-            if redacted is None:
-                return None
-            record = redacted
-        steps = record["steps"]
-        error = next((s["error"] for s in steps if s.get("error")), None)
-        if self._filter is not None:
-            summary: Summary = {
-                "reward": total, "steps": cost.steps, "wall_s": cost.wall_s,
-                "cpu_s": cost.cpu_s, "bytes_in": cost.bytes_in, "bytes_out": cost.bytes_out,
-                "error": errored, "done": ep.end in (EndReason.DONE, EndReason.TRUNCATED),
-                "truncated": ep.end is EndReason.TRUNCATED, "clipped": ep.clipped,
-            }  # fmt: skip
-            if not self._filter(summary):
-                return None
-        enc = _json
-        cost_d = record["cost"]
-        return {
-            "env": record["env"],
-            "env_version": record["env_version"],
-            "episode_id": record["episode_id"],
-            "worker": record["worker"],
-            "started_at": record["started_at"],
-            "seed": record["seed"],
-            "options": None if record["options"] is None else enc(record["options"]),
-            "end": record["end"],
-            "error": error,
-            "clipped": record["clipped"],
-            "total_reward": total,
-            "steps": cost_d.get("steps", 0),
-            "wall_s": cost_d.get("wall_s", 0.0),
-            "cpu_s": cost_d.get("cpu_s", 0.0),
-            "cpu_source": cost_d.get("cpu_source", ""),
-            "bytes_in": cost_d.get("bytes_in", 0),
-            "bytes_out": cost_d.get("bytes_out", 0),
-            "peak_rss_bytes": cost_d.get("peak_rss_bytes"),
-            "reset_observation": enc(record["reset_observation"]),
-            "reset_info": None if record["reset_info"] is None else enc(record["reset_info"]),
-            "actions": [enc(s["action"]) for s in steps],
-            "observations": [None if s["error"] else enc(s["observation"]) for s in steps],
-            "rewards": [_reward(s["reward"]) for s in steps],
-            "dones": [bool(s["done"]) for s in steps],
-            "truncateds": [bool(s["truncated"]) for s in steps],
-            "infos": [None if s["info"] is None else enc(s["info"]) for s in steps],
-            "step_errors": [s["error"] for s in steps],
-            "step_s": [float(s["step_s"]) for s in steps],
-        }
-
-
-def _reward(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _fallback(value: Any) -> Any:
-    if isinstance(value, msgspec.msgpack.Ext):
-        return {"ext": value.code, "data": value.data}
-    return enc_hook_default(value)
-
-
-_ENCODER = msgspec.json.Encoder(enc_hook=_fallback)
-
-
-def _json(value: Any) -> str:
-    return _ENCODER.encode(value).decode()
-
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:64] or "env"
-
-
-def write_shard(rows: list[dict[str, Any]], path: str) -> None:
-    """Write ``rows`` as one Parquet file at ``path`` (pyarrow, loaded on first use)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.Table.from_pylist(rows, schema=_schema(pa))
-    pq.write_table(table, path, compression="zstd")
-
-
-def _schema(pa: Any) -> Any:
-    text, f64, i64 = pa.string(), pa.float64(), pa.int64()
-    return pa.schema([
-        ("env", text), ("env_version", text), ("episode_id", text), ("worker", i64),
-        ("started_at", f64), ("seed", i64), ("options", text), ("end", text),
-        ("error", text), ("clipped", pa.bool_()), ("total_reward", f64), ("steps", i64),
-        ("wall_s", f64), ("cpu_s", f64), ("cpu_source", text), ("bytes_in", i64),
-        ("bytes_out", i64), ("peak_rss_bytes", i64), ("reset_observation", text),
-        ("reset_info", text), ("actions", pa.list_(text)), ("observations", pa.list_(text)),
-        ("rewards", pa.list_(f64)), ("dones", pa.list_(pa.bool_())),
-        ("truncateds", pa.list_(pa.bool_())), ("infos", pa.list_(text)),
-        ("step_errors", pa.list_(text)), ("step_s", pa.list_(f64)),
-    ])  # fmt: skip
 
 
 __all__ = [
