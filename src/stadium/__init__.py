@@ -29,6 +29,7 @@ import importlib as _importlib
 import typing as _typing
 
 from stadium._env.contract import Environment, State, StepResult
+from stadium._env.cost import EpisodeCost
 from stadium._errors import (
     CallTimeoutError,
     CapacityError,
@@ -111,6 +112,7 @@ __all__ = [
     "EnvCrashedError",
     "EnvProtocolError",
     "Environment",
+    "EpisodeCost",
     "ErrorCode",
     "ExecutionError",
     "InvalidMessageError",

@@ -95,12 +95,22 @@ AUTH_TOKEN_ON_COMMAND_LINE = (
     type=click.Path(dir_okay=False),
     help="A file of actions: a JSON array, or one JSON action a line (repeatable).",
 )
+@click.option(
+    "--actions-from",
+    "record_dir",
+    type=click.Path(file_okay=False, exists=True),
+    help="A --record directory: step with the actions of its first recorded episode "
+    "(or of --episode).",
+)
+@click.option("--episode", help="With --actions-from: the recorded episode's id.")
 def check(
     target: str,
     steps: int,
     seed: int,
     action_texts: tuple[str, ...],
     action_files: tuple[str, ...],
+    record_dir: str | None,
+    episode: str | None,
 ) -> None:
     """Check that TARGET honours the environment contract (an env class or a ws:// URL).
 
@@ -110,6 +120,10 @@ def check(
     from stadium._cli.check import check_target, load_actions
 
     actions = load_actions(action_texts, action_files)
+    if record_dir is not None:
+        from stadium._cli.replay import recorded_actions
+
+        actions = [*(actions or []), *recorded_actions(record_dir, episode)]
     report = check_target(target, steps=steps, seed=seed, actions=actions)
     for line in report:
         click.echo(f"ok  {line}")
@@ -122,6 +136,29 @@ def check(
         for warning in startup_warnings(served, load_target(target)):
             click.echo(f"warning: {warning}")
     click.echo(f"{target}: all {len(report)} checks passed")
+
+
+@cli.command()
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
+@click.argument("target", required=False)
+@click.option("--url", help="Replay on the server at URL (through the client), not in process.")
+@click.option("--jobs", default=1, show_default=True, help="Episodes replayed at once.")
+def replay(directory: str, target: str | None, url: str | None, jobs: int) -> None:
+    """Re-run the episodes recorded in DIRECTORY (serve --record) against TARGET (in process)
+    or --url URL: same seeds, options and actions. Reports the first divergence of each
+    episode (observation, reward, done, an error) with a diff; exits 1 if any diverged."""
+    from stadium._cli.replay import replay as run_replay
+
+    report = run_replay(directory, target, url=url, jobs=jobs)
+    for d in report.divergences:
+        where = "reset" if d.step == 0 else f"step {d.step}"
+        click.echo(f"DIVERGED episode {d.episode_id} (env version {d.env_version or '?'}): "
+                   f"{d.field} at {where}")  # fmt: skip
+        click.echo(d.diff)
+    for line in report.summary():
+        click.echo(line)
+    if report.divergences:
+        sys.exit(1)
 
 
 @cli.command()

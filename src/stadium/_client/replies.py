@@ -17,6 +17,7 @@ from picows import WSFrame, WSListener, WSMsgType, WSTransport
 from stadium._client.balance import Lease
 from stadium._client.resume_book import ResumeBook, resumable_close
 from stadium._env.contract import StepResult
+from stadium._env.cost import cost_from
 from stadium._errors import SessionClosedError
 
 
@@ -103,7 +104,8 @@ class Listener(WSListener):
 
 def step_result(entry: dict[str, Any], observation_type: Any = None) -> StepResult[Any]:
     """An ``observation`` reply (or batch result entry) as a :class:`StepResult`, its
-    observation converted to ``observation_type`` when given."""
+    observation converted to ``observation_type`` when given, and the episode's cost
+    when the reply ended one (its top-level ``cost``)."""
     data = entry.get("data") or {}
     obs = data.get("observation", {})
     if observation_type is not None:
@@ -114,6 +116,7 @@ def step_result(entry: dict[str, Any], observation_type: Any = None) -> StepResu
         bool(data.get("done", False)),
         truncated=bool(data.get("truncated", False)),
         info=data.get("info") or data.get("metadata"),
+        cost=None if (cost := entry.get("cost")) is None else cost_from(cost),
     )
 
 

@@ -247,6 +247,7 @@ class SessionProtocol:
         "_new_episode_id",
         "_raw_decode",
         "encoding",
+        "ended",
         "episode_id",
         "last_error",
         "spec",
@@ -267,6 +268,9 @@ class SessionProtocol:
         self.step_count = 0
         self.last_error: str | None = None
         """Code of the last error reply made (for counters)."""
+        self.ended: Any = False
+        """Whether the last observation reply made ended its episode (``done``, which
+        ``truncated`` implies): the session then adds the episode's cost to it."""
         self._new_episode_id = new_episode_id
         self._info_prefix = b',"' + spec.info_key.encode() + b'":'
         if encoding is Encoding.JSON:
@@ -424,6 +428,7 @@ class SessionProtocol:
             truncated, info = result.truncated, result.info
         else:
             obs, reward, done, truncated, info = result, None, False, False, None
+        self.ended = done
         if self.encoding is Encoding.JSON:
             enc = self._encode
             parts = [

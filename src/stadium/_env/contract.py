@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
+from stadium._env.cost import EpisodeCost
 from stadium._env.snapshot import pickle_state, restore_state
 
 ActT = TypeVar("ActT")
@@ -61,6 +62,9 @@ class StepResult(Generic[ObsT]):
         truncated: the episode was cut short (time limit) rather than ended by
             the environment's own dynamics. Implies ``done``.
         info: extra diagnostics, carried to the client as ``info``.
+        cost: what the episode cost (:class:`~stadium._env.cost.EpisodeCost`), on the
+            result of the step that ended it, as a Stadium client receives it; the
+            server measures it (an env never sets it).
 
     ``StepResult.gym(obs, reward, terminated, truncated, info)`` builds one from
     Gymnasium's five-tuple.
@@ -72,6 +76,7 @@ class StepResult(Generic[ObsT]):
     _: dataclasses.KW_ONLY
     truncated: bool = False
     info: dict[str, Any] | None = None
+    cost: EpisodeCost | None = None
 
     def __post_init__(self) -> None:
         if self.truncated:

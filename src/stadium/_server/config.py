@@ -141,6 +141,12 @@ class ServerConfig:
             template imports once, so that sessions share them instead of importing them.
         action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
             model of an OpenEnv env class or app target, over the one it declares.
+        record: a directory each worker writes its episodes to as Parquet shards
+            (``ledger.record``, docs/RECORDING.md); empty: no recording.
+        record_sample, record_filter, record_redact: the fraction of episodes recorded
+            (chosen at reset), an expression an episode must match to be written
+            (``reward>0.9``, ``error``, ...), a ``module:function`` that redacts (or drops)
+            each episode's record before it is written.
         given: the names of the settings the operator gave (options, their environment
             variables, or values other than the defaults in code); a setting an OpenEnv
             app target's ``create_app`` was given (``max_concurrent_envs``) applies
@@ -205,6 +211,10 @@ class ServerConfig:
     preload: tuple[str, ...] = ()
     sandbox_reply_mib: int = 64
     action_model: str | None = None
+    record: str = ""
+    record_sample: float = 1.0
+    record_filter: str = ""
+    record_redact: str = ""
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
@@ -309,6 +319,16 @@ class ServerConfig:
             value=self.sandbox_reply_mib,
         )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
+        _check(
+            0 < self.record_sample <= 1,
+            "--record-sample must be a fraction above 0, at most 1 (1: every episode)",
+            value=self.record_sample,
+        )
+        _check(
+            bool(self.record)
+            or (not (self.record_filter or self.record_redact) and self.record_sample == 1),
+            "--record-sample, --record-filter and --record-redact go with --record DIR",
+        )
         _check(
             self.stall_limit == 0 or self.stall_limit >= 1,
             "--stall-limit must be 0 (off) or at least 1 second",
@@ -691,6 +711,30 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=int,
             help="Isolated sessions: MiB one reply of an env process may take in the worker, "
             "as a frame and decoded; over it: ENV_PROTOCOL [64].",
+        ),
+        click.option(
+            "--record",
+            metavar="DIR",
+            help="Write every episode (env, seed, options, actions, observations, rewards, "
+            "errors, timings, cost) to DIR as Parquet shards (docs/RECORDING.md) [off].",
+        ),
+        click.option(
+            "--record-sample",
+            type=float,
+            metavar="FRACTION",
+            help="With --record: the fraction of episodes recorded, chosen at reset [1].",
+        ),
+        click.option(
+            "--record-filter",
+            metavar="EXPR",
+            help="With --record: write only episodes matching EXPR, e.g. 'reward>0.9', "
+            "'error', 'steps>=100 and not truncated' (docs/RECORDING.md) [all].",
+        ),
+        click.option(
+            "--record-redact",
+            metavar="MODULE:FUNCTION",
+            help="With --record: a function given each episode's record (a dict) that "
+            "returns it redacted, or None to store nothing.",
         ),
     ]
     for option in reversed(options):

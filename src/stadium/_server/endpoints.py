@@ -150,7 +150,9 @@ class HttpEndpoints:
             )
         )  # fmt: skip
         self.mcp_sessions = McpSessions(runtime)
-        self._metrics = registry_for(StadiumCollector(runtime.board, runtime.publish_metrics))
+        self._metrics = registry_for(
+            StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name)
+        )
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""

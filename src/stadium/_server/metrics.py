@@ -153,11 +153,18 @@ _ISO_REPLY_BYTES, _ISO_REFUSED, _ISO_HELD, _ISO_SPILLED = range(_ISO_LIVE + 4, _
 # The env thread pool: threads, busy ones, calls waiting, stuck threads (gauges), full (counter).
 _THREADS, _BUSY, _WAITING_CALLS, _STUCK, _POOL_FULL = range(_ISO_LIVE + 8, _ISO_LIVE + 13)
 _HANDOFF_REFUSED = _ISO_LIVE + 13  # connection hand-offs refused (counter)
-WIDTH = _ISO_LIVE + 14
+# Episodes ended, then their cost summed (``ledger``): wall s, CPU s, steps, bytes in, out.
+_EPISODES = _ISO_LIVE + 14
+_EPISODE_FIELDS = 6
+# The recording (``--record``): episodes written, dropped, write failures (counters), on (gauge).
+_RECORDED = _EPISODES + _EPISODE_FIELDS
+_RECORD_FIELDS = 4
+_RECORDING = _RECORDED + 3
+WIDTH = _RECORDED + _RECORD_FIELDS
 """Float64 fields in one worker's row."""
 _GAUGES = (
     _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE,
-    _ISO_HELD, _ISO_SPILLED, _THREADS, _BUSY, _WAITING_CALLS, _STUCK,
+    _ISO_HELD, _ISO_SPILLED, _THREADS, _BUSY, _WAITING_CALLS, _STUCK, _RECORDING,
 )  # fmt: skip
 """Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 
@@ -226,9 +233,11 @@ class WorkerCounts:
 
     __slots__ = (
         "admission_wait",
+        "episodes",
         "errors",
         "opened",
         "outcomes",
+        "recording",
         "reset_seconds",
         "row",
         "step_seconds",
@@ -245,6 +254,11 @@ class WorkerCounts:
         """Sessions ended by outcome (``Runtime.outcomes``)."""
         self.opened = row[_DOORS:_STEP_H]
         """Sessions opened, one count per door of :data:`DOORS` (``Doorway.open``)."""
+        self.episodes = row[_EPISODES:_RECORDED]
+        """Episodes ended, then their wall s, CPU s, steps, bytes in, bytes out, summed
+        (``ledger.Ledger``)."""
+        self.recording = row[_RECORDED:WIDTH]
+        """Episodes recorded, dropped, write failures, and 1 while recording (``ledger``)."""
 
     @property
     def steps(self) -> int:
@@ -317,9 +331,11 @@ class StadiumCollector(Collector):
     ``flush`` writes this worker's own row first, so its part of a scrape is current.
     """
 
-    def __init__(self, board: MetricsBoard, flush: Callable[[], None]) -> None:
+    def __init__(self, board: MetricsBoard, flush: Callable[[], None], env: str = "") -> None:
         self.board = board
         self.flush = flush
+        self.env = env
+        """The env's name: the ``env`` label of the episode metrics."""
 
     def collect(self) -> Iterator[Metric]:
         self.flush()
@@ -432,11 +448,45 @@ class StadiumCollector(Collector):
             "a descriptor that is not a connected TCP socket, a bad message, too many pending.",
             total(_HANDOFF_REFUSED),
         )
+        yield from _episode_metrics(self.env, total)
         for name, doc, field, kind in per_worker:
             family = kind(name, f"{doc} Per worker (label: its pid).", labels=["worker"])
             for r in rows:
                 family.add_metric([str(int(r[_PID]))], r[field])
             yield family
+
+
+_EPISODE_METRICS = (
+    ("stadium_episodes", "Episodes ended (done, truncated, reset again, or their session "
+     "closed).", _EPISODES),
+    ("stadium_episode_wall_seconds", "Episodes' wall time: reset's arrival to the last reply "
+     "(docs/PROTOCOL.md, Episode cost).", _EPISODES + 1),
+    ("stadium_episode_cpu_seconds", "Env CPU seconds spent in episodes' reset and steps "
+     "(docs/PROTOCOL.md, Episode cost).", _EPISODES + 2),
+    ("stadium_episode_steps", "Steps answered in ended episodes.", _EPISODES + 3),
+    ("stadium_episode_received_bytes", "Bytes of ended episodes' request frames.",
+     _EPISODES + 4),
+    ("stadium_episode_sent_bytes", "Bytes of ended episodes' reply frames.", _EPISODES + 5),
+    ("stadium_recorded_episodes", "Episodes written to --record shards.", _RECORDED),
+    ("stadium_record_dropped_episodes", "Episodes --record chose but did not write (queue "
+     "full, disk full, an episode over its bound).", _RECORDED + 1),
+    ("stadium_record_write_errors", "Shard writes that failed (full disk, ...): "
+     "recording paused.", _RECORDED + 2),
+)  # fmt: skip
+
+
+def _episode_metrics(env: str, total: Callable[[int], float]) -> Iterator[Metric]:
+    """The episode ledger's metrics, labelled with the env's name."""
+    for name, doc, field in _EPISODE_METRICS:
+        family = CounterMetricFamily(name, doc, labels=["env"])
+        family.add_metric([env], total(field))
+        yield family
+    recording = GaugeMetricFamily(
+        "stadium_recording", "Workers writing --record shards now (0: off or paused).",
+        labels=["env"],
+    )  # fmt: skip
+    recording.add_metric([env], total(_RECORDING))
+    yield recording
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -24,6 +24,7 @@ from stadium._server.admission import Admission
 from stadium._server.doorway import Doorway
 from stadium._server.durable import Durable
 from stadium._server.invoke import Invoker
+from stadium._server.ledger import Ledger, RecordConfig
 from stadium._server.metrics import FLUSH_INTERVAL_S, MetricsBoard, WorkerCounts
 from stadium._util.throttle import DistinctErrorLog
 
@@ -124,6 +125,8 @@ class Runtime:
             connection is lost, for the client to resume it (0: no resume).
         durable: the store resumable sessions are written to after each reply, to be
             restored by any worker after theirs died (``--durable``).
+        record: ``--record``'s configuration (episodes written as Parquet shards), or
+            ``None``.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class Runtime:
         board: MetricsBoard | None = None,
         resume_grace: float = 0.0,
         durable: Durable | None = None,
+        record: RecordConfig | None = None,
     ) -> None:
         self.limits = limits
         self.debug_errors = debug_errors
@@ -187,6 +191,8 @@ class Runtime:
         self.step_seconds = counts.step_seconds
         self.reset_seconds = counts.reset_seconds
         self.admission_wait = counts.admission_wait
+        self.ledger = Ledger(spec, counts.episodes, record, counts.recording)
+        """Episodes' cost, summed into the metrics; the recorder (``ledger``)."""
         self.open_connections: Callable[[], int] = lambda: len(self.sessions)
         self.handoff_refused: Callable[[], int] = lambda: 0
         """Connection hand-offs refused so far (set by the transport that takes them)."""
@@ -318,6 +324,7 @@ class Runtime:
             self._flusher = None
             self.publish_metrics()
         self.invoke.shutdown()
+        self.ledger.close()
         if self.isolation is not None:
             self.isolation.shutdown()
 

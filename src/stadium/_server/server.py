@@ -55,7 +55,13 @@ from stadium._server.store import store_from_url
 from stadium._server.supervisor import Supervisor
 from stadium._server.transports.handoff import Handoff, private_dir
 from stadium._server.transports.picows import PicowsTransport
-from stadium._server.worker import Worker, isolation_config, startup_warnings, untrusted_spec
+from stadium._server.worker import (
+    Worker,
+    isolation_config,
+    record_config,
+    startup_warnings,
+    untrusted_spec,
+)
 from stadium._util.process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
 from stadium._util.throttle import Throttle
 
@@ -527,6 +533,7 @@ def run_server(config: ServerConfig) -> int:
         config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
         spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
         isolation_config(config, env_cls)  # fail fast, before binding, on unusable limits
+    record_config(config, check=True)  # and on a --record-filter or --record-redact
     for warning in startup_warnings(config, env_cls):  # openenv.yaml limits left unenforced
         log.warning("%s", warning)
     check_fd_budget(config, raise_nofile_limit())

@@ -24,6 +24,7 @@ import os
 import uuid
 from bisect import bisect_left
 from collections.abc import Callable
+from time import perf_counter as _clock
 from typing import Any
 
 from stadium._core import mcp as _mcp
@@ -42,8 +43,10 @@ from stadium._errors import (
 from stadium._server.admission import Verdict
 from stadium._server.doorway import Door, Pass
 from stadium._server.durable import SessionRecord
+from stadium._server.episodes import EpisodeAccounts
 from stadium._server.invoke import EAGER_TASKS, awaited
-from stadium._server.resumable import ResumableSession, Where
+from stadium._server.ledger import ThreadTimed
+from stadium._server.resumable import Where
 from stadium._server.runtime import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -59,6 +62,7 @@ from stadium._server.runtime import (
     Phase,
     Runtime,
 )
+from stadium._server.session_mcp import SESSION_METHODS, session_method
 from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
@@ -82,7 +86,7 @@ def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-class Session(ResumableSession):
+class Session(EpisodeAccounts):
     """One session: admission, environment, ordered request processing, replies."""
 
     __slots__ = (
@@ -138,6 +142,7 @@ class Session(ResumableSession):
         self._close_after = (CLOSE_GOING_AWAY, "server closing session")
         self._queued_at = 0.0
         self._sid: str | None = None
+        self._no_episode()
         self.outcome = "completed"
         """How it ends, for ``stadium_sessions_total`` (``errored``, ``reaped`` set on the way)."""
         self.resume_id: str | None = None
@@ -225,12 +230,12 @@ class Session(ResumableSession):
         if call is None:
             return False
         self.last_active = now
+        self._ep_in += len(message)
         rt = self.runtime
         mode = rt.spec.step_mode
         if mode is _POOL or (mode is _TASK and not EAGER_TASKS):
-            pending = rt.invoke.run(
-                self.loop, mode, self.env.step, (call.action,), self._on_done, call
-            )
+            step = ThreadTimed(self.env.step, self) if mode is _POOL else self.env.step
+            pending = rt.invoke.run(self.loop, mode, step, (call.action,), self._on_done, call)
             if pending is not None:
                 self._call = call
                 self._task = pending
@@ -238,6 +243,7 @@ class Session(ResumableSession):
         # Invoker.run's inline and eager-task cases, inlined: the batch's per-step path is
         # the session's (measured: Invoker.run + _settle + _on_done were half of it).
         try:
+            t0 = _clock()
             if mode is _TASK:
                 task: asyncio.Task[Any] = asyncio.Task(
                     self.env.step(call.action),
@@ -245,19 +251,25 @@ class Session(ResumableSession):
                     eager_start=True,  # type: ignore[call-arg,unused-ignore]
                 )
                 if not task.done():  # it waits: as Invoker.run would go on
+                    self._ep_cpu += _clock() - t0
                     self._call = call
                     self._task = rt.invoke.follow(self.loop, task, None, None, self._on_done, call)
                     return True
                 result = task.result()
             else:
                 result = self.env.step(call.action)
+            self._ep_cpu += _clock() - t0
             # _reply for a step, inlined (one Python call less per batched step)
             frame = self.protocol.observation_reply(call, result)
             hist = rt.step_seconds
-            took = self.loop.time() - now
+            end = self.loop.time()
+            took = end - now
             counts = hist.counts
             counts[bisect_left(hist.bounds, took)] += 1
             counts[-1] += took
+            self._ep_out += len(frame)
+            if self.protocol.ended or self._ep_log is not None:
+                frame = self._episode_step(call, frame, took, end, result)
         except Exception as exc:  # the env raised, or its observation cannot be encoded
             self._fail(call, exc)
             return True
@@ -465,14 +477,22 @@ class Session(ResumableSession):
         rt = self.runtime
         spec = rt.spec
         if op is _STEP:
-            if call.timeout_s is None:
-                pending = rt.invoke.run(self.loop, spec.step_mode, self.env.step, (call.action,),
-                                        self._on_done, call)  # fmt: skip
-            else:
-                pending = self._step_limited(call)
+            self._ep_in += len(message)
+            mode = spec.step_mode
+            if mode is _POOL:  # the pool thread's own CPU clock
+                pending = self._step_pooled(call)
+            else:  # on the loop: timed from here to _reply (or to its first suspension)
+                self._t0 = t0 = _clock()
+                if call.timeout_s is None:
+                    pending = rt.invoke.run(self.loop, mode, self.env.step, (call.action,),
+                                            self._on_done, call)  # fmt: skip
+                else:
+                    pending = self._step_limited(call, self.env.step)
+                if pending is not None and self._t0:  # it suspended: its part so far
+                    self._ep_cpu += _clock() - t0
+                    self._t0 = 0.0
         elif op is Op.RESET:
-            reset = functools.partial(self.env.reset, **call.reset_kwargs)
-            pending = rt.invoke.run(self.loop, spec.reset_mode, reset, (), self._on_done, call)
+            pending = self._reset(call, len(message))
         elif op is _STATE:
             try:
                 state = self.env.state
@@ -533,8 +553,8 @@ class Session(ResumableSession):
             self.channel.send(self.protocol.mcp_reply(call, req))
             return None
         rt = self.runtime
-        if req.method in _SESSION_METHODS:  # OpenEnv's session methods, on this session
-            own = functools.partial(_session_method, rt, self._attach or self.resume_id or self.sid)
+        if req.method in SESSION_METHODS:  # OpenEnv's session methods, on this session
+            own = functools.partial(session_method, rt, self._attach or self.resume_id or self.sid)
             return rt.invoke.run(self.loop, CallMode.TASK, own, (req,), self._on_done, call)
         dispatch = functools.partial(
             _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe
@@ -543,11 +563,10 @@ class Session(ResumableSession):
             self.loop, CallMode.TASK, dispatch, (self.env, req), self._on_done, call
         )
 
-    def _step_limited(self, call: Call) -> asyncio.Future[Any] | None:
+    def _step_limited(self, call: Call, step: Callable[..., Any]) -> asyncio.Future[Any] | None:
         """A step that brought its own ``timeout_s``: bounded by it (and ``--step-timeout``),
         and given to an env whose ``step`` takes it (OpenEnv's)."""
         rt = self.runtime
-        step = self.env.step
         if rt.step_takes_timeout_s:
             step = functools.partial(step, timeout_s=call.timeout_s)
         return rt.invoke.run(
@@ -579,21 +598,31 @@ class Session(ResumableSession):
         protocol = self.protocol
         op = call.op
         if op is _STATE:
-            frame = protocol.state_reply(call, result)
+            frame = self._state_cost(protocol.state_reply(call, result))
         elif op is _MCP:  # a JSON-RPC response (or error object): an ``mcp`` frame
             frame = protocol.mcp_reply(call, result)
         elif op is Op.FORK:  # an isolated env's, forked off the loop (_fork_later)
             frame = protocol.forked_reply(call, result)
         else:
+            t0 = self._t0
+            if t0:  # the env call ran on the loop: its time (docs/PROTOCOL.md, Episode cost)
+                self._ep_cpu += _clock() - t0
+                self._t0 = 0.0
             frame = protocol.observation_reply(call, result)
             rt = self.runtime
             # Timed from the request's arrival (the session's last message) to its reply;
             # the step histogram's count is the step count (``Runtime.steps_total``).
             hist = rt.step_seconds if op is _STEP else rt.reset_seconds
-            took = self.loop.time() - self.last_active
+            end = self.loop.time()
+            took = end - self.last_active
             counts = hist.counts
             counts[bisect_left(hist.bounds, took)] += 1
             counts[-1] += took
+            self._ep_out += len(frame)
+            if op is not _STEP:
+                self._episode_reset(call, frame)
+            elif protocol.ended or self._ep_log is not None:
+                frame = self._episode_step(call, frame, took, end, result)
         self.channel.send(frame)
 
     def _fail(self, call: Call, exc: BaseException) -> None:
@@ -627,7 +656,11 @@ class Session(ResumableSession):
 
     def _send_error(self, call: Call | None, err: StadiumError) -> None:
         self.runtime.errors_total[str(err.code)] += 1
-        self.channel.send(self.protocol.error_reply(call, err))
+        self._t0 = 0.0
+        frame = self.protocol.error_reply(call, err)
+        if call is not None and self._ep_start:  # an error in the running episode
+            self._episode_error(call, frame, err)
+        self.channel.send(frame)
 
     def _fork(self, call: Call) -> asyncio.Future[Any] | None:
         """``fork``: a new session from this one's snapshot, its env restored from it, held
@@ -712,6 +745,7 @@ class Session(ResumableSession):
     def _teardown(self) -> None:
         phase = self.phase
         self.phase = Phase.CLOSED
+        self._episode_closed()
         self.protocol.close()
         self._pending = None
         rt = self.runtime
@@ -749,30 +783,6 @@ class Session(ResumableSession):
 
 
 _CLOSE_ERRORS = ThrottledLog(log, logging.WARNING)
-
-_SESSION_METHODS = frozenset({"openenv/session/create", "openenv/session/close"})
-
-
-async def _session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[str, Any]:
-    """OpenEnv's session methods sent as an ``mcp`` message on ``/ws``, as OpenEnv 0.10
-    answers them: ``create`` returns this session's own id (no new session); ``close``
-    of this session is refused (close the WebSocket instead), of an HTTP MCP session
-    closes it."""
-    if req.method == "openenv/session/create":
-        return _mcp.success(req.id, {"session_id": own_id})
-    sid = req.params.get("session_id")
-    if not isinstance(sid, str) or not sid:
-        return _mcp.error(req.id, _mcp.INVALID_PARAMS, "Invalid params - 'session_id' is required")
-    if sid == own_id:
-        return _mcp.error(
-            req.id, _mcp.INVALID_REQUEST,
-            "Cannot close active WebSocket-managed session via MCP method",
-        )  # fmt: skip
-    close = rt.close_mcp_session
-    if close is None or not await close(sid):
-        return _mcp.error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid}")
-    return _mcp.success(req.id, {"session_id": sid, "closed": True})
-
 
 _QUIET_OUTCOMES = frozenset({"completed"})
 

@@ -48,6 +48,8 @@ from stadium._server.isolation.manifest import (
 from stadium._server.isolation.remote import Description, describe_remote, remote_spec
 from stadium._server.isolation.seccomp import seccomp_unavailable
 from stadium._server.isolation.wire import WireLimits
+from stadium._server.ledger import RecordConfig
+from stadium._server.ledger.record import load_redactor
 from stadium._server.loader import add_to_path, load_target, target_files
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
@@ -92,6 +94,24 @@ def _store(config: ServerConfig) -> Durable:
 
 def _name(env_cls: type[Any] | None) -> str:
     return str(getattr(env_cls, "name", None) or getattr(env_cls, "__name__", "the env"))
+
+
+def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig | None:
+    """``--record`` and its companions, or ``None`` (no recording); ``check``: import the
+    ``--record-redact`` function and pyarrow too (ConfigError if they cannot be)."""
+    if not config.record:
+        return None
+    record = RecordConfig(
+        config.record, config.record_sample, config.record_filter, config.record_redact
+    )
+    if check:
+        load_redactor(record.redact)
+        try:  # here, before the workers fork: they share its pages
+            import pyarrow.json
+            import pyarrow.parquet  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"--record needs pyarrow ({exc}): pip install pyarrow") from None
+    return record
 
 
 def isolation_mode(config: ServerConfig, env_cls: type[Any] | None) -> str:
@@ -301,6 +321,7 @@ class Worker:
             board=board,
             resume_grace=config.resume_grace,
             durable=durable,
+            record=record_config(config),
         )
         runtime.isolation = isolation
         endpoints = HttpEndpoints(runtime, workers=config.workers)

@@ -1,0 +1,217 @@
+"""The episode ledger's part of a session: :class:`EpisodeAccounts`, a base of
+:class:`~stadium._server.session.Session` (over its resume half, ``resumable``).
+
+The per-step accounting stays inline in the session's step path (a few additions into
+its slots: the request's and the reply's bytes, the env call's time); what runs once per
+episode is here: a reset begins an episode (ending the running one), its reply starts the
+recording when ``--record`` keeps it, each step is kept by reference, and the end counts
+the cost into the worker's :class:`~stadium._server.ledger.Ledger`, hands the episode to
+the recorder and splices the cost into the reply that ended it. docs/PROTOCOL.md
+("Episode cost") defines each figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stadium._core.protocol import Call, Encoding
+from stadium._env.cost import EpisodeCost
+from stadium._env.spec import CallMode
+from stadium._errors import StadiumError
+from stadium._server.ledger import EndReason, Episode, ThreadTimed, usage, with_cost
+from stadium._server.resumable import ResumableSession
+
+_clock = time.perf_counter
+_POOL = CallMode.POOL
+_STEP_OP = "step"
+
+
+class EpisodeAccounts(ResumableSession):
+    """The running episode's ledger of one session (module doc); the session's resume half
+    (:class:`~stadium._server.resumable.ResumableSession`) below it."""
+
+    # The session's state this part writes (see _no_episode).
+    __slots__ = (
+        "_ep_clipped",
+        "_ep_cpu",
+        "_ep_in",
+        "_ep_log",
+        "_ep_out",
+        "_ep_proc",
+        "_ep_reset",
+        "_ep_start",
+        "_t0",
+    )
+
+    _ep_start: float
+    _ep_cpu: float
+    _ep_in: int
+    _ep_out: int
+    _t0: float
+    _ep_log: list[tuple[Any, bytes | str, float]] | None
+    _ep_reset: tuple[Call, bytes, float] | None
+    _ep_proc: tuple[int, float] | None
+    _ep_clipped: bool
+
+    def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
+        raise NotImplementedError  # Session's
+
+    def _no_episode(self) -> None:
+        """No episode yet: the ledger's slots at rest."""
+        self._ep_start = 0.0  # on the loop's clock; 0: no episode running
+        self._ep_cpu = 0.0  # the env's CPU seconds in this episode
+        self._ep_in = 0  # request bytes
+        self._ep_out = 0  # reply bytes
+        self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
+        self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
+        self._ep_reset = None  # the reset call, its reply, its Unix time (recorded)
+        self._ep_proc = None  # an isolated env process's pid and CPU seconds at the reset
+        self._ep_clipped = False
+
+    def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
+        """Run a reset (its request ``size`` bytes): the running episode, if any, ends; the
+        new one is accounted from the reset's arrival, the reset's env time included."""
+        if self._ep_start:
+            self._episode_over(EndReason.RESET, self.last_active, None)
+        self._ep_start = self.last_active
+        self._ep_cpu = 0.0
+        self._ep_in = size
+        self._ep_out = 0
+        self._ep_log = None
+        self._ep_reset = None
+        self._ep_clipped = False
+        rt = self.runtime
+        reset: Callable[[], Any] = functools.partial(self.env.reset, **call.reset_kwargs)
+        mode = rt.spec.reset_mode
+        t0 = 0.0
+        if mode is _POOL:
+            reset = ThreadTimed(reset, self)
+        else:
+            self._t0 = t0 = _clock()
+        pending = rt.invoke.run(self.loop, mode, reset, (), self._on_done, call)
+        if pending is not None and self._t0:  # it suspended: its part so far
+            self._ep_cpu += _clock() - t0
+            self._t0 = 0.0
+        return pending
+
+    def _episode_reset(self, call: Call, frame: bytes) -> None:
+        """The reset's reply: an isolated env process's CPU and peak memory are read from
+        here; the episode's recording starts, if ``--record`` keeps it."""
+        if self.runtime.isolation is not None:
+            self._ep_proc = None
+            pid = usage.env_pid(self.env)
+            if pid is not None and (cpu := usage.cpu_seconds(pid)) is not None:
+                usage.reset_peak(pid)
+                self._ep_proc = (pid, cpu)
+        recorder = self.runtime.ledger.recorder
+        if recorder is not None and self._ep_start and recorder.wants():
+            self._ep_log = []
+            self._ep_reset = (call, frame, time.time())
+
+    def _keep(self, action: Any, reply: bytes | str, took: float) -> None:
+        """Record one step of the episode (by reference: encoded in the writer thread),
+        while the episode's frames stay within the recording's per-episode bound."""
+        log = self._ep_log
+        assert log is not None
+        if self._ep_in + self._ep_out > self.runtime.ledger.episode_bytes:
+            self._ep_clipped = True
+            return
+        log.append((action, reply, took))
+
+    def _step_pooled(self, call: Call) -> asyncio.Future[Any] | None:
+        """A step of an env whose ``step`` blocks: on the pool, timed by the pool thread's
+        own CPU clock (:class:`~stadium._server.ledger.ThreadTimed`)."""
+        rt = self.runtime
+        step = ThreadTimed(self.env.step, self)
+        if call.timeout_s is None:
+            return rt.invoke.run(self.loop, _POOL, step, (call.action,), self._on_done, call)
+        return self._step_limited(call, step)
+
+    def _step_limited(self, call: Call, step: Callable[..., Any]) -> asyncio.Future[Any] | None:
+        raise NotImplementedError  # Session's
+
+    def _episode_step(
+        self, call: Call, frame: bytes, took: float, end: float, result: Any
+    ) -> bytes:
+        """A step's reply (``frame``, ``took`` seconds after its request, at ``end``) in a
+        recorded episode or ending one: kept, and the cost added when it ended."""
+        if self._ep_log is not None:
+            self._keep(call.action, frame, took)
+        if self.protocol.ended and self._ep_start:
+            return self._episode_over(ended_by(result), end, frame)
+        return frame
+
+    def _episode_error(self, call: Call, frame: bytes, err: StadiumError) -> None:
+        """An error reply (``frame``) to ``call`` in the running episode."""
+        self._ep_out += len(frame)
+        if self._ep_log is not None and call.op.name.lower() == _STEP_OP:
+            self._keep(call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
+
+    def _cost(self, now: float) -> EpisodeCost:
+        """The running episode's cost up to ``now`` (the loop's clock)."""
+        cpu, source, peak = self._ep_cpu, self.runtime.ledger.cpu_source, None
+        if self.runtime.isolation is not None:  # the env process's, not the proxy's
+            cpu, source = 0.0, "unmeasured"
+            started = self._ep_proc
+            if started is not None and usage.env_pid(self.env) == started[0]:
+                now_cpu = usage.cpu_seconds(started[0])
+                if now_cpu is not None:
+                    cpu, source = max(0.0, now_cpu - started[1]), "process"
+                    peak = usage.peak_rss(started[0])
+        return EpisodeCost(
+            wall_s=max(0.0, now - self._ep_start),
+            cpu_s=cpu,
+            steps=self.protocol.step_count,
+            bytes_in=self._ep_in,
+            bytes_out=self._ep_out,
+            peak_rss_bytes=peak,
+            cpu_source=source,
+        )
+
+    def _state_cost(self, frame: bytes) -> bytes:
+        """A ``state`` reply with the running episode's cost so far as its ``cost`` (none
+        when no episode runs)."""
+        if not self._ep_start:
+            return frame
+        return with_cost(
+            frame, self._cost(self.loop.time()), self.protocol.encoding is Encoding.JSON
+        )
+
+    def _episode_closed(self) -> None:
+        """The session ends: so does its running episode, if any."""
+        if self._ep_start:
+            self._episode_over(EndReason.CLOSED, self.loop.time(), None)
+
+    def _episode_over(self, end: EndReason, now: float, frame: bytes | None) -> bytes:
+        """The running episode ended (``now``, on the loop's clock): counted, recorded if
+        kept; returns ``frame`` (the reply that ended it) with its cost (``b""`` if none)."""
+        ledger = self.runtime.ledger
+        protocol = self.protocol
+        cost = self._cost(now)
+        self._ep_start = 0.0
+        ledger.ended(cost)
+        json = protocol.encoding is Encoding.JSON
+        log, reset = self._ep_log, self._ep_reset
+        self._ep_log = self._ep_reset = None
+        if log is not None and reset is not None and ledger.recorder is not None:
+            call, reset_frame, started = reset
+            episode = Episode(
+                call.episode_id, started, call.seed, call.options, reset_frame, log, end, cost,
+                clipped=self._ep_clipped, json=json,
+            )  # fmt: skip
+            ledger.recorder.submit(episode, cost.bytes_in + cost.bytes_out)
+        if frame is None:
+            return b""
+        return with_cost(frame, cost, json)
+
+
+def ended_by(result: Any) -> EndReason:
+    """How a step's result ended its episode (it is ``done``)."""
+    return EndReason.TRUNCATED if getattr(result, "truncated", False) else EndReason.DONE
+
+
+__all__ = ["EpisodeAccounts", "ended_by"]

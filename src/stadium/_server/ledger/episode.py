@@ -1,0 +1,90 @@
+"""One episode as a session accounts for it: how it ended, the cost spliced into the reply
+that ended it, the pool-thread CPU clock, and what the recorder is handed.
+
+The per-step accounting lives in :class:`~stadium._server.session.Session` itself (a few
+additions into its slots, see docs/PROTOCOL.md "Episode cost"); this module holds what
+runs once per episode, or inside the env's own pool thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from stadium._env.cost import EpisodeCost
+
+_thread_time = time.thread_time
+
+
+class EndReason(enum.Enum):
+    """How an episode ended (the recording's ``end`` column)."""
+
+    DONE = "done"
+    """A step answered ``done`` (not truncated)."""
+    TRUNCATED = "truncated"
+    """A step answered ``truncated``."""
+    RESET = "reset"
+    """A new ``reset`` began before the episode was done."""
+    CLOSED = "closed"
+    """The session ended (closed, lost, reaped, an error) before the episode was done."""
+
+
+class ThreadTimed:
+    """An env method run on the env pool thread, its CPU time added to its session's
+    episode (``Session._ep_cpu``): the thread's own CPU clock read before and after, in
+    that thread (two ``clock_gettime(CLOCK_THREAD_CPUTIME_ID)``: ~1.5 µs, against the
+    pool's hand-off of tens of µs)."""
+
+    __slots__ = ("fn", "session")
+
+    def __init__(self, fn: Callable[..., Any], session: Any) -> None:
+        self.fn = fn
+        self.session = session
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = _thread_time()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:  # one writer at a time: a session has one call running
+            self.session._ep_cpu += _thread_time() - start
+
+
+_COST_ENCODER = msgspec.json.Encoder()
+
+
+def with_cost(frame: bytes, cost: EpisodeCost, json: bool) -> bytes:
+    """``frame`` (an observation reply) with ``cost`` as its top-level ``cost`` member:
+    spliced before the JSON object's closing brace, or the MessagePack map re-encoded
+    (once per episode)."""
+    if json:
+        return frame[:-1] + b',"cost":' + _COST_ENCODER.encode(cost) + b"}"
+    data = msgspec.msgpack.decode(frame)
+    data["cost"] = msgspec.to_builtins(cost)
+    return msgspec.msgpack.encode(data)
+
+
+class Episode(msgspec.Struct):
+    """What the recorder is handed when an episode ends (decoded and written in its
+    thread): the reset, each step as ``(action, reply frame or error text, seconds)``,
+    and the cost."""
+
+    episode_id: str | None
+    started_at: float
+    """Unix time of the reset's reply."""
+    seed: int | None
+    options: dict[str, Any] | None
+    reset_frame: bytes
+    steps: list[tuple[Any, bytes | str, float]]
+    end: EndReason
+    cost: EpisodeCost
+    clipped: bool = False
+    """Steps past the recording's per-episode bound were not kept."""
+    json: bool = True
+    """The frames are JSON (else MessagePack)."""
+
+
+__all__ = ["EndReason", "Episode", "ThreadTimed", "with_cost"]
