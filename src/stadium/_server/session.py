@@ -30,8 +30,8 @@ from typing import Any
 from stadium._core import mcp as _mcp
 from stadium._core.limits import Bucket
 from stadium._core.protocol import BatchCall, Call, Encoding, Op, SessionProtocol
-from stadium._core.resume import NOWHERE, ResumeAsk, ResumeChannel, Target
-from stadium._env.snapshot import restore_env, snapshot_env
+from stadium._core.resume import ResumeAsk, ResumeChannel, Target
+from stadium._env.snapshot import restore_env
 from stadium._env.spec import CallMode
 from stadium._errors import (
     CallTimeoutError,
@@ -44,6 +44,7 @@ from stadium._server.admission import Verdict
 from stadium._server.doorway import Door, Pass
 from stadium._server.durable import SessionRecord
 from stadium._server.episodes import EpisodeAccounts
+from stadium._server.forking import ForkingSession
 from stadium._server.invoke import EAGER_TASKS, awaited
 from stadium._server.ledger import ThreadTimed
 from stadium._server.resumable import Where
@@ -56,7 +57,6 @@ from stadium._server.runtime import (
     CLOSE_TRY_AGAIN_LATER,
     MAX_PENDING,
     MAX_PENDING_BYTES,
-    NODE_NAME,
     SESSION_ID,
     Channel,
     Phase,
@@ -86,7 +86,7 @@ def _new_episode_id() -> str:
     return uuid.uuid4().hex
 
 
-class Session(EpisodeAccounts):
+class Session(ForkingSession, EpisodeAccounts):
     """One session: admission, environment, ordered request processing, replies."""
 
     __slots__ = (
@@ -661,79 +661,6 @@ class Session(EpisodeAccounts):
         if call is not None and self._ep_start:  # an error in the running episode
             self._episode_error(call, frame, err)
         self.channel.send(frame)
-
-    def _fork(self, call: Call) -> asyncio.Future[Any] | None:
-        """``fork``: a new session from this one's snapshot, its env restored from it, held
-        detached (as a lost session is) until a client resumes it with the id and token of
-        the ``forked`` reply. Charged to this session's client (its quota and its bucket)
-        and takes a slot of its own at once (``CAPACITY_REACHED`` if either is full). An
-        isolated env's process forks first, off the loop (``prepare_fork``; a step's wait)."""
-        rt = self.runtime
-        if self.resume_id is None or rt.resume_grace <= 0:
-            self._send_error(
-                call,
-                SessionError(
-                    "fork needs a resumable session: open it with ?stadium_resume=1 (Stadium's "
-                    "clients do) on a server whose --resume-grace is above 0"
-                ),
-            )
-            return None
-        doors = rt.doors
-        try:
-            charged = doors.admit_now(Door.FORK, self.client, self.loop.time())
-        except CapacityError as err:
-            self._send_error(call, err)
-            return None
-        run, on_done = rt.invoke.run, self._on_done
-        prepare = getattr(self.env, "prepare_fork", None)
-        if prepare is None:  # in-process: the copy made now
-            return run(self.loop, CallMode.INLINE, self._forked, (charged,), on_done, call)
-        return run(self.loop, CallMode.TASK, self._fork_later, (prepare, charged), on_done, call)
-
-    async def _fork_later(self, prepare: Any, charged: Pass) -> dict[str, Any]:
-        try:  # the env's process forks, off the loop
-            await prepare()
-        except BaseException:
-            self.runtime.doors.release(charged, self.loop.time())
-            raise
-        return self._forked(charged)
-
-    def _forked(self, charged: Pass) -> dict[str, Any]:
-        """The fork: a new session holding a copy of this one's env; the reply's data."""
-        rt = self.runtime
-        try:
-            env = restore_env(rt.new_env, snapshot_env(self.env))
-        except BaseException:
-            rt.doors.release(charged, self.loop.time())
-            raise
-        sid, token = rt.doors.mint()
-        child = Session(
-            rt, NOWHERE, self.protocol.encoding, self.loop, client=self.client, resume=(sid, token)
-        )
-        child._adopt(env, self.protocol, charged)
-        return {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
-
-    def _adopt(self, env: Any, parent: SessionProtocol, charged: Pass) -> None:
-        """Become a fork holding ``env`` (its slot and charge: ``charged``), with
-        ``parent``'s episode; detached, waiting for its client."""
-        rt = self.runtime
-        self._pass = charged
-        self._bucket = charged.bucket
-        rt.sessions.add(self)
-        rt.doors.open(Door.FORK)
-        rt.outcomes["forked"] += 1
-        self.env = env
-        protocol = self.protocol
-        protocol.state = parent.state
-        protocol.episode_id = parent.episode_id
-        protocol.step_count = parent.step_count
-        self.phase = Phase.OPEN
-        channel = self.channel
-        assert isinstance(channel, ResumeChannel)
-        if rt.durable is not None:
-            channel.persist = self._persist
-            self._persist(None)
-        self._detach(channel)
 
     # -- teardown ---------------------------------------------------------------
 

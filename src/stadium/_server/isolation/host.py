@@ -49,13 +49,11 @@ from stadium._errors import (
     LimitExceededError,
     SnapshotError,
     StadiumError,
-    ToolCallError,
-    error_from_wire,
 )
 from stadium._server.isolation import wire
 from stadium._server.isolation.netns import Networks, SessionNet
 from stadium._server.isolation.output import OutputReader
-from stadium._server.isolation.proc import EnvProcess, Gone, WireStats
+from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
 from stadium._server.isolation.reaper import Reaper
 from stadium._server.isolation.sandbox import Cgroups, Limits, UidLease, bwrap_argv
 from stadium._util.throttle import ThrottledLog
@@ -713,7 +711,7 @@ class Isolation:
                     operation=op, limit="pids", value=self.limits.pids,
                 )  # fmt: skip
         if reply.data is not None:  # a Stadium error: itself
-            return _foreign(reply)  # type: ignore[return-value]
+            return foreign_error(reply)  # type: ignore[return-value]
         return ExecutionError(
             f"{op} raised {reply.exception}: {reply.message}", exception=reply.exception,
             operation=op,
@@ -754,27 +752,6 @@ class Isolation:
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)
             self._spill_dir = None
-
-
-_FOREIGN: dict[str, type[Exception]] = {}
-
-
-def _foreign(reply: wire.Raised) -> Exception:
-    """The exception an env process reported, raised again in the worker: a Stadium error
-    as itself (code, context), any other as an exception of the same type name and message
-    (so that error replies read as in-process)."""
-    name, message, data = reply.exception, reply.message, reply.data
-    if data is not None:
-        context = {k: v for k, v in data.items() if k not in ("message", "code")}
-        if name == "ToolCallError":
-            return ToolCallError(message, **context)
-        return error_from_wire(data)
-    cls = _FOREIGN.get(name)
-    if cls is None:
-        if len(_FOREIGN) >= 256:
-            _FOREIGN.clear()
-        cls = _FOREIGN[name] = type(name, (Exception,), {"__module__": "stadium.isolated"})
-    return cls(message)
 
 
 def _forged(why: str) -> EnvProtocolError:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from stadium._errors import EnvProtocolError
+from stadium._errors import EnvProtocolError, ToolCallError, error_from_wire
 from stadium._server.isolation import wire
 from stadium._server.isolation.netns import SessionNet
 from stadium._server.isolation.reaper import Reaper
@@ -314,3 +314,24 @@ class EnvProcess:
                 self.sock.close()
             else:
                 reaper.close_fd(self.sock.detach())
+
+
+_FOREIGN: dict[str, type[Exception]] = {}
+
+
+def foreign_error(reply: wire.Raised) -> Exception:
+    """The exception an env process reported, raised again in the worker: a Stadium error
+    as itself (code, context), any other as an exception of the same type name and message
+    (so that error replies read as in-process)."""
+    name, message, data = reply.exception, reply.message, reply.data
+    if data is not None:
+        context = {k: v for k, v in data.items() if k not in ("message", "code")}
+        if name == "ToolCallError":
+            return ToolCallError(message, **context)
+        return error_from_wire(data)
+    cls = _FOREIGN.get(name)
+    if cls is None:
+        if len(_FOREIGN) >= 256:
+            _FOREIGN.clear()
+        cls = _FOREIGN[name] = type(name, (Exception,), {"__module__": "stadium.isolated"})
+    return cls(message)

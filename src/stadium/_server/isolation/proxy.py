@@ -33,8 +33,8 @@ from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
 from stadium._server.durable import INLINE_BYTES, MAX_RECORD_BYTES
 from stadium._server.isolation import wire
-from stadium._server.isolation.host import FORK_S, Isolation, _foreign
-from stadium._server.isolation.proc import EnvProcess, Gone
+from stadium._server.isolation.host import FORK_S, Isolation
+from stadium._server.isolation.proc import EnvProcess, Gone, foreign_error
 
 #: A durable snapshot larger than this is spilled to a file (see the module docstring).
 SPILL_BYTES = INLINE_BYTES
@@ -335,7 +335,7 @@ class ToolProcessEnv(ProcessEnv):
         proc = await self._process(op, fresh)
         reply = await self._request(proc, op, body, decoder)
         if isinstance(reply, wire.Raised):
-            raise _foreign(reply)
+            raise foreign_error(reply)
         return reply
 
 
