@@ -110,7 +110,7 @@ async def test_a_session_never_holds_the_servers_stdio_or_terminal(
     ours = [line for line in lines if MARK in line]
     assert len(ours) == expected, lines  # stdout, stderr (, /proc/self/fd/1)
     for line in ours:
-        assert line.startswith("[env process ") or line.startswith("[session ")
+        assert line.startswith(f"[session {os.getpid()}."), line  # the session's short id
         assert "\x1b" not in line
         assert "\x07" not in line
         assert "\\x1b]0;owned\\x07" in line

@@ -97,6 +97,9 @@ class ForkingSession:
         rt.doors.open(Door.FORK)
         rt.outcomes["forked"] += 1
         self.env = env
+        bind = getattr(env, "bind_session", None)  # an isolated env: its output's log tag
+        if bind is not None:
+            bind(self.sid)
         protocol = self.protocol
         protocol.state = parent.state
         protocol.episode_id = parent.episode_id

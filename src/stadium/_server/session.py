@@ -411,6 +411,9 @@ class Session(ForkingSession, EpisodeAccounts):
                 self._fail_start(error)
             return
         self.env = env
+        bind = getattr(env, "bind_session", None)  # an isolated env: its output's log tag
+        if bind is not None:
+            bind(self.sid)
         if self.phase is not Phase.STARTING:  # the peer left meanwhile
             self._release_env()
             return

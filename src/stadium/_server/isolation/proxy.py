@@ -57,6 +57,8 @@ class ProcessEnv:
     def __init__(self, isolation: Isolation) -> None:
         self.isolation = isolation
         self.proc: EnvProcess | None = None
+        self.session: str | None = None
+        """The session's short id (its log tag), once :meth:`bind_session` named it."""
         self.ended: StadiumError | None = None
         self.episode_timer: asyncio.TimerHandle | None = None
         self.durable = isolation.durable
@@ -69,6 +71,14 @@ class ProcessEnv:
         self._durable_next = False
         self._fork_key: int | None = None
         self.spill_id = next(isolation.spill_ids)
+
+    def bind_session(self, sid: str) -> None:
+        """The session driving this env is ``sid``: its process's output is logged under it."""
+        self.session = sid
+        proc = self.proc
+        reader = self.isolation.outputs.get(proc.pid) if proc is not None else None
+        if reader is not None:
+            reader.session = sid
 
     async def _process(self, op: str, fresh: bool) -> EnvProcess:
         iso = self.isolation
@@ -88,7 +98,7 @@ class ProcessEnv:
                 f"env process before {_WHAT.get(op, op)}",
                 operation=op,
             )
-        proc = self.proc = await iso.acquire()
+        proc = self.proc = await iso.acquire(self.session)
         self.ended = None
         blob, self._restoring = self._restoring, None
         if blob:
