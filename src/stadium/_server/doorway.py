@@ -218,6 +218,7 @@ class Doorway:
                     raise CapacityError(
                         f"tenant {tenant.name!r} holds its quota of {tenant.max_sessions} "
                         "sessions (open or waiting) on this server; close some first",
+                        tenant=tenant.name,
                         max_sessions=tenant.max_sessions,
                         retry_after_s=1.0,
                     )

@@ -43,6 +43,7 @@ from stadium._server.doorway import Door, Pass
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
+from stadium._server.tenants import TenantCollector
 from stadium._util.throttle import ThrottledLog
 from stadium._version import __version__
 from stadium.integrations.openenv_harness import is_harness_environment
@@ -153,6 +154,8 @@ class HttpEndpoints:
         self.mcp_sessions = McpSessions(runtime)
         self._metrics = registry_for(StadiumCollector(runtime.board, runtime.publish_metrics))
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
+        if runtime.doors.tenants is not None:  # --tenants: the per-tenant series too
+            self._metrics.register(TenantCollector(runtime.doors.tenants))
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
         self.openenv: ExtraRoutes = NO_EXTRA_ROUTES

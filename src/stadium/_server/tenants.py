@@ -36,6 +36,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from stadium._core.access import Tenant, TenantBook, TenantTable
 from stadium._errors import ConfigError
@@ -46,6 +52,7 @@ log = logging.getLogger("stadium.tenants")
 __all__ = [
     "MAX_TENANTS",
     "SharedTenants",
+    "TenantCollector",
     "TenantDirectory",
     "load_tenants",
 ]
@@ -216,7 +223,7 @@ class SharedTenants:
         )
         self.rate_width = counters
         self._head = memoryview(multiprocessing.sharedctypes.RawArray("q", 2)).cast("B").cast("q")
-        self._blob = memoryview(multiprocessing.sharedctypes.RawArray("B", _BLOB_BYTES))
+        self._blob = memoryview(multiprocessing.sharedctypes.RawArray("B", _BLOB_BYTES)).cast("B")
         self.column = 0
         self.fence = full_fence()
 
@@ -420,3 +427,41 @@ class TenantDirectory:
 
     def each(self) -> Iterator[Tenant]:
         return (t for t in self.rows if t is not None)
+
+
+class TenantCollector:
+    """``/metrics``' per-tenant series, summed over the node's workers (docs/METRICS.md):
+    a prometheus-client collector registered beside the worker's own."""
+
+    def __init__(self, directory: TenantDirectory) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        shared = self.directory.shared
+        tenants = list(self.directory.each())
+        label = ["tenant"]
+        families: list[tuple[Any, str, str, int]] = [
+            (GaugeMetricFamily, "stadium_tenant_sessions_active", "Sessions holding a slot.", HELD),
+            (GaugeMetricFamily, "stadium_tenant_sessions_waiting", "Sessions waiting.", WAITING),
+            (CounterMetricFamily, "stadium_tenant_sessions_opened", "Sessions admitted.", OPENED),
+            (CounterMetricFamily, "stadium_tenant_refusals", "Sessions and requests refused "
+             "(quota, rate, no slot in time, too many waiting).", REFUSED),
+            (CounterMetricFamily, "stadium_tenant_steps", "Steps taken.", STEPS),
+        ]  # fmt: skip
+        for kind, name, doc, field in families:
+            family = kind(name, doc, labels=label)
+            for t in tenants:
+                family.add_metric([t.name], shared.total(t.row, field))
+            yield family
+        wait = HistogramMetricFamily(
+            "stadium_tenant_queue_wait_seconds",
+            "Time sessions waited for a slot (0 when admitted at once).",
+            labels=label,
+        )
+        for t in tenants:
+            cumulative, buckets = 0, []
+            for i, bound in enumerate((*WAIT_BUCKETS, math.inf)):
+                cumulative += shared.total(t.row, WAIT_HIST + i)
+                buckets.append(("+Inf" if bound == math.inf else f"{bound:g}", cumulative))
+            wait.add_metric([t.name], buckets, shared.total(t.row, WAIT_US) / 1e6)
+        yield wait
