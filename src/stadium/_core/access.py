@@ -32,6 +32,13 @@ order:
    so browser clients reach a token-protected server through a proxy that adds
    the header.
 
+   With tenants (``--tenants FILE``: :class:`TenantTable`), a token names its
+   tenant: the presented token is hashed with SHA-256 and the digest looked up
+   among the tenants' (the file holds digests, never tokens), then compared with
+   :func:`hmac.compare_digest`; an unknown token is the same 401.
+   :meth:`AccessPolicy.tenant_of` tells the transports whose request it is.
+   The table sits in a :class:`TenantBook` the server swaps on a reload.
+
 ``GET /health`` is always open (no token, no Origin or Host check): load
 balancers and orchestrators probe it without credentials, and it reveals
 nothing but liveness.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import hmac
 import ipaddress
 from collections.abc import Callable, Iterable
@@ -86,6 +94,58 @@ UNAUTHORIZED = Refusal(
 )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tenant:
+    """One tenant of a server (``--tenants``): who a request is, by its token.
+
+    ``row`` is its place in the node's shared per-tenant counters
+    (:mod:`stadium._server.tenants`); it stays the same across reloads while the
+    tenant is in the file."""
+
+    name: str
+    row: int
+    weight: float = 1.0
+    max_sessions: int = 0
+    """Sessions it may hold or wait for over the node; 0: no quota."""
+    rate_limit: float = 0.0
+    """Requests per second over the node; 0: none."""
+
+
+class TenantTable:
+    """The tenants of a server and the SHA-256 digests of their tokens (pure data)."""
+
+    __slots__ = ("_by_digest", "tenants")
+
+    def __init__(self, tenants: Iterable[tuple[Tenant, Iterable[bytes]]]) -> None:
+        by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
+        listed: list[Tenant] = []
+        for tenant, digests in tenants:
+            listed.append(tenant)
+            for digest in digests:
+                by_digest[bytes(digest)] = (bytes(digest), tenant)
+        self._by_digest = by_digest
+        self.tenants: tuple[Tenant, ...] = tuple(listed)
+
+    def identify(self, token: bytes) -> Tenant | None:
+        """The tenant whose token is ``token``, or ``None``: hashed, looked up, and the
+        digest compared in constant time (the lookup sees only a hash of the token)."""
+        digest = hashlib.sha256(token).digest()
+        found = self._by_digest.get(digest)
+        if found is None or not hmac.compare_digest(found[0], digest):
+            return None
+        return found[1]
+
+
+class TenantBook:
+    """Where a server's current :class:`TenantTable` is: one object every
+    :class:`AccessPolicy` of a worker reads, its ``table`` swapped on a reload."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: TenantTable) -> None:
+        self.table = table
+
+
 class _AccessConfig(Protocol):
     @property
     def auth_token(self) -> str | None: ...
@@ -100,12 +160,21 @@ class AccessPolicy:
         token: the bearer token requests must carry; ``None``: no authentication.
         allowed_origins: browser origins allowed besides the same host
             (``scheme://host[:port]``), or ``*`` for any.
+        tenants: the tenants whose tokens are accepted (``--tenants``; then ``token``
+            is ``None``).
     """
 
-    __slots__ = ("_any_origin", "_hosts", "_origins", "_token")
+    __slots__ = ("_any_origin", "_hosts", "_origins", "_token", "tenants")
 
-    def __init__(self, *, token: str | None = None, allowed_origins: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        allowed_origins: Iterable[str] = (),
+        tenants: TenantBook | None = None,
+    ) -> None:
         self._token = token.encode() if token else None
+        self.tenants = tenants
         origins = {o.lower() for o in allowed_origins}
         self._any_origin = "*" in origins
         origins.discard("*")
@@ -113,12 +182,23 @@ class AccessPolicy:
         self._hosts = frozenset(_split_host(o.split("://", 1)[1])[0] for o in origins)
 
     @classmethod
-    def from_config(cls, config: _AccessConfig) -> AccessPolicy:
-        return cls(token=config.auth_token, allowed_origins=config.allowed_origins)
+    def from_config(cls, config: _AccessConfig, tenants: TenantBook | None = None) -> AccessPolicy:
+        return cls(token=config.auth_token, allowed_origins=config.allowed_origins, tenants=tenants)
 
     @property
     def requires_token(self) -> bool:
-        return self._token is not None
+        return self._token is not None or self.tenants is not None
+
+    def tenant_of(self, authorization: str | None) -> Tenant | None:
+        """The tenant whose bearer token ``authorization`` carries (``None``: no tenants,
+        or not a tenant's token)."""
+        book = self.tenants
+        if book is None or authorization is None:
+            return None
+        scheme, _, given = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return book.table.identify(given.strip().encode())
 
     def check(
         self,
@@ -151,7 +231,9 @@ class AccessPolicy:
         """401 unless ``authorization`` is ``Bearer <the token>`` (or no token is set)."""
         token = self._token
         if token is None:
-            return None
+            if self.tenants is None or self.tenant_of(authorization) is not None:
+                return None
+            return UNAUTHORIZED
         if authorization is not None:
             scheme, _, given = authorization.strip().partition(" ")
             if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token):

@@ -49,7 +49,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Protocol
 
-from stadium._core.access import AccessPolicy, LocalAddr, Refusal
+from stadium._core.access import AccessPolicy, LocalAddr, Refusal, Tenant
 from stadium._core.protocol import (
     BATCH_MSGPACK_SUBPROTOCOL,
     BATCH_SUBPROTOCOL,
@@ -137,6 +137,8 @@ class Upgrade(NamedTuple):
     """JSON-RPC frames (``WS /mcp``), not the session protocol's."""
     harness: bool = False
     """Harness turns (``WS /harness``), not the session protocol's."""
+    tenant: Tenant | None = None
+    """The tenant the request's token names (``--tenants``), its sessions charged to it."""
 
 
 # The upgrades most connections get, built once (an Upgrade is immutable).
@@ -155,6 +157,27 @@ HARNESS = Upgrade(harness=True)
 
 
 def negotiate(
+    terms: Terms,
+    target: str,
+    headers: Headers,
+    *,
+    local_addr: LocalAddr = None,
+    address: Address = "",
+    offered: Iterable[str] | None = None,
+    websocket: bool | None = None,
+) -> Upgrade | Refusal | None:
+    """:func:`_negotiate`, and with tenants (``--tenants``) the upgrade names the tenant
+    whose token the request carries."""
+    decided = _negotiate(
+        terms, target, headers, local_addr=local_addr, address=address, offered=offered,
+        websocket=websocket,
+    )  # fmt: skip
+    if terms.access.tenants is not None and isinstance(decided, Upgrade):
+        return decided._replace(tenant=terms.access.tenant_of(headers.get("authorization")))
+    return decided
+
+
+def _negotiate(
     terms: Terms,
     target: str,
     headers: Headers,

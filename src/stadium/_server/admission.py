@@ -28,6 +28,7 @@ import multiprocessing.sharedctypes
 from collections.abc import Callable
 from typing import Protocol
 
+from stadium._core.access import Tenant
 from stadium._errors import CapacityError
 from stadium._server.client_counts import (
     SharedClientCounts,
@@ -35,6 +36,7 @@ from stadium._server.client_counts import (
     buckets_for,
     rate_buckets_for,
 )
+from stadium._server.tenants import SharedTenants
 from stadium._util.fence import full_fence
 
 #: How often waiters look for slots freed by other workers.
@@ -107,7 +109,7 @@ class SharedSlots:
 
     def __init__(
         self, limit: int, counters: int, *, per_client: int = 0, rate: float = 0.0,
-        burst: int = 1,
+        burst: int = 1, tenants: SharedTenants | None = None,
     ) -> None:  # fmt: skip
         self.limit = limit
         self.clients = (
@@ -122,6 +124,8 @@ class SharedSlots:
             else None
         )
         """``--rate-limit`` over every worker (``client_counts``)."""
+        self.tenants = tenants
+        """``--tenants``' counters over every worker (``tenants``), or ``None``."""
         shared = multiprocessing.sharedctypes.RawArray("q", counters)
         # A memoryview reads and writes the same shared memory, ~7x faster to sum than ctypes.
         self._counts = memoryview(shared).cast("B").cast("q")
@@ -140,6 +144,8 @@ class SharedSlots:
             self.clients.bind(index)
         if self.rates is not None:
             self.rates.bind(index)
+        if self.tenants is not None:
+            self.tenants.bind(index)
 
     def try_acquire(self) -> bool:
         counts = self._counts
@@ -165,6 +171,8 @@ class SharedSlots:
             self.clients.forget_worker(index)
         if self.rates is not None:
             self.rates.forget_worker(index)
+        if self.tenants is not None:
+            self.tenants.forget_worker(index)
 
 
 Waiter = Callable[[bool], None]
@@ -183,14 +191,18 @@ class Verdict(enum.Enum):
 
 
 class _Entry:
-    """A queued waiter: its deadline, and the connection and client it counts against."""
+    """A queued waiter: its deadline, the connection and client it counts against, and
+    its tenant's row (``fair``; -1 here)."""
 
-    __slots__ = ("client", "deadline", "group")
+    __slots__ = ("client", "deadline", "group", "row")
 
-    def __init__(self, deadline: float, group: object | None, client: str | None) -> None:
+    def __init__(
+        self, deadline: float, group: object | None, client: str | None, row: int = -1
+    ) -> None:
         self.deadline = deadline
         self.group = group
         self.client = client
+        self.row = row
 
 
 class Admission:
@@ -243,31 +255,54 @@ class Admission:
         return self._by_group.get(group, 0)
 
     def admit(
-        self, waiter: Waiter, group: object | None = None, client: str | None = None
+        self,
+        waiter: Waiter,
+        group: object | None = None,
+        client: str | None = None,
+        tenant: Tenant | None = None,
     ) -> Verdict:
         """Take a slot now, refuse now (no admission timeout, or ``group`` — the
         connection — or ``client`` — its address — has its bound of waiting sessions),
         or queue ``waiter``. ``client`` is counted only when ``group`` is given or
-        ``client`` is not ``None``."""
+        ``client`` is not ``None``. ``tenant``: for
+        :class:`~stadium._server.fair.FairAdmission` only."""
         if not self._queue and self.slots.try_acquire():
             return Verdict.ADMITTED
         if self.timeout <= 0:
             return Verdict.REFUSED
-        by_group, by_client = self._by_group, self._by_client
-        if group is not None and 0 < self.per_connection <= by_group.get(group, 0):
-            return Verdict.TOO_MANY_WAITING
-        if client is not None and 0 < self.per_client <= by_client.get(client, 0):
-            return Verdict.TOO_MANY_WAITING
-        loop = self._loop or asyncio.get_running_loop()
-        self._loop = loop
+        verdict = self._bounds(group, client)
+        if verdict is not None:
+            return verdict
+        loop = self._loop_now()
         self._queue[waiter] = _Entry(loop.time() + self.timeout, group, client)
-        if group is not None:
-            by_group[group] = by_group.get(group, 0) + 1
-        if client is not None:
-            by_client[client] = by_client.get(client, 0) + 1
+        self._count(group, client)
         if self._poller is None:
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
         return Verdict.QUEUED
+
+    def _bounds(self, group: object | None, client: str | None) -> Verdict | None:
+        """:attr:`Verdict.TOO_MANY_WAITING` if ``group`` or ``client`` has its bound waiting."""
+        if group is not None and 0 < self.per_connection <= self._by_group.get(group, 0):
+            return Verdict.TOO_MANY_WAITING
+        if client is not None and 0 < self.per_client <= self._by_client.get(client, 0):
+            return Verdict.TOO_MANY_WAITING
+        return None
+
+    def _count(self, group: object | None, client: str | None) -> None:
+        """Count a queued waiter against its connection and client."""
+        if group is not None:
+            self._by_group[group] = self._by_group.get(group, 0) + 1
+        if client is not None:
+            self._by_client[client] = self._by_client.get(client, 0) + 1
+
+    def _loop_now(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop or asyncio.get_running_loop()
+        self._loop = loop
+        return loop
+
+    def try_seat(self, tenant: Tenant | None = None) -> bool:
+        """Take a slot now or not at all, queue or no queue (a fork)."""
+        return self.slots.try_acquire()
 
     def queue_error(self, group: object | None = None, client: str | None = None) -> CapacityError:
         """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met."""
@@ -311,7 +346,7 @@ class Admission:
         self._forget(entry)
         return waiter
 
-    async def acquire(self) -> bool:
+    async def acquire(self, tenant: Tenant | None = None) -> bool:
         """Take a slot for one request/response caller (an HTTP request), as :meth:`admit`
         does for a session: at once, after waiting in the same queue (up to ``timeout``),
         or not at all (``False``). The caller :meth:`release` s a slot it got. Cancelling
@@ -322,18 +357,18 @@ class Admission:
         def waiter(ok: bool) -> None:
             if granted.done():  # the caller was cancelled first
                 if ok:
-                    self.release()
+                    self.release(tenant)
                 return
             granted.set_result(ok)
 
-        verdict = self.admit(waiter)
+        verdict = self.admit(waiter, tenant=tenant)
         if verdict is not Verdict.QUEUED:
             return verdict is Verdict.ADMITTED
         try:
             return await granted
         except asyncio.CancelledError:
             if granted.done() and not granted.cancelled() and granted.result():
-                self.release()
+                self.release(tenant)
             else:
                 self.cancel(waiter)
             raise
@@ -344,8 +379,9 @@ class Admission:
         if entry is not None:
             self._forget(entry)
 
-    def release(self) -> None:
-        """Give a slot back; hand it straight to the first local waiter if there is one."""
+    def release(self, tenant: Tenant | None = None) -> None:
+        """Give a slot back (of ``tenant``: ``fair``); hand it straight to the first
+        local waiter if there is one."""
         if self._queue:
             self._pop_first()(True)
         else:

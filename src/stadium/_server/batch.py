@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._core.access import Tenant
 from stadium._core.protocol import BatchCall, BatchFrame, Encoding, SessionProtocol
 from stadium._core.resume import ResumeAsk
 from stadium._errors import InvalidMessageError, SessionError, StadiumError
@@ -142,6 +143,7 @@ class BatchServerConnection:
         "protocol",
         "runtime",
         "sessions",
+        "tenant",
         "where",
     )
 
@@ -152,7 +154,10 @@ class BatchServerConnection:
         encoding: Encoding = Encoding.JSON,
         client: str | None = None,
         where: Where | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
+        self.tenant = tenant
+        """The tenant its token named (``--tenants``): its sessions are charged to it."""
         self.where = where
         """Where this server is (node, address), when the sessions are resumable."""
         self.runtime = runtime
@@ -228,7 +233,7 @@ class BatchServerConnection:
                     batch.opened.append((index, *resume))
                 session = sessions[number] = Session(
                     self.runtime, member, self.encoding, self.loop, client=self.client,
-                    resume=resume,
+                    resume=resume, tenant=self.tenant,
                 )  # fmt: skip
                 member.slots.append((batch, index))
                 session.start(Door.BATCH, self)
@@ -321,7 +326,9 @@ class BatchServerConnection:
             member.send(self.protocol.error_reply(None, err))
             return
         ask = ResumeAsk(data.id, data.token, data.received, batched=True)
-        result = resume_session(self.runtime, ask, member, self.encoding, self.where, self.client)
+        result = resume_session(
+            self.runtime, ask, member, self.encoding, self.where, self.client, self.tenant
+        )
         if isinstance(result, StadiumError):
             self.runtime.errors_total[str(result.code)] += 1
             member.send(self.protocol.error_reply(None, result))

@@ -183,6 +183,8 @@ class ServerConfig:
     keepalive_timeout: float = 15.0
     # Access control.
     auth_token: str | None = dataclasses.field(default=None, repr=False)
+    tenants: str | None = None
+    """``--tenants FILE``: the tenants and their tokens (``tenants``)."""
     allowed_origins: tuple[str, ...] = ()
     max_sessions_per_client: int = 0
     rate_limit: float = 0.0
@@ -354,6 +356,11 @@ class ServerConfig:
             self.auth_token is None
             or (self.auth_token.isprintable() and " " not in self.auth_token),
             "the auth token must be printable, without spaces",
+        )
+        _check(
+            self.tenants is None or self.auth_token is None,
+            "--tenants and an auth token (--auth-token-file, STADIUM_AUTH_TOKEN) go apart: "
+            "the token is a one-tenant shorthand; list it as a tenant in the file instead",
         )
         for origin in self.allowed_origins:
             _check(
@@ -592,6 +599,13 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Path(dir_okay=False),
             help="Read the bearer token clients must send from this file's first line "
             "[env STADIUM_AUTH_TOKEN; none].",
+        ),
+        click.option(
+            "--tenants",
+            type=click.Path(dir_okay=False),
+            help="A TOML or YAML file of tenants: their token hashes or token files, "
+            "weights in the fair share of sessions, quotas and rate limits over the node "
+            "(docs/TENANTS.md); SIGHUP reloads it [none].",
         ),
         click.option(
             "--allow-origin",

@@ -38,7 +38,9 @@ def open_upgrade(
     """
     if upgrade.resume is not None:
         here = (NODE_NAME, address())
-        result = resume_session(runtime, upgrade.resume, channel, upgrade.encoding, here, client)
+        result = resume_session(
+            runtime, upgrade.resume, channel, upgrade.encoding, here, client, upgrade.tenant
+        )
         if isinstance(result, StadiumError):
             runtime.errors_total[str(result.code)] += 1
             protocol = SessionProtocol(runtime.spec, upgrade.encoding, str)
@@ -47,14 +49,16 @@ def open_upgrade(
             return None
         return result
     if upgrade.mcp:  # OpenEnv's WS /mcp: JSON-RPC frames on a session of its own
-        return McpSocket(runtime, channel, client)
+        return McpSocket(runtime, channel, client, upgrade.tenant)
     if upgrade.harness:  # OpenEnv's WS /harness: harness turns on a session of its own
-        harness = HarnessSession(runtime, channel, client)
+        harness = HarnessSession(runtime, channel, client, upgrade.tenant)
         harness.start()
         return harness
     if upgrade.batch:
         where = (NODE_NAME, address()) if upgrade.resumable else None
-        return BatchServerConnection(runtime, channel, upgrade.encoding, client, where)
+        return BatchServerConnection(
+            runtime, channel, upgrade.encoding, client, where, upgrade.tenant
+        )
     session = Session(
         runtime,
         channel,
@@ -62,6 +66,7 @@ def open_upgrade(
         client=client,
         attach=upgrade.attach,
         resume=upgrade.session,
+        tenant=upgrade.tenant,
     )
     session.start()
     return session

@@ -26,6 +26,13 @@ the worker's :class:`Doorway`, which
   worker's ``sessions_total`` (``/metadata``) once admitted;
 * mints session ids, resume tokens and MCP session ids (:mod:`stadium._core.resume`).
 
+With tenants (``--tenants``, :mod:`~stadium._server.tenants`), a session is also charged
+to the tenant its token names: its quota (``max_sessions``, over every worker: counted
+at the door, waiting or seated, refused at once over it), its rate (``rate_limit``,
+over every worker, spent with the client's), its slot through
+:class:`~stadium._server.fair.FairAdmission` (weighted fair order), and its counts
+(sessions, refusals, steps, queue wait) for ``/metrics`` and ``GET /tenant/usage``.
+
 What a session is charged is its :class:`Pass`; :meth:`Doorway.leave` gives it back
 (once, however often it is called). Nothing here runs per step.
 """
@@ -33,15 +40,19 @@ What a session is charged is its :class:`Pass`; :meth:`Doorway.leave` gives it b
 from __future__ import annotations
 
 import enum
+import math
 import os
 import uuid
 
-from stadium._core.limits import Bucket, ClientLimits, ClientRecord
+from stadium._core.access import Tenant
+from stadium._core.limits import Bucket, ClientLimits, ClientRecord, window_take
 from stadium._core.resume import new_session_id, new_token
 from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission import Admission, Verdict, Waiter
 from stadium._server.client_counts import Keys
+from stadium._server.fair import FairAdmission
 from stadium._server.metrics import DOORS
+from stadium._server.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
 
 
 class Door(enum.IntEnum):
@@ -60,9 +71,10 @@ class Door(enum.IntEnum):
 
 class Pass:
     """What one session is charged: its door, its client's record (``None``: no
-    per-client limits) and that client's bucket (``None``: no rate limit)."""
+    per-client limits), its tenant (``None``: no tenants) and its bucket (``None``: no
+    rate limit)."""
 
-    __slots__ = ("bucket", "counted", "door", "keys", "record")
+    __slots__ = ("bucket", "counted", "door", "keys", "record", "tenant")
 
     def __init__(
         self, door: Door, record: ClientRecord | None, counted: bool, keys: Keys | None = None
@@ -74,6 +86,54 @@ class Pass:
         """Whether it counts against the client's quota (all but an MCP attach)."""
         self.keys = keys
         """Its client's counters over every worker (``client_counts``), when counted there."""
+        self.tenant: Tenant | None = None
+        """The tenant it is charged to (``--tenants``)."""
+
+
+class TenantBucket:
+    """A tenant's ``rate_limit`` over every worker: sliding windows of about a second
+    in :class:`~stadium._server.tenants.SharedTenants` (as ``client_counts``' rates)."""
+
+    __slots__ = ("directory", "tenant")
+
+    def __init__(self, directory: TenantDirectory, tenant: Tenant) -> None:
+        self.directory = directory
+        self.tenant = tenant
+
+    def take(self, now: float) -> float:
+        tenant = self.directory.current(self.tenant)  # its rate as last reloaded
+        rate = tenant.rate_limit
+        if rate <= 0:
+            return 0.0
+        shared = self.directory.shared
+        burst = max(1, math.ceil(rate))
+        width = shared.rate_width
+        wait = window_take(
+            shared.rate_words, (tenant.row * 2 * width,), width, shared.column, burst,
+            burst / rate, now,
+        )  # fmt: skip
+        if wait:
+            shared.add(tenant.row, REFUSED)
+        return wait
+
+    def full(self, now: float) -> bool:
+        return True
+
+
+class _Both:
+    """Two budgets a request spends from: the client's, then its tenant's."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Bucket, second: Bucket) -> None:
+        self.first = first
+        self.second = second
+
+    def take(self, now: float) -> float:
+        return self.first.take(now) or self.second.take(now)
+
+    def full(self, now: float) -> bool:
+        return self.first.full(now)
 
 
 class Doorway:
@@ -86,7 +146,7 @@ class Doorway:
             :data:`~stadium._server.metrics.DOORS`' order (its row of the metrics board).
     """
 
-    __slots__ = ("_free", "admission", "limits", "opened", "sessions_total")
+    __slots__ = ("_free", "admission", "limits", "opened", "sessions_total", "tenants")
 
     def __init__(
         self, admission: Admission, limits: ClientLimits | None, opened: memoryview[float]
@@ -102,12 +162,29 @@ class Doorway:
         self._free = tuple(Pass(door, None, True) for door in Door)
         self.sessions_total = 0
         """Sessions this worker admitted, every door (``/metadata``'s ``sessions_total``)."""
+        self.tenants = admission.directory if isinstance(admission, FairAdmission) else None
+        """The node's tenants (``--tenants``), or ``None``."""
 
     # -- the client: quota and rate ----------------------------------------------------
 
-    def enter(self, door: Door, client: str | None, now: float, *, counted: bool = True) -> Pass:
-        """Charge a session coming through ``door`` to ``client`` (its quota, when
-        ``counted``); raises :class:`~stadium.CapacityError` over the quota. No slot."""
+    def enter(
+        self,
+        door: Door,
+        client: str | None,
+        now: float,
+        *,
+        counted: bool = True,
+        tenant: Tenant | None = None,
+    ) -> Pass:
+        """Charge a session coming through ``door`` to ``client`` and ``tenant`` (their
+        quotas, when ``counted``); raises :class:`~stadium.CapacityError` over a quota
+        (nothing charged). No slot."""
+        charged = self._enter_client(door, client, now, counted)
+        if tenant is not None and self.tenants is not None:
+            return self._enter_tenant(charged, self.tenants, tenant, now)
+        return charged
+
+    def _enter_client(self, door: Door, client: str | None, now: float, counted: bool) -> Pass:
         limits = self.limits
         if limits is None:
             return self._free[door] if counted else Pass(door, None, counted)
@@ -123,8 +200,42 @@ class Doorway:
             raise limits.quota_error()
         return Pass(door, record, counted, keys)
 
+    def _enter_tenant(
+        self, charged: Pass, directory: TenantDirectory, tenant: Tenant, now: float
+    ) -> Pass:
+        if charged.record is None:  # a shared free pass: this one is the session's own
+            charged = Pass(charged.door, None, charged.counted)
+        tenant = directory.current(tenant)
+        shared, row = directory.shared, tenant.row
+        if charged.counted:
+            shared.add(row, CHARGED)
+            if tenant.max_sessions:
+                shared.fence()  # the increment is visible before the sum is read
+                if shared.total(row, CHARGED) > tenant.max_sessions:
+                    shared.add(row, CHARGED, -1)
+                    shared.add(row, REFUSED)
+                    self.leave(charged, now)
+                    raise CapacityError(
+                        f"tenant {tenant.name!r} holds its quota of {tenant.max_sessions} "
+                        "sessions (open or waiting) on this server; close some first",
+                        tenant=tenant.name,
+                        max_sessions=tenant.max_sessions,
+                        retry_after_s=1.0,
+                    )
+        charged.tenant = tenant
+        if tenant.rate_limit > 0:
+            bucket = TenantBucket(directory, tenant)
+            charged.bucket = bucket if charged.bucket is None else _Both(charged.bucket, bucket)
+        return charged
+
     def leave(self, charged: Pass, now: float) -> None:
-        """Give back what ``charged`` holds of its client (idempotent)."""
+        """Give back what ``charged`` holds of its client and tenant (idempotent)."""
+        tenant = charged.tenant
+        if tenant is not None:
+            charged.tenant = None
+            charged.bucket = None
+            if charged.counted and self.tenants is not None:
+                self.tenants.shared.add(tenant.row, CHARGED, -1)
         record = charged.record
         if record is None:
             return
@@ -139,14 +250,32 @@ class Doorway:
         assert limits is not None
         limits.close_session(record, now, counted=charged.counted)
 
-    def request(self, client: str | None, now: float) -> RateLimitError | None:
-        """Spend one of ``client``'s tokens for a request outside a session (HTTP, an
-        upgrade): the error to answer when its bucket is empty, else ``None``."""
+    def request(
+        self, client: str | None, now: float, tenant: Tenant | None = None
+    ) -> RateLimitError | None:
+        """Spend one of ``client``'s tokens, and one of ``tenant``'s, for a request
+        outside a session (HTTP, an upgrade): the error to answer when a bucket is
+        empty, else ``None``."""
         limits = self.limits
-        if limits is None or not limits.rate:
-            return None
-        wait = limits.take(client, now)
-        return limits.rate_error(wait) if wait else None
+        if limits is not None and limits.rate:
+            wait = limits.take(client, now)
+            if wait:
+                return limits.rate_error(wait)
+        if tenant is not None and self.tenants is not None:
+            wait = TenantBucket(self.tenants, tenant).take(now)
+            if wait:
+                return RateLimitError(
+                    f"tenant {tenant.name!r} is over its rate limit of "
+                    f"{self.tenants.current(tenant).rate_limit:g} requests per second on "
+                    f"this server; retry in {wait:.2f}s",
+                    retry_after_s=wait,
+                )
+        return None
+
+    def steps(self, tenant: Tenant | None, n: int) -> None:
+        """Count ``n`` steps of ``tenant``'s (``stadium_tenant_steps_total``)."""
+        if tenant is not None and n and self.tenants is not None:
+            self.tenants.shared.add(tenant.row, STEPS, n)
 
     # -- the slot --------------------------------------------------------------------
 
@@ -157,32 +286,41 @@ class Doorway:
         now: float,
         waiter: Waiter,
         group: object | None = None,
+        tenant: Tenant | None = None,
     ) -> tuple[Pass, Verdict]:
         """A session that may wait for its slot (WebSocket, batch entry, restore): charge
         it, then take a slot now, queue ``waiter`` or refuse (no admission timeout, or
         its connection ``group`` or its client has its bound of waiting sessions:
         :meth:`~stadium._server.admission.Admission.queue_error` says which).
-        Raises :class:`~stadium.CapacityError` over the client's quota (nothing taken)."""
-        charged = self._free[door] if self.limits is None else self.enter(door, client, now)
-        return charged, self.admission.admit(waiter, group, client)
+        Raises :class:`~stadium.CapacityError` over the client's or tenant's quota
+        (nothing taken)."""
+        if self.limits is None and tenant is None:
+            charged = self._free[door]
+        else:
+            charged = self.enter(door, client, now, tenant=tenant)
+        return charged, self.admission.admit(waiter, group, client, tenant)
 
-    def admit_now(self, door: Door, client: str | None, now: float) -> Pass:
+    def admit_now(
+        self, door: Door, client: str | None, now: float, tenant: Tenant | None = None
+    ) -> Pass:
         """A session that takes its slot now or not at all (a fork): raises
-        :class:`~stadium.CapacityError` (nothing taken) over the quota or with no free slot.
+        :class:`~stadium.CapacityError` (nothing taken) over a quota or with no free slot.
         The caller counts it (:meth:`open`) once it exists (its env restored)."""
-        charged = self.enter(door, client, now)
-        if not self.admission.slots.try_acquire():
+        charged = self.enter(door, client, now, tenant=tenant)
+        if not self.admission.try_seat(tenant):
             self.leave(charged, now)
             raise self.capacity_error()
         return charged
 
-    async def admit_waiting(self, door: Door, client: str | None, now: float) -> Pass:
+    async def admit_waiting(
+        self, door: Door, client: str | None, now: float, tenant: Tenant | None = None
+    ) -> Pass:
         """A session that awaits its slot in the admission queue (HTTP, MCP create);
-        raises :class:`~stadium.CapacityError` over the quota or when none frees in time.
+        raises :class:`~stadium.CapacityError` over a quota or when none frees in time.
         Cancelling the caller takes nothing."""
-        charged = self.enter(door, client, now)
+        charged = self.enter(door, client, now, tenant=tenant)
         try:
-            seated = await self.admission.acquire()
+            seated = await self.admission.acquire(tenant)
         except BaseException:
             self.leave(charged, now)
             raise
@@ -199,7 +337,7 @@ class Doorway:
 
     def release(self, charged: Pass, now: float) -> None:
         """The session of ``charged``, which held a slot, ended: the slot and the charge back."""
-        self.admission.release()
+        self.admission.release(charged.tenant)
         self.leave(charged, now)
 
     def capacity_error(self) -> CapacityError:
@@ -233,4 +371,4 @@ class Doorway:
         return uuid.uuid4().hex
 
 
-__all__ = ["Door", "Doorway", "Pass"]
+__all__ = ["Door", "Doorway", "Pass", "TenantBucket"]

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import msgspec
 
 from stadium._core import mcp as _mcp
+from stadium._core.access import Tenant
 from stadium._core.openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._core.protocol import PROTOCOL_VERSION, reset_call
 from stadium._env.contract import StepResult
@@ -42,6 +43,7 @@ from stadium._server.doorway import Door, Pass
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
+from stadium._server.tenants import TenantCollector
 from stadium._util.throttle import ThrottledLog
 from stadium._version import __version__
 from stadium.integrations.openenv_harness import is_harness_environment
@@ -154,6 +156,8 @@ class HttpEndpoints:
             StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name)
         )
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
+        if runtime.doors.tenants is not None:  # --tenants: the per-tenant series too
+            self._metrics.register(TenantCollector(runtime.doors.tenants))
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
         self.openenv: ExtraRoutes = NO_EXTRA_ROUTES
@@ -161,7 +165,12 @@ class HttpEndpoints:
         ``openenv_http.OpenEnvRoutes``, set by ``Worker.build``)."""
 
     async def handle(
-        self, method: str, path: str, body: bytes, client: str | None = None
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        client: str | None = None,
+        tenant: Tenant | None = None,
     ) -> HttpResponse:
         """Answer any request: GET and POST endpoints, 405 otherwise, 500 on a bug.
 
@@ -171,17 +180,34 @@ class HttpEndpoints:
         ``POST /step``, ``GET /state``, a stateless ``POST /mcp`` tool call) is a session
         of its client while it runs, and an MCP ``openenv/session/create`` one until it
         is closed (``doorway``): ``429 CAPACITY_REACHED`` over ``--max-sessions-per-client``.
+        ``tenant``: the tenant the request's token names (``--tenants``), charged as the
+        client is (its quota and rate over the node); ``GET /tenant/usage`` is its usage.
         """
-        if self.runtime.limits is not None:
-            refused = self.over_rate(client)
+        if self.runtime.limits is not None or tenant is not None:
+            refused = self.over_rate(client, tenant)
             if refused is not None:
                 return refused
-        return await self._answer(method, path, body, client)
+        if tenant is not None and path.split("?", 1)[0].rstrip("/") == TENANT_USAGE_PATH:
+            return (
+                self.tenant_usage(tenant)
+                if method == "GET"
+                else _error(405, f"{TENANT_USAGE_PATH} takes GET", "METHOD_NOT_ALLOWED")
+            )
+        return await self._answer(method, path, body, client, tenant)
 
-    def over_rate(self, client: str | None) -> HttpResponse | None:
-        """``429 RATE_LIMITED`` if ``client``'s bucket is empty (a token is spent if not)."""
-        err = self.runtime.doors.request(client, asyncio.get_running_loop().time())
+    def over_rate(self, client: str | None, tenant: Tenant | None = None) -> HttpResponse | None:
+        """``429 RATE_LIMITED`` if ``client``'s or ``tenant``'s bucket is empty (a token
+        is spent if not)."""
+        err = self.runtime.doors.request(client, asyncio.get_running_loop().time(), tenant)
         return None if err is None else self._refusal(429, err)
+
+    def tenant_usage(self, tenant: Tenant) -> HttpResponse:
+        """``GET /tenant/usage``: what the caller's tenant holds and used over the node
+        (its own counts only: the tenant is the one its token names)."""
+        directory = self.runtime.doors.tenants
+        if directory is None:
+            return self.not_found(TENANT_USAGE_PATH)
+        return _json(200, directory.usage(tenant))
 
     def _refusal(self, status: int, err: StadiumError) -> HttpResponse:
         """A request refused by a limit: ``err`` as JSON, with ``Retry-After`` (whole seconds)."""
@@ -191,7 +217,7 @@ class HttpEndpoints:
         return HttpResponse(status, body, headers=(("Retry-After", str(max(1, math.ceil(retry)))),))
 
     async def _answer(
-        self, method: str, path: str, body: bytes, client: str | None
+        self, method: str, path: str, body: bytes, client: str | None, tenant: Tenant | None
     ) -> HttpResponse:
         extra = self.openenv.route(method, path.split("?", 1)[0].rstrip("/") or "/")
         if extra is not None:
@@ -201,12 +227,12 @@ class HttpEndpoints:
                 return self._internal_error(method, path, exc)
         if method == "GET":
             if self.builds_env(path):
-                return await self.state(client)
+                return await self.state(client, tenant)
             return self.get(path)
         if method != "POST":
             return _error(405, f"{method} is not supported: use GET or POST", "METHOD_NOT_ALLOWED")
         try:
-            return await self.post(path, body, client)
+            return await self.post(path, body, client, tenant)
         except Exception as exc:
             return self._internal_error(method, path, exc)
 
@@ -214,8 +240,10 @@ class HttpEndpoints:
         """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
         path = path.split("?", 1)[0].rstrip("/") or "/"
         return (
-            not self.production and path in HttpEndpoints.ENV_GET_PATHS
-        ) or self.openenv.async_get(path)
+            (not self.production and path in HttpEndpoints.ENV_GET_PATHS)
+            or self.openenv.async_get(path)
+            or (path == TENANT_USAGE_PATH and self.runtime.doors.tenants is not None)
+        )
 
     def get(self, path: str) -> HttpResponse:
         """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
@@ -306,11 +334,13 @@ class HttpEndpoints:
             },
         }
 
-    async def post(self, path: str, body: bytes, client: str | None = None) -> HttpResponse:
+    async def post(
+        self, path: str, body: bytes, client: str | None = None, tenant: Tenant | None = None
+    ) -> HttpResponse:
         """Answer a POST: OpenEnv's stateless reset and step, MCP; ``client``: the peer."""
         path = path.split("?", 1)[0].rstrip("/")
         if path == "/mcp":
-            return await self.mcp(body, client)
+            return await self.mcp(body, client, tenant)
         if path not in self.POST_PATHS or (self.production and path in self.SIMULATION_PATHS):
             if path in self.GET_PATHS:
                 return _error(405, f"{path} takes GET", "METHOD_NOT_ALLOWED")
@@ -333,7 +363,9 @@ class HttpEndpoints:
                     where="$",
                 )
                 reset = functools.partial(_reset, kwargs=call.reset_kwargs)
-                result = await self._run(spec.reset_mode, reset, what="reset", client=client)
+                result = await self._run(
+                    spec.reset_mode, reset, what="reset", client=client, tenant=tenant
+                )
             else:
                 if "action" not in data:
                     raise ValidationError('body needs an "action" object', field="$.action")
@@ -345,8 +377,9 @@ class HttpEndpoints:
                     step = functools.partial(_step, action=action)
                 result = await self._run(
                     spec.step_mode, step, limit=rt.invoke.bound(timeout_s), what="step",
-                    client=client,
+                    client=client, tenant=tenant,
                 )  # fmt: skip
+                rt.doors.steps(tenant, 1)
         except StadiumError as exc:
             return self._stadium_error(exc)
         except Exception as exc:
@@ -361,7 +394,9 @@ class HttpEndpoints:
             payload = {"observation": result, "reward": None, "done": False}
         return HttpResponse(200, spec.json_encoder.encode(payload))
 
-    async def mcp(self, body: bytes, client: str | None = None) -> HttpResponse:
+    async def mcp(
+        self, body: bytes, client: str | None = None, tenant: Tenant | None = None
+    ) -> HttpResponse:
         """Answer ``POST /mcp`` (always 200 with a JSON-RPC response, as OpenEnv does).
 
         ``tools/list`` / ``tools/call`` run on the OpenEnv MCP session named by
@@ -382,7 +417,7 @@ class HttpEndpoints:
         )
         try:
             if req.method == "openenv/session/create":
-                created = await sessions.create(client)
+                created = await sessions.create(client, tenant)
                 return _json(200, _mcp.success(req.id, {"session_id": created}))
             sid = req.params.get("session_id")
             if sid is not None and not isinstance(sid, str):
@@ -403,8 +438,9 @@ class HttpEndpoints:
                 # tools/list only reads: answered at capacity too, as OpenEnv does
                 listing = req.method == "tools/list"
                 response = await self._run(
-                    CallMode.TASK, dispatch, what="mcp", client=client, slot=not listing
-                )
+                    CallMode.TASK, dispatch, what="mcp", client=client, slot=not listing,
+                    tenant=tenant,
+                )  # fmt: skip
             else:  # initialize, ping, unknown methods: no env needed
                 response = await dispatch(None)
             return HttpResponse(200, rt.spec.json_encoder.encode(response))
@@ -418,12 +454,14 @@ class HttpEndpoints:
             data = {"exception": type(exc).__name__}
             return _rpc_error(req.id, _mcp.INTERNAL_ERROR, rt.describe(exc), data)
 
-    async def state(self, client: str | None = None) -> HttpResponse:
+    async def state(self, client: str | None = None, tenant: Tenant | None = None) -> HttpResponse:
         """Answer ``GET /state``: a fresh env's state, built and read as its create mode says
         (on the thread pool for a blocking env, never inline on the loop)."""
         spec = self.runtime.spec
         try:
-            state = await self._run(spec.create_mode, _state, what="state", client=client)
+            state = await self._run(
+                spec.create_mode, _state, what="state", client=client, tenant=tenant
+            )
             return HttpResponse(200, spec.json_encoder.encode(state))
         except StadiumError as exc:
             return self._stadium_error(exc)
@@ -436,7 +474,8 @@ class HttpEndpoints:
             self.runtime.errors_total[str(exc.code)] += 1
             retry = str(max(1, math.ceil(exc.retry_after_s)))
             # The client's own quota is 429 (too many of its requests); the server's 503.
-            status = 429 if "max_sessions_per_client" in exc.context else 503
+            own = "max_sessions_per_client" in exc.context or "tenant" in exc.context
+            status = 429 if own else 503
             return HttpResponse(status, body, headers=(("Retry-After", retry),))
         if isinstance(exc, CallTimeoutError):
             self.runtime.errors_total[str(exc.code)] += 1
@@ -474,6 +513,7 @@ class HttpEndpoints:
         what: str = "call",
         client: str | None = None,
         slot: bool = True,
+        tenant: Tenant | None = None,
     ) -> Any:
         """``call(env)`` on a fresh env instance, run as ``mode`` says; the env is closed after.
 
@@ -488,7 +528,9 @@ class HttpEndpoints:
         """
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        charged = await rt.doors.admit_waiting(Door.HTTP, client, loop.time()) if slot else None
+        charged = (
+            await rt.doors.admit_waiting(Door.HTTP, client, loop.time(), tenant) if slot else None
+        )
         try:
             spec = rt.spec
             try:
@@ -515,6 +557,8 @@ class HttpEndpoints:
                 rt.doors.release(charged, loop.time())
 
 
+TENANT_USAGE_PATH = "/tenant/usage"
+"""``GET``: the usage of the tenant the request's token names (``--tenants``)."""
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
 """The browser pages: path -> file of ``stadium/web/`` (package data)."""
 WEB_ENV = "ENABLE_WEB_INTERFACE"
@@ -616,14 +660,14 @@ class McpSessions:
         if not task.cancelled() and task.exception() is not None:
             log.warning("closing idle MCP sessions failed: %r", task.exception())
 
-    async def create(self, client: str | None = None) -> str:
+    async def create(self, client: str | None = None, tenant: Tenant | None = None) -> str:
         """Open a session of ``client`` (``Door.MCP_CREATE``: its quota until it closes): its
         id. Raises :class:`~stadium.CapacityError` over the quota or when no slot frees."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
         now = loop.time()
         await self._sweep()
-        charged = await rt.doors.admit_waiting(Door.MCP_CREATE, client, now)
+        charged = await rt.doors.admit_waiting(Door.MCP_CREATE, client, now, tenant)
         try:
             env = await rt.invoke.call(loop, rt.spec.create_mode, rt.new_env)
         except BaseException:

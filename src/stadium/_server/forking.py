@@ -47,7 +47,7 @@ class ForkingSession:
             return None
         doors = rt.doors
         try:
-            charged = doors.admit_now(Door.FORK, self.client, self.loop.time())
+            charged = doors.admit_now(Door.FORK, self.client, self.loop.time(), self.tenant)
         except CapacityError as err:
             self._send_error(call, err)
             return None
@@ -82,7 +82,13 @@ class ForkingSession:
             raise
         sid, token = rt.doors.mint()
         child = type(self)(
-            rt, NOWHERE, self.protocol.encoding, self.loop, client=self.client, resume=(sid, token)
+            rt,
+            NOWHERE,
+            self.protocol.encoding,
+            self.loop,
+            client=self.client,
+            resume=(sid, token),
+            tenant=self.tenant,
         )
         child._adopt(env, self.protocol, charged)
         return {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from stadium._core.access import Tenant
 from stadium._core.protocol import Encoding
 from stadium._server.runtime import (
     CLOSE_INTERNAL_ERROR,
@@ -35,8 +36,14 @@ class HarnessSession(Session):
 
     __slots__ = ("_frames",)
 
-    def __init__(self, runtime: Runtime, channel: Channel, client: str | None = None) -> None:
-        super().__init__(runtime, channel, Encoding.JSON, client=client)
+    def __init__(
+        self,
+        runtime: Runtime,
+        channel: Channel,
+        client: str | None = None,
+        tenant: Tenant | None = None,
+    ) -> None:
+        super().__init__(runtime, channel, Encoding.JSON, client=client, tenant=tenant)
         self._frames: asyncio.Queue[bytes] = asyncio.Queue()
 
     def feed(self, message: Any) -> None:

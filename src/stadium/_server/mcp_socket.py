@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from stadium._core import mcp as _mcp
+from stadium._core.access import Tenant
 from stadium._core.protocol import Encoding
 from stadium._server.runtime import Channel, Runtime
 from stadium._server.session import Session
@@ -59,9 +60,17 @@ class McpSocket:
 
     __slots__ = ("channel", "session")
 
-    def __init__(self, runtime: Runtime, channel: Channel, client: str | None = None) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        channel: Channel,
+        client: str | None = None,
+        tenant: Tenant | None = None,
+    ) -> None:
         self.channel = channel
-        self.session = Session(runtime, _Unwrapping(channel), Encoding.JSON, client=client)
+        self.session = Session(
+            runtime, _Unwrapping(channel), Encoding.JSON, client=client, tenant=tenant
+        )
         self.session.start()
 
     def feed(self, message: bytes) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 
+from stadium._core.access import Tenant
 from stadium._core.protocol import Encoding
 from stadium._core.resume import ResumeAsk, Target, unknown_session
 from stadium._errors import ResumeError, StadiumError
@@ -27,6 +28,7 @@ def resume_session(
     encoding: Encoding,
     where: Where,
     client: str | None = None,
+    tenant: Tenant | None = None,
 ) -> Session | StadiumError:
     """Resume session ``ask.sid`` on the connection ``target``: this worker's, or with
     ``--durable`` one restored from the store (its worker or node gone), a new session
@@ -50,8 +52,9 @@ def resume_session(
         )
     # A new id: the old one names a worker that is gone (a later resume must reach this one).
     restored = Session(
-        runtime, target, encoding, client=client, resume=(runtime.doors.new_id(), ask.token)
-    )
+        runtime, target, encoding, client=client, resume=(runtime.doors.new_id(), ask.token),
+        tenant=tenant,
+    )  # fmt: skip
     restored.start_restoring(record, ask, where)
     return restored
 

@@ -53,6 +53,7 @@ from stadium._server.metrics import MetricsBoard
 from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
 from stadium._server.store import store_from_url
 from stadium._server.supervisor import Supervisor
+from stadium._server.tenants import TenantDirectory
 from stadium._server.transports.handoff import Handoff, private_dir
 from stadium._server.transports.picows import PicowsTransport
 from stadium._server.worker import (
@@ -224,8 +225,11 @@ class Server:
         board: MetricsBoard | None = None,
         handoff_dir: str | None = None,
         described: Description | None = None,
+        tenants: TenantDirectory | None = None,
     ) -> None:
-        self.worker = Worker.build(config, env_cls, slots=slots, board=board, described=described)
+        self.worker = Worker.build(
+            config, env_cls, slots=slots, board=board, described=described, tenants=tenants
+        )
         self.config = self.worker.config
         self._handoff_dir = handoff_dir
         """The server's private directory of hand-off sockets (``handoff.private_dir``),
@@ -236,6 +240,7 @@ class Server:
         self.endpoints = self.worker.endpoints
         self.state = ServerState.CREATED
         self._sock = sock
+        tenants = self.runtime.doors.tenants
         self.transport = PicowsTransport(
             self.runtime,
             self.endpoints,
@@ -245,7 +250,7 @@ class Server:
             header_timeout=config.header_timeout,
             body_timeout=config.body_timeout,
             keepalive_timeout=config.keepalive_timeout,
-            access=AccessPolicy.from_config(config),
+            access=AccessPolicy.from_config(config, None if tenants is None else tenants.book),
         )
         self._ssl = server_ssl_context(config)
         self._server: asyncio.Server | None = None
@@ -401,7 +406,10 @@ async def _serve_until_signal(
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if alone:
+    directory = server.runtime.doors.tenants
+    if alone and directory is not None:  # --tenants: SIGHUP reloads them, in place
+        loop.add_signal_handler(signal.SIGHUP, directory.reload)
+    elif alone:
         loop.add_signal_handler(
             signal.SIGHUP,
             log.warning,
@@ -563,6 +571,9 @@ def run_server(config: ServerConfig) -> int:
         return code
 
     board = MetricsBoard(Supervisor.counters_for(config.workers))
+    tenants = None  # read before the fork: the workers share its counters and reloads
+    if config.tenants is not None:
+        tenants = TenantDirectory.open(config.tenants, Supervisor.counters_for(config.workers))
     handoff_dir = private_dir()  # before the fork: the workers find each other there
 
     def run_worker(
@@ -570,7 +581,7 @@ def run_server(config: ServerConfig) -> int:
     ) -> int:
         server = Server(
             config, env_cls, sock=sock, slots=slots, board=board, handoff_dir=handoff_dir,
-            described=described,
+            described=described, tenants=tenants,
         )  # fmt: skip
         with asyncio.Runner(loop_factory=new_event_loop) as runner:
             return runner.run(
@@ -588,6 +599,7 @@ def run_server(config: ServerConfig) -> int:
         run_worker=run_worker,
         listener=sock,
         metrics=board,
+        tenants=tenants,
     )
     try:
         return supervisor.run()

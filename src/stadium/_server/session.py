@@ -28,6 +28,7 @@ from time import perf_counter as _clock
 from typing import Any
 
 from stadium._core import mcp as _mcp
+from stadium._core.access import Tenant
 from stadium._core.limits import Bucket
 from stadium._core.protocol import BatchCall, Call, Encoding, Op, SessionProtocol
 from stadium._core.resume import ResumeAsk, ResumeChannel, Target
@@ -107,6 +108,7 @@ class Session(ForkingSession, EpisodeAccounts):
         "loop",
         "protocol",
         "runtime",
+        "tenant",
     )
 
     def __init__(
@@ -118,10 +120,13 @@ class Session(ForkingSession, EpisodeAccounts):
         client: str | None = None,
         attach: str | None = None,
         resume: tuple[str, str] | None = None,
+        tenant: Tenant | None = None,
     ) -> None:
         self.runtime = runtime
         self.client = client
         """The peer's address (its IP), for the per-client limits."""
+        self.tenant = tenant
+        """The tenant its token named (``--tenants``), charged its slot and quota."""
         self._attach = attach
         """The id of an HTTP MCP session whose env this session drives (OpenEnv's
         ``/ws?session_id=``): no slot of its own, the env not created nor closed here."""
@@ -172,7 +177,9 @@ class Session(ForkingSession, EpisodeAccounts):
             return
         waiter = self._on_admission
         try:
-            charged, verdict = rt.doors.admit(door, self.client, self.loop.time(), waiter, group)
+            charged, verdict = rt.doors.admit(
+                door, self.client, self.loop.time(), waiter, group, self.tenant
+            )
         except CapacityError as err:  # the client holds its --max-sessions-per-client
             self._refuse(err, "too many sessions from this client")
             return
@@ -343,7 +350,7 @@ class Session(ForkingSession, EpisodeAccounts):
         self._waiter = None
         if self.phase is not Phase.ADMITTING:
             if granted:  # the peer left while we waited: give the slot back
-                self.runtime.admission.release()
+                self.runtime.admission.release(self.tenant)
             return
         if not granted:
             self._refuse(self.runtime.capacity_error(), "no free session slot")
@@ -390,7 +397,9 @@ class Session(ForkingSession, EpisodeAccounts):
             return
         # Held by the attaching client (its bucket: --rate-limit), not a session of its
         # quota: the slot and the env are the MCP session's, charged to its creator.
-        charged = rt.doors.enter(Door.MCP_ATTACH, self.client, self.loop.time(), counted=False)
+        charged = rt.doors.enter(
+            Door.MCP_ATTACH, self.client, self.loop.time(), counted=False, tenant=self.tenant
+        )
         self._pass = charged
         self._bucket = charged.bucket
         rt.doors.open(Door.MCP_ATTACH)
@@ -611,8 +620,10 @@ class Session(ForkingSession, EpisodeAccounts):
             if t0:  # the env call ran on the loop: its time (docs/PROTOCOL.md, Episode cost)
                 self._ep_cpu += _clock() - t0
                 self._t0 = 0.0
-            frame = protocol.observation_reply(call, result)
             rt = self.runtime
+            if op is not _STEP and self.tenant is not None:  # a reset ends the episode's steps
+                rt.doors.steps(self.tenant, protocol.step_count)
+            frame = protocol.observation_reply(call, result)
             # Timed from the request's arrival (the session's last message) to its reply;
             # the step histogram's count is the step count (``Runtime.steps_total``).
             hist = rt.step_seconds if op is _STEP else rt.reset_seconds
@@ -694,15 +705,17 @@ class Session(ForkingSession, EpisodeAccounts):
             task.cancel()
         self._task = None
         charged = self._pass
-        if charged is not None and charged.record is not None:  # per-client limits on
-            self._release_client()
+        if charged is not None and (charged.record is not None or charged.tenant is not None):
+            self._release_client()  # per-client limits or tenants on
+        if self.tenant is not None and phase is not Phase.CLOSED:
+            rt.doors.steps(self.tenant, self.protocol.step_count)
         if self._attach is not None:  # the env and slot belong to the HTTP MCP session
             if rt.attached.get(self._attach) is self:
                 del rt.attached[self._attach]
             self.env = None
             return
         if phase is not Phase.ADMITTING and phase is not Phase.CLOSED:
-            rt.admission.release()
+            rt.admission.release(self.tenant)
         self._release_env()
 
     def _release_env(self) -> None:

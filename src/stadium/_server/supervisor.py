@@ -28,6 +28,10 @@ serves no connection and runs no environment code, so it has nothing to hang on.
   A replacement that exits or does not serve within :data:`READY_TIMEOUT_S` is
   given up and the old worker keeps serving. The replacements are forks of the
   supervisor: the environment's code and the configuration are not reloaded.
+  With ``--tenants``, SIGHUP instead reloads the tenants file in place (no worker
+  is recycled, no session dropped): the supervisor reads and checks it and publishes
+  it to the workers (:class:`~stadium._server.tenants.TenantDirectory`); a bad file is
+  refused with an ERROR line and the old tenants kept.
 * **SIGTERM / SIGINT**: every worker gets SIGTERM and drains; the supervisor
   exits when all have exited: 0, or 1 if one had to be killed (see below).
 
@@ -60,6 +64,7 @@ from typing import NoReturn
 
 from stadium._server.admission import SharedSlots
 from stadium._server.metrics import MetricsBoard
+from stadium._server.tenants import TenantDirectory
 from stadium._util.process import RECYCLE_EXIT_CODE
 from stadium._util.throttle import Throttle
 
@@ -149,6 +154,8 @@ class Supervisor:
             where a router's health check or a client would wait for a timeout).
         metrics: the workers' metrics rows (one per counter, :meth:`counters_for`); a
             dead worker's row is moved into its retired row, so counters never go down.
+        tenants: ``--tenants`` (made with :meth:`counters_for` columns): SIGHUP reloads
+            it instead of recycling the workers.
     """
 
     def __init__(
@@ -164,7 +171,9 @@ class Supervisor:
         run_worker: WorkerMain,
         listener: socket.socket | None = None,
         metrics: MetricsBoard | None = None,
+        tenants: TenantDirectory | None = None,
     ) -> None:
+        self.tenants = tenants
         self.state = SupervisorState.RUNNING
         self.metrics = metrics
         self._listener = listener
@@ -176,7 +185,7 @@ class Supervisor:
         counters = self.counters_for(workers)
         self.session_slots = SharedSlots(
             max_sessions, counters, per_client=max_sessions_per_client, rate=rate_limit,
-            burst=rate_burst,
+            burst=rate_burst, tenants=None if tenants is None else tenants.shared,
         )  # fmt: skip
         self._ready = memoryview(multiprocessing.sharedctypes.RawArray("b", counters)).cast("B")
         self._free = list(range(counters - 1, -1, -1))  # pop() takes the lowest
@@ -242,7 +251,9 @@ class Supervisor:
 
     def _on_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:
-            if self.state is SupervisorState.RUNNING:
+            if self.tenants is not None:
+                self.tenants.reload()  # in place: no worker recycled, no session dropped
+            elif self.state is SupervisorState.RUNNING:
                 self._recycle.extend(s.index for s in self._slots if s.index not in self._recycle)
                 log.info("SIGHUP: recycling the workers one at a time; old ones drain")
         elif signum in (signal.SIGTERM, signal.SIGINT):

@@ -31,6 +31,7 @@ from stadium._server.admission import Admission, LocalSlots, Slots
 from stadium._server.config import ServerConfig, default_session_store
 from stadium._server.durable import Durable, read_key_file
 from stadium._server.endpoints import HttpEndpoints
+from stadium._server.fair import FairAdmission
 from stadium._server.isolation import (
     MODES,
     Isolation,
@@ -56,6 +57,7 @@ from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.pool import auto_limit
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
+from stadium._server.tenants import TenantDirectory
 from stadium._server.watchdog import Watchdog
 
 #: Each isolated call's limit when --step-timeout is 0 (an isolated env is always bounded).
@@ -259,6 +261,7 @@ class Worker:
         slots: Slots | None = None,
         board: MetricsBoard | None = None,
         described: Description | None = None,
+        tenants: TenantDirectory | None = None,
     ) -> Worker:
         """Load ``config.target`` (unless ``env_cls`` is given) and build the worker's parts.
 
@@ -271,6 +274,8 @@ class Worker:
                 workers); default: a board of its own.
             described: ``--untrusted-env-code``: the env's description (the supervisor's,
                 inherited); default: asked of a sandboxed process now.
+            tenants: ``--tenants``, read before the fork (shared by the workers);
+                default: read now from ``config.tenants`` (for this process alone).
 
         Raises:
             TargetError: the target cannot be loaded or breaks the env contract.
@@ -300,12 +305,23 @@ class Worker:
             durable = _store(config)
         elif config.durable:
             durable = _durable(config, spec)
-        admission = Admission(
-            slots or LocalSlots(config.max_sessions),
-            config.admission_timeout,
-            per_connection=config.max_waiting_per_connection,
-            per_client=config.max_waiting_per_client,
-        )
+        if tenants is None and config.tenants is not None:
+            tenants = TenantDirectory.open(config.tenants, 1)
+        if tenants is not None:
+            admission: Admission = FairAdmission(
+                slots or LocalSlots(config.max_sessions),
+                config.admission_timeout,
+                tenants,
+                per_connection=config.max_waiting_per_connection,
+                per_client=config.max_waiting_per_client,
+            )
+        else:
+            admission = Admission(
+                slots or LocalSlots(config.max_sessions),
+                config.admission_timeout,
+                per_connection=config.max_waiting_per_connection,
+                per_client=config.max_waiting_per_client,
+            )
         runtime = Runtime(
             spec,
             admission,
@@ -335,6 +351,8 @@ class Worker:
             self.config.connected_idle_timeout, self.config.detached_idle_timeout
         )
         self.runtime.start_metrics()
+        if self.runtime.doors.tenants is not None:
+            self.runtime.doors.tenants.start()  # picks up a reloaded --tenants
         if self.runtime.isolation is not None:
             self.runtime.isolation.start()
         durable = self.runtime.durable

@@ -108,7 +108,8 @@ class AsgiApp:
         self.spec = self.worker.spec
         self.runtime = self.worker.runtime
         self.endpoints = self.worker.endpoints
-        self.access = AccessPolicy.from_config(config)
+        tenants = self.runtime.doors.tenants
+        self.access = AccessPolicy.from_config(config, None if tenants is None else tenants.book)
         self.terms = Terms(
             self.access, NODE_NAME, self.runtime.resume_grace, self.runtime.doors.mint,
             self.endpoints.harness,
@@ -220,7 +221,10 @@ class AsgiApp:
             resp = TOO_LARGE
         else:
             client = None if self.runtime.limits is None else client_address(scope.get("client"))
-            resp = await self.endpoints.handle(method, path, body, client)
+            tenant = None
+            if self.access.tenants is not None:
+                tenant = self.access.tenant_of(header_values(scope.get("headers") or ())[0])
+            resp = await self.endpoints.handle(method, path, body, client, tenant)
         await send(
             {
                 "type": "http.response.start",

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import h11
 
+from stadium._core.access import Tenant
 from stadium._core.limits import client_address
 from stadium._server.endpoints import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
 from stadium._server.runtime import Runtime
@@ -35,6 +36,8 @@ class HttpOwner(Protocol):
     def http_refusal(
         self, request: h11.Request, transport: asyncio.BaseTransport
     ) -> HttpResponse | None: ...
+
+    def http_tenant(self, request: h11.Request) -> Tenant | None: ...
 
 
 _AMBIGUOUS_LENGTH = error_response(
@@ -88,6 +91,7 @@ class HttpProtocol(asyncio.Protocol):
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
         self._transport: asyncio.Transport | None = None
         self._request: h11.Request | None = None
+        self._tenant: Tenant | None = None
         self._body: list[bytes] = []
         self._size = 0
         self._task: asyncio.Task[None] | None = None
@@ -164,6 +168,7 @@ class HttpProtocol(asyncio.Protocol):
                     self._close()
                     return
                 self._request = event
+                self._tenant = self._owner.http_tenant(event)
                 self._body = []
                 self._size = 0
                 self._arm(_BODY, self._owner.body_timeout)
@@ -192,6 +197,7 @@ class HttpProtocol(asyncio.Protocol):
             request.target.decode("latin-1"),
             b"".join(self._body),
             self._client(),
+            self._tenant,
         )
         self._task = None
         self._send(resp, body=not head)

@@ -33,7 +33,7 @@ from picows import (
 from picows import picows as _picows_impl
 from picows.picows import WSAutoPingStrategy
 
-from stadium._core.access import AccessPolicy, Refusal, header_values
+from stadium._core.access import AccessPolicy, Refusal, Tenant, header_values
 from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
@@ -397,6 +397,12 @@ class PicowsTransport:
             local_addr=functools.partial(_local_addr, transport),
         )
         return None if refusal is None else _refused(refusal)
+
+    def http_tenant(self, request: h11.Request) -> Tenant | None:
+        """The tenant a plain-HTTP request's token names (``None``: no tenants)."""
+        if self.access.tenants is None:
+            return None
+        return self.access.tenant_of(header_values(request.headers)[0])
 
     def over_rate(self, transport: asyncio.Transport) -> bool:
         """Answer ``429`` and close if the peer is over its ``--rate-limit`` (one request each)."""
