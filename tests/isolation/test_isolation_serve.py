@@ -78,7 +78,8 @@ SHAPES_CASES = {
 
 def _strip(value: Any, pids: set[int]) -> Any:
     """``value`` without its ``pid`` fields (collected into ``pids``), episode ids made
-    alike; JSON text inside
+    alike, an episode's cost reduced to what does not depend on the machine (its fields,
+    steps and bytes received); JSON text inside
     (an MCP result's ``content``) is read and stripped too."""
     if isinstance(value, dict):
         out = {}
@@ -87,6 +88,9 @@ def _strip(value: Any, pids: set[int]) -> Any:
                 pids.add(item)
             elif key == "episode_id" and isinstance(item, str):  # a random one
                 out[key] = "<episode id>"
+            elif key == "cost" and isinstance(item, dict):  # measured: the same fields and counts
+                out[key] = {"fields": sorted(item), "steps": item.get("steps"),
+                            "bytes_in": item.get("bytes_in")}  # fmt: skip
             else:
                 out[key] = _strip(item, pids)
         return out
