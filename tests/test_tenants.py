@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import httpx
 import pytest
 import websockets
 
+import stadium
 from stadium._core.access import Tenant, TenantTable
 from stadium._errors import ConfigError
 from stadium._server.config import ServerConfig
@@ -149,6 +151,61 @@ async def test_a_token_names_its_tenant_who_sees_only_its_own_usage(
     assert "alpha" not in json.dumps(theirs)
     assert after["sessions_opened"] == 1
     assert 'stadium_tenant_sessions_opened_total{tenant="alpha"} 3.0' in metrics
+
+
+async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
+    tmp_path: Path,
+) -> None:
+    """Each ended episode's cost is summed into its tenant's (usage and ``/metrics``); a
+    fork's inherited steps are its parent's, counted once."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", tenants=path) as server:
+        wait = {"wait_seconds": 0}
+        async with stadium.AsyncClient(server.url, token=TOKENS["alpha"]) as parent:
+            await parent.reset()
+            for _ in range(3):
+                await parent.step(wait)
+            await parent.reset()  # the first episode ends: 3 steps
+            for _ in range(2):
+                await parent.step(wait)
+            child = await parent.fork()  # the running episode's 2 steps are the parent's
+            try:
+                await child.step(wait)
+            finally:
+                await child.close()
+        # The parent's close ends its second episode (2 steps).
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def usage(name: str) -> dict[str, Any]:
+                r = await http.get("/tenant/usage", headers=_auth(name))
+                return dict(r.json())
+
+            await wait_until_async(
+                lambda: usage("alpha"), lambda u: u["sessions_active"] == 0, "both closed"
+            )
+            mine, theirs = await usage("alpha"), await usage("beta")
+            metrics = (await http.get("/metrics", headers=_auth("beta"))).text
+    assert mine["steps"] == 3 + 2 + 1, mine
+    episodes = mine["episodes"]
+    assert (episodes["ended"], episodes["steps"]) == (2, 5), episodes
+    assert episodes["bytes_in"] > 0
+    assert episodes["bytes_out"] > 0
+    assert episodes["wall_s"] > 0
+    assert episodes["cpu_s"] >= 0
+    assert theirs["episodes"]["ended"] == 0
+    assert 'stadium_tenant_episodes_total{tenant="alpha"} 2.0' in metrics
+    assert 'stadium_tenant_episode_steps_total{tenant="alpha"} 5.0' in metrics
+    assert 'stadium_tenant_episode_cpu_seconds_total{tenant="beta"} 0.0' in metrics
+
+
+async def wait_until_async(
+    get: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool], what: str
+) -> None:
+    """Poll ``get()`` until ``ok`` holds of it (a liveness bound of ``10 * UNIT``)."""
+    deadline = time.monotonic() + 10 * UNIT
+    while not ok(await get()):
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.02)
 
 
 async def _demand(url: str, name: str, width: int, stop: asyncio.Event, wait: float) -> None:
