@@ -10,6 +10,7 @@ origin (the pages must work where no CDN is reachable).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -220,6 +221,41 @@ async def test_dashboard_moves_while_sessions_run(tab: Tab) -> None:
             driver.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await driver
+
+
+async def test_dashboard_shows_each_tenant_with_tenants_on(tab: Tab, tmp_path: Path) -> None:
+    """With ``--tenants``, the dashboard's Tenants panel has a row per tenant: its sessions,
+    steps and ended episodes move as it runs them (the page sent with a tenant's token, as
+    a proxy in front would); without tenants the panel stays hidden."""
+    page = tab.page
+    async with serve("echo") as server:
+        await page.goto(server.url + "/dashboard?every=0.2")
+        await wait_text(page, "#status", "t.startsWith('live')")
+        assert await page.locator("#tenants-panel").is_hidden()
+    tokens = {name: f"token-of-{name}-{'x' * 16}" for name in ("alpha", "beta")}
+    path = tmp_path / "tenants.toml"
+    path.write_text(
+        "".join(
+            f'[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
+            for name, token in tokens.items()
+        )
+    )
+    async with serve("benchmark", tenants=str(path)) as server:
+        await page.set_extra_http_headers({"Authorization": f"Bearer {tokens['beta']}"})
+        await page.goto(server.url + "/dashboard?every=0.2")
+        await wait_text(page, "#tenants tbody", "t.includes('alpha') && t.includes('beta')")
+        async with AsyncClient(server.url, token=tokens["alpha"]) as env:
+            await env.reset()
+            for _ in range(3):
+                await env.step({"wait_seconds": 0.0})
+            await env.reset()  # the first episode ends
+        await page.wait_for_function(
+            "() => { const r = [...document.querySelectorAll('#tenants tbody tr')]"
+            ".map(tr => [...tr.children].map(td => td.textContent));"
+            " const a = r.find(c => c[0] === 'alpha'), b = r.find(c => c[0] === 'beta');"
+            " return a && b && a[3] === '1' && Number(a[5]) >= 3 && Number(a[8]) >= 1"
+            " && b[3] === '0'; }"
+        )
 
 
 # ------------------------------------------------------------------------- web

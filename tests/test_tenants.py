@@ -8,8 +8,10 @@ import asyncio
 import hashlib
 import json
 import os
+import random
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ import httpx
 import pytest
 import websockets
 
+import stadium
 from stadium._core.access import Tenant, TenantTable
 from stadium._errors import ConfigError
 from stadium._server.config import ServerConfig
@@ -149,6 +152,61 @@ async def test_a_token_names_its_tenant_who_sees_only_its_own_usage(
     assert "alpha" not in json.dumps(theirs)
     assert after["sessions_opened"] == 1
     assert 'stadium_tenant_sessions_opened_total{tenant="alpha"} 3.0' in metrics
+
+
+async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
+    tmp_path: Path,
+) -> None:
+    """Each ended episode's cost is summed into its tenant's (usage and ``/metrics``); a
+    fork's inherited steps are its parent's, counted once."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", tenants=path) as server:
+        wait = {"wait_seconds": 0}
+        async with stadium.AsyncClient(server.url, token=TOKENS["alpha"]) as parent:
+            await parent.reset()
+            for _ in range(3):
+                await parent.step(wait)
+            await parent.reset()  # the first episode ends: 3 steps
+            for _ in range(2):
+                await parent.step(wait)
+            child = await parent.fork()  # the running episode's 2 steps are the parent's
+            try:
+                await child.step(wait)
+            finally:
+                await child.close()
+        # The parent's close ends its second episode (2 steps).
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def usage(name: str) -> dict[str, Any]:
+                r = await http.get("/tenant/usage", headers=_auth(name))
+                return dict(r.json())
+
+            await wait_until_async(
+                lambda: usage("alpha"), lambda u: u["sessions_active"] == 0, "both closed"
+            )
+            mine, theirs = await usage("alpha"), await usage("beta")
+            metrics = (await http.get("/metrics", headers=_auth("beta"))).text
+    assert mine["steps"] == 3 + 2 + 1, mine
+    episodes = mine["episodes"]
+    assert (episodes["ended"], episodes["steps"]) == (2, 5), episodes
+    assert episodes["bytes_in"] > 0
+    assert episodes["bytes_out"] > 0
+    assert episodes["wall_s"] > 0
+    assert episodes["cpu_s"] >= 0
+    assert theirs["episodes"]["ended"] == 0
+    assert 'stadium_tenant_episodes_total{tenant="alpha"} 2.0' in metrics
+    assert 'stadium_tenant_episode_steps_total{tenant="alpha"} 5.0' in metrics
+    assert 'stadium_tenant_episode_cpu_seconds_total{tenant="beta"} 0.0' in metrics
+
+
+async def wait_until_async(
+    get: Callable[[], Awaitable[Any]], ok: Callable[[Any], bool], what: str
+) -> None:
+    """Poll ``get()`` until ``ok`` holds of it (a liveness bound of ``10 * UNIT``)."""
+    deadline = time.monotonic() + 10 * UNIT
+    while not ok(await get()):
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        await asyncio.sleep(0.02)
 
 
 async def _demand(url: str, name: str, width: int, stop: asyncio.Event, wait: float) -> None:
@@ -296,3 +354,173 @@ def test_sighup_reloads_the_tenants_in_place_keeping_sessions(tmp_path: Path) ->
 
         asyncio.run(go())
         assert sorted(s.workers()) == workers  # no worker recycled
+
+
+# -- fairness over two worker processes ----------------------------------------------------
+
+
+class _Lane:
+    """A kept-alive HTTP/1.1 connection of one tenant to one worker, spoken by hand (cheap
+    enough that one test process keeps dozens of them asking at once)."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int
+    ) -> None:
+        self.reader, self.writer = reader, writer
+        self.host = f"Host: 127.0.0.1:{port}\r\n".encode()
+
+    @classmethod
+    async def open(cls, port: int) -> _Lane:
+        return cls(*await asyncio.open_connection("127.0.0.1", port), port)
+
+    async def step(self, name: str, hold: float) -> int:
+        """``POST /step`` holding a slot ``hold`` seconds: the pid of the worker that served."""
+        body = json.dumps({"action": {"wait_seconds": hold}}).encode()
+        self.writer.write(
+            b"POST /step HTTP/1.1\r\nContent-Type: application/json\r\n"
+            + self.host
+            + f"Authorization: Bearer {TOKENS[name]}\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), 60 * UNIT)
+        assert head.startswith(b"HTTP/1.1 200"), head
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        reply = json.loads(await self.reader.readexactly(length))
+        return int(reply["observation"]["pid"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _lanes(port: int, name: str, workers: list[int]) -> list[tuple[_Lane, int]]:
+    """A connection of tenant ``name`` to each of ``workers``: connections are opened
+    until the kernel hands one to that worker (each answers with its worker's pid)."""
+    out: list[tuple[_Lane, int]] = []
+    for worker in workers:
+        for _ in range(64):
+            lane = await _Lane.open(port)
+            if await lane.step(name, 0) == worker:
+                out.append((lane, worker))
+                break
+            lane.close()
+        else:
+            raise AssertionError(f"the kernel never gave worker {worker} a connection")
+    return out
+
+
+async def _pinned(
+    lanes: list[tuple[_Lane, int]], name: str, hold: float, stop: asyncio.Event,
+    served: dict[int, int],
+) -> None:  # fmt: skip
+    """One request at a time on each lane, each a session holding a slot ``hold`` seconds
+    on average (0.5-1.5 x: sessions of one length would end in waves), until ``stop``;
+    ``served`` counts replies per pid."""
+    rng = random.Random(name)
+
+    async def run(lane: _Lane, want: int) -> None:
+        try:
+            while not stop.is_set():
+                pid = await lane.step(name, hold * rng.uniform(0.5, 1.5))
+                assert pid == want  # the kept connection, the same worker
+                served[pid] = served.get(pid, 0) + 1
+        finally:
+            lane.close()
+
+    await asyncio.gather(*(run(lane, w) for lane, w in lanes))
+
+
+async def _usage_of(http: httpx.AsyncClient, name: str) -> dict[str, Any]:
+    r = await http.get("/tenant/usage", headers=_auth(name))
+    return dict(r.json())
+
+
+@pytest.mark.slow
+def test_shares_hold_one_to_three_when_each_tenant_waits_on_its_own_worker(
+    tmp_path: Path,
+) -> None:
+    """Two workers, 4 slots over the node; alpha (weight 1) keeps 12 sessions asking, all
+    on worker A, beta (weight 3) 12, all on worker B (each connection's worker checked in
+    every reply): every slot freed on one worker for the other's tenant crosses over
+    (the deferral to the other worker's poll). Over the window the slots went 1 : 3
+    within 10 %; then alpha alone, on both workers, holds every slot."""
+    path = _tenants(tmp_path, alpha={"weight": 1}, beta={"weight": 3})
+    with _serve(
+        "benchmark", "--workers", "2", "--tenants", path, "--max-sessions", "4",
+        "--admission-timeout", "120", "--drain-timeout", "0",
+    ) as s:  # fmt: skip
+        wait_until_sync(lambda: len(s.workers()) == 2, "two workers")
+        a, b = sorted(s.workers())
+        names = ("alpha", "beta")
+
+        async def shares(http: httpx.AsyncClient) -> tuple[list[int], list[dict[int, int]]]:
+            stop = asyncio.Event()
+            served: list[dict[int, int]] = [{}, {}]
+            lanes = [
+                await _lanes(s.port, "alpha", [a] * 12),
+                await _lanes(s.port, "beta", [b] * 12),
+            ]
+            load = [
+                asyncio.ensure_future(_pinned(lanes[i], names[i], 0.02, stop, served[i]))
+                for i in range(2)
+            ]
+            try:
+                deadline = time.monotonic() + 30 * UNIT
+                while True:  # both tenants queued (each asks 3 x the node's slots)
+                    got = [await _usage_of(http, n) for n in names]
+                    if all(u["sessions_waiting"] >= 4 for u in got):
+                        break
+                    assert time.monotonic() < deadline, f"never both queued: {got}"
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.5)  # warm-up
+                start = [(await _usage_of(http, n))["sessions_opened"] for n in names]
+                deadline = time.monotonic() + 60 * UNIT
+                while True:
+                    now = [(await _usage_of(http, n))["sessions_opened"] for n in names]
+                    if sum(now) - sum(start) >= 600 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.1)
+            finally:
+                stop.set()
+                await asyncio.gather(*load)
+            return [y - x for x, y in zip(start, now, strict=True)], served
+
+        async def alone(http: httpx.AsyncClient) -> tuple[dict[str, Any], dict[int, int]]:
+            stop = asyncio.Event()
+            served: dict[int, int] = {}
+            lanes = await _lanes(s.port, "alpha", [a] * 6 + [b] * 6)
+            load = asyncio.ensure_future(_pinned(lanes, "alpha", 0.2, stop, served))
+            try:
+                deadline = time.monotonic() + 30 * UNIT
+                while True:
+                    usage = await _usage_of(http, "alpha")
+                    if usage["sessions_active"] == 4 and usage["sessions_waiting"] > 0:
+                        return usage, served
+                    assert time.monotonic() < deadline, f"alpha never held every slot: {usage}"
+                    await asyncio.sleep(0.02)
+            finally:
+                stop.set()
+                await load
+
+        async def both() -> tuple[Any, Any]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=10 * UNIT) as http:
+                return await shares(http), await alone(http)
+
+        (got, (by_alpha, by_beta)), (usage, served) = asyncio.run(both())
+        assert set(by_alpha) == {a}, by_alpha  # alpha served on worker A only
+        assert set(by_beta) == {b}, by_beta  # beta on worker B only
+        assert sum(got) >= 600, got
+        assert 0.25 * 0.9 <= got[0] / sum(got) <= 0.25 * 1.1, got
+        assert set(served) == {a, b}, served  # alone: its sessions on both workers...
+        assert usage["sessions_active"] == 4  # ...and every slot its
+
+
+def wait_until_sync(ok: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10 * UNIT
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for: {what}"
+        time.sleep(0.05)

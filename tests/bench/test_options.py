@@ -25,7 +25,8 @@ EVERYTHING = RampOptions(
     think_token_ms=0.1, state_kb=64, reps=2, mode="http", batch=(64, 256), cpus=(0, 1),
     load_cpus=(1,),
     pin=True, mem=3 << 30, load_procs=2, connect_window=5, server_workers=2,
-    max_sessions=99, timeout=0.5, deadline=60.0, cache_dir=Path("/tmp/cache"),
+    max_sessions=99, serve_args=("--tenants=/tmp/t.toml", "--log-level", "info"),
+    timeout=0.5, deadline=60.0, cache_dir=Path("/tmp/cache"),
     progress=False, output_dir=Path("/tmp/out"),
 )  # fmt: skip
 """Every option away from its default."""
@@ -148,3 +149,17 @@ def test_no_bench_module_imports_the_command_line() -> None:
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             assert not any(n.startswith("stadium.bench._cli") for n in names), path.name
+
+
+def test_serve_args_reach_each_stadium_server_and_tenants_take_no_server_token() -> None:
+    from stadium.bench.arms import Arm, ServerSettings, server_command
+
+    settings = ServerSettings(serve_args=("--tenants=/tmp/t.toml",))
+    cmd, env = server_command(Arm.parse("stadium"), 9, settings)
+    assert cmd[-1] == "--tenants=/tmp/t.toml"
+    assert env["STADIUM_AUTH_TOKEN"] == ""  # unset: the token is the clients'
+    cmd, env = server_command(Arm.parse("stadium"), 9, ServerSettings(serve_args=("-v",)))
+    assert cmd[-1] == "-v"
+    assert "STADIUM_AUTH_TOKEN" not in env
+    floor, _ = server_command(Arm.parse("floor"), 9, settings)
+    assert "--tenants=/tmp/t.toml" not in floor

@@ -47,6 +47,7 @@ import uuid
 from stadium._core.access import Tenant
 from stadium._core.limits import Bucket, ClientLimits, ClientRecord, window_take
 from stadium._core.resume import new_session_id, new_token
+from stadium._env.cost import EpisodeCost
 from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission import Admission, Verdict, Waiter
 from stadium._server.client_counts import Keys
@@ -74,7 +75,7 @@ class Pass:
     per-client limits), its tenant (``None``: no tenants) and its bucket (``None``: no
     rate limit)."""
 
-    __slots__ = ("bucket", "counted", "door", "keys", "record", "tenant")
+    __slots__ = ("bucket", "counted", "door", "inherited", "keys", "record", "tenant")
 
     def __init__(
         self, door: Door, record: ClientRecord | None, counted: bool, keys: Keys | None = None
@@ -88,6 +89,9 @@ class Pass:
         """Its client's counters over every worker (``client_counts``), when counted there."""
         self.tenant: Tenant | None = None
         """The tenant it is charged to (``--tenants``)."""
+        self.inherited = 0
+        """Steps of its running episode taken before it was forked off (its parent's,
+        counted to the tenant by the parent): not counted again."""
 
 
 class TenantBucket:
@@ -272,10 +276,20 @@ class Doorway:
                 )
         return None
 
-    def steps(self, tenant: Tenant | None, n: int) -> None:
-        """Count ``n`` steps of ``tenant``'s (``stadium_tenant_steps_total``)."""
-        if tenant is not None and n and self.tenants is not None:
+    def steps(self, tenant: Tenant | None, n: int, charged: Pass | None = None) -> None:
+        """Count ``n`` steps of ``tenant``'s (``stadium_tenant_steps_total``): an episode's
+        ``n`` so far, less those ``charged``'s session inherited from the session it was
+        forked from (once: the next episode is its own)."""
+        if charged is not None and charged.inherited:
+            n -= charged.inherited
+            charged.inherited = 0
+        if tenant is not None and n > 0 and self.tenants is not None:
             self.tenants.shared.add(tenant.row, STEPS, n)
+
+    def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
+        """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
+        if self.tenants is not None:
+            self.tenants.shared.episode(tenant.row, cost)
 
     # -- the slot --------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from stadium._core.access import Tenant
 from stadium._core.protocol import Call, Encoding
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
@@ -56,6 +57,7 @@ class EpisodeAccounts(ResumableSession):
     _ep_reset: tuple[Call, bytes, float] | None
     _ep_proc: tuple[int, float] | None
     _ep_clipped: bool
+    tenant: Tenant | None
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
         raise NotImplementedError  # Session's
@@ -194,6 +196,8 @@ class EpisodeAccounts(ResumableSession):
         cost = self._cost(now)
         self._ep_start = 0.0
         ledger.ended(cost)
+        if self.tenant is not None:  # --tenants: the tenant's episode cost too
+            self.runtime.doors.episode(self.tenant, cost)
         json = protocol.encoding is Encoding.JSON
         log, reset = self._ep_log, self._ep_reset
         self._ep_log = self._ep_reset = None

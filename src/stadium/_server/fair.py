@@ -140,10 +140,13 @@ class FairAdmission(Admission):
     def _seat(self, row: int, waited: float) -> None:
         """Count a slot given to ``row`` after ``waited`` seconds in the queue."""
         shared = self.directory.shared
-        shared.add(row, HELD)
-        shared.add(row, OPENED)
-        shared.add(row, WAIT_US, int(waited * 1e6))
-        shared.add(row, WAIT_HIST + bisect_left(WAIT_BUCKETS, waited))
+        counts, width = shared.counts, shared.width
+        at = row * NFIELDS * width + shared.column  # SharedTenants.at, inlined (per session)
+        counts[at + HELD * width] += 1
+        counts[at + OPENED * width] += 1
+        if waited:
+            counts[at + WAIT_US * width] += int(waited * 1e6)
+        counts[at + (WAIT_HIST + bisect_left(WAIT_BUCKETS, waited)) * width] += 1
 
     def _take(self, row: int) -> tuple[Waiter, float]:
         """Take ``row``'s first local waiter out of the queue: it and its wait so far."""

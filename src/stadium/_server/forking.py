@@ -110,6 +110,7 @@ class ForkingSession:
         protocol.state = parent.state
         protocol.episode_id = parent.episode_id
         protocol.step_count = parent.step_count
+        charged.inherited = parent.step_count  # counted to the tenant by the parent
         self.phase = Phase.OPEN
         channel = self.channel
         assert isinstance(channel, ResumeChannel)

@@ -622,7 +622,7 @@ class Session(ForkingSession, EpisodeAccounts):
                 self._t0 = 0.0
             rt = self.runtime
             if op is not _STEP and self.tenant is not None:  # a reset ends the episode's steps
-                rt.doors.steps(self.tenant, protocol.step_count)
+                rt.doors.steps(self.tenant, protocol.step_count, self._pass)
             frame = protocol.observation_reply(call, result)
             # Timed from the request's arrival (the session's last message) to its reply;
             # the step histogram's count is the step count (``Runtime.steps_total``).
@@ -708,7 +708,7 @@ class Session(ForkingSession, EpisodeAccounts):
         if charged is not None and (charged.record is not None or charged.tenant is not None):
             self._release_client()  # per-client limits or tenants on
         if self.tenant is not None and phase is not Phase.CLOSED:
-            rt.doors.steps(self.tenant, self.protocol.step_count)
+            rt.doors.steps(self.tenant, self.protocol.step_count, charged)
         if self._attach is not None:  # the env and slot belong to the HTTP MCP session
             if rt.attached.get(self._attach) is self:
                 del rt.attached[self._attach]

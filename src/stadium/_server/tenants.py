@@ -10,7 +10,8 @@ file is a :class:`~stadium.ConfigError` naming the field.
 (a *row*, at most :data:`MAX_TENANTS`) and per worker process (a *column*, written only
 by that process, as :class:`~stadium._server.admission.SharedSlots`' counters) the
 sessions it holds, is charged (held or waiting: the quota) and has waiting, and its
-cumulative counts (sessions opened, refusals, steps, queue wait); a dead worker's
+cumulative counts (sessions opened, refusals, steps, queue wait, the ended episodes'
+cost, counted once per episode at its end); a dead worker's
 counts move to a retired column (:meth:`SharedTenants.forget_worker`). It also holds
 the current tenant table, serialized, with a generation number: the process that
 reloads the file on SIGHUP (the supervisor; a lone worker itself) writes it under a
@@ -44,6 +45,7 @@ from prometheus_client.core import (
 )
 
 from stadium._core.access import Tenant, TenantBook, TenantTable
+from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
 from stadium._util.fence import full_fence
 
@@ -76,10 +78,14 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of a tenant's queue wait histogram (then +Inf): those of
 ``stadium_admission_wait_seconds``."""
 
-# Fields of a (row, column): gauges, then cumulative counts, then the wait histogram.
+# Fields of a (row, column): gauges, then cumulative counts, then the wait histogram,
+# then the ended episodes' cost (the ledger's, summed: episodes, wall and env CPU in
+# microseconds, steps, bytes received and sent).
 HELD, CHARGED, WAITING, OPENED, REFUSED, STEPS, WAIT_US = range(7)
 WAIT_HIST = 7
-NFIELDS = WAIT_HIST + len(WAIT_BUCKETS) + 1
+EPISODES = WAIT_HIST + len(WAIT_BUCKETS) + 1
+EP_WALL_US, EP_CPU_US, EP_STEPS, EP_IN, EP_OUT = range(EPISODES + 1, EPISODES + 6)
+NFIELDS = EPISODES + 6
 _GAUGES = (HELD, CHARGED, WAITING)
 
 
@@ -241,6 +247,17 @@ class SharedTenants:
 
     def add(self, row: int, field: int, n: int = 1) -> None:
         self.counts[self.at(row, field) + self.column] += n
+
+    def episode(self, row: int, cost: EpisodeCost) -> None:
+        """Count an ended episode's ``cost`` to ``row`` (once per episode, at its end)."""
+        counts, width, column = self.counts, self.width, self.column
+        i = (row * NFIELDS + EPISODES) * width + column
+        counts[i] += 1
+        counts[i + width] += int(cost.wall_s * 1e6)
+        counts[i + 2 * width] += int(cost.cpu_s * 1e6)
+        counts[i + 3 * width] += cost.steps
+        counts[i + 4 * width] += cost.bytes_in
+        counts[i + 5 * width] += cost.bytes_out
 
     def forget_worker(self, column: int) -> None:
         """The dead, reaped worker of ``column``: its gauges zeroed, its counts retired."""
@@ -423,6 +440,14 @@ class TenantDirectory:
                 "sum": shared.total(row, WAIT_US) / 1e6,
                 "buckets": buckets,
             },
+            "episodes": {  # the ended episodes' cost, summed (docs/PROTOCOL.md)
+                "ended": shared.total(row, EPISODES),
+                "wall_s": shared.total(row, EP_WALL_US) / 1e6,
+                "cpu_s": shared.total(row, EP_CPU_US) / 1e6,
+                "steps": shared.total(row, EP_STEPS),
+                "bytes_in": shared.total(row, EP_IN),
+                "bytes_out": shared.total(row, EP_OUT),
+            },
         }
 
     def each(self) -> Iterator[Tenant]:
@@ -447,11 +472,28 @@ class TenantCollector:
             (CounterMetricFamily, "stadium_tenant_refusals", "Sessions and requests refused "
              "(quota, rate, no slot in time, too many waiting).", REFUSED),
             (CounterMetricFamily, "stadium_tenant_steps", "Steps taken.", STEPS),
+            (CounterMetricFamily, "stadium_tenant_episodes", "Episodes ended.", EPISODES),
+            (CounterMetricFamily, "stadium_tenant_episode_steps", "Steps answered in ended "
+             "episodes.", EP_STEPS),
+            (CounterMetricFamily, "stadium_tenant_episode_received_bytes", "Bytes of ended "
+             "episodes' request frames.", EP_IN),
+            (CounterMetricFamily, "stadium_tenant_episode_sent_bytes", "Bytes of ended "
+             "episodes' reply frames.", EP_OUT),
         ]  # fmt: skip
         for kind, name, doc, field in families:
             family = kind(name, doc, labels=label)
             for t in tenants:
                 family.add_metric([t.name], shared.total(t.row, field))
+            yield family
+        for name, doc, field in (
+            ("stadium_tenant_episode_wall_seconds", "Ended episodes' wall time, summed.",
+             EP_WALL_US),
+            ("stadium_tenant_episode_cpu_seconds", "Ended episodes' env CPU seconds, summed.",
+             EP_CPU_US),
+        ):  # fmt: skip
+            family = CounterMetricFamily(name, doc, labels=label)
+            for t in tenants:
+                family.add_metric([t.name], shared.total(t.row, field) / 1e6)
             yield family
         wait = HistogramMetricFamily(
             "stadium_tenant_queue_wait_seconds",

@@ -187,6 +187,15 @@ _OPTIONS: list[Callable[[Any], Any]] = [
         help="Server session cap (0: twice the largest N, at least 100,000).",
     ),
     click.option(
+        "--serve-arg",
+        "serve_args",
+        multiple=True,
+        metavar="ARG",
+        help="An extra argument of each started Stadium server (repeat it), e.g. "
+        "--serve-arg=--tenants=FILE. Clients send STADIUM_AUTH_TOKEN as their bearer token; "
+        "with --tenants among these the servers do not take it as theirs.",
+    ),
+    click.option(
         "--timeout",
         default=_D.timeout,
         show_default=True,

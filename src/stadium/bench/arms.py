@@ -175,6 +175,8 @@ class ServerSettings:
     max_sessions: int = 100_000
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "stadium-bench")
     worktrees: dict[str, Path] = field(default_factory=dict)
+    serve_args: tuple[str, ...] = ()
+    """Extra arguments of every started Stadium server (``--serve-arg``)."""
 
 
 def parse_size(text: str) -> int:
@@ -298,6 +300,11 @@ def server_command(
             "--max-sessions", str(settings.max_sessions),
             "--log-level", "warning",
         ]  # fmt: skip
+        cmd += settings.serve_args
+        if any(x.split("=", 1)[0] == "--tenants" for x in settings.serve_args):
+            # The token in the bench's environment is its clients' (a tenant's), not the
+            # server's: a server with --tenants refuses one of its own.
+            env["STADIUM_AUTH_TOKEN"] = ""
         if arm.git_ref is not None:
             tree = settings.worktrees.get(arm.git_ref)
             if tree is None:
@@ -663,6 +670,8 @@ def _launch(
     """Start a server process in its own process group, its output (and errors) to
     ``output``; stop it with :meth:`RunningServer.stop`."""
     env = {**os.environ, **(extra_env or {}), "PYTHONUNBUFFERED": "1"}
+    for name in [k for k, v in (extra_env or {}).items() if not v]:  # "": unset
+        del env[name]
     return subprocess.Popen(
         list(cmd), stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         env=env, start_new_session=True,

@@ -60,6 +60,8 @@ class GridOptions:
     connect_window: int = 0
     server_workers: int = 1
     max_sessions: int = 0
+    serve_args: tuple[str, ...] = field(default=(), metadata={"flag": "--serve-arg"})
+    """Extra arguments of every started Stadium server (``--serve-arg=--tenants=FILE``)."""
     timeout: float = 30.0
     deadline: float = 3600.0
     cache_dir: Path | None = None
@@ -109,6 +111,7 @@ class GridOptions:
             connect_window=self.connect_window,
             server_workers=self.server_workers,
             max_sessions=self.max_sessions,
+            serve_args=self.serve_args,
             connect_timeout=self.timeout,
             request_timeout=self.timeout,
             deadline_s=self.deadline,

@@ -63,6 +63,8 @@ class BenchConfig:
     connect_window: int = 0
     server_workers: int = 1
     max_sessions: int = 0
+    serve_args: tuple[str, ...] = ()
+    """Extra arguments of every started Stadium server (``--serve-arg``)."""
     connect_timeout: float = 30.0
     request_timeout: float = 30.0
     deadline_s: float = 3600.0
@@ -215,6 +217,7 @@ def run(config: BenchConfig) -> Path:
         workers=config.server_workers,
         max_sessions=config.max_sessions or max(100_000, 2 * max(grid)),
         cache_dir=config.cache_dir or Path.home() / ".cache" / "stadium-bench",
+        serve_args=config.serve_args,
     )
     openenv_py = None
     if any(a.kind == "openenv" for a in arm_list):
@@ -303,6 +306,7 @@ def _settings_table(
         "load CPUs": ",".join(map(str, config.load_cpus)) if config.load_cpus else "all",
         "server memory cap": config.mem_bytes or "none",
         "server workers": config.server_workers,
+        "server arguments": " ".join(config.serve_args) or "none",
         "connect window": config.connect_window or "none (pure burst)",
         "stop at collapse": config.stop_at_collapse,
         "run deadline (s)": config.deadline_s,
