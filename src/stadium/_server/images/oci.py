@@ -25,11 +25,13 @@ from stadium._server.images.refs import check_digest
 __all__ = [
     "DEFAULT_PATH",
     "ArchiveLayout",
+    "ConfigSection",
     "DirLayout",
     "ImageConfig",
     "Layer",
     "Layout",
     "Manifested",
+    "image_config",
     "read_image",
 ]
 
@@ -124,9 +126,11 @@ class _Manifest(msgspec.Struct, rename="camel"):
     media_type: str = ""
 
 
-class _ImageSection(msgspec.Struct, rename={"env": "Env", "workdir": "WorkingDir",
+class ConfigSection(msgspec.Struct, rename={"env": "Env", "workdir": "WorkingDir",
                                             "user": "User", "cmd": "Cmd",
                                             "entrypoint": "Entrypoint"}):  # fmt: skip
+    """The ``config`` section of an image config (``podman image inspect``'s ``Config``)."""
+
     env: list[str] | None = None
     workdir: str | None = None
     user: str | None = None
@@ -141,7 +145,7 @@ class _RootFS(msgspec.Struct):
 
 class _Config(msgspec.Struct):
     rootfs: _RootFS
-    config: _ImageSection | None = None
+    config: ConfigSection | None = None
 
 
 class Layout(Protocol):
@@ -264,7 +268,7 @@ def read_image(layout: Layout, tag: str | None) -> Manifested:
         )
         for d, diff_id in zip(manifest.layers, config.rootfs.diff_ids, strict=True)
     )
-    return Manifested(config_digest, _image_config(config.config), layers)
+    return Manifested(config_digest, image_config(config.config), layers)
 
 
 def _choose(manifests: list[_Descriptor], tag: str | None, what: str) -> _Descriptor:
@@ -293,7 +297,7 @@ def _platform(manifests: list[_Descriptor], what: str) -> _Descriptor:
     raise ConfigError(f"{what}: the image index has no linux/{arch} image")
 
 
-def _image_config(section: _ImageSection | None) -> ImageConfig:
+def image_config(section: ConfigSection | None) -> ImageConfig:
     if section is None:
         return ImageConfig()
     env: dict[str, str] = {}

@@ -263,7 +263,11 @@ class ImageStore:
         elif r.kind is RefKind.PODMAN:
             found = podman.inspect(r.location, what)
             stamp = _stamp(found.stamp_path) if found.stamp_path else None
-            image = self._existing(r.text, found.digest) or self._from_podman(r, what)
+            image = (
+                self._existing(r.text, found.digest)
+                or self._from_cached_layers(r, found)
+                or self._from_podman(r, what)
+            )
         elif r.kind is RefKind.OCI:
             stamp = _stamp(os.path.join(r.location, "index.json"), missing_ok=True)
             image = self._ingest(r, DirLayout(r.location, what), r.tag, what)
@@ -290,6 +294,19 @@ class ImageStore:
             },
         )
         return image
+
+    def _from_cached_layers(self, r: ImageRef, found: podman.PodmanImage) -> PreparedImage | None:
+        """The image from layers other images brought, when all of its are here (its config
+        from ``podman image inspect``): no export."""
+        dirs, sizes = [], []
+        for diff_id in found.diff_ids:
+            hexd = diff_id.removeprefix("sha256:")
+            dest = self._path("layers", hexd)
+            if not os.path.isdir(dest):
+                return None
+            dirs.append(dest)
+            sizes.append(int(self._read_json(f"{dest}.json")["size_bytes"]))
+        return self._record(r, found.digest, dirs, sizes, found.config, f"image {r.text!r}")
 
     def _from_podman(self, r: ImageRef, what: str) -> PreparedImage:
         tmp = self._path("tmp", f"export-{os.getpid()}-{secrets.token_hex(4)}")
@@ -348,10 +365,19 @@ class ImageStore:
             path, size = self._layer(layer.digest, layer.diff_id, layout, what)
             dirs.append(path)
             sizes.append(size)
+        return self._record(r, manifested.digest, dirs, sizes, manifested.config, what)
+
+    def _record(
+        self,
+        r: ImageRef,
+        digest: str,
+        dirs: list[str],
+        sizes: list[int],
+        config: ImageConfig,
+        what: str,
+    ) -> PreparedImage:
         unique = dict(zip(dirs, sizes, strict=True))
-        image = PreparedImage(
-            r.text, manifested.digest, tuple(dirs), manifested.config, sum(unique.values())
-        )
+        image = PreparedImage(r.text, digest, tuple(dirs), config, sum(unique.values()))
         if self.budget_bytes is not None and image.size_bytes > self.budget_bytes:
             raise ConfigError(
                 f"{what} takes {image.size_bytes >> 20} MiB, over the image cache's budget "
