@@ -496,7 +496,7 @@ class ImageStore:
                     digest,
                     rec.get("kind", "?"),
                     tuple(rec.get("refs", ())),
-                    len(rec["layers"]),
+                    len(rec["image"]["layers"]),
                     int(rec["image"]["size_bytes"]),
                     used,
                     self._leased(lease),
