@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from stadium._server.images import ImageStore
-from tests.container.conftest import CACHE, _image_exists, _locked, _must, _run, base_image, podman
+from tests.container.conftest import CACHE, _locked, _must, _run, base_image, podman
 
 __all__ = [
     "TASK_A",
@@ -143,7 +143,9 @@ def _variant(podman: str, image: str, name: str) -> Path:
         out = tmp / name
         try:
             if name == "oci":
-                _must([podman, "save", "--quiet", "--format", "oci-dir", "-o", str(out), image], 600)
+                _must(
+                    [podman, "save", "--quiet", "--format", "oci-dir", "-o", str(out), image], 600
+                )
             elif name == "archive.tar":
                 _must([podman, "save", "--quiet", "--format", "oci-archive", "-o", str(out),
                        image], 600)  # fmt: skip

@@ -570,7 +570,8 @@ class ImageStore:
             path = os.path.join(layers, name)
             if name.endswith(".json"):
                 if not os.path.isdir(os.path.join(layers, hexd)):
-                    os.unlink(path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
                 continue
             doomed = self._path("tmp", f"del-{hexd}")
             os.rename(path, doomed)
