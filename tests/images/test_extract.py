@@ -157,3 +157,10 @@ def test_gzip_layers_and_a_clear_error_for_zstd_without_a_library(
     else:
         with pytest.raises(ConfigError):
             image_store.prepare(f"oci:{zs}")
+
+
+def test_an_entry_too_deep_is_refused(image_store: ImageStore, tmp_path: Path) -> None:
+    ref = _prepare(image_store, tmp_path, [[Entry("d/" * 200 + "f", data=b"x")]])
+    with pytest.raises(ConfigError, match="deep: refused"):
+        image_store.prepare(ref)
+    _nothing_published(image_store)

@@ -41,6 +41,8 @@ CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _FD_CACHE = 256
+MAX_DEPTH = 128
+"""The deepest entry a layer may have (each level is a descriptor while it is written)."""
 _ENTRY_BYTES = 512
 """What an entry costs beside its data in the size accounting (its inode, roughly)."""
 _KEPT_XATTRS = ("user.", "security.capability")
@@ -201,6 +203,8 @@ class _Unhashed:
 def _parts(name: str, what: str) -> tuple[str, ...]:
     """A tar name as path components below the layer's root ("/" and "." dropped)."""
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"{what}: the entry {name[:200]!r}... is over {MAX_DEPTH} deep: refused")
     if ".." in parts:
         raise ConfigError(f"{what}: the entry {name[:200]!r} escapes the layer (..): refused")
     return parts
