@@ -38,7 +38,7 @@ def test_a_dotdot_entry_is_refused_and_writes_nothing(
     victim = tmp_path / "victim"
     ref = _prepare(image_store, tmp_path, [[
         Entry("ok", data=b"fine"),
-        Entry("../../victim", data=b"pwned"),
+        Entry("../../../victim", data=b"pwned"),  # the layer is tmp_path/images/tmp/X
     ]])  # fmt: skip
     with pytest.raises(ConfigError, match=r"escapes the layer \(\.\.\)"):
         image_store.prepare(ref)
