@@ -164,3 +164,14 @@ def test_an_entry_too_deep_is_refused(image_store: ImageStore, tmp_path: Path) -
     with pytest.raises(ConfigError, match="deep: refused"):
         image_store.prepare(ref)
     _nothing_published(image_store)
+
+
+def test_a_later_entry_replaces_an_earlier_one(image_store: ImageStore, tmp_path: Path) -> None:
+    ref = _prepare(image_store, tmp_path, [[
+        Entry("a/b/c", data=b"deep"), Entry("a/b", kind="dir", mode=0o700),
+        Entry("a", data=b"now a file"), Entry("x", kind="symlink", target="/nowhere"),
+        Entry("x", kind="dir", mode=0o755), Entry("x/y", data=b"in x"),
+    ]])  # fmt: skip
+    layer = Path(image_store.prepare(ref).layers[0])
+    assert (layer / "a").read_bytes() == b"now a file"
+    assert (layer / "x/y").read_bytes() == b"in x"
