@@ -22,6 +22,7 @@ from stadium._server.isolation import sandbox_unavailable
 from stadium._server.isolation.sandbox import UID_BASE
 from tests.conftest import UNIT, serve
 from tests.container.conftest import BASE, CACHE, _image_exists, _locked, _make_base
+from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
 
@@ -96,10 +97,13 @@ async def _do(env: stadium.AsyncClient[Any], do: str, arg: str = "", data: str =
     return (await env.step({"do": do, "arg": arg, "data": data})).observation
 
 
-async def test_a_session_sees_its_image_and_not_the_host(images: tuple[str, str]) -> None:
-    host_release = Path("/etc/os-release").read_text()
-    assert "trixie" not in host_release  # the host is another Debian
+def _host_is_not_the_image() -> None:
+    assert "trixie" not in Path("/etc/os-release").read_text()  # the host is another Debian
     assert not os.path.exists(TOOL)
+
+
+async def test_a_session_sees_its_image_and_not_the_host(images: tuple[str, str]) -> None:
+    _host_is_not_the_image()
     async with _serve(images, warm_pool=1) as server, stadium.AsyncClient(server.url) as env:
         first = (await env.reset()).observation
         assert first["text"] == "/sandbox"  # the image names no workdir: its own
@@ -163,7 +167,10 @@ async def test_two_images_on_one_worker_and_bad_choices(images: tuple[str, str])
         assert (await _do(b, "read", "/etc/image-name"))["text"] == "b\n"  # it kept its image
         await b.reset(options={"image": images[0]})
         assert (await _do(b, "read", "/etc/image-name"))["text"] == "a\n"
-        assert server.runtime.isolation.pools.starts[images[1]] >= 1
+        samples = await scrape(server.url)
+        assert value(samples, "stadium_image_starts_total", image=images[1]) >= 1
+        assert value(samples, "stadium_image_starts_total", image=images[0]) >= 2
+        assert ("stadium_image_warm_processes", (("image", "other"),)) in samples
 
 
 async def test_a_disk_bomb_is_contained_to_its_session(images: tuple[str, str]) -> None:
@@ -191,3 +198,25 @@ async def test_bad_image_settings_are_clear_errors(images: tuple[str, str]) -> N
     with pytest.raises(ConfigError, match="only a root filesystem directory"):
         async with serve(TARGET, isolation="sandbox", image="no-such-ref"):
             pass
+
+
+async def test_the_shell_and_code_envs_run_inside_the_image(images: tuple[str, str]) -> None:
+    async with (
+        serve("shell", isolation="sandbox", image=images[0]) as server,
+        stadium.AsyncClient(server.url) as shell,
+    ):
+        await shell.reset()
+        got = await shell.step({"command": "only-in-the-image; . /etc/os-release; echo $ID"})
+        assert got.observation["stdout"] == "image tool\ndebian\n"
+        assert (await shell.step({"command": "pwd"})).observation["stdout"] == "/sandbox\n"
+    code = (
+        "import sys\ndef add(a, b):\n    return a + b if sys.version_info[:2] == (3, 13) else 0\n"
+    )
+    async with (
+        serve("code", isolation="sandbox", image=images[0]) as server,
+        stadium.AsyncClient(server.url) as env,
+    ):
+        await env.reset(options={"task": "add"})
+        step = await env.step({"code": code})  # graded under the image's python3 (3.13)
+        assert step.reward == 1.0
+        assert step.done

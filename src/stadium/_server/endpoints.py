@@ -150,8 +150,9 @@ class HttpEndpoints:
             )
         )  # fmt: skip
         self.mcp_sessions = McpSessions(runtime)
+        images = runtime.isolation.policy.slots() if runtime.isolation is not None else []
         self._metrics = registry_for(
-            StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name)
+            StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name, images)
         )
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         self.web = web_enabled()

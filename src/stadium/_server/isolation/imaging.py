@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from stadium._errors import ConfigError, ValidationError
 from stadium._server.isolation import wire
+from stadium._server.metrics import IMAGE_SLOTS
 
 if TYPE_CHECKING:
     from stadium._server.isolation.proc import EnvProcess
@@ -142,6 +143,22 @@ class ImagePolicy:
             image=ref,
         )
 
+    def slots(self) -> list[str]:
+        """The ``image`` labels of ``/metrics``' task image slots: the default image, the
+        other named ones (sorted), then ``other`` (every worker agrees: from the config)."""
+        if not self.any:
+            return []
+        named = [self.default] if self.default else []
+        named += sorted(self.allowed - {self.default})
+        return [*named[: IMAGE_SLOTS - 1], "other"]
+
+    def slot(self, ref: str | None, slots: list[str]) -> int:
+        """``ref``'s slot in ``slots`` (the last, ``other``, for an unnamed one)."""
+        try:
+            return slots.index(ref or "", 0, len(slots) - 1)
+        except ValueError:
+            return len(slots) - 1
+
     def roots(self) -> list[str]:
         """The host folders the template's bubblewrap must bind read-only so that every
         allowed image's layers are reachable (a pattern's fixed folder)."""
@@ -194,6 +211,18 @@ class WarmPools:
     def sizes(self) -> dict[str, int]:
         """Warm processes per image's ``REF`` (``""``: no image), for ``/metrics``."""
         return {image or "": len(pool) for image, pool in self.pools.items()}
+
+    def counts(self, policy: ImagePolicy) -> tuple[list[int], list[int]]:
+        """Warm processes and starts per ``/metrics`` image slot (:meth:`ImagePolicy.slots`)."""
+        slots = policy.slots()
+        if not slots:  # no task images: nothing to count apart
+            return [], []
+        warm, starts = [0] * len(slots), [0] * len(slots)
+        for image, pool in self.pools.items():
+            warm[policy.slot(image, slots)] += len(pool)
+        for image, count in self.starts.items():
+            starts[policy.slot(image, slots)] += count
+        return warm, starts
 
     def all(self) -> list[EnvProcess]:
         """Every warm process, emptying the pools (shutdown)."""
