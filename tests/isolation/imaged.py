@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 
 import msgspec
 
@@ -52,6 +54,16 @@ class Imaged(stadium.Environment[Act, Obs, stadium.State]):
             obs = Obs(ws.read_file(arg))
         elif action.do == "ls":
             obs = Obs(" ".join(f"{e.name}:{e.kind}" for e in ws.list_dir(arg or ".")))
+        elif action.do == "time":  # per-call ms of ``data`` runs of ``arg`` (run / py)
+            calls = {"run": lambda: ws.run("true"), "py": lambda: ws.python("print(1)")}
+            call = calls[arg]
+            call()  # the fork server's start is not timed
+            times = []
+            for _ in range(int(action.data or "100")):
+                start = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - start) * 1000)
+            obs = Obs(json.dumps(times))
         elif action.do == "connect":
             host, port = arg.rsplit(":", 1)
             try:
