@@ -8,6 +8,7 @@ the host is another Debian. Skipped, with the reason, without root, bubblewrap o
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -97,6 +98,10 @@ async def _do(env: stadium.AsyncClient[Any], do: str, arg: str = "", data: str =
     return (await env.step({"do": do, "arg": arg, "data": data})).observation
 
 
+def _image_file(ref: str, path: str) -> str:
+    return (Path(ref.removeprefix("dir:")) / path).read_text()
+
+
 def _host_is_not_the_image() -> None:
     assert "trixie" not in Path("/etc/os-release").read_text()  # the host is another Debian
     assert not os.path.exists(TOOL)
@@ -112,7 +117,6 @@ async def test_a_session_sees_its_image_and_not_the_host(images: tuple[str, str]
         image_py = await _do(env, "py", "import sys; print(sys.version_info[:2])")
         assert image_py["text"] == "(3, 13)\n"  # the image's python3, not the server's
         assert (await _do(env, "run", f"test -e {Path.cwd()}"))["code"] == 1  # no host tree
-        assert (await _do(env, "run", "echo x > /etc/passwd"))["code"] != 0  # read-only to it
         await _do(env, "write", "notes/a.txt", "hello")
         assert (await _do(env, "read", "/sandbox/notes/a.txt"))["text"] == "hello"
         assert (await _do(env, "ls", "notes"))["text"] == "a.txt:file"
@@ -141,14 +145,22 @@ async def test_sessions_are_private_and_a_reset_gives_the_pristine_image(
         stadium.AsyncClient(server.url) as a,
         stadium.AsyncClient(server.url) as b,
     ):
-        await a.reset()
+        a_uid = (await a.reset()).observation["uid"]
         await b.reset()
         await _do(a, "run", "echo secret > /tmp/mine; echo w > work.txt")
+        # The image's root-owned files are the session's (idmapped layers): changed in its
+        # own copy-on-write layer only, never in the image nor in another session.
+        passwd = (await _do(b, "read", "/etc/passwd"))["text"]
+        assert (await _do(a, "run", "echo intruder::0:0::/:/bin/sh >> /etc/passwd"))["code"] == 0
+        assert (await _do(a, "run", "stat -c %u /etc/passwd"))["text"].strip() == str(a_uid)
+        assert (await _do(b, "read", "/etc/passwd"))["text"] == passwd
+        assert (await asyncio.to_thread(_image_file, images[0], "etc/passwd")) == passwd
         assert (await _do(a, "run", "cat /tmp/mine work.txt"))["text"] == "secret\nw\n"
         assert (await _do(b, "run", "cat /tmp/mine"))["code"] != 0
         assert (await _do(b, "ls"))["text"] == ""
         await a.reset()
         assert (await _do(a, "run", "cat /tmp/mine"))["code"] != 0  # pristine again
+        assert (await _do(a, "read", "/etc/passwd"))["text"] == passwd
         assert (await _do(a, "ls"))["text"] == ""
 
 

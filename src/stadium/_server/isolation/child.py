@@ -282,6 +282,7 @@ def _start_family(
     netns_fd: int = -1,
     hosts: str | None = None,
     image: wire.Image | None = None,
+    userns_fd: int = -1,
 ) -> None:
     """In a family's init: set the sandbox up, fork the session's process (which
     returns, to serve), then reap the namespace until it is empty (never returns).
@@ -294,8 +295,10 @@ def _start_family(
     # The init stays out of the session's cgroups; the family shares its namespaces.
     enter_sandbox(
         [], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys, image=image,
-        host_roots=_Ctx.host_roots,
+        host_roots=_Ctx.host_roots, userns_fd=userns_fd,
     )  # fmt: skip
+    if userns_fd >= 0:  # used by the mounts; never the session's
+        os.close(userns_fd)
     if _Ctx.seccomp is not None:  # the last step: no env code has run yet
         _Ctx.seccomp.load()
     if os.fork() == 0:  # the session's process (pid 2)
@@ -342,10 +345,18 @@ def _spawn(
     mine, theirs = socket.socketpair()
     sys.stdout.flush()  # nothing of the template's own output is printed twice
     sys.stderr.flush()
+    userns = -1
+    if _Ctx.sandbox and image is not None:  # the idmapping of its layers (uid: theirs)
+        try:
+            userns = rootfs.user_namespace(uid)
+        except OSError:  # no user namespaces here: the image's files stay root's
+            userns = -1
     if _Ctx.sandbox:
         try:
             pid, base = _fork_family()
         except OSError as exc:
+            if userns >= 0:
+                os.close(userns)
             _send(theirs, wire.Raised("SandboxError", f"no pid namespace: {exc}"))
             theirs.close()
             _spawned(control, 0, mine)
@@ -371,13 +382,16 @@ def _spawn(
                 _Ctx.key_base = base
                 # returns in the session's process
                 _start_family(
-                    theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts, image=image
-                )
+                    theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts, image=image,
+                    userns_fd=userns,
+                )  # fmt: skip
         except BaseException as exc:  # the session's socket says why, then the process ends
             _send(theirs, wire.Raised("SandboxError", f"setting up the sandbox failed: {exc}"))
             os._exit(4)
         session_main(theirs)
     theirs.close()
+    if userns >= 0:
+        os.close(userns)
     key = pid
     if _Ctx.sandbox:  # the worker knows the session's process (pid 2) by its key
         key = base | 2

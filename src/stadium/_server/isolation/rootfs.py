@@ -30,6 +30,14 @@ HOST = "/.stadium/host"
 #: The device nodes an image-backed session gets (bound from the template's ``/dev``).
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
+# The mount API's system calls (one number on every architecture since Linux 5.x).
+_SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
+_AT_FDCWD = -100
+_AT_EMPTY_PATH = 0x1000
+_OPEN_TREE_CLONE = 1
+_MOVE_MOUNT_F_EMPTY_PATH = 4
+_MOUNT_ATTR_IDMAP = 0x00100000
+_CLONE_NEWUSER = 0x10000000
 
 _MS_RDONLY = 1
 _MS_NOSUID = 2
@@ -78,15 +86,74 @@ def _mount(libc: Any, source: str, target: str, fstype: str | None, flags: int,
     _check(rc, f"mount {fstype or source} on {target}")
 
 
+def user_namespace(uid: int) -> int:
+    """A user namespace whose root is ``uid`` (a descriptor of it): the idmapping under
+    which an image's layers show root's files as the session's own. Made by a short-lived
+    child of the caller (the template: a family's init must not fork before the session's
+    process, pid 2), which is reaped here."""
+    libc = _libc()
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child only unshares and waits
+        try:
+            os.close(ready_r)
+            os.close(done_w)
+            if libc.unshare(_CLONE_NEWUSER) == 0:
+                os.write(ready_w, b"x")
+            os.read(done_r, 1)  # EOF: the parent has what it needs
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        if os.read(ready_r, 1) != b"x":
+            raise OSError("a user namespace could not be made (unshare)")
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(f"0 {uid} 1\n")
+        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(ready_r)
+        os.close(done_w)
+        os.waitpid(pid, 0)
+
+
+def _idmapped(libc: Any, layer: str, target: str, userns_fd: int) -> None:
+    """Mount ``layer`` on ``target``, idmapped by ``userns_fd`` (root's files: the uid's)."""
+    tree = libc.syscall(
+        ctypes.c_long(_SYS_OPEN_TREE), ctypes.c_int(_AT_FDCWD), layer.encode(),
+        ctypes.c_uint(_OPEN_TREE_CLONE | os.O_CLOEXEC),
+    )  # fmt: skip
+    if tree < 0:
+        _check(-1, f"open_tree {layer}")
+    try:
+        attr = (ctypes.c_uint64 * 4)(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+        rc = libc.syscall(
+            ctypes.c_long(_SYS_MOUNT_SETATTR), ctypes.c_int(tree), b"",
+            ctypes.c_uint(_AT_EMPTY_PATH), ctypes.byref(attr), ctypes.c_size_t(32),
+        )  # fmt: skip
+        _check(rc, f"idmap {layer}")
+        rc = libc.syscall(
+            ctypes.c_long(_SYS_MOVE_MOUNT), ctypes.c_int(tree), b"", ctypes.c_int(_AT_FDCWD),
+            target.encode(), ctypes.c_uint(_MOVE_MOUNT_F_EMPTY_PATH),
+        )  # fmt: skip
+        _check(rc, f"move_mount {layer}")
+    finally:
+        os.close(tree)
+
+
 def enter_image(
     layers: list[str], uid: int, disk_mib: int, staging: str, work_dir: str, ptys: int,
-    roots: list[str],
+    roots: list[str], userns_fd: int = -1,
 ) -> None:  # fmt: skip
     """Make the image (``layers``, bottom first) this mount namespace's root (see the
     module docstring). ``staging``: an empty folder of the template's root (its tmpfs
     holds the overlay's upper and work directories); ``work_dir``: the session's work
     directory inside the image (its own, ``0700``); ``roots``: the host folders bound
-    read-only under :data:`HOST`."""
+    read-only under :data:`HOST`; ``userns_fd`` (:func:`user_namespace`): the layers are
+    idmapped by it, so the image's root-owned files are the session uid's to change (in its
+    copy-on-write layer); ``-1``: they stay root's, read-only to the session."""
     libc = _libc()
     rebase = _plan_rebase()  # real paths: resolved here, in the host's tree
     _mount(libc, "tmpfs", staging, "tmpfs", _MS_NOSUID | _MS_NODEV,
@@ -94,6 +161,15 @@ def enter_image(
     upper, work, root = (os.path.join(staging, d) for d in ("upper", "work", "root"))
     for folder in (upper, work, root):
         os.mkdir(folder, 0o755)
+    if userns_fd >= 0:  # each layer idmapped (root's files: the session's), then stacked
+        mapped = []
+        for i, layer in enumerate(layers):
+            target = os.path.join(staging, f"lower{i}")
+            os.mkdir(target, 0o755)
+            _idmapped(libc, layer, target, userns_fd)
+            mapped.append(target)
+        layers = mapped
+        os.chown(upper, uid, uid)  # the image's root directory is the session's too
     lower = ":".join(reversed(layers))  # overlayfs lists the top layer first
     _mount(libc, "overlay", root, "overlay", _MS_NOSUID | _MS_NODEV,
            f"lowerdir={lower},upperdir={upper},workdir={work}")  # fmt: skip

@@ -495,6 +495,7 @@ def enter_sandbox(
     ptys: int = 16,
     image: Image | None = None,
     host_roots: list[str] | None = None,
+    userns_fd: int = -1,
 ) -> None:
     """Make the calling process (a session's, as root with capabilities inside the
     template's namespaces) a sandboxed one: see the module docstring. Irreversible.
@@ -503,7 +504,8 @@ def enter_sandbox(
     ``public``: :mod:`.netns`), joined instead of a new one with no network; ``hosts``:
     its ``/etc/hosts``; ``ptys``: the ``max`` of its own ``devpts`` instance; ``image``:
     the task image that becomes its root (:func:`.rootfs.enter_image`, with
-    ``host_roots`` under ``/.stadium/host``); it then starts in the image's workdir."""
+    ``host_roots`` under ``/.stadium/host``; its layers idmapped by ``userns_fd``, when
+    given: see :func:`.rootfs.enter_image`); it then starts in the image's workdir."""
     for path in cgroups:
         with open(os.path.join(path, "cgroup.procs"), "w") as f:
             f.write("0")
@@ -517,7 +519,8 @@ def enter_sandbox(
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
     _check(_c().umount2(str(CGROUP_ROOT).encode(), _MNT_DETACH), "umount cgroup tree")
     if image is not None:  # its root: the image's layers under a private, bounded one
-        rootfs.enter_image(image.layers, uid, disk_mib, WORK_DIR, WORK_DIR, ptys, host_roots or [])
+        roots = host_roots or []
+        rootfs.enter_image(image.layers, uid, disk_mib, WORK_DIR, WORK_DIR, ptys, roots, userns_fd)
     else:
         _own_mounts(uid, disk_mib, ptys)
     if hosts is not None:  # names of the allowed hosts: no DNS needed
