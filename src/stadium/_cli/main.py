@@ -1,4 +1,4 @@
-"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm, deploy.
+"""The ``stadium`` command line: serve, check, init, demo, bench, router, slurm, deploy, images.
 
 Errors print one line (``error: ...``) and exit non-zero: 2 for a bad argument
 or configuration, 1 for anything else.
@@ -20,6 +20,7 @@ from stadium._version import __version__
 _LAZY = {
     "bench": "stadium.bench._cli:bench",
     "deploy": "stadium.deploy._cli:deploy",
+    "images": "stadium._cli.images:images",
 }
 
 

@@ -127,6 +127,9 @@ class ServerConfig:
             of a session's env process may take in its worker, as a frame and, estimated,
             decoded (each; so at most twice this held per session at a time). A reply
             over it, or malformed, ends its call with ``ENV_PROTOCOL`` and the process.
+        image_cache_mib: the node's image cache budget (``stadium._server.images``,
+            docs/IMAGES.md): MiB its layers may take before the least recently used images
+            no session leases are evicted. 0: no budget.
         sandbox_seccomp: ``on`` (each sandboxed session runs under Stadium's seccomp
             filter; the server refuses to start without libseccomp) or ``off``.
         sandbox_output: what isolated env processes print (their stdout and stderr, a
@@ -216,6 +219,7 @@ class ServerConfig:
     sandbox_reply_mib: int = 64
     image: str | None = None
     images: str | None = None
+    image_cache_mib: int = 0
     action_model: str | None = None
     record: str = ""
     record_sample: float = 1.0
@@ -329,6 +333,11 @@ class ServerConfig:
             "--image and --images need --isolation sandbox (a session's image is the root "
             "of its sandbox)",
             value=self.isolation,
+        )
+        _check(
+            self.image_cache_mib >= 0,
+            "--image-cache-mib must be 0 (no budget) or more (MiB of image layers)",
+            value=self.image_cache_mib,
         )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
@@ -736,6 +745,13 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=int,
             help="Isolated sessions: MiB one reply of an env process may take in the worker, "
             "as a frame and decoded; over it: ENV_PROTOCOL [64].",
+        ),
+        click.option(
+            "--image-cache-mib",
+            type=int,
+            help="MiB the node's image cache (STADIUM_IMAGE_CACHE_DIR, default "
+            "/var/lib/stadium/images) may take; past it, the least recently used images no "
+            "session uses are evicted (0: no budget) [0].",
         ),
         click.option(
             "--record",
