@@ -23,6 +23,7 @@ from stadium._server.isolation import sandbox_unavailable
 from stadium._server.isolation.sandbox import UID_BASE
 from tests.conftest import UNIT, serve
 from tests.container.conftest import BASE, CACHE, _image_exists, _locked, _make_base
+from tests.images.conftest import *  # noqa: F403 (the task images' fixtures)
 from tests.test_metrics import scrape, value
 
 pytestmark = pytest.mark.slow
@@ -41,22 +42,22 @@ def _podman() -> str:
     return exe
 
 
-def _export(podman: str, image: str, dest: Path) -> None:
+def _export(exe: str, image: str, dest: Path) -> None:
     """``image``'s root filesystem into ``dest`` (made beside it, then renamed into place)."""
     tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cid = subprocess.run([podman, "create", image, "true"], capture_output=True, text=True,
+    cid = subprocess.run([exe, "create", image, "true"], capture_output=True, text=True,
                          check=True, timeout=120 * UNIT).stdout.strip()  # fmt: skip
     try:
-        export = subprocess.Popen([podman, "export", cid], stdout=subprocess.PIPE)
+        export = subprocess.Popen([exe, "export", cid], stdout=subprocess.PIPE)
         subprocess.run(["tar", "-x", "-C", str(tmp)], stdin=export.stdout, check=True,
                        timeout=300 * UNIT)  # fmt: skip
         assert export.stdout is not None
         export.stdout.close()
         assert export.wait(60 * UNIT) == 0
     finally:
-        subprocess.run([podman, "rm", "-f", cid], capture_output=True, timeout=120 * UNIT)
+        subprocess.run([exe, "rm", "-f", cid], capture_output=True, timeout=120 * UNIT)
     (tmp / TOOL.lstrip("/")).write_text("#!/bin/sh\necho image tool\n")
     (tmp / TOOL.lstrip("/")).chmod(0o755)
     (tmp / "etc/image-name").write_text("a\n")
@@ -67,18 +68,18 @@ def _export(podman: str, image: str, dest: Path) -> None:
 def images() -> tuple[str, str]:
     """Two images' REFs (``dir:``): A, the trixie base with a tool only it has; B, A with
     ``/etc/image-name`` saying ``b`` (a hard-linked copy)."""
-    podman = _podman()
+    exe = _podman()
     with _locked("base"):
-        if not _image_exists(podman, BASE):
-            _make_base(podman)
-    image_id = subprocess.run([podman, "image", "inspect", "--format", "{{.Id}}", BASE],
+        if not _image_exists(exe, BASE):
+            _make_base(exe)
+    image_id = subprocess.run([exe, "image", "inspect", "--format", "{{.Id}}", BASE],
                               capture_output=True, text=True, check=True,
                               timeout=60 * UNIT).stdout.strip()[:16]  # fmt: skip
     a = CACHE / f"imgbox-rootfs-{image_id}-a"
     b = CACHE / f"imgbox-rootfs-{image_id}-b"
     with _locked("imgbox-rootfs"):
         if not a.is_dir():
-            _export(podman, BASE, a)
+            _export(exe, BASE, a)
         if not b.is_dir():
             tmp = b.with_name(b.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
@@ -204,10 +205,10 @@ async def test_a_disk_bomb_is_contained_to_its_session(images: tuple[str, str]) 
 async def test_bad_image_settings_are_clear_errors(images: tuple[str, str]) -> None:
     with pytest.raises(ConfigError, match="need --isolation sandbox"):
         ServerConfig(target="shell", isolation="process", image=images[0])
-    with pytest.raises(ConfigError, match="no directory"):
+    with pytest.raises(ConfigError, match="cannot be used as a root filesystem"):
         async with serve(TARGET, isolation="sandbox", image="dir:/nonexistent/rootfs"):
             pass
-    with pytest.raises(ConfigError, match="only a root filesystem directory"):
+    with pytest.raises(ConfigError, match="no such image in Podman's storage"):
         async with serve(TARGET, isolation="sandbox", image="no-such-ref"):
             pass
 
@@ -232,3 +233,28 @@ async def test_the_shell_and_code_envs_run_inside_the_image(images: tuple[str, s
         step = await env.step({"code": code})  # graded under the image's python3 (3.13)
         assert step.reward == 1.0
         assert step.done
+
+
+async def test_podman_images_through_the_store_with_their_config(
+    task_images: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Podman REFs, prepared by the node's store (a cache kept between runs here): the
+    image's WORKDIR and ENV are the session's; a whiteout layer hides what it deleted."""
+    monkeypatch.setenv("STADIUM_IMAGE_CACHE_DIR", str(CACHE / "imgbox-store"))
+    a, b, wh = task_images["a"], task_images["b"], task_images["wh"]
+    async with (
+        serve(TARGET, isolation="sandbox", image=a, images=f"{b},{wh}") as server,
+        stadium.AsyncClient(server.url) as env,
+    ):
+        assert (await env.reset()).observation["text"] == "/work/repo"
+        got = await _do(env, "run", "echo $STADIUM_TASK; cat /etc/stadium-image; pwd")
+        assert got["text"] == "a\na\n/work/repo\n"
+        unittest = "PYTHONPATH=. python3 tests/test_calc.py"
+        assert (await _do(env, "run", f"{unittest} 2>&1 | tail -1"))["text"] == "OK\n"
+        await _do(env, "write", "calc/__init__.py", "def add(a, b):\n    return a - b\n")
+        assert (await _do(env, "run", unittest))["code"] == 1  # its files are the session's
+        await env.reset(options={"image": wh})
+        assert (await _do(env, "ls"))["text"] == "NEW:file"  # an opaque directory
+        assert (await _do(env, "run", "test -e /etc/stadium-image"))["code"] == 1  # whiteout
+        await env.reset(options={"image": b})
+        assert (await _do(env, "run", "echo $STADIUM_TASK; pwd"))["text"] == "b\n/sandbox\n"

@@ -212,7 +212,7 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
         untrusted=untrusted, preload=config.preload, action_model=config.action_model,
         replies=WireLimits.of_mib(config.sandbox_reply_mib), image=config.image,
-        images=config.images,
+        images=config.images, image_cache_mib=config.image_cache_mib,
     )  # fmt: skip
 
 

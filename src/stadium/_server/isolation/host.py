@@ -51,7 +51,7 @@ from stadium._errors import (
     StadiumError,
 )
 from stadium._server.isolation import wire
-from stadium._server.isolation.imaging import ImagePolicy, WarmPools, prepare, prepared
+from stadium._server.isolation.imaging import ImagePolicy, ImageSet, WarmPools
 from stadium._server.isolation.netns import Networks, SessionNet
 from stadium._server.isolation.output import OutputReader
 from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
@@ -101,9 +101,10 @@ class IsolationConfig:
     replies: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
     """What one reply from a session's process may cost the worker (``--sandbox-reply-mib``)."""
     image: str | None = None
-    """``--image``: every session's task image (``sandbox``; :mod:`.imaging`)."""
     images: str | None = None
-    """``--images``: the others a reset may choose (a file of REFs, or patterns)."""
+    image_cache_mib: int = 0
+    """Task images (``sandbox``; :mod:`.imaging`): ``--image``, ``--images`` (what a reset may
+    choose: a file of REFs, or patterns), ``--image-cache-mib`` (the store's budget)."""
 
 
 class _TemplateGone(ExecutionError):
@@ -142,10 +143,9 @@ class Isolation:
         """Actions to MessagePack (the env spec's encoder, set by :func:`isolated_spec`)."""
         self.policy = ImagePolicy.of(config.image, config.images)
         """The task images sessions may run in (:mod:`.imaging`)."""
-        self.images: dict[str, wire.Image] = {}
-        """The images prepared so far, by ``REF``."""
+        self.images = ImageSet(config.image_cache_mib)  # prepared and leased, by REF
         if self.policy.default is not None:  # a bad --image stops the server's start
-            self.images[self.policy.default] = prepare(self.policy.default)
+            self.images.prepare(self.policy.default)
         self.pools = WarmPools(config.warm_pool, self.policy.default)
         self.warm: collections.deque[EnvProcess] = self.pools.pool(self.policy.default)
         """The default image's warm processes (another image's: :attr:`pools`)."""
@@ -230,6 +230,7 @@ class Isolation:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.sandbox:
             binds = sys_path + self.policy.roots()  # every allowed image's layers, read-only
+            binds += [self.images.root()] if self.policy.any else []
             argv = bwrap_argv(binds, resolver=self.limits.network == "public") + argv
         else:
             env = dict(os.environ)
@@ -376,7 +377,7 @@ class Isolation:
 
     async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
         started = time.perf_counter()
-        image = await prepared(self.images, ref)
+        image = await self.images.get(ref)
         await self._ensure_template()
         n = next(self._numbers)
         cgroups: list[str] = []
@@ -768,6 +769,7 @@ class Isolation:
         self._cgroup_users.clear()
         if self.uids is not None:  # every session's process is gone: the block is free
             self.uids.close()
+        self.images.close()
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)
             self._spill_dir = None

@@ -1,5 +1,6 @@
 """The worker's side of task images: which images sessions may run in, and each one's
-layers and config (what a ``spawn`` carries to the template, :class:`~.wire.Image`).
+layers and config (what a ``spawn`` carries to the template, :class:`~.wire.Image`),
+from the node's image store (:class:`ImageSet`), and the warm processes per image.
 
 ``--image REF`` is every session's image (unless a ``reset`` chooses another);
 ``--images PATTERN|FILE`` the others a ``reset(options={"image": REF})`` may choose: a file
@@ -7,9 +8,9 @@ naming one ``REF`` per line (``#`` comments), or comma-separated ``fnmatch`` pat
 (``localhost/swe-*``). :class:`ImagePolicy` decides; anything else is a
 :class:`~stadium.ValidationError` naming what is allowed.
 
-:func:`prepare` turns a ``REF`` into its :class:`~.wire.Image`. Until the node's image
-store serves every kind of ``REF``, this one reads a root filesystem directory
-(``dir:/path``, or an absolute path), used in place, read-only, as the image's one layer.
+:class:`ImageSet` turns a ``REF`` into its :class:`~.wire.Image` through the node's store
+(a Podman image, an OCI layout or archive, a root filesystem directory used in place) and
+holds a lease on it while the worker lives.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 from typing import TYPE_CHECKING
 
 from stadium._errors import ConfigError, ValidationError
+from stadium._server.images import ImageStore, Lease
 from stadium._server.isolation import wire
 from stadium._server.metrics import IMAGE_SLOTS
 
@@ -34,45 +36,61 @@ DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:
 _UNSAFE = frozenset(",:\\\n")
 
 
-def prepare(ref: str) -> wire.Image:
-    """The image ``ref`` names, ready for a spawn (slow for a store's first time).
+class ImageSet:
+    """The images a worker's sessions run in: prepared by the node's store
+    (:class:`~stadium._server.images.ImageStore`: once per node, layers shared), leased for
+    the worker's life (never evicted while it serves them), as a spawn carries them.
 
-    Raises:
-        ConfigError: ``ref`` names no usable image (the message says what to write).
+    Args:
+        budget_mib: ``--image-cache-mib`` (0: no budget).
     """
-    path = _rootfs(ref)
-    if path is None:
-        raise ConfigError(
-            f"image {ref!r}: only a root filesystem directory is supported here "
-            "(dir:/path/to/rootfs, made with `podman export CID | tar -x -C DIR`)",
-            image=ref,
-        )
-    if not os.path.isdir(path):
-        raise ConfigError(f"image {ref!r}: {path} is no directory", image=ref)
-    if not os.path.isdir(os.path.join(path, "usr")) and not os.path.exists(
-        os.path.join(path, "bin")
-    ):
-        raise ConfigError(
-            f"image {ref!r}: {path} holds no root filesystem (no usr/ nor bin/)", image=ref
-        )
-    if _UNSAFE & set(path):
-        raise ConfigError(f"image {ref!r}: its path may hold none of , : \\", image=ref)
-    return wire.Image(ref, [path], dict(DEFAULT_ENV), "/")
 
+    def __init__(self, budget_mib: int = 0) -> None:
+        self.store = ImageStore(budget_bytes=budget_mib * 2**20 if budget_mib else None)
+        self.ready: dict[str, wire.Image] = {}
+        self._leases: list[Lease] = []
 
-async def prepared(cache: dict[str, wire.Image], ref: str | None) -> wire.Image | None:
-    """``ref``'s image, prepared once (off the loop) and kept in ``cache``. A ``REF`` that
-    names no usable image is the reset's :class:`~stadium.ValidationError`."""
-    if ref is None:
-        return None
-    image = cache.get(ref)
-    if image is None:
-        try:
-            image = await asyncio.get_running_loop().run_in_executor(None, prepare, ref)
-        except ConfigError as exc:
-            raise ValidationError(exc.message, image=ref) from None
-        cache[ref] = image
-    return image
+    def prepare(self, ref: str) -> wire.Image:
+        """``ref``'s image (prepared and leased the first time: slow then; blocking).
+
+        Raises:
+            ConfigError: ``ref`` names no usable image (the message says what to write).
+        """
+        found = self.ready.get(ref)
+        if found is not None:
+            return found
+        lease = self.store.lease(self.store.prepare(ref))
+        self._leases.append(lease)
+        image, config = lease.image, lease.image.config
+        if any(_UNSAFE & set(layer) for layer in image.layers):
+            raise ConfigError(f"image {ref!r}: a layer's path holds , : or \\", image=ref)
+        env = dict(config.env) or dict(DEFAULT_ENV)
+        found = self.ready[ref] = wire.Image(ref, list(image.layers), env, config.workdir or "/")
+        return found
+
+    async def get(self, ref: str | None) -> wire.Image | None:
+        """``ref``'s image, prepared off the loop; a ``REF`` that names no usable image is the
+        reset's :class:`~stadium.ValidationError`."""
+        if ref is None:
+            return None
+        found = self.ready.get(ref)
+        if found is None:
+            try:
+                found = await asyncio.get_running_loop().run_in_executor(None, self.prepare, ref)
+            except ConfigError as exc:
+                raise ValidationError(exc.message, image=ref) from None
+        return found
+
+    def root(self) -> str:
+        """The store's directory (made if missing: the template's bubblewrap binds it)."""
+        os.makedirs(self.store.root, mode=0o700, exist_ok=True)
+        return self.store.root
+
+    def close(self) -> None:
+        """Let the images go (the store may evict them once no other worker holds them)."""
+        for lease in self._leases:
+            lease.close()
+        self._leases.clear()
 
 
 def _rootfs(ref: str) -> str | None:
