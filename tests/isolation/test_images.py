@@ -184,6 +184,7 @@ async def test_two_images_on_one_worker_and_bad_choices(images: tuple[str, str])
         assert value(samples, "stadium_image_starts_total", image=images[1]) >= 1
         assert value(samples, "stadium_image_starts_total", image=images[0]) >= 2
         assert ("stadium_image_warm_processes", (("image", "other"),)) in samples
+        assert value(samples, "stadium_images_leased") >= 0  # the node's store's figures
 
 
 async def test_a_disk_bomb_is_contained_to_its_session(images: tuple[str, str]) -> None:

@@ -39,6 +39,7 @@ from stadium._errors import (
     ValidationError,
 )
 from stadium._server.doorway import Door, Pass
+from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
@@ -155,6 +156,8 @@ class HttpEndpoints:
             StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name, images)
         )
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
+        if images and runtime.isolation is not None:  # the node's image store's figures
+            self._metrics.register(ImageStoreCollector(runtime.isolation.images.store))
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
         self.openenv: ExtraRoutes = NO_EXTRA_ROUTES
