@@ -19,7 +19,8 @@ temporary directory on the host's tools, removed by :meth:`Workspace.close`.
 a sequence) in its own process group, killed as a whole at ``timeout`` and when the
 command ends (what it left running in the background goes with it). :meth:`Workspace.python`
 runs a snippet under ``python3`` through a warm fork server (:data:`FORK_SERVER`, started
-on first use inside the session): a fork per snippet, no interpreter start. Output is
+on first use inside the session): a fork per snippet, made ahead (a spare waits for the
+next snippet), no interpreter start. Output is
 decoded as UTF-8 (errors replaced) and at most ``max_output`` characters of each stream are
 kept; a cut stream ends with a visible marker and sets ``truncated``.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import array
 import contextlib
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -109,12 +111,15 @@ def current_image() -> ImageContext | None:
 
 
 # The fork server: runs under the image's python3 (any Python 3 from 3.5 on: no f-strings,
-# no walrus, stdlib only). One request at a time on the socket (fd argv[1]): a 4-byte
-# length with three descriptors attached (the snippet's stdin, stdout, stderr), then that
-# many bytes: the working directory, a NUL, the source. It forks; the child starts a
-# session of its own (so a timeout kills its whole group), takes the three descriptors as
-# 0/1/2 and runs the source as __main__. The server answers the child's pid (4 bytes),
-# then its exit status (4 bytes; negative: the signal). EOF on the socket: it exits.
+# no walrus, stdlib only). It keeps one *spare*: a fork of itself waiting on the socket (fd
+# argv[1]) for the next request, so that no fork is on a snippet's path. A request: a
+# 4-byte length with three descriptors attached (the snippet's stdin, stdout, stderr),
+# then that many bytes: the working directory, a NUL, the source. The spare reads it,
+# starts a session of its own (a timeout kills its whole group), takes the descriptors as
+# 0/1/2, answers its pid (4 bytes), tells the server it is taken (a pipe), closes the
+# socket and runs the source as __main__. The server forks the next spare, waits for the
+# taken one and answers its exit status (4 bytes; negative: the signal). EOF on the
+# socket: the spare ends without a request, and so does the server.
 FORK_SERVER = r"""
 import array, os, socket, struct, sys, traceback
 sock = socket.fromfd(int(sys.argv[1]), socket.AF_UNIX, socket.SOCK_STREAM)
@@ -152,7 +157,7 @@ def run(cwd, source):
         except BaseException:
             pass
     os._exit(status & 255)
-while True:
+def spare(taken):
     fds = array.array("i")
     head, anc, flags, addr = sock.recvmsg(4, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, data in anc:
@@ -163,33 +168,48 @@ while True:
     head += exact(4 - len(head))
     body = exact(struct.unpack("<I", head)[0])
     if len(fds) != 3:
-        for fd in fds:
-            os.close(fd)
-        sock.sendall(struct.pack("<ii", -1, -1))
-        continue
+        sock.sendall(struct.pack("<i", -1))
+        os.write(taken, b"x")
+        os._exit(0)
     cwd, _, source = body.partition(b"\0")
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        if fd > 2:
+            os.close(fd)
+    sock.sendall(struct.pack("<i", os.getpid()))
+    os.write(taken, b"x")
+    os.close(taken)
+    sock.close()
+    run(cwd.decode("utf-8", "surrogateescape"), source.decode("utf-8", "replace"))
+def fork_spare():
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            sock.close()
-            os.setsid()
-            for target, fd in enumerate(fds):
-                os.dup2(fd, target)
-            for fd in fds:
-                if fd > 2:
-                    os.close(fd)
-        except BaseException:
+            os.close(r)
+            spare(w)
+        finally:
             os._exit(127)
-        run(cwd.decode("utf-8", "surrogateescape"), source.decode("utf-8", "replace"))
-    for fd in fds:
-        os.close(fd)
-    sock.sendall(struct.pack("<i", pid))
+    os.close(w)
+    return pid, r
+def wait(pid):
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
+            return os.waitpid(pid, 0)[1]
         except InterruptedError:
             continue
+current = fork_spare()
+while True:
+    pid, taken = current
+    got = os.read(taken, 1)
+    os.close(taken)
+    if not got:
+        wait(pid)
+        os._exit(0)
+    current = fork_spare()
+    status = wait(pid)
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
     sock.sendall(struct.pack("<i", code))
 """
@@ -243,6 +263,7 @@ class Workspace:
         self._lock = threading.Lock()
         self._server: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._server_fd = -1
         self._owner = os.getpid()
         self._finalizer = (
             weakref.finalize(self, shutil.rmtree, root, ignore_errors=True) if owned else None
@@ -359,14 +380,15 @@ class Workspace:
                 os.close(fd)
             os.close(in_w)  # the snippet reads EOF on stdin
             try:
-                pid = self._receive_int(sock, deadline)
+                pid = self._receive(sock, deadline)
                 out, err, timed_out = _collect(
-                    pid, out_r, err_r, None, b"", sock.fileno(), deadline, max_output
-                )
+                    pid, out_r, err_r, None, b"", sock.fileno(), deadline, max_output,
+                    self._server_fd,
+                )  # fmt: skip
                 if timed_out:
                     _kill_group(pid)
                 # The server reaps it and answers (not in time: the server goes).
-                status = self._receive_int(sock, time.monotonic() + 5.0)
+                status = self._receive(sock, time.monotonic() + 5.0)
             except ExecutionError:
                 self._stop_server()
                 raise
@@ -375,21 +397,22 @@ class Workspace:
                 os.close(err_r)
         return self._result(None if timed_out else status, out, err, timed_out, start)
 
-    @staticmethod
-    def _receive_int(sock: socket.socket, deadline: float) -> int:
+    def _receive(self, sock: socket.socket, deadline: float) -> int:
+        """The fork server's next answer (4 bytes), waited for to ``deadline``; its death
+        (its pidfd readable, its socket silent) is an :class:`ExecutionError` at once."""
         data = b""
         while len(data) < 4:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise ExecutionError("the Python fork server did not answer in time")
-            sock.settimeout(left)
-            try:
+            ready, _, _ = select.select([sock.fileno(), self._server_fd], [], [], left)
+            if sock.fileno() in ready:
                 chunk = sock.recv(4 - len(data))
-            except TimeoutError:
-                continue
-            if not chunk:
+                if not chunk:
+                    raise ExecutionError("the Python fork server exited; the next call starts one")
+                data += chunk
+            elif ready:
                 raise ExecutionError("the Python fork server exited; the next call starts one")
-            data += chunk
         value: int = struct.unpack("<i", data)[0]
         if value == -1:
             raise ExecutionError("the Python fork server refused the request")
@@ -400,6 +423,7 @@ class Workspace:
         forked copy of this process or after the server died)."""
         if self._owner != os.getpid():  # a fork of the process that started it: not ours
             self._server, self._sock, self._owner = None, None, os.getpid()
+            self._server_fd = -1
         if self._sock is not None and self._server is not None and self._server.poll() is None:
             return self._sock
         self._stop_server()
@@ -421,12 +445,16 @@ class Workspace:
         finally:
             theirs.close()
         self._sock = ours
+        self._server_fd = os.pidfd_open(self._server.pid)
         return ours
 
     def _stop_server(self) -> None:
-        if self._sock is not None:
+        if self._sock is not None:  # its spare sees EOF and ends
             self._sock.close()
             self._sock = None
+        if self._server_fd >= 0:
+            os.close(self._server_fd)
+            self._server_fd = -1
         if self._server is not None:
             self._server.kill()
             self._server.wait()
@@ -496,12 +524,14 @@ class Workspace:
 
 def _collect(
     pid: int, out: int, err: int, feed: int | None, data: bytes, ended: int, deadline: float,
-    limit: int,
+    limit: int, also: int = -1,
 ) -> tuple[_Stream, _Stream, bool]:  # fmt: skip
     """Read both output pipes (writing ``data`` to ``feed``) until ``ended`` (a pidfd, or
     the fork server's socket) is readable and the pipes are at EOF; kill the process's
     group as soon as it ended (what it left in the background would otherwise hold the
-    pipes open). Returns the streams and whether ``deadline`` passed before it ended."""
+    pipes open). ``also``: another descriptor whose readiness ends the wait as well (the
+    fork server's pidfd). Returns the streams and whether ``deadline`` passed before it
+    ended."""
     streams = {out: _Stream(out, limit), err: _Stream(err, limit)}
     sel = selectors.DefaultSelector()
     view = memoryview(data)
@@ -513,6 +543,10 @@ def _collect(
             os.set_blocking(feed, False)
             sel.register(feed, selectors.EVENT_WRITE)
         sel.register(ended, selectors.EVENT_READ)
+        ends = {ended}
+        if also >= 0:
+            sel.register(also, selectors.EVENT_READ)
+            ends.add(also)
         open_fds = {out, err}
         finished = False
         while open_fds or not finished:
@@ -521,9 +555,11 @@ def _collect(
                 return streams[out], streams[err], not finished
             for key, _ in sel.select(left):
                 fd = int(key.fd)
-                if fd == ended:
+                if fd in ends:
+                    if not finished:
+                        for end in ends:
+                            sel.unregister(end)
                     finished = True
-                    sel.unregister(ended)
                     _kill_group(pid)
                     deadline = min(deadline, time.monotonic() + _DRAIN_S)
                 elif fd == feed:
