@@ -138,6 +138,15 @@ async def test_a_session_keeps_its_sandbox_inside_an_image(images: tuple[str, st
         assert (await _do(env, "run", "ls /sys/fs/cgroup"))["code"] != 0  # no cgroup tree
 
 
+async def test_untrusted_env_code_is_imported_inside_the_image(images: tuple[str, str]) -> None:
+    async with (
+        _serve(images, untrusted_env_code=True) as server,
+        stadium.AsyncClient(server.url) as env,
+    ):
+        assert (await env.reset()).observation["text"] == "/sandbox"
+        assert "trixie" in (await _do(env, "read", "/etc/os-release"))["text"]
+
+
 async def test_sessions_are_private_and_a_reset_gives_the_pristine_image(
     images: tuple[str, str],
 ) -> None:

@@ -92,6 +92,8 @@ class _Ctx:
     disk_mib: int
     ptys = 16
     host_roots: list[str] = []
+    image_target = ""
+    """``--untrusted-env-code``: the target as an image-backed session's process sees it."""
     """Sandboxed: the host folders an image-backed session sees under ``/.stadium/host``."""
     seccomp: Filter | None = None
     key_base = 0
@@ -128,6 +130,7 @@ def template_main(config: dict[str, Any]) -> None:
         if config.get("untrusted"):  # only operator-trusted modules here: never the env's
             remote.preload(config.get("preload") or [])
             _Ctx.untrusted = config
+            _Ctx.image_target = rootfs.image_target(config["target"])
         else:
             _Ctx.spec = EnvSpec.of(load_target(config["target"], env_kwargs=env_kwargs))
     except Exception as exc:
@@ -445,7 +448,10 @@ class _Session:
         self.decode_action: Any = None
         try:
             if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
-                _Ctx.spec = remote.load_spec(_Ctx.untrusted)
+                settings = _Ctx.untrusted
+                if workspace.current_image() is not None:  # the target, seen from the image
+                    settings = {**settings, "target": _Ctx.image_target}
+                _Ctx.spec = remote.load_spec(settings)
             assert _Ctx.spec is not None
             self.decode_action = (
                 _Ctx.spec.action.msgpack_decoder.decode

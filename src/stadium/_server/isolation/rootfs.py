@@ -219,6 +219,15 @@ def _make_dev(libc: Any, dev: str, ptys: int) -> None:
         os.symlink(target, os.path.join(dev, name))
 
 
+def image_target(target: str) -> str:
+    """``target`` (``file.py:Class`` or ``module:Class``) as a process inside an image sees
+    it: a file's path under :data:`HOST` (its real path, resolved here on the host)."""
+    module, sep, attr = target.rpartition(":")
+    if sep and module.startswith("/"):
+        return f"{HOST}{os.path.realpath(module)}:{attr}"
+    return target
+
+
 def _plan_rebase() -> Any:
     """What points this interpreter at :data:`HOST` once the image is its root:
     ``sys.path``, the search paths of the packages imported so far (a later import of a
