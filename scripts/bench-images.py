@@ -73,6 +73,40 @@ def session_cgroups_mib() -> list[float]:
     return out
 
 
+def pss_mib(pid: int) -> float:
+    """The process's proportional set size (shared pages split among their users), MiB."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def session_pss_mib() -> list[float]:
+    """Per live session: the PSS of its processes and of its family's init (MiB)."""
+    out = []
+    for path in Path("/sys/fs/cgroup/pids/stadium").glob(f"w{os.getpid()}-*"):
+        try:
+            pids = [int(x) for x in (path / "cgroup.procs").read_text().split()]
+        except OSError:
+            continue
+        if pids:
+            inits = {parent(pid) for pid in pids}
+            out.append(sum(pss_mib(p) for p in (*pids, *inits)))
+    return out
+
+
 def rss_mib(pid: int) -> float:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -173,6 +207,8 @@ async def stadium_arm(image: str, args: argparse.Namespace, images: list[str]) -
             res["mem_mib"] = (before - available_mib()) / max(len(clients), 1)
             charged = session_cgroups_mib()
             res["cgroup_mib"] = statistics.mean(charged) if charged else 0.0
+            pss = session_pss_mib()
+            res["pss_mib"] = statistics.mean(pss) if pss else 0.0
         finally:
             await asyncio.gather(*(c.__aexit__(None, None, None) for c in clients),
                                  return_exceptions=True)  # fmt: skip
@@ -254,6 +290,16 @@ def podman_arm(podman: str, args: argparse.Namespace) -> dict[str, Any]:
             [podman, "inspect", "--format", "{{.State.ConmonPid}}", c], capture_output=True,
             text=True, check=True).stdout.strip() or 0)) for c in cids]  # fmt: skip
         res["cgroup_mib"] = statistics.mean(usage) if usage else 0.0
+        pss = []
+        for c in cids:
+            pids = subprocess.run(
+                [podman, "inspect", "--format", "{{.State.Pid}} {{.State.ConmonPid}}", c],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            pss.append(sum(pss_mib(int(p)) for p in pids if p.isdigit() and int(p) > 0))
+        res["pss_mib"] = statistics.mean(pss) if pss else 0.0
         res["conmon_mib"] = statistics.mean(conmon) if conmon else 0.0
         diff = subprocess.run(
             [podman, "container", "inspect", "--size", "--format", "{{.SizeRw}}", cids[0]],
@@ -298,6 +344,10 @@ async def main() -> None:
     print(
         f"| memory per idle session, MiB: its cgroup | {ours['cgroup_mib']:.2f} | "
         f"{theirs['cgroup_mib']:.2f} (+ conmon {theirs['conmon_mib']:.2f} RSS) |"
+    )
+    print(
+        f"| memory per idle session, MiB: PSS of its processes | {ours['pss_mib']:.2f} "
+        f"(env process + init) | {theirs['pss_mib']:.2f} (its process + conmon) |"
     )
     print(
         f"| memory per idle session, MiB: MemAvailable drop / sessions | "

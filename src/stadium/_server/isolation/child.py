@@ -154,6 +154,7 @@ def template_main(config: dict[str, Any]) -> None:
     report_w = -1
     if _Ctx.sandbox:
         _Ctx.host_roots = rootfs.host_roots()
+        rootfs.plan_rebase()
         _Ctx.init = native_init()
         _Ctx.pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         _Ctx.report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -155,7 +155,7 @@ def enter_image(
     idmapped by it, so the image's root-owned files are the session uid's to change (in its
     copy-on-write layer); ``-1``: they stay root's, read-only to the session."""
     libc = _libc()
-    rebase = _plan_rebase()  # real paths: resolved here, in the host's tree
+    rebase = _plan or _plan_rebase()  # real paths: resolved here, in the host's tree
     _mount(libc, "tmpfs", staging, "tmpfs", _MS_NOSUID | _MS_NODEV,
            f"size={disk_mib}m,mode=0755")  # fmt: skip
     upper, work, root = (os.path.join(staging, d) for d in ("upper", "work", "root"))
@@ -228,6 +228,18 @@ def image_target(target: str) -> str:
     return target
 
 
+_plan: Any = None
+
+
+def plan_rebase() -> None:
+    """Plan the interpreter's move under :data:`HOST` once, in the template (after it
+    imported what it imports): each session's init then only applies it, touching a few
+    lists instead of every module (what a family's init writes before it forks the
+    session's process is copied into that process)."""
+    global _plan
+    _plan = _plan_rebase()
+
+
 def _plan_rebase() -> Any:
     """What points this interpreter at :data:`HOST` once the image is its root:
     ``sys.path``, the search paths of the packages imported so far (a later import of a
@@ -249,7 +261,8 @@ def _plan_rebase() -> Any:
         sys.path[:] = new_path
         for path, moved_path in packages:
             path[:] = moved_path
-        sys.path_importer_cache.clear()
+        # (the importer cache keeps the host paths' finders: dropping them would touch,
+        # and so copy, every page their directory listings are on)
         sys.executable = executable
 
     return apply
