@@ -92,7 +92,8 @@ def images() -> tuple[str, str]:
 
 def _serve(images: tuple[str, str], **config: Any) -> Any:
     config.setdefault("sandbox_disk", 16)
-    return serve(TARGET, isolation="sandbox", image=images[0], images=images[1], **config)
+    allowed = f"{images[1]},dir:/var/empty/stadium/*"  # a pattern: what it names may not exist
+    return serve(TARGET, isolation="sandbox", image=images[0], images=allowed, **config)
 
 
 async def _do(env: stadium.AsyncClient[Any], do: str, arg: str = "", data: str = "") -> Any:
@@ -186,6 +187,8 @@ async def test_two_images_on_one_worker_and_bad_choices(images: tuple[str, str])
         assert (await _do(b, "read", "/etc/image-name"))["text"] == "b\n"
         with pytest.raises(stadium.ValidationError, match="not allowed on this server"):
             await b.reset(options={"image": "dir:/"})  # the host's root: never allowed
+        with pytest.raises(stadium.ValidationError, match="cannot be used as a root filesys"):
+            await b.reset(options={"image": "dir:/var/empty/stadium/missing"})  # allowed, absent
         assert (await _do(b, "read", "/etc/image-name"))["text"] == "b\n"  # it kept its image
         await b.reset(options={"image": images[0]})
         assert (await _do(b, "read", "/etc/image-name"))["text"] == "a\n"

@@ -228,7 +228,9 @@ class ProcessEnv:
         if policy.any:  # an image's episode starts pristine: a fresh process of the image
             options = kwargs.get("options")
             wanted = options.get("image") if isinstance(options, dict) else None
-            self.image = policy.choose(wanted)  # refused: the session keeps its process
+            ref = policy.choose(wanted)  # refused: the session keeps its process
+            await self.isolation.images.get(ref)  # so is a REF naming no usable image
+            self.image = ref
             proc, self.proc = self.proc, None
             if proc is not None:
                 self.isolation.release(proc)
