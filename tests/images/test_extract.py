@@ -38,7 +38,7 @@ def test_a_dotdot_entry_is_refused_and_writes_nothing(
     victim = tmp_path / "victim"
     ref = _prepare(image_store, tmp_path, [[
         Entry("ok", data=b"fine"),
-        Entry("../../victim", data=b"pwned"),
+        Entry("../../../victim", data=b"pwned"),  # the layer is tmp_path/images/tmp/X
     ]])  # fmt: skip
     with pytest.raises(ConfigError, match=r"escapes the layer \(\.\.\)"):
         image_store.prepare(ref)
@@ -157,3 +157,21 @@ def test_gzip_layers_and_a_clear_error_for_zstd_without_a_library(
     else:
         with pytest.raises(ConfigError):
             image_store.prepare(f"oci:{zs}")
+
+
+def test_an_entry_too_deep_is_refused(image_store: ImageStore, tmp_path: Path) -> None:
+    ref = _prepare(image_store, tmp_path, [[Entry("d/" * 200 + "f", data=b"x")]])
+    with pytest.raises(ConfigError, match="deep: refused"):
+        image_store.prepare(ref)
+    _nothing_published(image_store)
+
+
+def test_a_later_entry_replaces_an_earlier_one(image_store: ImageStore, tmp_path: Path) -> None:
+    ref = _prepare(image_store, tmp_path, [[
+        Entry("a/b/c", data=b"deep"), Entry("a/b", kind="dir", mode=0o700),
+        Entry("a", data=b"now a file"), Entry("x", kind="symlink", target="/nowhere"),
+        Entry("x", kind="dir", mode=0o755), Entry("x/y", data=b"in x"),
+    ]])  # fmt: skip
+    layer = Path(image_store.prepare(ref).layers[0])
+    assert (layer / "a").read_bytes() == b"now a file"
+    assert (layer / "x/y").read_bytes() == b"in x"

@@ -285,3 +285,14 @@ def test_metrics(image_store: ImageStore, tmp_path: Path) -> None:
     assert "stadium_image_cache_layers 2.0" in text
     assert f"stadium_image_cache_bytes {float(image.size_bytes)}" in text
     assert "stadium_images_leased 1.0" in text
+
+
+@as_root
+def test_a_changed_source_is_read_again(image_store: ImageStore, tmp_path: Path) -> None:
+    layout = make_layout(tmp_path / "l", [[Entry("f", data=b"1")]])
+    first = image_store.prepare(f"oci:{layout}")
+    assert image_store.prepare(f"oci:{layout}") == first  # unchanged: the record
+    make_layout(layout, [[Entry("f", data=b"2")]], tag="two")  # index.json rewritten
+    with pytest.raises(ConfigError, match="holds 2 images"):
+        image_store.prepare(f"oci:{layout}")
+    assert image_store.prepare(f"oci:{layout}:two").digest != first.digest

@@ -5,12 +5,15 @@ between images, whiteouts work under overlayfs, a missing image says so."""
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from stadium import ConfigError
 from stadium._server.images import ImageStore, PreparedImage
+from tests.conftest import UNIT
+from tests.images.conftest import TASK_A, TASK_B
 from tests.images.layouts import overlay_reads
 
 pytestmark = [pytest.mark.slow, pytest.mark.container, pytest.mark.timeout(900)]
@@ -101,3 +104,17 @@ def test_an_image_podman_does_not_have_says_so(
     store, _ = prepared
     with pytest.raises(ConfigError, match="no such image in Podman's storage"):
         store.prepare("localhost/stadium-no-such-image:test")
+
+
+def test_a_tag_moved_in_podman_is_followed(
+    prepared: tuple[ImageStore, dict[str, PreparedImage]], podman: str
+) -> None:
+    store, images = prepared
+    moving = "localhost/stadium-task-moving:test"
+    try:
+        subprocess.run([podman, "tag", TASK_A, moving], check=True, timeout=60 * UNIT)
+        assert store.prepare(moving).digest == images["a"].digest
+        subprocess.run([podman, "tag", TASK_B, moving], check=True, timeout=60 * UNIT)
+        assert store.prepare(moving).digest == images["b"].digest
+    finally:
+        subprocess.run([podman, "untag", moving], check=False, timeout=60 * UNIT)

@@ -41,6 +41,8 @@ CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _FD_CACHE = 256
+MAX_DEPTH = 128
+"""The deepest entry a layer may have (each level is a descriptor while it is written)."""
 _ENTRY_BYTES = 512
 """What an entry costs beside its data in the size accounting (its inode, roughly)."""
 _KEPT_XATTRS = ("user.", "security.capability")
@@ -170,6 +172,10 @@ def extract_layer(
         writer.finish()
     except (tarfile.TarError, zlib.error, EOFError) as exc:
         raise ConfigError(f"{what} is not a readable tar layer: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"{what} cannot be extracted: {exc} (the store runs as root; is the cache's disk full?)"
+        ) from None
     finally:
         writer.close()
     for name, want, got in (
@@ -201,6 +207,8 @@ class _Unhashed:
 def _parts(name: str, what: str) -> tuple[str, ...]:
     """A tar name as path components below the layer's root ("/" and "." dropped)."""
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"{what}: the entry {name[:200]!r}... is over {MAX_DEPTH} deep: refused")
     if ".." in parts:
         raise ConfigError(f"{what}: the entry {name[:200]!r} escapes the layer (..): refused")
     return parts
@@ -261,17 +269,20 @@ class _Writer:
                 f"({self._limit >> 20} MiB): raise --image-cache-mib"
             )
 
-    def _clear(self, parent: int, name: str) -> None:
-        """Remove ``name`` (what a later entry of the same name replaces)."""
+    def _clear(self, parent: int, parts: tuple[str, ...]) -> None:
+        """Remove ``parts`` (what a later entry of the same name replaces)."""
         try:
-            st = os.lstat(name, dir_fd=parent)
+            st = os.lstat(parts[-1], dir_fd=parent)
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            self._drop_fds()
-            shutil.rmtree(name, dir_fd=parent)
+            n = len(parts)  # what was below it goes: its descriptors, its metadata to set
+            for below in [p for p in self._fds if p[:n] == parts]:
+                os.close(self._fds.pop(below))
+            self._dirs = {p: m for p, m in self._dirs.items() if p[:n] != parts}
+            shutil.rmtree(parts[-1], dir_fd=parent)
         else:
-            os.unlink(name, dir_fd=parent)
+            os.unlink(parts[-1], dir_fd=parent)
 
     def entry(
         self, m: tarfile.TarInfo, extractfile: Callable[[tarfile.TarInfo], IO[bytes] | None]
@@ -296,7 +307,7 @@ class _Writer:
             try:
                 st = os.lstat(base, dir_fd=parent)
                 if not stat.S_ISDIR(st.st_mode):
-                    self._clear(parent, base)
+                    self._clear(parent, parts)
                     os.mkdir(base, 0o700, dir_fd=parent)
             except FileNotFoundError:
                 os.mkdir(base, 0o700, dir_fd=parent)
@@ -304,9 +315,9 @@ class _Writer:
             self._xattrs(self._dir(parts), m)
             self._count(0)
         elif m.isreg():
-            self._file(parent, base, m, extractfile)
+            self._file(parent, parts, m, extractfile)
         elif m.issym():
-            self._clear(parent, base)
+            self._clear(parent, parts)
             os.symlink(m.linkname, base, dir_fd=parent)
             os.chown(base, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
             _utime(base, m, parent)
@@ -314,7 +325,7 @@ class _Writer:
         elif m.islnk():
             self._hardlink(parent, parts, m)
         elif m.isfifo():
-            self._clear(parent, base)
+            self._clear(parent, parts)
             os.mkfifo(base, 0o600, dir_fd=parent)
             os.chown(base, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
             os.chmod(base, m.mode & 0o7777, dir_fd=parent, follow_symlinks=False)
@@ -336,13 +347,13 @@ class _Writer:
     def _file(
         self,
         parent: int,
-        base: str,
+        parts: tuple[str, ...],
         m: tarfile.TarInfo,
         extractfile: Callable[[tarfile.TarInfo], IO[bytes] | None],
     ) -> None:
         self._count(m.size)
-        self._clear(parent, base)
-        fd = os.open(base, _FILE_FLAGS, 0o600, dir_fd=parent)
+        self._clear(parent, parts)
+        fd = os.open(parts[-1], _FILE_FLAGS, 0o600, dir_fd=parent)
         try:
             src = extractfile(m)
             if src is not None:
@@ -375,8 +386,8 @@ class _Writer:
             raise refused
         if target == parts:
             return
-        self._clear(parent, base)
-        tdir = self._dir(target[:-1], create=False)  # _clear may have dropped the cache
+        self._clear(parent, parts)
+        tdir = self._dir(target[:-1], create=False)
         os.link(target[-1], base, src_dir_fd=tdir, dst_dir_fd=parent, follow_symlinks=False)
         self._count(0)
 

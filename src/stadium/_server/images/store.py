@@ -237,8 +237,8 @@ class ImageStore:
                 return found
             with self._flock(self._path(".lock"), fcntl.LOCK_SH):
                 image = self._prepare_slow(parsed, key)
-        if self.budget_bytes is not None:
-            self.prune(self.budget_bytes, protect=(image.digest,))
+        if self.budget_bytes is not None:  # unless another process prepares or prunes now
+            self._prune(self.budget_bytes, (image.digest,), fcntl.LOCK_EX | fcntl.LOCK_NB)
         return image
 
     def _fast(self, ref: str, key: str) -> PreparedImage | None:
@@ -258,10 +258,12 @@ class ImageStore:
     def _prepare_slow(self, r: ImageRef, key: str) -> PreparedImage:
         what = f"image {r.text!r}"
         stamp: list[Any] | None
+        expected: str | None = None  # the digest Podman named, which its export must have
         if r.kind is RefKind.DIR:
             image, stamp = self._rootfs(r, what)
         elif r.kind is RefKind.PODMAN:
             found = podman.inspect(r.location, what)
+            expected = found.digest
             stamp = _stamp(found.stamp_path) if found.stamp_path else None
             image = (
                 self._existing(r.text, found.digest)
@@ -283,6 +285,11 @@ class ImageStore:
                 image = self._ingest(r, archive, r.tag, what)
             finally:
                 archive.close()
+        if stamp is not None and (
+            _stamp(stamp[0], dir_only=stamp[5], missing_ok=True) != stamp
+            or (expected is not None and image.digest != expected)
+        ):
+            stamp = None  # the source changed while it was read: look again next time
         body = _image_json(image)
         self._write_json(
             self._path("refs", f"{key}.json"),
@@ -521,21 +528,29 @@ class ImageStore:
         """
         self._ensure()
         target = keep_bytes if keep_bytes is not None else (self.budget_bytes or 0)
-        keep = set(protect)
+        return self._prune(target, tuple(protect), fcntl.LOCK_EX)
+
+    def _prune(self, target: int, keep: tuple[str, ...], op: int) -> list[str]:
+        try:
+            with self._flock(self._path(".lock"), op):
+                return self._prune_locked(target, keep)
+        except BlockingIOError:  # LOCK_NB: someone prepares or prunes; the next one will see
+            return []
+
+    def _prune_locked(self, target: int, keep: tuple[str, ...]) -> list[str]:
         removed: list[str] = []
-        with self._flock(self._path(".lock"), fcntl.LOCK_EX):
-            tmp = self._path("tmp")
-            for name in os.listdir(tmp):  # nothing is prepared now: all of it is left over
-                _remove(os.path.join(tmp, name))
-            records = self._records()
-            order = sorted(records, key=lambda d: _mtime(self._image_paths(d)[1]))
-            for digest in order:
-                if sum(_layer_sizes(records.values()).values()) <= target:
-                    break
-                if digest not in keep and self._evict(digest):
-                    del records[digest]
-                    removed.append(digest)
-            self._sweep(records)
+        tmp = self._path("tmp")
+        for name in os.listdir(tmp):  # nothing is prepared now: all of it is left over
+            _remove(os.path.join(tmp, name))
+        records = self._records()
+        order = sorted(records, key=lambda d: _mtime(self._image_paths(d)[1]))
+        for digest in order:
+            if sum(_layer_sizes(records.values()).values()) <= target:
+                break
+            if digest not in keep and self._evict(digest):
+                del records[digest]
+                removed.append(digest)
+        self._sweep(records)
         return removed
 
     def _evict(self, digest: str) -> bool:
