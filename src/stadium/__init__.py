@@ -62,6 +62,7 @@ if _typing.TYPE_CHECKING:
     from stadium._client.pool import Client, SessionPool
     from stadium._client.session import AsyncClient
     from stadium._env.tools import ToolEnvironment, tool
+    from stadium._env.workspace import DirEntry, RunResult, Workspace
     from stadium._server.config import ServerConfig
     from stadium._server.server import Server, ServerState, run_server
     from stadium._server.transports.asgi import AsgiApp, asgi_app
@@ -75,6 +76,9 @@ _LAZY = {
     "SessionPool": "stadium._client.pool",
     "ToolEnvironment": "stadium._env.tools",
     "tool": "stadium._env.tools",
+    "Workspace": "stadium._env.workspace",
+    "RunResult": "stadium._env.workspace",
+    "DirEntry": "stadium._env.workspace",
     "ServerConfig": "stadium._server.config",
     "Server": "stadium._server.server",
     "ServerState": "stadium._server.server",
@@ -108,6 +112,7 @@ __all__ = [
     "ConfigError",
     "ConnectError",
     "ConnectOptions",
+    "DirEntry",
     "EnvCheckError",
     "EnvCrashedError",
     "EnvProtocolError",
@@ -120,6 +125,7 @@ __all__ = [
     "ProtocolError",
     "RateLimitError",
     "ResumeError",
+    "RunResult",
     "Server",
     "ServerConfig",
     "ServerState",
@@ -135,6 +141,7 @@ __all__ = [
     "ToolEnvironment",
     "UnknownTypeError",
     "ValidationError",
+    "Workspace",
     "__version__",
     "asgi_app",
     "check_env",

@@ -108,3 +108,18 @@ def _charged(cgroups: Cgroups, paths: list[str]) -> int:
     name = "memory.current" if cgroups.version == 2 else "memory.usage_in_bytes"
     with open(os.path.join(paths[0], name)) as f:
         return int(f.read())
+
+
+@needs_cgroups
+def test_cgroups_handed_over_after_the_flush_are_removed_not_kept() -> None:
+    """A spawn the dying template never answered gives its (empty) cgroups back after the
+    worker's shutdown flushed the reaper: removed, not kept as a spare nobody removes."""
+    cgroups = Cgroups(Limits(), f"w{os.getpid()}")
+    reaper = Reaper(cgroups, _submitter([]))
+    taken = reaper.take("late")
+    reaper.flush(5 * UNIT)
+    reaper.remove(taken)  # empty: before the fix, kept as a spare after the flush
+    assert reaper.spares() == 0
+    assert not any(os.path.exists(path) for path in taken)
+    reaper.make_spares(2)  # nothing made after the flush
+    assert reaper.spares() == 0

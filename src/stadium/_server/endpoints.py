@@ -40,6 +40,7 @@ from stadium._errors import (
     ValidationError,
 )
 from stadium._server.doorway import Door, Pass
+from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
@@ -152,12 +153,15 @@ class HttpEndpoints:
             )
         )  # fmt: skip
         self.mcp_sessions = McpSessions(runtime)
+        images = runtime.isolation.policy.slots() if runtime.isolation is not None else []
         self._metrics = registry_for(
-            StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name)
+            StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name, images)
         )
         """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
         if runtime.doors.tenants is not None:  # --tenants: the per-tenant series too
             self._metrics.register(TenantCollector(runtime.doors.tenants))
+        if images and runtime.isolation is not None:  # the node's image store's figures
+            self._metrics.register(ImageStoreCollector(runtime.isolation.images.store))
         self.web = web_enabled()
         """Whether ``GET /web`` is served (``ENABLE_WEB_INTERFACE``, OpenEnv's switch)."""
         self.openenv: ExtraRoutes = NO_EXTRA_ROUTES

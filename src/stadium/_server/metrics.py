@@ -160,11 +160,17 @@ _EPISODE_FIELDS = 6
 _RECORDED = _EPISODES + _EPISODE_FIELDS
 _RECORD_FIELDS = 4
 _RECORDING = _RECORDED + 3
-WIDTH = _RECORDED + _RECORD_FIELDS
+# Task images (``--image``, ``--images``): per image slot, warm processes (gauge), then starts.
+IMAGE_SLOTS = 16
+"""Images counted apart in ``stadium_image_*``: the server's named ones (``--image`` first,
+then an ``--images`` file's, sorted), the rest together as ``other`` (the last slot)."""
+_IMAGES = _RECORDED + _RECORD_FIELDS
+WIDTH = _IMAGES + 2 * IMAGE_SLOTS
 """Float64 fields in one worker's row."""
 _GAUGES = (
     _PID, _ACTIVE, _QUEUE, _RSS, _CPU, _CONNS, _BYTES_IN, _BYTES_OUT, _ISO_LIVE,
     _ISO_HELD, _ISO_SPILLED, _THREADS, _BUSY, _WAITING_CALLS, _STUCK, _RECORDING,
+    *range(_IMAGES, _IMAGES + IMAGE_SLOTS),
 )  # fmt: skip
 """Fields not carried into the retired row (per-worker values; CPU and bytes are per worker)."""
 
@@ -273,14 +279,19 @@ class WorkerCounts:
         isolated: tuple[int, ...] = (0,) * 8,
         pool: PoolStats = (0, 0, 0, 0, 0),
         handoff_refused: int = 0,
+        images: tuple[Sequence[int], Sequence[int]] = ((), ()),
     ) -> None:
         """Copy the gauges into the row, with this process's memory, CPU time and I/O;
         ``isolated``: env processes alive, started, crashed, stopped at a limit, the bytes
         they sent, their replies refused, reply buffers held, spilled snapshots; ``pool``:
         the env thread pool's live threads, busy ones, calls waiting for one, threads
         written off as stuck, calls that found it full (a counter); ``handoff_refused``:
-        connection hand-offs this worker refused (``Handoff.refused``)."""
+        connection hand-offs this worker refused (``Handoff.refused``); ``images``: warm
+        processes and starts per image slot (:data:`IMAGE_SLOTS`)."""
         row = self.row
+        for base, values in zip((_IMAGES, _IMAGES + IMAGE_SLOTS), images, strict=True):
+            for i, value in enumerate(values[:IMAGE_SLOTS]):
+                row[base + i] = value
         for i, value in enumerate(isolated):
             row[_ISO_LIVE + i] = value
         row[_ACTIVE] = active
@@ -331,11 +342,16 @@ class StadiumCollector(Collector):
     ``flush`` writes this worker's own row first, so its part of a scrape is current.
     """
 
-    def __init__(self, board: MetricsBoard, flush: Callable[[], None], env: str = "") -> None:
+    def __init__(
+        self, board: MetricsBoard, flush: Callable[[], None], env: str = "",
+        images: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         self.board = board
         self.flush = flush
         self.env = env
         """The env's name: the ``env`` label of the episode metrics."""
+        self.images = list(images)[:IMAGE_SLOTS]
+        """The ``image`` labels of the task image slots (none: no task images)."""
 
     def collect(self) -> Iterator[Metric]:
         self.flush()
@@ -449,6 +465,7 @@ class StadiumCollector(Collector):
             total(_HANDOFF_REFUSED),
         )
         yield from _episode_metrics(self.env, total)
+        yield from _image_metrics(self.images, total)
         for name, doc, field, kind in per_worker:
             family = kind(name, f"{doc} Per worker (label: its pid).", labels=["worker"])
             for r in rows:
@@ -487,6 +504,23 @@ def _episode_metrics(env: str, total: Callable[[int], float]) -> Iterator[Metric
     )  # fmt: skip
     recording.add_metric([env], total(_RECORDING))
     yield recording
+
+
+def _image_metrics(images: list[str], total: Callable[[int], float]) -> Iterator[Metric]:
+    """Warm processes and starts per task image (none without task images)."""
+    if not images:
+        return
+    warm = GaugeMetricFamily(
+        "stadium_image_warm_processes", "Warm env processes per task image.", labels=["image"]
+    )
+    starts = CounterMetricFamily(
+        "stadium_image_starts_total", "Env processes started per task image.", labels=["image"]
+    )
+    for i, image in enumerate(images):
+        warm.add_metric([image], total(_IMAGES + i))
+        starts.add_metric([image], total(_IMAGES + IMAGE_SLOTS + i))
+    yield warm
+    yield starts
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

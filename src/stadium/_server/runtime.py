@@ -299,6 +299,7 @@ class Runtime:
             isolated=self.isolation.counts() if self.isolation is not None else (0,) * 8,
             pool=(pool.live, pool.busy, pool.queued, invoke.stuck, pool.saturated),
             handoff_refused=self.handoff_refused(),
+            images=(iso.pools.counts(iso.policy) if (iso := self.isolation) else ((), ())),
         )
 
     def start_metrics(self) -> None:

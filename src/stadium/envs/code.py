@@ -2,7 +2,9 @@
 reward is the share of tests passed.
 
 Each step's code runs in a fresh ``python -I`` subprocess of the session (bounded by
-``timeout_s``), in the session's work directory. Served as it asks
+``timeout_s``), in the session's :class:`~stadium.Workspace` (``--image REF``: the image's
+``python3``, packages and working directory; else the server's interpreter in a work
+directory of the session's own). Served as it asks
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
 uid, memory, process and disk limits (README, "Isolated sessions"); so the policy's
 code can do what it likes to it and nothing else.
@@ -36,13 +38,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
+from stadium._env.workspace import Workspace, current_image
 
 #: The most bytes one reply of the submission's process may take (the rest: that test fails).
 MAX_REPLY = 1 << 20
@@ -236,20 +238,21 @@ def _message(text: str) -> str:
 
 def run_tests(
     folder: str, function: str, tests: list[tuple[list[Any], Any]], returns: Any,
-    timeout_s: float,
+    timeout_s: float, python: str = sys.executable, path: str = "/usr/bin:/bin",
 ) -> Report:  # fmt: skip
     """Run ``folder/submission.py``'s ``function`` on each test's arguments in a fresh
-    ``python -I`` process (cwd ``folder``, at most ``timeout_s`` in all); compare what it
-    returns, decoded as ``returns``, with each test's expected value, here."""
+    ``python -I`` process (``python``; cwd ``folder``; ``PATH`` ``path``; at most
+    ``timeout_s`` in all); compare what it returns, decoded as ``returns``, with each
+    test's expected value, here."""
     report = Report()
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-u", "-c", _HARNESS, function, str(requests_r), str(replies_w)],
+            [python, "-I", "-u", "-c", _HARNESS, function, str(requests_r), str(replies_w)],
             cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, pass_fds=(requests_r, replies_w),
-            env={"PATH": "/usr/bin:/bin"}, start_new_session=True,
+            env={"PATH": path}, start_new_session=True,
         )  # fmt: skip
     except OSError as exc:
         for fd in (requests_r, requests_w, replies_r, replies_w):
@@ -340,12 +343,12 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         self.timeout_s = timeout_s
         self.task = TASKS[0]
         self.attempts = 0
-        self._dir: str | None = None
+        self._ws: Workspace | None = None
 
-    def _workdir(self) -> str:
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="stadium-code-")
-        return self._dir
+    def _workspace(self) -> Workspace:
+        if self._ws is None:
+            self._ws = Workspace.current()
+        return self._ws
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
@@ -364,10 +367,15 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
     def step(self, action: CodeAction) -> StepResult[CodeObservation]:
         self.attempts += 1
         task = self.task
-        folder = self._workdir()
-        with open(os.path.join(folder, "submission.py"), "w") as f:
-            f.write(action.code)
-        report = run_tests(folder, task.function, task.tests, task.returns, self.timeout_s)
+        ws = self._workspace()
+        ws.write_file("submission.py", action.code)
+        path = ws.env.get("PATH", "/usr/bin:/bin")
+        python = sys.executable  # the server's interpreter, without an image; else the image's
+        if current_image() is not None:
+            python = shutil.which("python3", path=path) or "python3"
+        report = run_tests(
+            ws.root, task.function, task.tests, task.returns, self.timeout_s, python, path
+        )
         obs = CodeObservation(
             task.name, task.prompt, passed=report.passed, total=len(task.tests),
             failures=report.failures[:5], output=report.output,
@@ -377,9 +385,9 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         return StepResult(obs, reward=reward, done=done)
 
     def close(self) -> None:
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._ws is not None:
+            self._ws.close()
+            self._ws = None
 
     def sample_action(self, rng: random.Random) -> CodeAction:
         """A submission that is right for ``add`` and wrong for the rest (``check_env``)."""

@@ -71,6 +71,8 @@ class ProcessEnv:
         self._durable_next = False
         self._fork_key: int | None = None
         self.spill_id = next(isolation.spill_ids)
+        self.image: str | None = isolation.policy.default
+        """The task image of the session's episodes (a reset's ``options["image"]``)."""
 
     def bind_session(self, sid: str) -> None:
         """The session driving this env is ``sid``: its process's output is logged under it."""
@@ -98,7 +100,7 @@ class ProcessEnv:
                 f"env process before {_WHAT.get(op, op)}",
                 operation=op,
             )
-        proc = self.proc = await iso.acquire(self.session)
+        proc = self.proc = await iso.acquire(self.session, image=self.image)
         self.ended = None
         blob, self._restoring = self._restoring, None
         if blob:
@@ -232,6 +234,16 @@ class ProcessEnv:
 
     async def reset(self, **kwargs: Any) -> Any:
         self._end_episode()
+        policy = self.isolation.policy
+        if policy.any:  # an image's episode starts pristine: a fresh process of the image
+            options = kwargs.get("options")
+            wanted = options.get("image") if isinstance(options, dict) else None
+            ref = policy.choose(wanted)  # refused: the session keeps its process
+            await self.isolation.images.get(ref)  # so is a REF naming no usable image
+            self.image = ref
+            proc, self.proc = self.proc, None
+            if proc is not None:
+                self.isolation.release(proc)
         body = wire.encode(wire.Reset(kwargs, self._snap_limit()))
         reply = await self._call("reset", body, True, wire.STEP_REPLY)
         if self.durable:

@@ -70,6 +70,9 @@ class Reaper:
         self._spares: list[list[str]] = []
         self._to_make = 0
         self._running = False
+        self._flushed = False
+        """After :meth:`flush` (the worker's shutdown): cgroups handed over later (a spawn
+        the dying template never answered) are removed, never kept as spares."""
         self.closed = 0
         """Sockets closed so far."""
         self.removed = 0
@@ -103,6 +106,8 @@ class Reaper:
         if self.cgroups is None or count <= 0:
             return
         with self._lock:
+            if self._flushed:
+                return
             self._to_make += count
             start = not self._running
             self._running = True
@@ -189,7 +194,7 @@ class Reaper:
         rest: list[tuple[list[str], int]] = []
         for paths, tries in removals:
             with self._lock:
-                room = len(self._spares) < MAX_SPARES
+                room = len(self._spares) < MAX_SPARES and not self._flushed
             # Empty when first seen: nothing was left in it (one that held a process, killed
             # and being retried, is removed, not kept).
             if not tries and room and not cgroups.kill(paths):
@@ -224,6 +229,7 @@ class Reaper:
         removals = [(paths, 0) for paths in also or []]
         while True:
             with self._lock:
+                self._flushed = True
                 fds, self._fds = self._fds, []
                 removals += self._removals
                 removals += [(paths, 0) for paths in self._spares]
