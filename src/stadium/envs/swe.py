@@ -60,7 +60,8 @@ class SweTask(msgspec.Struct, frozen=True):
     ``FAIL_TO_PASS``/``PASS_TO_PASS``: test ids (unittest dotted names, pytest node ids or
     Django's ``test (module.Class)``), as lists or as SWE-bench's JSON-encoded strings.
     ``image``: the task's image (``None``: ``repo`` is a host directory, copied into the
-    session's work directory at reset). ``src_paths``: if given, the only paths the policy
+    session's work directory at reset; or ``files``, the repository inline, path -> text).
+    ``src_paths``: if given, the only paths the policy
     may change. ``python``: the interpreter the tests run under (in the image).
     """
 
@@ -75,10 +76,48 @@ class SweTask(msgspec.Struct, frozen=True):
     src_paths: list[str] = []
     base_commit: str | None = None
     python: str = "python3"
+    files: dict[str, str] = {}
 
     @property
     def tests(self) -> list[str]:
         return [*self.FAIL_TO_PASS, *self.PASS_TO_PASS]
+
+
+_DEMO_OPS = '''"""Small numeric helpers."""
+
+
+def absolute(x):
+    """The absolute value of ``x``."""
+    return x
+'''
+_DEMO_TESTS = """import unittest
+
+from calc.ops import absolute
+
+
+class TestAbsolute(unittest.TestCase):
+    def test_positive(self):
+        self.assertEqual(absolute(3), 3)
+
+    def test_negative(self):
+        self.assertEqual(absolute(-4), 4)
+"""
+#: The task served when no tasks are given (``stadium serve swe``): a one-line bug, inline.
+DEMO_TASK = SweTask(
+    instance_id="demo-abs",
+    problem_statement="calc.ops.absolute(x) returns negative numbers unchanged: fix it.",
+    FAIL_TO_PASS=["tests.test_ops.TestAbsolute.test_negative"],
+    PASS_TO_PASS=["tests.test_ops.TestAbsolute.test_positive"],
+    repo="",
+    test_command="python3 -m unittest -v tests.test_ops",
+    test_files=["tests/test_ops.py"],
+    files={
+        "calc/__init__.py": "",
+        "calc/ops.py": _DEMO_OPS,
+        "tests/__init__.py": "",
+        "tests/test_ops.py": _DEMO_TESTS,
+    },
+)
 
 
 _TASK = msgspec.json.Decoder(SweTask)
@@ -117,10 +156,10 @@ def parse_tasks(lines: Sequence[bytes | dict[str, Any]], where: str) -> tuple[Sw
             raise ConfigError(f"{where}, task {number} ({task.instance_id}): FAIL_TO_PASS is empty")
         if task.instance_id in tasks:
             raise ConfigError(f"{where}, task {number}: instance_id {task.instance_id!r} twice")
-        if task.image is None and not os.path.isabs(task.repo):
+        if task.image is None and not task.files and not os.path.isabs(task.repo):
             raise ConfigError(
                 f"{where}, task {number} ({task.instance_id}): a task without an image needs "
-                "repo as an absolute host directory"
+                "repo as an absolute host directory (or its files inline)"
             )
         tasks[task.instance_id] = task
     if not tasks:
@@ -128,8 +167,10 @@ def parse_tasks(lines: Sequence[bytes | dict[str, Any]], where: str) -> tuple[Sw
     return tuple(tasks.values())
 
 
-def load_tasks(tasks: str | Sequence[dict[str, Any]]) -> tuple[SweTask, ...]:
-    """The tasks of a JSONL file (a path) or of a list of task objects."""
+def load_tasks(tasks: str | Sequence[dict[str, Any]] | None) -> tuple[SweTask, ...]:
+    """The tasks of a JSONL file (a path) or of a list of task objects (``None``: the demo)."""
+    if tasks is None:
+        return (DEMO_TASK,)
     if not isinstance(tasks, str):
         return parse_tasks(list(tasks), "the tasks list")
     try:
@@ -154,7 +195,9 @@ def reset_options(task: SweTask) -> dict[str, Any]:
 
 
 class TaskInfo(msgspec.Struct):
-    """What the policy is asked to do (the ``task`` tool, and the reset observation)."""
+    """What the policy is asked to do (the ``task`` tool, and the reset observation).
+    ``repo``: where the repository is (``"."``: the session's work directory); tools take
+    paths relative to it and commands run in it."""
 
     instance_id: str
     problem_statement: str
@@ -192,7 +235,8 @@ class SweEnv(ToolEnvironment):
     """Fix a repository so that its failing tests pass; reward 1.0 if all its tests pass.
 
     Args:
-        tasks: a JSONL file of tasks (SWE-bench's shape, ``docs/SWE.md``) or a list of them.
+        tasks: a JSONL file of tasks (SWE-bench's shape, ``docs/SWE.md``) or a list of them;
+            ``None``: one small demo task (:data:`DEMO_TASK`, no image needed).
         max_steps: tool calls per episode; at the last one the work is graded and the
             episode ends (``truncated``).
         command_timeout_s: the longest a ``run`` may take (a call may ask for less).
@@ -206,7 +250,7 @@ class SweEnv(ToolEnvironment):
     blocking: ClassVar[bool] = True
 
     def __init__(
-        self, tasks: str | Sequence[dict[str, Any]], max_steps: int = 50,
+        self, tasks: str | Sequence[dict[str, Any]] | None = None, max_steps: int = 50,
         command_timeout_s: float = 60.0, test_timeout_s: float = 300.0,
     ) -> None:  # fmt: skip
         self.tasks = load_tasks(tasks)
@@ -254,7 +298,11 @@ class SweEnv(ToolEnvironment):
             if os.path.lexists(target):
                 shutil.rmtree(target)
             try:
-                shutil.copytree(task.repo, target, symlinks=True)
+                if task.files:
+                    for rel, text in task.files.items():
+                        ws.write_file(os.path.join(target, rel), text)
+                else:
+                    shutil.copytree(task.repo, target, symlinks=True)
             except OSError as exc:
                 raise ConfigError(
                     f"task {task.instance_id}: cannot copy its repository {task.repo}: {exc}"
@@ -342,7 +390,8 @@ class SweEnv(ToolEnvironment):
         task = self.current
         assert task is not None
         return TaskInfo(
-            task.instance_id, task.problem_statement, self.repo, task.test_command,
+            task.instance_id, task.problem_statement, task.repo if task.image else ".",
+            task.test_command,
             self.max_steps - self.steps,
         )  # fmt: skip
 
