@@ -137,6 +137,10 @@ class ServerConfig:
             sandbox, never by the server's processes or the template; the server learns
             the env's name and schemas from a sandboxed process
             (:mod:`stadium._server.isolation.remote`). Costs each session the import.
+        image: ``sandbox``: the task image every session runs in (its ``/``: the image's
+            layers under a private copy-on-write layer; commands from the image), a
+            ``REF`` (``dir:/rootfs``, ...); ``images``: the others a reset may choose with
+            ``options={"image": REF}`` (a file of REFs, or comma-separated patterns).
         preload: with ``untrusted_env_code``, operator-trusted modules (``numpy``) the
             template imports once, so that sessions share them instead of importing them.
         action_model: ``module:Class`` (or ``file.py:Class``): the pydantic action
@@ -210,6 +214,8 @@ class ServerConfig:
     untrusted_env_code: bool = False
     preload: tuple[str, ...] = ()
     sandbox_reply_mib: int = 64
+    image: str | None = None
+    images: str | None = None
     action_model: str | None = None
     record: str = ""
     record_sample: float = 1.0
@@ -317,6 +323,12 @@ class ServerConfig:
             8 <= self.sandbox_reply_mib <= 4096,
             "--sandbox-reply-mib must be 8..4096 (MiB a reply may take)",
             value=self.sandbox_reply_mib,
+        )
+        _check(
+            not (self.image or self.images) or self.isolation in (None, "sandbox"),
+            "--image and --images need --isolation sandbox (a session's image is the root "
+            "of its sandbox)",
+            value=self.isolation,
         )
         _check(0 <= self.warm_pool <= 4096, "--warm-pool must be 0..4096", value=self.warm_pool)
         _check(
@@ -658,6 +670,19 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--sandbox-pids", type=int, help="Processes per sandboxed session [128]."),
         click.option(
             "--sandbox-disk", type=int, help="MiB of work directory per sandboxed session [256]."
+        ),
+        click.option(
+            "--image",
+            metavar="REF",
+            help="With --isolation sandbox: the task image every session runs in (its / is "
+            "the image, private copy-on-write on top; commands come from the image): "
+            "dir:/rootfs, localhost/name:tag, oci:DIR [none].",
+        ),
+        click.option(
+            "--images",
+            metavar="PATTERN|FILE",
+            help="Images a reset may choose (options={'image': REF}): comma-separated "
+            "patterns (localhost/swe-*) or a file of REFs, one a line [only --image].",
         ),
         click.option(
             "--episode-timeout",

@@ -170,6 +170,11 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
             f"--sandbox-network and --sandbox-allow are for --isolation sandbox (this "
             f"server isolates with {mode!r}: its sessions' network is not restricted)"
         )
+    if (config.image or config.images) and mode != "sandbox":
+        raise ConfigError(
+            f"--image and --images need --isolation sandbox (this server isolates with "
+            f"{mode!r}; a session's image is the root of its sandbox)"
+        )
     if mode == "none":
         if config.episode_timeout:
             raise ConfigError(
@@ -206,7 +211,8 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
         mode, target, dict(config.env_kwargs), config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
         untrusted=untrusted, preload=config.preload, action_model=config.action_model,
-        replies=WireLimits.of_mib(config.sandbox_reply_mib),
+        replies=WireLimits.of_mib(config.sandbox_reply_mib), image=config.image,
+        images=config.images,
     )  # fmt: skip
 
 

@@ -1,24 +1,25 @@
 """``shell``: a terminal session: a command in, its output and exit code out.
 
-Each command runs with ``bash -c`` in the session's work directory (files persist
-between steps; variables and ``cd`` do not), bounded by ``timeout_s``. Served as it
-asks (``isolation = "sandbox"``), the session's own sandbox is all it can touch: no
-network, its own uid, memory, process and disk limits (README, "Isolated sessions").
+Each command runs with ``bash -c`` (``sh`` where there is no bash) in the session's
+:class:`~stadium.Workspace` (files persist between steps; variables and ``cd`` do not),
+bounded by ``timeout_s``. Served as it asks (``isolation = "sandbox"``), the session's own
+sandbox is all it can touch: no network, its own uid, memory, process and disk limits
+(README, "Isolated sessions"). ``stadium serve shell --image REF`` is a terminal inside
+the image: its tools, its environment, its working directory, a private copy of its files.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import subprocess
-import tempfile
 from typing import Any, ClassVar
 
 import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
+from stadium._env.workspace import Workspace
 
-#: The most output kept per stream (the rest is cut, from the start).
+#: The most output kept per stream (the rest is cut, visibly).
 MAX_OUTPUT = 16384
 
 
@@ -46,39 +47,33 @@ class ShellEnv(Environment[ShellAction, ShellObservation, State]):
 
     def __init__(self, timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self._dir: str | None = None
+        self._ws: Workspace | None = None
 
-    def _workdir(self) -> str:
-        if self._dir is None:
-            self._dir = tempfile.mkdtemp(prefix="stadium-shell-")
-        return self._dir
+    def _workspace(self) -> Workspace:
+        if self._ws is None:
+            self._ws = Workspace.current()
+        return self._ws
 
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> ShellObservation:
-        self._workdir()
+        self._workspace()
         return ShellObservation()
 
     def step(self, action: ShellAction) -> StepResult[ShellObservation]:
-        cwd = self._workdir()
-        try:
-            run = subprocess.run(
-                ["bash", "-c", action.command], cwd=cwd, capture_output=True,
-                timeout=self.timeout_s, stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-            obs = ShellObservation(
-                run.stdout[-MAX_OUTPUT:].decode(errors="replace"),
-                run.stderr[-MAX_OUTPUT:].decode(errors="replace"),
-                run.returncode,
-            )
-        except subprocess.TimeoutExpired:
-            obs = ShellObservation("", f"timed out after {self.timeout_s:g} s", -1)
+        ws = self._workspace()
+        shell = "bash" if shutil.which("bash", path=ws.env.get("PATH")) else "sh"
+        run = ws.run([shell, "-c", action.command], timeout=self.timeout_s, max_output=MAX_OUTPUT)
+        if run.timed_out:
+            obs = ShellObservation(run.stdout, f"timed out after {self.timeout_s:g} s", -1)
+        else:
+            obs = ShellObservation(run.stdout, run.stderr, run.exit_code or 0)
         return StepResult(obs, reward=0.0)
 
     def close(self) -> None:
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        if self._ws is not None:
+            self._ws.close()
+            self._ws = None
 
     def sample_action(self, rng: random.Random) -> ShellAction:
         """A harmless command (``check_env``)."""

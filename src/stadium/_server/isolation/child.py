@@ -62,13 +62,14 @@ from typing import Any
 
 import msgspec
 
+from stadium._env import workspace
 from stadium._env.codecs import enc_hook_default
 from stadium._env.contract import StepResult
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import EnvSpec
 from stadium._errors import StadiumError, ToolCallError
-from stadium._server.isolation import remote, wire
-from stadium._server.isolation.sandbox import enter_sandbox
+from stadium._server.isolation import remote, rootfs, wire
+from stadium._server.isolation.sandbox import enter_sandbox, session_workdir
 from stadium._server.isolation.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
 
@@ -90,6 +91,8 @@ class _Ctx:
     sandbox: bool
     disk_mib: int
     ptys = 16
+    host_roots: list[str] = []
+    """Sandboxed: the host folders an image-backed session sees under ``/.stadium/host``."""
     seccomp: Filter | None = None
     key_base = 0
     """Added to a pid to make its key (sandboxed: the family's number << KEY_SHIFT)."""
@@ -147,6 +150,7 @@ def template_main(config: dict[str, Any]) -> None:
     gc.freeze()
     report_w = -1
     if _Ctx.sandbox:
+        _Ctx.host_roots = rootfs.host_roots()
         _Ctx.init = native_init()
         _Ctx.pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         _Ctx.report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -181,7 +185,7 @@ def template_main(config: dict[str, Any]) -> None:
                 rest = fds[1:] if out >= 0 else fds
                 _spawn(
                     control, sel, wake_r, wake_w, report_w, msg.cgroups, msg.uid, msg.hosts,
-                    netns_fd=rest[0] if rest else -1, out_fd=out,
+                    netns_fd=rest[0] if rest else -1, out_fd=out, image=msg.image,
                 )  # fmt: skip
                 for fd in fds:
                     os.close(fd)
@@ -277,13 +281,21 @@ def _start_family(
     *,
     netns_fd: int = -1,
     hosts: str | None = None,
+    image: wire.Image | None = None,
 ) -> None:
     """In a family's init: set the sandbox up, fork the session's process (which
-    returns, to serve), then reap the namespace until it is empty (never returns)."""
+    returns, to serve), then reap the namespace until it is empty (never returns).
+    With an ``image``, the image is the family's root (:mod:`.rootfs`) and the session's
+    :class:`~stadium.Workspace` is its filesystem."""
     _Ctx.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     procs = [os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY) for p in cgroups]
+    if image is not None and _Ctx.init is not None:  # where the init is, once in the image
+        _Ctx.init = rootfs.HOST + os.path.realpath(_Ctx.init)
     # The init stays out of the session's cgroups; the family shares its namespaces.
-    enter_sandbox([], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys)
+    enter_sandbox(
+        [], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys, image=image,
+        host_roots=_Ctx.host_roots,
+    )  # fmt: skip
     if _Ctx.seccomp is not None:  # the last step: no env code has run yet
         _Ctx.seccomp.load()
     if os.fork() == 0:  # the session's process (pid 2)
@@ -291,6 +303,8 @@ def _start_family(
         for fd in procs:
             os.write(fd, b"0")
             os.close(fd)
+        if image is not None:
+            workspace.bind_image(image.env, session_workdir(image))
         return
     for fd in procs:
         os.close(fd)
@@ -323,6 +337,7 @@ def _spawn(
     *,
     netns_fd: int = -1,
     out_fd: int = -1,
+    image: wire.Image | None = None,
 ) -> None:
     mine, theirs = socket.socketpair()
     sys.stdout.flush()  # nothing of the template's own output is printed twice
@@ -355,7 +370,9 @@ def _spawn(
                 os.close(_Ctx.pid_ns)
                 _Ctx.key_base = base
                 # returns in the session's process
-                _start_family(theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts)
+                _start_family(
+                    theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts, image=image
+                )
         except BaseException as exc:  # the session's socket says why, then the process ends
             _send(theirs, wire.Raised("SandboxError", f"setting up the sandbox failed: {exc}"))
             os._exit(4)

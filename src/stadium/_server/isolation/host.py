@@ -51,6 +51,7 @@ from stadium._errors import (
     StadiumError,
 )
 from stadium._server.isolation import wire
+from stadium._server.isolation.imaging import ImagePolicy, WarmPools, prepare, prepared
 from stadium._server.isolation.netns import Networks, SessionNet
 from stadium._server.isolation.output import OutputReader
 from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
@@ -99,6 +100,10 @@ class IsolationConfig:
     """``--action-model``, applied where the target is loaded (``untrusted``: the sandbox)."""
     replies: wire.WireLimits = dataclasses.field(default_factory=wire.WireLimits)
     """What one reply from a session's process may cost the worker (``--sandbox-reply-mib``)."""
+    image: str | None = None
+    """``--image``: every session's task image (``sandbox``; :mod:`.imaging`)."""
+    images: str | None = None
+    """``--images``: the others a reset may choose (a file of REFs, or patterns)."""
 
 
 class _TemplateGone(ExecutionError):
@@ -135,8 +140,15 @@ class Isolation:
         self.spill_ids = itertools.count(1)
         self.action_encode: Callable[[Any], bytes] = self.encoder.encode
         """Actions to MessagePack (the env spec's encoder, set by :func:`isolated_spec`)."""
-        self.warm: collections.deque[EnvProcess] = collections.deque()
-        self._filling = 0
+        self.policy = ImagePolicy.of(config.image, config.images)
+        """The task images sessions may run in (:mod:`.imaging`)."""
+        self.images: dict[str, wire.Image] = {}
+        """The images prepared so far, by ``REF``."""
+        if self.policy.default is not None:  # a bad --image stops the server's start
+            self.images[self.policy.default] = prepare(self.policy.default)
+        self.pools = WarmPools(config.warm_pool, self.policy.default)
+        self.warm: collections.deque[EnvProcess] = self.pools.pool(self.policy.default)
+        """The default image's warm processes (another image's: :attr:`pools`)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._numbers = itertools.count(1)
         self._template: subprocess.Popen[bytes] | None = None
@@ -217,7 +229,8 @@ class Isolation:
         argv = [sys.executable, "-P", BOOT, str(settings_fd)]
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
         if self.sandbox:
-            argv = bwrap_argv(sys_path, resolver=self.limits.network == "public") + argv
+            binds = sys_path + self.policy.roots()  # every allowed image's layers, read-only
+            argv = bwrap_argv(binds, resolver=self.limits.network == "public") + argv
         else:
             env = dict(os.environ)
         # Its stdout and stderr (bubblewrap's, the env's import-time output): a pipe the
@@ -350,18 +363,20 @@ class Isolation:
 
     # -- processes ------------------------------------------------------------------
 
-    async def _spawn(self) -> EnvProcess:
-        """A new env process; a template found dead on the way is started again (twice)."""
+    async def _spawn(self, image: str | None = None) -> EnvProcess:
+        """A new env process (in ``image``); a template found dead on the way is started
+        again (twice)."""
         for attempt in range(3):
             try:
-                return await self._spawn_once()
+                return await self._spawn_once(image)
             except _TemplateGone:
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 
-    async def _spawn_once(self) -> EnvProcess:
+    async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
         started = time.perf_counter()
+        image = await prepared(self.images, ref)
         await self._ensure_template()
         n = next(self._numbers)
         cgroups: list[str] = []
@@ -388,7 +403,7 @@ class Isolation:
                 hosts = None
                 if net is not None:  # the namespace goes along; the template joins it
                     hosts = None if self.limits.network == "public" else net.hosts
-                msg = wire.encode(wire.Spawn(cgroups, uid, hosts))
+                msg = wire.encode(wire.Spawn(cgroups, uid, hosts, image))
                 socket.send_fds(self._control, [msg], fds)
             except OSError:  # it died; its end of stream may not have been read yet
                 self._template_gone()
@@ -410,7 +425,7 @@ class Isolation:
             raise
         proc = self._process(socket.socket(fileno=fd))
         proc.pid, proc.uid, proc.cgroups, proc.baseline = pid, uid, cgroups, baseline
-        proc.net = net
+        proc.net, proc.image = net, ref
         if out_r >= 0:
             self.outputs[pid] = OutputReader(
                 loop, out_r, f"env process {pid}", on_close=lambda: self.outputs.pop(pid, None)
@@ -420,6 +435,7 @@ class Isolation:
             self.uids.release(uid)  # _track holds it while the process lives
         await self._hello(proc)
         self.starts += 1
+        self.pools.starts[ref] += 1
         self.start_seconds.append(time.perf_counter() - started)
         del self.start_seconds[:-1024]
         return proc
@@ -449,12 +465,15 @@ class Isolation:
         paths = self.reaper.take(name)  # a spare (an ended session's, emptied), else new
         return paths, self.cgroups.counters(paths)
 
-    async def acquire(self, session: str | None = None) -> EnvProcess:
+    async def acquire(self, session: str | None = None, image: str | None = None) -> EnvProcess:
         """A process with the env built: from the warm pool, else forked now. ``session``:
-        the short id of the session taking it, which its output's log lines then name."""
+        the short id of the session taking it, which its output's log lines then name;
+        ``image``: the task image it runs in (``None``: the default, ``--image``)."""
         proc: EnvProcess | None = None
-        while self.warm:
-            warm = self.warm.popleft()
+        ref = image if image is not None else self.policy.default
+        pool = self.pools.pool(ref)
+        while pool:
+            warm = pool.popleft()
             self.refill()
             if warm.sock.fileno() >= 0 and warm.pid in self.live and warm.broken is None:
                 proc = warm
@@ -462,30 +481,31 @@ class Isolation:
             self.kill(warm)  # it sent what was refused while it waited
             self.release(warm)
         if proc is None:
-            proc = await self._spawn()
+            proc = await self._spawn(ref)
+            self.refill()  # an image's first use makes its pool
         reader = self.outputs.get(proc.pid)
         if reader is not None and session is not None:
             reader.session = session
         return proc
 
     def refill(self) -> None:
-        """Fork processes ahead until the warm pool holds ``warm_pool`` of them."""
+        """Fork processes ahead until each image's warm pool holds ``warm_pool`` of them."""
         loop = asyncio.get_running_loop()
-        while len(self.warm) + self._filling < self.config.warm_pool:
-            self._filling += 1
-            task = loop.create_task(self._fill())
+        for image in self.pools.short():
+            self.pools.filling[image] += 1
+            task = loop.create_task(self._fill(image))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _fill(self) -> None:
+    async def _fill(self, image: str | None) -> None:
         try:
-            proc = await self._spawn()
+            proc = await self._spawn(image)
         except Exception as exc:
             log.warning("could not fork a warm isolated env process: %s", exc)
             return
         finally:
-            self._filling -= 1
-        self.warm.append(proc)
+            self.pools.filling[image] -= 1
+        self.pools.pool(image).append(proc)
 
     async def adopt_fork(self, parent: EnvProcess) -> EnvProcess:
         """The copy of ``parent``'s process made by ``fork`` (its env copied by the kernel).
@@ -719,10 +739,9 @@ class Isolation:
 
     def shutdown(self) -> None:
         """End every env process and the template."""
-        for proc in list(self.live.values()) + list(self.warm):
+        for proc in list(self.live.values()) + self.pools.all():
             self.kill(proc)
             proc.close()
-        self.warm.clear()
         for reader in [*self.outputs.values(), self._template_output]:
             if reader is not None:
                 reader.close()

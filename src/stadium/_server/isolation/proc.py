@@ -67,6 +67,7 @@ class EnvProcess:
         "expired",
         "fd",
         "final",
+        "image",
         "limits",
         "loop",
         "net",
@@ -99,6 +100,8 @@ class EnvProcess:
         self.final: dict[str, int] | None = None
         """The cgroup's counters when the process ended (read before the cgroup is removed)."""
         self.net: SessionNet | None = None
+        self.image: str | None = None
+        """The task image it runs in (its ``REF``), or ``None``."""
         self.expired = False
         self.episode_over = False
         """Killed at the end of its episode's time (``--episode-timeout``)."""

@@ -69,6 +69,8 @@ class ProcessEnv:
         self._durable_next = False
         self._fork_key: int | None = None
         self.spill_id = next(isolation.spill_ids)
+        self.image: str | None = isolation.policy.default
+        """The task image of the session's episodes (a reset's ``options["image"]``)."""
 
     async def _process(self, op: str, fresh: bool) -> EnvProcess:
         iso = self.isolation
@@ -88,7 +90,7 @@ class ProcessEnv:
                 f"env process before {_WHAT.get(op, op)}",
                 operation=op,
             )
-        proc = self.proc = await iso.acquire()
+        proc = self.proc = await iso.acquire(image=self.image)
         self.ended = None
         blob, self._restoring = self._restoring, None
         if blob:
@@ -222,6 +224,14 @@ class ProcessEnv:
 
     async def reset(self, **kwargs: Any) -> Any:
         self._end_episode()
+        policy = self.isolation.policy
+        if policy.any:  # an image's episode starts pristine: a fresh process of the image
+            options = kwargs.get("options")
+            wanted = options.get("image") if isinstance(options, dict) else None
+            self.image = policy.choose(wanted)  # refused: the session keeps its process
+            proc, self.proc = self.proc, None
+            if proc is not None:
+                self.isolation.release(proc)
         body = wire.encode(wire.Reset(kwargs, self._snap_limit()))
         reply = await self._call("reset", body, True, wire.STEP_REPLY)
         if self.durable:

@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from stadium._errors import ConfigError
+from stadium._server.isolation import rootfs
+from stadium._server.isolation.wire import Image
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: The folder under each hierarchy holding the sessions' cgroups.
@@ -491,13 +493,17 @@ def enter_sandbox(
     netns_fd: int = -1,
     hosts: str | None = None,
     ptys: int = 16,
+    image: Image | None = None,
+    host_roots: list[str] | None = None,
 ) -> None:
     """Make the calling process (a session's, as root with capabilities inside the
     template's namespaces) a sandboxed one: see the module docstring. Irreversible.
 
     ``netns_fd``: the network namespace the worker made for it (``allowlist``,
     ``public``: :mod:`.netns`), joined instead of a new one with no network; ``hosts``:
-    its ``/etc/hosts``; ``ptys``: the ``max`` of its own ``devpts`` instance."""
+    its ``/etc/hosts``; ``ptys``: the ``max`` of its own ``devpts`` instance; ``image``:
+    the task image that becomes its root (:func:`.rootfs.enter_image`, with
+    ``host_roots`` under ``/.stadium/host``); it then starts in the image's workdir."""
     for path in cgroups:
         with open(os.path.join(path, "cgroup.procs"), "w") as f:
             f.write("0")
@@ -510,14 +516,40 @@ def enter_sandbox(
     _check(_c().unshare(flags), "unshare")
     _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
     _check(_c().umount2(str(CGROUP_ROOT).encode(), _MNT_DETACH), "umount cgroup tree")
+    if image is not None:  # its root: the image's layers under a private, bounded one
+        rootfs.enter_image(image.layers, uid, disk_mib, WORK_DIR, WORK_DIR, ptys, host_roots or [])
+    else:
+        _own_mounts(uid, disk_mib, ptys)
+    if hosts is not None:  # names of the allowed hosts: no DNS needed
+        _bind_file(hosts, "/etc/hosts")
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    _check(_c().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    os.chdir(WORK_DIR)
+    if image is not None:
+        os.environ.update(image.env)
+        with contextlib.suppress(OSError):  # the image's workdir, where it can be entered
+            os.chdir(session_workdir(image))
+    os.environ["HOME"] = os.environ["TMPDIR"] = WORK_DIR
+    os.environ.pop("PWD", None)
+
+
+def session_workdir(image: Image) -> str:
+    """Where an image-backed session starts: the image's workdir, or its own work
+    directory when the image names none (``/`` is not the session's to write)."""
+    return image.workdir if image.workdir not in ("", "/") else WORK_DIR
+
+
+def _own_mounts(uid: int, disk_mib: int, ptys: int) -> None:
+    """A session's mounts without an image: its ``/proc``, work directory, ``/tmp``,
+    ``/dev/shm`` and pseudo-terminals."""
     # A /proc of its own that shows only its uid's processes (not the other sessions').
     _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
     opts = f"size={disk_mib}m,mode=0700,uid={uid},gid={uid}"
     _mount("tmpfs", WORK_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
     if not os.statvfs("/tmp").f_flag & os.ST_RDONLY:  # no code under /tmp: the same tmpfs
         _mount(WORK_DIR, "/tmp", None, _MS_BIND, None)
-    if hosts is not None:  # names of the allowed hosts: no DNS needed
-        _bind_file(hosts, "/etc/hosts")
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
     # Pseudo-terminals of its own (``/dev/ptmx`` is bubblewrap's link to ``pts/ptmx``): at
@@ -526,13 +558,6 @@ def enter_sandbox(
         "devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
         f"newinstance,ptmxmode=0666,mode=0620,max={ptys}",
     )  # fmt: skip
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    _check(_c().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    os.chdir(WORK_DIR)
-    os.environ["HOME"] = os.environ["TMPDIR"] = WORK_DIR
-    os.environ.pop("PWD", None)
 
 
 def _bind_file(text: str, target: str) -> None:

@@ -158,12 +158,24 @@ class DescribeOk(msgspec.Struct, array_like=True, tag=OK):
 # -- the control socket ------------------------------------------------------------------
 
 
+class Image(msgspec.Struct, array_like=True, frozen=True):
+    """A task image, ready: its ``ref``, its layers (absolute folders, bottom first, as
+    overlayfs lower layers), the environment and working directory of its config."""
+
+    ref: str
+    layers: list[str]
+    env: dict[str, str]
+    workdir: str = "/"
+
+
 class Spawn(msgspec.Struct, array_like=True, tag="spawn"):
-    """Worker → template: fork a session's process (``hosts``: its ``/etc/hosts``)."""
+    """Worker → template: fork a session's process (``hosts``: its ``/etc/hosts``;
+    ``image``: the task image that is its root, :mod:`.rootfs`)."""
 
     cgroups: list[str]
     uid: int
     hosts: str | None = None
+    image: Image | None = None
 
 
 class Ready(msgspec.Struct, array_like=True, tag="ready"):
