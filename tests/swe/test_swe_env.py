@@ -285,7 +285,9 @@ def test_a_bad_task_id_or_a_missing_image_is_a_clear_error(tmp_path: Path) -> No
         with pytest.raises(ValidationError, match="no SWE task 'nope': choose one of a") as caught:
             env.reset(options={"task": "nope"})
         assert caught.value.context == {"field": "$.options.task"}
-        with pytest.raises(SessionError, match=r"runs in image localhost/x:1, which this session"):
+        with pytest.raises(
+            SessionError, match=r"runs in image localhost/x:1, but this session runs no image"
+        ):
             env.reset(options={"task": "a"})
     finally:
         env.close()

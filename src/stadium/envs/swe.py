@@ -290,7 +290,7 @@ class SweEnv(ToolEnvironment):
         pool = [t for t in self.tasks if image is None or t.image == image] or list(self.tasks)
         return random.Random(seed).choice(pool)
 
-    def _place(self, task: SweTask) -> str:
+    def _place(self, task: SweTask, options: dict[str, Any]) -> str:
         """The repository's path in the session, ready for the episode."""
         ws = self._workspace()
         if task.image is None:
@@ -308,11 +308,19 @@ class SweEnv(ToolEnvironment):
                     f"task {task.instance_id}: cannot copy its repository {task.repo}: {exc}"
                 ) from None
             return target
-        if current_image() is None or not os.path.isdir(task.repo):
+        chosen = options.get("image")
+        if current_image() is None or (chosen is not None and chosen != task.image):
+            runs = "no image" if current_image() is None else f"image {chosen}"
             raise SessionError(
-                f"task {task.instance_id} runs in image {task.image}, which this session "
-                f"does not run: serve with --isolation sandbox --images (allowing it) and "
-                f"reset with options={reset_options(task)!r}"
+                f"task {task.instance_id} runs in image {task.image}, but this session runs "
+                f"{runs}: serve with --isolation sandbox --images allowing it and reset with "
+                f"options={reset_options(task)!r}"
+            )
+        if not os.path.isdir(task.repo):
+            raise SessionError(
+                f"task {task.instance_id}: its repository {task.repo} is not in this session's "
+                f"image: reset with options={reset_options(task)!r} (the server's --image may "
+                "be another task's)"
             )
         return task.repo
 
@@ -320,7 +328,7 @@ class SweEnv(ToolEnvironment):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> ToolObservation:
         task = self._choose(seed, options or {})
-        self.repo = self._place(task)
+        self.repo = self._place(task, options or {})
         self.pristine = Pristine.capture(self.repo)
         self.current, self.steps, self.done = task, 0, False
         obs = self.tools_observation()
