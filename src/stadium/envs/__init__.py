@@ -16,6 +16,7 @@ BUILTIN: dict[str, str] = {
     "tools": "stadium.envs.tools:NotesEnv",
     "code": "stadium.envs.code:CodeEnv",
     "shell": "stadium.envs.shell:ShellEnv",
+    "swe": "stadium.envs.swe:SweEnv",
 }
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Text helpers (a SWE task for Stadium's ``swe`` env)."""

@@ -1,0 +1,198 @@
+"""The SWE env's test runner: runs named ``unittest`` tests and reports each outcome on a pipe.
+
+This file is a *script*, never imported by Stadium: :mod:`stadium.envs.swe_grading` runs its
+source with the task image's own ``python3 -I -c SOURCE CONTROL_FD RESULTS_FD`` in the
+repository (so it must run on any Python 3.8+ and use the standard library only). It is
+untrusted from the first test on (the tests import the repository's code, which may patch
+anything in this process); the grader believes only what it decodes from the results pipe and
+checks it against what it asked (see ``docs/SWE.md``).
+
+Protocol. The grader writes one JSON line on CONTROL_FD, ``{"nonce": str, "tests": [id, ...]}``,
+and closes it; the runner reads it before it imports any code of the repository. On
+RESULTS_FD it writes one JSON line per test, ``{"kind": "result", "test": id, "outcome":
+"passed"|"failed"|"error"|"skipped", "detail": str}``, then ``{"kind": "done", "nonce": nonce}``,
+and exits 0. If the unittest machinery, the builtins or this runner's own functions were
+rebound while the tests ran (a module under test patching ``TestCase.assertEqual``), it
+writes ``{"kind": "tampered", "what": name}`` instead and exits 3.
+
+Test ids: unittest's dotted names (``tests.test_calc.TestAdd.test_neg``), pytest-style
+node ids (``tests/test_calc.py::TestAdd::test_neg``, also a plain test function) or
+Django's ``test_neg (tests.test_calc.TestAdd)``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib
+import json
+import os
+import sys
+import types
+import unittest
+import unittest.case
+import unittest.loader
+import unittest.result
+import unittest.suite
+from collections.abc import Iterator
+from typing import Any
+
+_write = os.write
+_exit = os._exit
+_dumps = json.dumps
+
+
+def _watched() -> list[tuple[str, Any]]:
+    """The namespaces whose bindings a forger would patch: the unittest classes and modules
+    the run goes through, the builtins, json, and this runner itself."""
+    spaces: list[tuple[str, Any]] = [
+        ("builtins", builtins.__dict__),
+        ("json", json.__dict__),
+        ("runner", globals()),
+    ]
+    for mod in (unittest, unittest.case, unittest.result, unittest.suite, unittest.loader):
+        spaces.append((mod.__name__, mod.__dict__))
+    for cls in (
+        unittest.case.TestCase,
+        unittest.case.FunctionTestCase,
+        unittest.case._Outcome,  # type: ignore[attr-defined]
+        unittest.result.TestResult,
+        unittest.suite.BaseTestSuite,
+        unittest.suite.TestSuite,
+        unittest.loader.TestLoader,
+        _Result,
+    ):
+        spaces.append((cls.__qualname__, cls.__dict__))
+    return spaces
+
+
+def _fingerprint() -> dict[str, tuple[int, ...]]:
+    """Identity of every callable (and its code) bound in the watched namespaces."""
+    marks: dict[str, tuple[int, ...]] = {}
+    for space, names in _watched():
+        for name, value in list(names.items()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if not callable(value) and name != "failureException":
+                continue
+            code = getattr(value, "__code__", None)
+            defaults = getattr(value, "__defaults__", None)
+            marks[space + "." + name] = (id(value), id(code), id(defaults))
+    marks["modules"] = tuple(id(sys.modules.get(m)) for m in ("unittest", "json", "builtins"))
+    return marks
+
+
+def _changed(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> str | None:
+    for key, mark in before.items():
+        if after.get(key) != mark:
+            return key
+    return None
+
+
+class _Result(unittest.result.TestResult):
+    """Everything that happened to one test id (several tests if the name was a class)."""
+
+    def __init__(self) -> None:
+        unittest.result.TestResult.__init__(self)
+        self.bad: list[tuple[str, str]] = []
+        self.passed_subtests = 0
+
+    def addSubTest(self, test: Any, subtest: Any, err: Any) -> None:
+        if err is not None:
+            self.bad.append(("failed", f"subtest {subtest} failed"))
+        else:
+            self.passed_subtests += 1
+
+
+def _name(test_id: str) -> str:
+    """A test id as unittest's dotted name."""
+    if "::" in test_id:
+        path, _, rest = test_id.partition("::")
+        if path.endswith(".py"):
+            path = path[:-3]
+        module = path.replace("\\", "/").strip("/").replace("/", ".")
+        return module + "." + rest.split("[")[0].replace("::", ".")
+    if test_id.endswith(")") and " (" in test_id:  # Django: "test_x (pkg.mod.Class)"
+        method, _, owner = test_id[:-1].partition(" (")
+        return owner + "." + method
+    return test_id
+
+
+def _load(test_id: str) -> list[Any]:
+    """The test cases a test id names (a plain module-level function: one FunctionTestCase)."""
+    name = _name(test_id)
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            owner: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:-1]:
+            owner = getattr(owner, attr, None)
+        fn = getattr(owner, parts[-1], None)
+        if isinstance(owner, types.ModuleType) and isinstance(fn, types.FunctionType):
+            return [unittest.case.FunctionTestCase(fn)]
+        break
+    return list(_flatten(unittest.defaultTestLoader.loadTestsFromName(name)))
+
+
+def _flatten(suite: Any) -> Iterator[Any]:
+    for item in suite:
+        if isinstance(item, unittest.suite.BaseTestSuite):
+            yield from _flatten(item)
+        else:
+            yield item
+
+
+def _outcome(tests: list[Any]) -> tuple[str, str]:
+    if not tests:
+        return "error", "no such test"
+    result = _Result()
+    for test in tests:
+        test(result)
+    if result.errors:
+        return "error", result.errors[0][1][-1500:]
+    if result.failures:
+        return "failed", result.failures[0][1][-1500:]
+    if result.bad:
+        return result.bad[0]
+    if result.unexpectedSuccesses:
+        return "failed", "an expected failure passed"
+    if result.skipped or result.expectedFailures:
+        return "skipped", "skipped or expected to fail"
+    if result.testsRun != len(tests):
+        return "error", f"ran {result.testsRun} of {len(tests)} tests"
+    return "passed", ""
+
+
+def main() -> None:
+    control, results = int(sys.argv[1]), int(sys.argv[2])
+    with os.fdopen(control, "rb") as f:
+        request = json.loads(f.read(1 << 20).decode("utf-8"))
+    nonce, wanted = request["nonce"], request["tests"]
+    del request
+
+    def send(record: dict[str, str]) -> None:
+        data = (_dumps(record) + "\n").encode("utf-8")
+        while data:
+            data = data[_write(results, data) :]
+
+    sys.path.insert(0, os.getcwd())
+    before = _fingerprint()
+    for test_id in wanted:
+        try:
+            outcome, detail = _outcome(_load(test_id))
+        except BaseException as exc:  # a test may raise anything, even SystemExit
+            outcome, detail = "error", f"{type(exc).__name__}: {exc}"
+        changed = _changed(before, _fingerprint())
+        if changed is not None:
+            send({"kind": "tampered", "what": changed})
+            _exit(3)
+        send({"kind": "result", "test": test_id, "outcome": outcome, "detail": str(detail)[-1500:]})
+    send({"kind": "done", "nonce": nonce})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _exit(0)
+
+
+if __name__ == "__main__":
+    main()
