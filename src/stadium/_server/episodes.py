@@ -4,7 +4,8 @@
 The per-step accounting stays inline in the session's step path (a few additions into
 its slots: the request's and the reply's bytes, the env call's time); what runs once per
 episode is here: a reset begins an episode (ending the running one), its reply starts the
-recording when ``--record`` keeps it, each step is kept by reference, and the end counts
+recording when ``--record`` keeps it, each step is kept by reference (three items added
+to one flat list: the action, the reply frame, the time), and the end counts
 the cost into the worker's :class:`~stadium._server.ledger.Ledger`, hands the episode to
 the recorder and splices the cost into the reply that ended it. docs/PROTOCOL.md
 ("Episode cost") defines each figure.
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stadium._core.protocol import Call, Encoding
+from stadium._core.protocol import Call, Encoding, Op
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
@@ -27,7 +28,6 @@ from stadium._server.resumable import ResumableSession
 
 _clock = time.perf_counter
 _POOL = CallMode.POOL
-_STEP_OP = "step"
 
 
 class EpisodeAccounts(ResumableSession):
@@ -52,7 +52,7 @@ class EpisodeAccounts(ResumableSession):
     _ep_in: int
     _ep_out: int
     _t0: float
-    _ep_log: list[tuple[Any, bytes | str, float]] | None
+    _ep_log: list[Any] | None
     _ep_reset: tuple[Call, bytes, float] | None
     _ep_proc: tuple[int, float] | None
     _ep_clipped: bool
@@ -112,16 +112,6 @@ class EpisodeAccounts(ResumableSession):
             self._ep_log = []
             self._ep_reset = (call, frame, time.time())
 
-    def _keep(self, action: Any, reply: bytes | str, took: float) -> None:
-        """Record one step of the episode (by reference: encoded in the writer thread),
-        while the episode's frames stay within the recording's per-episode bound."""
-        log = self._ep_log
-        assert log is not None
-        if self._ep_in + self._ep_out > self.runtime.ledger.episode_bytes:
-            self._ep_clipped = True
-            return
-        log.append((action, reply, took))
-
     def _step_pooled(self, call: Call) -> asyncio.Future[Any] | None:
         """A step of an env whose ``step`` blocks: on the pool, timed by the pool thread's
         own CPU clock (:class:`~stadium._server.ledger.ThreadTimed`)."""
@@ -139,8 +129,12 @@ class EpisodeAccounts(ResumableSession):
     ) -> bytes:
         """A step's reply (``frame``, ``took`` seconds after its request, at ``end``) in a
         recorded episode or ending one: kept, and the cost added when it ended."""
-        if self._ep_log is not None:
-            self._keep(call.action, frame, took)
+        log = self._ep_log
+        if log is not None:  # kept by reference, while within the per-episode bound
+            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
+                log += (call.action, frame, took)
+            else:
+                self._ep_clipped = True
         if self.protocol.ended and self._ep_start:
             return self._episode_over(ended_by(result), end, frame)
         return frame
@@ -148,8 +142,12 @@ class EpisodeAccounts(ResumableSession):
     def _episode_error(self, call: Call, frame: bytes, err: StadiumError) -> None:
         """An error reply (``frame``) to ``call`` in the running episode."""
         self._ep_out += len(frame)
-        if self._ep_log is not None and call.op.name.lower() == _STEP_OP:
-            self._keep(call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
+        log = self._ep_log
+        if log is not None and call.op is Op.STEP:
+            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
+                log += (call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
+            else:
+                self._ep_clipped = True
 
     def _cost(self, now: float) -> EpisodeCost:
         """The running episode's cost up to ``now`` (the loop's clock)."""
@@ -200,8 +198,8 @@ class EpisodeAccounts(ResumableSession):
         if log is not None and reset is not None and ledger.recorder is not None:
             call, reset_frame, started = reset
             episode = Episode(
-                call.episode_id, started, call.seed, call.options, reset_frame, log, end, cost,
-                clipped=self._ep_clipped, json=json,
+                call.episode_id, started, call.seed, call.options, reset_frame, tuple(log),
+                end, cost, clipped=self._ep_clipped, json=json,
             )  # fmt: skip
             ledger.recorder.submit(episode, cost.bytes_in + cost.bytes_out)
         if frame is None:

@@ -107,7 +107,6 @@ def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig 
     if check:
         load_redactor(record.redact)
         try:  # here, before the workers fork: they share its pages
-            import pyarrow.json
             import pyarrow.parquet  # noqa: F401
         except ImportError as exc:
             raise ConfigError(f"--record needs pyarrow ({exc}): pip install pyarrow") from None

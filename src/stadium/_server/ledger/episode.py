@@ -67,10 +67,13 @@ def with_cost(frame: bytes, cost: EpisodeCost, json: bool) -> bytes:
     return msgspec.msgpack.encode(data)
 
 
-class Episode(msgspec.Struct):
+class Episode(msgspec.Struct, gc=False):
     """What the recorder is handed when an episode ends (decoded and written in its
-    thread): the reset, each step as ``(action, reply frame or error text, seconds)``,
-    and the cost."""
+    thread): the reset, the steps and the cost. ``steps`` is flat, three items a step:
+    the action (as the env got it), the reply frame (or the error's text), the step's
+    seconds (one tuple an episode: no object a step for the cyclic collector to walk;
+    the tuple untracks itself when its items hold no container, and the struct is never
+    tracked: it holds no cycle)."""
 
     episode_id: str | None
     started_at: float
@@ -78,7 +81,7 @@ class Episode(msgspec.Struct):
     seed: int | None
     options: dict[str, Any] | None
     reset_frame: bytes
-    steps: list[tuple[Any, bytes | str, float]]
+    steps: tuple[Any, ...]
     end: EndReason
     cost: EpisodeCost
     clipped: bool = False
