@@ -528,9 +528,30 @@ class Hog(Burner):
         return super().step(action)
 
 
+def _no_sandbox() -> str | None:
+    from stadium._server.isolation import sandbox_unavailable
+
+    return sandbox_unavailable()
+
+
 @pytest.mark.slow
-async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory() -> None:
-    async with serve(Hog, isolation="process") as server:
+@pytest.mark.parametrize(
+    ("isolation", "source"),
+    [
+        ("process", "process"),
+        pytest.param(
+            "sandbox", "cgroup",
+            marks=pytest.mark.skipif(_no_sandbox() is not None, reason=f"{_no_sandbox()}"),
+        ),
+    ],
+)  # fmt: skip
+async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory(
+    isolation: str, source: str
+) -> None:
+    """A sandboxed session's cost is its cgroups' (cpuacct.usage, the memory peak); a
+    process's its /proc files: an episode that burns CPU and holds 100 MiB reports them,
+    the next episode of the same process starts its peak again."""
+    async with serve(Hog, isolation=isolation) as server:
         async with AsyncClient(server.url) as env:
             await env.reset(seed=1)
             steps = [await env.step({"n": n}) for n in (2.0, 0.0, 0.0)]
@@ -538,8 +559,9 @@ async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory() -> No
             await env.reset(seed=2)  # the same process: its peak starts again
             steps = [await env.step({"n": 0.0}) for _ in range(3)]
             lean = steps[-1].cost
-    assert hog.cpu_source == lean.cpu_source == "process"
-    # three steps of >= 10 ms each in the env process, in 10 ms ticks
-    assert 0.02 <= hog.cpu_s <= hog.wall_s
+    assert hog.cpu_source == lean.cpu_source == source
+    # three steps of >= 10 ms each in the env process (/proc: in 10 ms ticks)
+    assert 0.02 <= hog.cpu_s <= hog.wall_s + 0.01
+    assert lean.cpu_s >= 0.02
     assert hog.peak_rss_bytes >= 100 << 20
     assert lean.peak_rss_bytes < 100 << 20

@@ -54,7 +54,7 @@ class EpisodeAccounts(ResumableSession):
     _t0: float
     _ep_log: list[Any] | None
     _ep_reset: tuple[Call, bytes, float] | None
-    _ep_proc: tuple[int, float] | None
+    _ep_proc: usage.Started | None
     _ep_clipped: bool
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
@@ -69,7 +69,7 @@ class EpisodeAccounts(ResumableSession):
         self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
         self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
         self._ep_reset = None  # the reset call, its reply, its Unix time (recorded)
-        self._ep_proc = None  # an isolated env process's pid and CPU seconds at the reset
+        self._ep_proc = None  # an isolated env process's pid or cgroup, CPU s at the reset
         self._ep_clipped = False
 
     def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
@@ -100,13 +100,10 @@ class EpisodeAccounts(ResumableSession):
 
     def _episode_reset(self, call: Call, frame: bytes) -> None:
         """The reset's reply: an isolated env process's CPU and peak memory are read from
-        here; the episode's recording starts, if ``--record`` keeps it."""
+        here (its pid's ``/proc`` files, or its sandbox's cgroups); the episode's recording
+        starts, if ``--record`` keeps it."""
         if self.runtime.isolation is not None:
-            self._ep_proc = None
-            pid = usage.env_pid(self.env)
-            if pid is not None and (cpu := usage.cpu_seconds(pid)) is not None:
-                usage.reset_peak(pid)
-                self._ep_proc = (pid, cpu)
+            self._ep_proc = usage.episode_start(self.env, self._ep_proc)
         recorder = self.runtime.ledger.recorder
         if recorder is not None and self._ep_start and recorder.wants():
             self._ep_log = []
@@ -155,11 +152,8 @@ class EpisodeAccounts(ResumableSession):
         if self.runtime.isolation is not None:  # the env process's, not the proxy's
             cpu, source = 0.0, "unmeasured"
             started = self._ep_proc
-            if started is not None and usage.env_pid(self.env) == started[0]:
-                now_cpu = usage.cpu_seconds(started[0])
-                if now_cpu is not None:
-                    cpu, source = max(0.0, now_cpu - started[1]), "process"
-                    peak = usage.peak_rss(started[0])
+            if started is not None and (used := usage.episode_usage(self.env, started)):
+                cpu, peak, source = used
         return EpisodeCost(
             wall_s=max(0.0, now - self._ep_start),
             cpu_s=cpu,
