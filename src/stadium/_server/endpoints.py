@@ -247,7 +247,7 @@ class HttpEndpoints:
             return UPGRADE_REQUIRED
         if self.openenv.web and raw in ("/", "/web"):  # OpenEnv's: its web interface, /web/
             return HttpResponse(307, b"", headers=(("Location", "/web/"),))
-        if path in PAGES and (self.web or path != "/web"):
+        if path in PAGES and (self.web or not path.startswith("/web")):
             return page(PAGES[path])
         extra = self.openenv.route("GET", path)
         if extra is not None:  # e.g. /list_environments, /web/metadata: no env to wait on
@@ -516,7 +516,7 @@ class HttpEndpoints:
                 rt.doors.release(charged, loop.time())
 
 
-PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
+PAGES = {"/dashboard": "dashboard.html", "/web": "play.html", "/web/episodes": "episodes.html"}
 """The browser pages: path -> file of ``stadium/web/`` (package data)."""
 WEB_ENV = "ENABLE_WEB_INTERFACE"
 _PAGE_HEADERS = (
