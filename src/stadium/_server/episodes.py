@@ -5,7 +5,8 @@ The per-step accounting stays inline in the session's step path (a few additions
 its slots: the request's and the reply's bytes, the env call's time); what runs once per
 episode is here: a reset begins an episode (ending the running one), its reply starts the
 recording when ``--record`` keeps it, each step is kept by reference (three items added
-to one flat list: the action, the reply frame, the time), and the end counts
+to the session's one reused list: the request frame as it came, the reply frame, the
+time: nothing the cyclic collector tracks), and the end counts
 the cost into the worker's :class:`~stadium._server.ledger.Ledger`, hands the episode to
 the recorder and splices the cost into the reply that ended it. docs/PROTOCOL.md
 ("Episode cost") defines each figure.
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stadium._core.protocol import Call, Encoding, Op
+from stadium._core.protocol import BatchCall, Call, Encoding, Op
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
@@ -36,12 +37,14 @@ class EpisodeAccounts(ResumableSession):
 
     # The session's state this part writes (see _no_episode).
     __slots__ = (
+        "_ep_buf",
         "_ep_clipped",
         "_ep_cpu",
         "_ep_in",
         "_ep_log",
         "_ep_out",
         "_ep_proc",
+        "_ep_req",
         "_ep_reset",
         "_ep_start",
         "_t0",
@@ -53,8 +56,10 @@ class EpisodeAccounts(ResumableSession):
     _ep_out: int
     _t0: float
     _ep_log: list[Any] | None
-    _ep_reset: tuple[Call, bytes, float] | None
+    _ep_buf: list[Any] | None
+    _ep_reset: Episode | None
     _ep_proc: usage.Started | None
+    _ep_req: bytes | str
     _ep_clipped: bool
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
@@ -68,8 +73,10 @@ class EpisodeAccounts(ResumableSession):
         self._ep_out = 0  # reply bytes
         self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
         self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
-        self._ep_reset = None  # the reset call, its reply, its Unix time (recorded)
+        self._ep_buf = None  # the list the recorded steps go to, reused episode after episode
+        self._ep_reset = None  # the recorded episode (its reset, until it ends)
         self._ep_proc = None  # an isolated env process's pid or cgroup, CPU s at the reset
+        self._ep_req = b""  # a recorded episode's last step request (its frame, as it came)
         self._ep_clipped = False
 
     def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
@@ -106,8 +113,23 @@ class EpisodeAccounts(ResumableSession):
             self._ep_proc = usage.episode_start(self.env, self._ep_proc)
         recorder = self.runtime.ledger.recorder
         if recorder is not None and self._ep_start and recorder.wants():
-            self._ep_log = []
-            self._ep_reset = (call, frame, time.time())
+            log = self._ep_buf
+            if log is None:
+                log = self._ep_buf = []
+            log.clear()  # (steps of a reset that failed, never handed over)
+            self._ep_log = log
+            self._ep_reset = Episode(
+                call.episode_id, time.time(), call.seed, call.options, frame,
+                json=self.protocol.encoding is Encoding.JSON,
+            )  # fmt: skip
+
+    def _batch_request(self, call: BatchCall) -> bytes:
+        """A batch's step request as a frame of its own (``{"data": ...}``), to record:
+        its action's bytes copied (a batch frame is not kept for one of its calls)."""
+        data = bytes(call.data)
+        if self.protocol.encoding is Encoding.JSON:
+            return b'{"data":' + data + b"}"
+        return b"\x81\xa4data" + data  # MessagePack: a map of one, "data"
 
     def _step_pooled(self, call: Call) -> asyncio.Future[Any] | None:
         """A step of an env whose ``step`` blocks: on the pool, timed by the pool thread's
@@ -129,7 +151,7 @@ class EpisodeAccounts(ResumableSession):
         log = self._ep_log
         if log is not None:  # kept by reference, while within the per-episode bound
             if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
-                log += (call.action, frame, took)
+                log += (self._ep_req, frame, took)
             else:
                 self._ep_clipped = True
         if self.protocol.ended and self._ep_start:
@@ -142,7 +164,7 @@ class EpisodeAccounts(ResumableSession):
         log = self._ep_log
         if log is not None and call.op is Op.STEP:
             if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
-                log += (call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
+                log += (self._ep_req, f"{err.code}: {err}", self.loop.time() - self.last_active)
             else:
                 self._ep_clipped = True
 
@@ -187,15 +209,15 @@ class EpisodeAccounts(ResumableSession):
         self._ep_start = 0.0
         ledger.ended(cost)
         json = protocol.encoding is Encoding.JSON
-        log, reset = self._ep_log, self._ep_reset
+        log, episode = self._ep_log, self._ep_reset
         self._ep_log = self._ep_reset = None
-        if log is not None and reset is not None and ledger.recorder is not None:
-            call, reset_frame, started = reset
-            episode = Episode(
-                call.episode_id, started, call.seed, call.options, reset_frame, tuple(log),
-                end, cost, clipped=self._ep_clipped, json=json,
-            )  # fmt: skip
+        if log is not None and episode is not None and ledger.recorder is not None:
+            episode.steps = tuple(log)
+            log.clear()
+            episode.end, episode.cost, episode.clipped = end, cost, self._ep_clipped
             ledger.recorder.submit(episode, cost.bytes_in + cost.bytes_out)
+        elif log is not None:
+            log.clear()
         if frame is None:
             return b""
         return with_cost(frame, cost, json)

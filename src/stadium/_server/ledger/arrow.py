@@ -7,7 +7,8 @@ hand them to ``pyarrow.Array.from_buffers``, which imports nothing: a string col
 items joined (``bytes.join``, which lets go of the GIL past 1 MiB) and their offsets
 (``itertools.accumulate`` into an ``array('i')``); numbers an ``array('d')`` or
 ``array('q')``; a bitmap (booleans, validity) one byte per value packed by ``int(…, 2)``.
-No Python code runs per value.
+No Python code runs per value. A buffer is handed over as ``bytes`` (an ``array`` is copied
+once: the cyclic collector tracks arrays, and these live until the shard is written).
 
 Strings are passed as bytes-like values (``bytes``, ``msgspec.Raw``); in per-step columns
 an empty item is a null (no JSON text and no error text is empty).
@@ -67,7 +68,7 @@ def _strings(pa: Any, lengths: Sequence[int], data: bytes, flags: bytes | None) 
     return pa.Array.from_buffers(
         pa.string(),
         len(lengths),
-        [validity, pa.py_buffer(offsets), pa.py_buffer(data)],
+        [validity, pa.py_buffer(offsets.tobytes()), pa.py_buffer(data)],
         null_count=nulls,
     )
 
@@ -81,7 +82,7 @@ def floats(pa: Any, values: Sequence[float | None], nullable: bool = True) -> An
     else:
         data, validity, nulls = array.array("d", values), None, 0  # type: ignore[arg-type]
     return pa.Array.from_buffers(
-        pa.float64(), len(values), [validity, pa.py_buffer(data)], null_count=nulls
+        pa.float64(), len(values), [validity, pa.py_buffer(data.tobytes())], null_count=nulls
     )
 
 
@@ -94,7 +95,7 @@ def ints(pa: Any, values: Sequence[int | None]) -> Any:
     else:
         data, validity, nulls = array.array("q", values), None, 0  # type: ignore[arg-type]
     return pa.Array.from_buffers(
-        pa.int64(), len(values), [validity, pa.py_buffer(data)], null_count=nulls
+        pa.int64(), len(values), [validity, pa.py_buffer(data.tobytes())], null_count=nulls
     )
 
 
@@ -109,7 +110,10 @@ def lists(pa: Any, counts: Sequence[int], child: Any) -> Any:
     """A list column: row ``i`` holds the next ``counts[i]`` values of ``child``."""
     offsets = array.array("i", itertools.accumulate(counts, initial=0))
     return pa.Array.from_buffers(
-        pa.list_(child.type), len(counts), [None, pa.py_buffer(offsets)], children=[child]
+        pa.list_(child.type),
+        len(counts),
+        [None, pa.py_buffer(offsets.tobytes())],
+        children=[child],
     )
 
 

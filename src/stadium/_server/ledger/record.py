@@ -60,8 +60,12 @@ WAKE_S = 0.2
 #: The writer reads the queue in chunks of about this many steps (a few ms of work at
 #: most, the GIL held), then sleeps :data:`YIELD_S`: a loop waiting for the GIL takes it
 #: then, not after the interpreter's 5 ms switch interval.
-CHUNK_STEPS = 1024
+CHUNK_STEPS = 256
 YIELD_S = 0.0005
+#: The gathered steps become an Arrow record batch every this many (a few ms of work, in
+#: C calls the interpreter can switch between), and at the shard's end: few batches a
+#: shard (each one a few objects the cyclic collector tracks until the shard is written).
+SEAL_STEPS = 4096
 #: Fields of the ``counts`` row the recorder writes: recorded, dropped, write errors, on.
 RECORDED, DROPPED, WRITE_ERRORS, RECORDING = range(4)
 
@@ -330,10 +334,14 @@ class Recorder:
                 return
 
     def _gather(self, batch: list[Episode], shard: Shard) -> None:
+        """Add a chunk of the queue to ``shard``, as an Arrow batch of its own."""
         try:
             _added, failed = self._rows.add(batch, shard)
-        except Exception as exc:  # a bug: the batch is lost, the recording goes on
+            if len(shard.step_s) >= SEAL_STEPS:
+                shard.seal(YIELD_S)
+        except Exception as exc:  # a bug: the chunk is lost, the recording goes on
             failed = [f"{len(batch)} episode(s): {exc!r}"]
+            shard._open()
         if failed:
             self.counts[DROPPED] += len(failed)
             self._warn("--record: %d episode(s) could not be recorded: %s", len(failed), failed[0])

@@ -14,9 +14,11 @@ record), or a MessagePack session's values (turned into JSON text).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
+import time
 from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
@@ -88,10 +90,18 @@ class Texts:
 
 
 class Shard:
-    """One shard's columns while its episodes are gathered: a tuple of per-episode values
-    each, and the steps' values flat."""
+    """One shard while its episodes are gathered: Arrow record batches, one per chunk the
+    writer took (:meth:`seal`: a bounded piece of work with the GIL held, not one over the
+    whole shard), and the open chunk's columns: a tuple of per-episode values each, and the
+    steps' values flat."""
 
     def __init__(self) -> None:
+        self.batches: list[Any] = []
+        self.sealed = 0
+        """Episodes in :attr:`batches`."""
+        self._open()
+
+    def _open(self) -> None:
         self.episodes: list[tuple[Any, ...]] = []
         """Per episode: its scalar columns, in :data:`_SCALARS` order."""
         self.counts: list[int] = []
@@ -105,10 +115,13 @@ class Shard:
         self.step_s: list[float] = []
 
     def __len__(self) -> int:
-        return len(self.episodes)
+        return self.sealed + len(self.episodes)
 
-    def table(self) -> Any:
-        """The shard as a ``pyarrow.Table`` of :func:`schema`'s columns."""
+    def seal(self, pause: float = 0.0) -> None:
+        """The open chunk's episodes as one Arrow record batch; ``pause``: seconds to
+        sleep between its columns (the GIL let go: a loop waiting for it takes it then)."""
+        if not self.episodes:
+            return
         import pyarrow as pa  # only a recording server loads it
 
         columns = list(zip(*self.episodes, strict=True))
@@ -119,20 +132,31 @@ class Shard:
             else:
                 out.append(_BUILD[kind](pa, values))
         counts = self.counts
-        out += [
-            arrow.lists(pa, counts, child)
-            for child in (
-                self.actions.array(pa, nullable=False),
-                self.observations.array(pa),
-                arrow.floats(pa, self.rewards),
-                arrow.bools(pa, self.dones),
-                arrow.bools(pa, self.truncateds),
-                self.infos.array(pa),
-                self.step_errors.array(pa),
-                arrow.floats(pa, self.step_s, nullable=False),
-            )
+        children: list[Callable[[], Any]] = [
+            lambda: self.actions.array(pa, nullable=False),
+            lambda: self.observations.array(pa),
+            lambda: arrow.floats(pa, self.rewards),
+            lambda: arrow.bools(pa, self.dones),
+            lambda: arrow.bools(pa, self.truncateds),
+            lambda: self.infos.array(pa),
+            lambda: self.step_errors.array(pa),
+            lambda: arrow.floats(pa, self.step_s, nullable=False),
         ]
-        return pa.Table.from_arrays(out, schema=schema(pa))
+        for child in children:
+            if pause:
+                time.sleep(pause)
+            out.append(arrow.lists(pa, counts, child()))
+        self.batches.append(pa.RecordBatch.from_arrays(out, schema=schema(pa)))
+        self.sealed += len(self.episodes)
+        self._open()
+
+    def table(self) -> Any:
+        """The shard as a ``pyarrow.Table`` of :func:`schema`'s columns (its batches, not
+        copied)."""
+        import pyarrow as pa
+
+        self.seal()
+        return pa.Table.from_batches(self.batches, schema=schema(pa))
 
 
 _SCALARS = (
@@ -178,6 +202,11 @@ class Rows:
         self._decode = {
             True: msgspec.json.Decoder(reply).decode,
             False: msgspec.msgpack.Decoder(reply).decode,
+        }
+        request = msgspec.defstruct("Request", [("data", msgspec.Raw, _NULL)], gc=False)
+        self._request = {
+            True: msgspec.json.Decoder(request).decode,
+            False: msgspec.msgpack.Decoder(request).decode,
         }
         self._info = attrgetter(info_key)
         self._pid = os.getpid()
@@ -225,22 +254,23 @@ class Rows:
             times += steps[2::3]
             counts.append(len(steps) // 3)
         datas = list(map(_DATA, map(decode, replies)))
+        encoded = list(map(_DATA, map(self._request[json], actions)))  # the action's text
         resets = list(map(_DATA, map(decode, [ep.reset_frame for ep in group])))
         observations = list(map(_OBS, datas))
         infos = list(map(self._info, datas))
         reset_obs = list(map(_OBS, resets))
         reset_infos = list(map(self._info, resets))
         if not json:  # MessagePack values as JSON text
-            observations, infos, reset_obs, reset_infos = (
+            observations, infos, reset_obs, reset_infos, encoded = (
                 list(map(_msgpack_text, observations)), list(map(_msgpack_text, infos)),
                 list(map(_msgpack_text, reset_obs)), list(map(_msgpack_text, reset_infos)),
+                list(map(_msgpack_text, encoded)),
             )  # fmt: skip
         rewards: list[Any] = list(map(_REWARD, datas))
         clean = set(map(type, rewards)) <= _NUMBERS
         rewards = list(map(float, rewards)) if clean else list(map(_reward, rewards))
         dones = list(map(_DONE, datas))
         truncateds = list(map(_TRUNCATED, datas))
-        encoded = list(map(_ENCODER.encode, actions))
         # per episode: its total, the filter, its scalar columns
         rows: list[tuple[Any, ...]] = []
         kept: list[int] = []
@@ -343,9 +373,10 @@ class Rows:
         steps = []
         log = ep.steps
         for j in range(0, len(log), 3):
-            action, reply, took = log[j], log[j + 1], log[j + 2]
+            action, reply, took = log[j], log[j + 1], log[j + 2]  # (action: its request)
+            raw = self._request[ep.json](action).data  # type: ignore[attr-defined]
             step: dict[str, Any] = {
-                "action": msgspec.to_builtins(action, enc_hook=_fallback),
+                "action": decode(raw) if raw else None,
                 "observation": None, "reward": None, "done": False, "truncated": False,
                 "info": None, "error": None, "step_s": took,
             }  # fmt: skip
@@ -411,6 +442,7 @@ def write_shard(shard: Shard, path: str) -> None:
     )  # fmt: skip
 
 
+@functools.cache
 def schema(pa: Any) -> Any:
     """The schema of a shard (docs/RECORDING.md)."""
     text, f64, i64 = pa.string(), pa.float64(), pa.int64()
