@@ -2,13 +2,16 @@
 as Parquet shards, off the event loop.
 
 **Path of an episode.** The session keeps its episode's reset reply, and per step the
-action, the reply frame (or the error's text) and the step's time, by reference (no
-encoding on the event loop), up to :attr:`RecordConfig.episode_bytes`. When the episode
-ends, :meth:`Recorder.submit` puts it on a queue bounded in bytes
-(:attr:`RecordConfig.queue_bytes`): when the queue is full the episode is dropped and
-counted (``stadium_record_dropped_episodes_total``), never waited for. The writer
-thread takes the queue every :data:`WAKE_S` and turns each episode into a row
-(:mod:`.rows`: the redaction hook, the filter).
+request frame as it came, the reply frame (or the error's text) and the step's time, by
+reference (no encoding on the event loop, nothing the cyclic collector tracks), up to
+:attr:`RecordConfig.episode_bytes`. When the episode ends, :meth:`Recorder.submit` puts
+it on a deque bounded in bytes (:attr:`RecordConfig.queue_bytes`; no lock: the loop
+appends, the writer pops, each byte counter written by one thread): when the queue is
+full the episode is dropped and counted (``stadium_record_dropped_episodes_total``),
+never waited for. The writer thread takes the queue every :data:`WAKE_S`, in chunks of
+:data:`CHUNK_STEPS` steps, each turned into columns (:mod:`.rows`: the redaction hook,
+the filter) then a pause of :data:`YIELD_S` with the GIL let go; every
+:data:`SEAL_STEPS` steps the columns become an Arrow record batch.
 
 **Shards.** Each worker writes its own files (no cross-process lock), named
 ``episodes-<env>-<pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
