@@ -78,8 +78,9 @@ SHAPES_CASES = {
 
 def _strip(value: Any, pids: set[int]) -> Any:
     """``value`` without its ``pid`` fields (collected into ``pids``), episode ids made
-    alike; JSON text inside
-    (an MCP result's ``content``) is read and stripped too."""
+    alike, an episode's ``cost`` kept to what does not depend on where the env ran (its
+    steps and bytes: time, CPU and memory are measured differently in a process of its
+    own); JSON text inside (an MCP result's ``content``) is read and stripped too."""
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
@@ -87,6 +88,8 @@ def _strip(value: Any, pids: set[int]) -> Any:
                 pids.add(item)
             elif key == "episode_id" and isinstance(item, str):  # a random one
                 out[key] = "<episode id>"
+            elif key == "cost" and isinstance(item, dict):
+                out[key] = {k: item.get(k) for k in ("steps", "bytes_in", "bytes_out")}
             else:
                 out[key] = _strip(item, pids)
         return out
