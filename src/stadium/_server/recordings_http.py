@@ -13,8 +13,9 @@ When the server records (``--record DIR``), two JSON endpoints read its shards:
 
 Both read Parquet with pyarrow in the loop's executor, never on the loop. A shard is read
 once (its per-episode columns; a closed shard never changes) and kept, for the newest
-:data:`FILES_MAX` shards; older ones are not browsed. Any other worker's shards of the
-same directory are read too (they are files there). Every answer is bounded: a page of
+:data:`FILES_MAX` shards and at most :data:`ROWS_MAX` episodes; older ones are not
+browsed. Any other worker's shards of the same directory are read too (they are files
+there). Every answer is bounded: a page of
 episodes, a window of steps, each text value cut at :data:`TEXT_MAX` characters. Without
 ``--record``: ``404`` saying so. The routes pass the same access checks as every HTTP
 endpoint (``--auth-token``).
@@ -38,8 +39,9 @@ from stadium._server.endpoints import ExtraRoutes, HttpEndpoints, HttpResponse, 
 PAGE_MAX = 200
 #: Steps of one episode per answer, at most.
 STEPS_MAX = 500
-#: Shards browsed: the newest this many.
+#: Shards browsed: the newest this many, and no older ones once ROWS_MAX episodes are read.
 FILES_MAX = 500
+ROWS_MAX = 200_000
 #: A text value (an observation, an action) longer than this is cut (and says so).
 TEXT_MAX = 20_000
 #: Bins of each cost distribution.
@@ -78,9 +80,9 @@ class RecordingIndex:
         names = names[:FILES_MAX]
         out: list[dict[str, Any]] = []
         with self._lock:
-            for name in set(self._rows) - set(names):
-                del self._rows[name]
             for name in names:
+                if len(out) >= ROWS_MAX:
+                    break
                 rows = self._rows.get(name)
                 if rows is None:
                     try:
@@ -94,6 +96,9 @@ class RecordingIndex:
                         row["file"], row["row"] = name, i
                     self._rows[name] = rows
                 out += rows
+            kept = {r["file"] for r in out}
+            for name in set(self._rows) - kept:  # older shards are forgotten
+                del self._rows[name]
         out.sort(key=lambda r: r["started_at"] or 0.0, reverse=True)
         return out
 
