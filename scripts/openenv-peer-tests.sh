@@ -9,8 +9,9 @@
 # mirror `fetch github:meta-pytorch/OpenEnv` makes). Its tests and envs are used; its `src/`
 # is not: the installed openenv (0.10, `pip install 'stadium-rl[dev]'`) is.
 # Suites: tests/envs/test_websockets.py, tests/envs/test_coding_env_integration.py (Docker
-# replaced by a local server), tests/core/test_production_mode_routes.py and
-# test_simulation_mode_preserves_api.py (TestClient replaced by a live server), and the
+# replaced by a local server), tests/core/test_production_mode_routes.py,
+# test_simulation_mode_preserves_api.py and test_web_interface.py (TestClient replaced by a
+# live server; the last needs gradio, and smolagents for the REPL env), and the
 # example envs coding_env, echo_env and the pre-MCP echo_env (commit 56f8922b) driven by
 # OpenEnv's GenericEnvClient. PEER_STARTUP_S (default 90) bounds each server's start;
 # PEER_SUITES="coding_env examples" runs only those suites.
@@ -39,7 +40,7 @@ extract() {  # REV DEST PATH...
     "${GIT[@]}" show "$rev:$file" >"$dest/$file" 2>/dev/null || { rm -f "$dest/$file"; echo "  (skipped $file: not in this copy)"; }
   done
 }
-extract HEAD "$WORK/head" tests/envs tests/core envs/coding_env envs/echo_env envs/connect4_env
+extract HEAD "$WORK/head" tests/envs tests/core envs/coding_env envs/echo_env envs/connect4_env envs/repl_env
 extract "$PRE_MCP_ECHO" "$WORK/premcp" envs/echo_env
 echo "OpenEnv tests and envs at $("${GIT[@]}" rev-parse --short HEAD); pre-MCP echo_env at $PRE_MCP_ECHO"
 # The real coding_env's executor: installed here (not a dependency of Stadium itself).
@@ -51,6 +52,7 @@ SUITES=(
   "coding_env:tests/envs/test_coding_env_integration.py"
   "production_mode:tests/core/test_production_mode_routes.py"
   "simulation_mode:tests/core/test_simulation_mode_preserves_api.py"
+  "web_interface:tests/core/test_web_interface.py"
   "examples:$HERE/openenv_peer_examples.py"
   "websockets:tests/envs/test_websockets.py"
 )

@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -322,6 +323,87 @@ async def test_filter_and_redaction(tmp_path: Path) -> None:
     assert kept["total_reward"] == 1.5
 
 
+async def test_a_msgpack_session_is_recorded_as_json(tmp_path: Path) -> None:
+    async with serve(Walker, record=str(tmp_path)) as server:
+        ws_url = server.url.replace("http", "ws", 1) + "/ws"
+        protocols: Any = ["stadium.msgpack"]
+        async with websockets.connect(ws_url, subprotocols=protocols) as ws:
+            for frame in (
+                {"type": "reset", "data": {"seed": 5}},
+                *({"type": "step", "data": {"n": 0.5}} for _ in range(3)),
+            ):
+                await ws.send(msgspec.msgpack.encode(frame))
+                reply = msgspec.msgpack.decode(await ws.recv())
+                assert reply["type"] == "observation", reply
+        rows = await _recorded(tmp_path, 1)
+    (row,) = rows
+    assert row["actions"] == ['{"n":0.5}'] * 3
+    assert [json.loads(o)["t"] for o in row["observations"]] == [1, 2, 3]
+    assert json.loads(row["reset_observation"]) == {"value": 0, "t": 0}
+    assert row["rewards"] == [0.5] * 3
+    assert row["total_reward"] == 1.5
+
+
+def test_a_batch_keeps_the_episodes_its_filter_keeps_and_no_pandas(tmp_path: Path) -> None:
+    """The writer's column path over one batch (episodes of two encodings, one failed
+    step, the filter leaving out the middle ones), written without importing pandas."""
+    script = """
+import sys, time, msgspec
+from stadium._env.cost import EpisodeCost
+from stadium._server.ledger.episode import EndReason, Episode
+from stadium._server.ledger.record import parse_filter
+from stadium._server.ledger.rows import Rows, Shard, write_shard
+import pyarrow.parquet as pq
+
+def frame(obs, reward, done, json):
+    data = {"type": "observation", "data": {"observation": obs, "reward": reward,
+            "done": done}, "id": 1}
+    return msgspec.json.encode(data) if json else msgspec.msgpack.encode(data)
+
+def request(a, json):
+    data = {"type": "step", "data": {"a": a}}
+    return msgspec.json.encode(data) if json else msgspec.msgpack.encode(data)
+
+def episode(i, rewards, json=True, error=None):
+    steps = []
+    for t, r in enumerate(rewards):
+        steps += (request(i, json), frame({"i": i, "t": t}, r, t == len(rewards) - 1, json), 0.001)
+    if error:
+        steps += (request(-1, json), error, 0.002)
+    n = len(steps) // 3
+    cost = EpisodeCost(wall_s=0.1, cpu_s=0.01, steps=n, bytes_in=10, bytes_out=20)
+    return Episode(f"e{i}", time.time(), i, None, frame({"i": i}, None, False, json),
+                   tuple(steps), EndReason.DONE, cost, json=json)
+
+rows = Rows(("walker", "1"), "info", parse_filter("reward>=1 or error"), None)
+shard = Shard()
+batch = [episode(0, [1.0, 0.5]), episode(1, [0.1]), episode(2, [0.2], json=False),
+         episode(3, [2, None], json=False), episode(4, [0.0], error="E: boom"), episode(5, [3.0])]
+added, failed = rows.add(batch, shard)
+assert (added, failed) == (4, []), (added, failed)
+write_shard(shard, sys.argv[1])
+assert "pandas" not in sys.modules
+t = pq.read_table(sys.argv[1]).to_pylist()
+assert sorted(r["seed"] for r in t) == [0, 3, 4, 5], [r["seed"] for r in t]
+by = {r["seed"]: r for r in t}
+assert by[0]["rewards"] == [1.0, 0.5] and by[0]["total_reward"] == 1.5
+assert by[0]["observations"] == ['{"i":0,"t":0}', '{"i":0,"t":1}']
+assert by[3]["rewards"] == [2.0, None] and by[3]["total_reward"] == 2.0
+assert by[3]["observations"] == ['{"i":3,"t":0}', '{"i":3,"t":1}'], by[3]
+assert by[4]["step_errors"] == [None, "E: boom"] and by[4]["observations"][1] is None
+assert by[4]["error"] == "E: boom"
+assert by[5]["actions"] == ['{"a":5}'] and by[5]["step_errors"] == [None]
+assert by[5]["reset_observation"] == '{"i":5}' and by[5]["options"] is None
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "shard.parquet")],
+        capture_output=True, text=True, timeout=60 * UNIT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
 def test_a_bad_filter_or_hook_is_refused_before_serving() -> None:
     from stadium._errors import ConfigError
     from stadium._server.ledger import RecordConfig
@@ -450,9 +532,30 @@ class Hog(Burner):
         return super().step(action)
 
 
+def _no_sandbox() -> str | None:
+    from stadium._server.isolation import sandbox_unavailable
+
+    return sandbox_unavailable()
+
+
 @pytest.mark.slow
-async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory() -> None:
-    async with serve(Hog, isolation="process") as server:
+@pytest.mark.parametrize(
+    ("isolation", "source"),
+    [
+        ("process", "process"),
+        pytest.param(
+            "sandbox", "cgroup",
+            marks=pytest.mark.skipif(_no_sandbox() is not None, reason=f"{_no_sandbox()}"),
+        ),
+    ],
+)  # fmt: skip
+async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory(
+    isolation: str, source: str
+) -> None:
+    """A sandboxed session's cost is its cgroups' (cpuacct.usage, the memory peak); a
+    process's its /proc files: an episode that burns CPU and holds 100 MiB reports them,
+    the next episode of the same process starts its peak again."""
+    async with serve(Hog, isolation=isolation) as server:
         async with AsyncClient(server.url) as env:
             await env.reset(seed=1)
             steps = [await env.step({"n": n}) for n in (2.0, 0.0, 0.0)]
@@ -460,8 +563,9 @@ async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory() -> No
             await env.reset(seed=2)  # the same process: its peak starts again
             steps = [await env.step({"n": 0.0}) for _ in range(3)]
             lean = steps[-1].cost
-    assert hog.cpu_source == lean.cpu_source == "process"
-    # three steps of >= 10 ms each in the env process, in 10 ms ticks
-    assert 0.02 <= hog.cpu_s <= hog.wall_s
+    assert hog.cpu_source == lean.cpu_source == source
+    # three steps of >= 10 ms each in the env process (/proc: in 10 ms ticks)
+    assert 0.02 - 1e-6 <= hog.cpu_s <= hog.wall_s + 0.01  # (a sum of ticks: float rounding)
+    assert lean.cpu_s >= 0.02 - 1e-6
     assert hog.peak_rss_bytes >= 100 << 20
     assert lean.peak_rss_bytes < 100 << 20

@@ -285,6 +285,40 @@ async def test_web_json_endpoints_are_off_unless_asked(monkeypatch: pytest.Monke
         assert (await http.get(server.url + "/")).status_code == 404
 
 
+WEB_APP = f"{ROOT / 'tests/openenv_compat/web_app.py'}"
+
+
+async def test_an_app_with_openenv_s_web_interface_serves_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """OpenEnv 0.10's tests/core/test_web_interface.py, against Stadium serving the app
+    (without ENABLE_WEB_INTERFACE: the app has its web interface): the root's and /web's
+    redirects, a reset with no body or keywords the env does not take, state before a
+    reset answering 409."""
+    pytest.importorskip("gradio")
+    monkeypatch.delenv("ENABLE_WEB_INTERFACE", raising=False)
+    async with serve(f"{WEB_APP}:app") as server, httpx.AsyncClient() as http:
+        url = server.url
+        for path in ("/", "/web"):
+            moved = await http.get(url + path, follow_redirects=False)
+            assert moved.status_code == 307, path
+            assert moved.headers["location"] == "/web/"
+        assert (await http.get(url + "/web/")).status_code == 200  # Stadium's page
+        no_body = await http.post(url + "/web/reset")
+        assert no_body.status_code == 200, no_body.text
+        assert no_body.json()["observation"]["response"] == "reset"
+        extra = await http.post(url + "/web/reset", json={"unused": "value"})
+        assert extra.status_code == 200, extra.text
+        assert extra.json()["observation"]["response"] == "reset"
+        state = await http.get(url + "/web/state")
+        assert state.status_code == 200
+        assert state.json()["last_reset_marker"] == "default"
+    async with serve(f"{WEB_APP}:not_ready_app") as server, httpx.AsyncClient() as http:
+        early = await http.get(server.url + "/web/state")
+        assert early.status_code == 409
+        assert "Call reset() first" in early.json()["detail"]
+
+
 # -- the Task API ------------------------------------------------------------------------------
 
 

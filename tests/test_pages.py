@@ -22,6 +22,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+import stadium
 from stadium import AsyncClient
 from stadium.bench import report
 from stadium.bench.results import PointKey, PointSettings, SessionRecord, summarize
@@ -285,6 +286,67 @@ async def test_web_plays_an_episode(tab: Tab, transport: str) -> None:
         await wait_text(page, "#error", "t.includes('VALIDATION')")
         assert await page.locator("#history tbody tr").count() == 2
         assert await page.locator("#tools-card").is_hidden()  # echo has no tools
+
+
+async def test_web_episodes_browses_and_steps_through_recordings(tab: Tab, tmp_path: Path) -> None:
+    """``/web/episodes`` on a recording server: the episodes listed with their cost, a
+    filter (reward, error) narrows them, one opened is stepped through (reset, each step's
+    action and observation, a failed step's error), the cost distribution is drawn; the
+    JSON API pages and refuses what it cannot answer. ``/dashboard`` shows the cost per
+    episode (means per env, the recorded distribution)."""
+    from tests.test_ledger import Walker, _episode, _recorded
+
+    page = tab.page
+    async with serve(Walker, record=str(tmp_path)) as server:
+        url = server.url
+        await _episode(url, 1, [0.5, 1.0, 0.25])
+        await _episode(url, 2, [0.1, 0.1, 0.1])
+        async with AsyncClient(url) as env:
+            await env.reset(seed=3)
+            with pytest.raises(stadium.ExecutionError):
+                await env.step({"n": -1.0})
+        await _recorded(tmp_path, 3)
+        async with httpx.AsyncClient() as http:
+            listed = (await http.post(url + "/web/episodes", json={"limit": 2})).json()
+            assert listed["total"] == 3
+            assert len(listed["episodes"]) == 2
+            assert listed["envs"] == [server.runtime.spec.name]
+            missing = await http.post(url + "/web/episodes/one", json={"file": "../x", "row": 0})
+            assert missing.status_code == 404
+        await page.goto(url + "/web/episodes")
+        await wait_text(page, "#count", "t === '3 matching'")
+        assert await page.locator("figure.cost").count() == 2  # CPU and wall, one env
+        await page.fill("#f-min_reward", "1")
+        await page.click("#apply")
+        await wait_text(page, "#count", "t === '1 matching'")
+        await page.locator("#episodes tr").first.click()
+        await wait_text(page, "#step-at", "t.startsWith('reset')")
+        await page.click("#step-next")
+        await wait_text(page, "#step-at", "t === 'step 1 of 3'")
+        assert '"n": 0.5' in await text(page, "#action")
+        assert '"t": 1' in await text(page, "#observation")
+        await page.keyboard.press("ArrowRight")
+        await wait_text(page, "#step-at", "t === 'step 2 of 3'")
+        await page.fill("#f-min_reward", "")
+        await page.select_option("#f-error", "true")
+        await page.click("#apply")
+        await wait_text(page, "#count", "t === '1 matching'")
+        await page.locator("#episodes tr").first.click()
+        await page.click("#step-next")
+        await wait_text(page, "#step-error", "t.includes('n must be >= 0')")
+        # the dashboard: the mean cost per episode per env, the recorded distribution
+        name = server.runtime.spec.name
+        await page.goto(url + "/dashboard")
+        await wait_text(page, "#episode-costs tbody", f"t.startsWith({name!r})")
+        cells = await page.locator("#episode-costs tbody tr").first.locator("td").all_inner_texts()
+        assert cells[1] == "3"  # episodes
+        assert float(cells[3]) > 0  # mean wall s
+        await page.wait_for_selector("#cost-dist figure.cost")
+        assert await page.locator("#cost-dist figure.cost").count() == 2
+        assert "3 recorded" in await text(page, "#episodes-link")
+    async with serve("echo") as plain:
+        await page.goto(plain.url + "/web/episodes")
+        await wait_text(page, "#error", "t.includes('--record')")
 
 
 async def test_web_lists_and_calls_tools(tab: Tab) -> None:

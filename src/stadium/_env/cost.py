@@ -25,13 +25,15 @@ class EpisodeCost(msgspec.Struct, frozen=True, kw_only=True):
         bytes_in: bytes of the episode's request frames (reset and steps) as received.
         bytes_out: bytes of its reply frames as sent, this ``cost`` object excluded.
         peak_rss_bytes: the env process's peak resident memory since the reset's reply
-            (``--isolation process``); ``None`` in process and under ``sandbox``.
+            (``--isolation process``), or the sandboxed session's memory cgroup's peak
+            charge (``sandbox``, cgroup v1); ``None`` in process.
         cpu_source: how ``cpu_s`` was measured: ``thread`` (the env pool thread's own
             CPU clock around each call), ``loop`` (the time of each call on the event
             loop thread: its CPU unless the OS took the core away meanwhile; an async
             call's part before its first suspension), ``loop+thread``, ``process`` (the
             env process's CPU since the reset's reply, its waited-for children
-            included), or ``unmeasured`` (``cpu_s`` is 0: a sandboxed session).
+            included), ``cgroup`` (a sandboxed session's cgroup's CPU since the reset's
+            reply), or ``unmeasured`` (``cpu_s`` is 0).
     """
 
     wall_s: float = 0.0

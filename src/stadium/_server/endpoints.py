@@ -257,7 +257,8 @@ class HttpEndpoints:
             return self._internal_error("GET", path, exc)
 
     def _get(self, path: str) -> HttpResponse:
-        path = path.split("?", 1)[0].rstrip("/") or "/"
+        raw = path.split("?", 1)[0]
+        path = raw.rstrip("/") or "/"
         if path == "/health":
             return self.health()
         if path == "/openapi.json":
@@ -276,10 +277,10 @@ class HttpEndpoints:
             return _error(405, f"{path} takes POST", "METHOD_NOT_ALLOWED")
         if path == "/ws":  # reached without an HTTP/1.1 WebSocket upgrade
             return UPGRADE_REQUIRED
-        if path in PAGES and (self.web or path != "/web"):
-            return page(PAGES[path])
-        if path == "/" and self.openenv.web:  # OpenEnv's root: its web interface
+        if self.openenv.web and raw in ("/", "/web"):  # OpenEnv's: its web interface, /web/
             return HttpResponse(307, b"", headers=(("Location", "/web/"),))
+        if path in PAGES and (self.web or not path.startswith("/web")):
+            return page(PAGES[path])
         extra = self.openenv.route("GET", path)
         if extra is not None:  # e.g. /list_environments, /web/metadata: no env to wait on
             return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
@@ -563,7 +564,7 @@ class HttpEndpoints:
 
 TENANT_USAGE_PATH = "/tenant/usage"
 """``GET``: the usage of the tenant the request's token names (``--tenants``)."""
-PAGES = {"/dashboard": "dashboard.html", "/web": "play.html"}
+PAGES = {"/dashboard": "dashboard.html", "/web": "play.html", "/web/episodes": "episodes.html"}
 """The browser pages: path -> file of ``stadium/web/`` (package data)."""
 WEB_ENV = "ENABLE_WEB_INTERFACE"
 _PAGE_HEADERS = (

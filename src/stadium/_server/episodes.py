@@ -4,7 +4,9 @@
 The per-step accounting stays inline in the session's step path (a few additions into
 its slots: the request's and the reply's bytes, the env call's time); what runs once per
 episode is here: a reset begins an episode (ending the running one), its reply starts the
-recording when ``--record`` keeps it, each step is kept by reference, and the end counts
+recording when ``--record`` keeps it, each step is kept by reference (three items added
+to the session's one reused list: the request frame as it came, the reply frame, the
+time: nothing the cyclic collector tracks), and the end counts
 the cost into the worker's :class:`~stadium._server.ledger.Ledger`, hands the episode to
 the recorder and splices the cost into the reply that ended it. docs/PROTOCOL.md
 ("Episode cost") defines each figure.
@@ -19,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stadium._core.access import Tenant
-from stadium._core.protocol import Call, Encoding
+from stadium._core.protocol import BatchCall, Call, Encoding, Op
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
@@ -28,7 +30,6 @@ from stadium._server.resumable import ResumableSession
 
 _clock = time.perf_counter
 _POOL = CallMode.POOL
-_STEP_OP = "step"
 
 
 class EpisodeAccounts(ResumableSession):
@@ -37,12 +38,14 @@ class EpisodeAccounts(ResumableSession):
 
     # The session's state this part writes (see _no_episode).
     __slots__ = (
+        "_ep_buf",
         "_ep_clipped",
         "_ep_cpu",
         "_ep_in",
         "_ep_log",
         "_ep_out",
         "_ep_proc",
+        "_ep_req",
         "_ep_reset",
         "_ep_start",
         "_t0",
@@ -53,9 +56,11 @@ class EpisodeAccounts(ResumableSession):
     _ep_in: int
     _ep_out: int
     _t0: float
-    _ep_log: list[tuple[Any, bytes | str, float]] | None
-    _ep_reset: tuple[Call, bytes, float] | None
-    _ep_proc: tuple[int, float] | None
+    _ep_log: list[Any] | None
+    _ep_buf: list[Any] | None
+    _ep_reset: Episode | None
+    _ep_proc: usage.Started | None
+    _ep_req: bytes | str
     _ep_clipped: bool
     tenant: Tenant | None
 
@@ -70,8 +75,10 @@ class EpisodeAccounts(ResumableSession):
         self._ep_out = 0  # reply bytes
         self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
         self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
-        self._ep_reset = None  # the reset call, its reply, its Unix time (recorded)
-        self._ep_proc = None  # an isolated env process's pid and CPU seconds at the reset
+        self._ep_buf = None  # the list the recorded steps go to, reused episode after episode
+        self._ep_reset = None  # the recorded episode (its reset, until it ends)
+        self._ep_proc = None  # an isolated env process's pid or cgroup, CPU s at the reset
+        self._ep_req = b""  # a recorded episode's last step request (its frame, as it came)
         self._ep_clipped = False
 
     def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
@@ -102,27 +109,29 @@ class EpisodeAccounts(ResumableSession):
 
     def _episode_reset(self, call: Call, frame: bytes) -> None:
         """The reset's reply: an isolated env process's CPU and peak memory are read from
-        here; the episode's recording starts, if ``--record`` keeps it."""
+        here (its pid's ``/proc`` files, or its sandbox's cgroups); the episode's recording
+        starts, if ``--record`` keeps it."""
         if self.runtime.isolation is not None:
-            self._ep_proc = None
-            pid = usage.env_pid(self.env)
-            if pid is not None and (cpu := usage.cpu_seconds(pid)) is not None:
-                usage.reset_peak(pid)
-                self._ep_proc = (pid, cpu)
+            self._ep_proc = usage.episode_start(self.env, self._ep_proc)
         recorder = self.runtime.ledger.recorder
         if recorder is not None and self._ep_start and recorder.wants():
-            self._ep_log = []
-            self._ep_reset = (call, frame, time.time())
+            log = self._ep_buf
+            if log is None:
+                log = self._ep_buf = []
+            log.clear()  # (steps of a reset that failed, never handed over)
+            self._ep_log = log
+            self._ep_reset = Episode(
+                call.episode_id, time.time(), call.seed, call.options, frame,
+                json=self.protocol.encoding is Encoding.JSON,
+            )  # fmt: skip
 
-    def _keep(self, action: Any, reply: bytes | str, took: float) -> None:
-        """Record one step of the episode (by reference: encoded in the writer thread),
-        while the episode's frames stay within the recording's per-episode bound."""
-        log = self._ep_log
-        assert log is not None
-        if self._ep_in + self._ep_out > self.runtime.ledger.episode_bytes:
-            self._ep_clipped = True
-            return
-        log.append((action, reply, took))
+    def _batch_request(self, call: BatchCall) -> bytes:
+        """A batch's step request as a frame of its own (``{"data": ...}``), to record:
+        its action's bytes copied (a batch frame is not kept for one of its calls)."""
+        data = bytes(call.data)
+        if self.protocol.encoding is Encoding.JSON:
+            return b'{"data":' + data + b"}"
+        return b"\x81\xa4data" + data  # MessagePack: a map of one, "data"
 
     def _step_pooled(self, call: Call) -> asyncio.Future[Any] | None:
         """A step of an env whose ``step`` blocks: on the pool, timed by the pool thread's
@@ -141,8 +150,12 @@ class EpisodeAccounts(ResumableSession):
     ) -> bytes:
         """A step's reply (``frame``, ``took`` seconds after its request, at ``end``) in a
         recorded episode or ending one: kept, and the cost added when it ended."""
-        if self._ep_log is not None:
-            self._keep(call.action, frame, took)
+        log = self._ep_log
+        if log is not None:  # kept by reference, while within the per-episode bound
+            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
+                log += (self._ep_req, frame, took)
+            else:
+                self._ep_clipped = True
         if self.protocol.ended and self._ep_start:
             return self._episode_over(ended_by(result), end, frame)
         return frame
@@ -150,8 +163,12 @@ class EpisodeAccounts(ResumableSession):
     def _episode_error(self, call: Call, frame: bytes, err: StadiumError) -> None:
         """An error reply (``frame``) to ``call`` in the running episode."""
         self._ep_out += len(frame)
-        if self._ep_log is not None and call.op.name.lower() == _STEP_OP:
-            self._keep(call.action, f"{err.code}: {err}", self.loop.time() - self.last_active)
+        log = self._ep_log
+        if log is not None and call.op is Op.STEP:
+            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
+                log += (self._ep_req, f"{err.code}: {err}", self.loop.time() - self.last_active)
+            else:
+                self._ep_clipped = True
 
     def _cost(self, now: float) -> EpisodeCost:
         """The running episode's cost up to ``now`` (the loop's clock)."""
@@ -159,11 +176,8 @@ class EpisodeAccounts(ResumableSession):
         if self.runtime.isolation is not None:  # the env process's, not the proxy's
             cpu, source = 0.0, "unmeasured"
             started = self._ep_proc
-            if started is not None and usage.env_pid(self.env) == started[0]:
-                now_cpu = usage.cpu_seconds(started[0])
-                if now_cpu is not None:
-                    cpu, source = max(0.0, now_cpu - started[1]), "process"
-                    peak = usage.peak_rss(started[0])
+            if started is not None and (used := usage.episode_usage(self.env, started)):
+                cpu, peak, source = used
         return EpisodeCost(
             wall_s=max(0.0, now - self._ep_start),
             cpu_s=cpu,
@@ -199,15 +213,15 @@ class EpisodeAccounts(ResumableSession):
         if self.tenant is not None:  # --tenants: the tenant's episode cost too
             self.runtime.doors.episode(self.tenant, cost)
         json = protocol.encoding is Encoding.JSON
-        log, reset = self._ep_log, self._ep_reset
+        log, episode = self._ep_log, self._ep_reset
         self._ep_log = self._ep_reset = None
-        if log is not None and reset is not None and ledger.recorder is not None:
-            call, reset_frame, started = reset
-            episode = Episode(
-                call.episode_id, started, call.seed, call.options, reset_frame, log, end, cost,
-                clipped=self._ep_clipped, json=json,
-            )  # fmt: skip
+        if log is not None and episode is not None and ledger.recorder is not None:
+            episode.steps = tuple(log)
+            log.clear()
+            episode.end, episode.cost, episode.clipped = end, cost, self._ep_clipped
             ledger.recorder.submit(episode, cost.bytes_in + cost.bytes_out)
+        elif log is not None:
+            log.clear()
         if frame is None:
             return b""
         return with_cost(frame, cost, json)

@@ -3,7 +3,9 @@
 **Web interface** (served when ``ENABLE_WEB_INTERFACE`` is true: ``1``, ``true``,
 ``yes``, OpenEnv's switch; not in production mode): ``POST /web/reset``, ``POST
 /web/step`` (``{"action": {...}}`` or a chat env's ``{"message": "..."}``), ``GET
-/web/state``, ``GET /web/metadata``; ``GET /`` redirects to ``/web/``. As on OpenEnv,
+/web/state``, ``GET /web/metadata``; ``GET /`` and ``GET /web`` redirect to ``/web/`` (which
+serves Stadium's page). An OpenEnv app built with its web interface
+(``create_web_interface_app``) has them whatever the variable says. As on OpenEnv,
 they drive **one** env per worker process, built at its first use, shared by every
 web user and kept as long as the worker (no session slot: it is the page's env).
 
@@ -71,9 +73,12 @@ class OpenEnvRoutes:
         self.endpoints = endpoints
         runtime = endpoints.runtime
         self.runtime = runtime
-        self.web = web_api_enabled() and not endpoints.production
-        """Whether the web interface's JSON endpoints (and ``/`` -> ``/web/``) are served."""
         app = getattr(runtime.spec.env_cls, "openenv_app", None)
+        self.web = (web_api_enabled() or bool(getattr(app, "web", False))) and (
+            not endpoints.production
+        )
+        """Whether the web interface's JSON endpoints (and ``/``, ``/web`` -> ``/web/``) are
+        served: ``ENABLE_WEB_INTERFACE``, or an OpenEnv app that has its web interface."""
         self.env_name = str(app.env_name if app is not None else runtime.spec.name)
         self.tasks = provides_tasks(runtime.spec.env_cls)
         self._web_env: Any = None

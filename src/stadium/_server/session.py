@@ -238,6 +238,8 @@ class Session(ForkingSession, EpisodeAccounts):
             return False
         self.last_active = now
         self._ep_in += len(message)
+        if self._ep_log is not None:
+            self._ep_req = self._batch_request(message)
         rt = self.runtime
         mode = rt.spec.step_mode
         if mode is _POOL or (mode is _TASK and not EAGER_TASKS):
@@ -490,6 +492,10 @@ class Session(ForkingSession, EpisodeAccounts):
         spec = rt.spec
         if op is _STEP:
             self._ep_in += len(message)
+            if self._ep_log is not None:  # recorded: the request as it came (its action)
+                self._ep_req = (
+                    self._batch_request(message) if isinstance(message, BatchCall) else message
+                )
             mode = spec.step_mode
             if mode is _POOL:  # the pool thread's own CPU clock
                 pending = self._step_pooled(call)

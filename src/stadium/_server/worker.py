@@ -55,6 +55,7 @@ from stadium._server.loader import add_to_path, load_target, target_files
 from stadium._server.metrics import MetricsBoard
 from stadium._server.openenv_http import OpenEnvRoutes
 from stadium._server.pool import auto_limit
+from stadium._server.recordings_http import RecordingsRoutes
 from stadium._server.runtime import Runtime
 from stadium._server.store import store_from_url
 from stadium._server.tenants import TenantDirectory
@@ -109,7 +110,6 @@ def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig 
     if check:
         load_redactor(record.redact)
         try:  # here, before the workers fork: they share its pages
-            import pyarrow.json
             import pyarrow.parquet  # noqa: F401
         except ImportError as exc:
             raise ConfigError(f"--record needs pyarrow ({exc}): pip install pyarrow") from None
@@ -347,7 +347,8 @@ class Worker:
         )
         runtime.isolation = isolation
         endpoints = HttpEndpoints(runtime, workers=config.workers)
-        endpoints.openenv = OpenEnvRoutes(endpoints)  # OpenEnv's web JSON API, Task API
+        # the recorded episodes' JSON API, then OpenEnv's web JSON API and Task API
+        endpoints.openenv = RecordingsRoutes(endpoints, OpenEnvRoutes(endpoints))
         return cls(config, spec, runtime, endpoints)
 
     def start(self) -> None:

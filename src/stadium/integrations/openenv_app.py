@@ -61,6 +61,9 @@ class OpenEnvApp:
         env_name: ``env_name`` (OpenEnv's default: the factory's name).
         max_concurrent_envs: given by the app's author, else ``None``.
         mode: ``simulation`` or ``production``, as the app's routes were registered.
+        web: the app serves OpenEnv's web interface (built by ``create_web_interface_app``,
+            or by ``create_app`` with ``ENABLE_WEB_INTERFACE`` set): Stadium serves its
+            JSON endpoints too, whatever the variable says when Stadium starts.
     """
 
     factory: Callable[..., Any]
@@ -71,6 +74,7 @@ class OpenEnvApp:
     env_name: str
     max_concurrent_envs: int | None
     mode: str
+    web: bool = False
 
 
 def is_openenv_app(obj: Any) -> bool:
@@ -214,6 +218,7 @@ def app_settings(app: Any, target: str) -> OpenEnvApp:
         env_name=str(server.env_name),
         max_concurrent_envs=max_envs,
         mode="simulation" if "/reset" in paths else "production",
+        web="/web/reset" in paths,
     )
 
 

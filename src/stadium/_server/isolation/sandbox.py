@@ -138,7 +138,8 @@ def sandbox_unavailable() -> str | None:
 
 
 class Cgroups:
-    """The cgroups of one worker's sandboxed sessions (v1: memory, cpu, pids; or v2).
+    """The cgroups of one worker's sandboxed sessions (v1: memory, cpu, pids, and cpuacct
+    where it is a hierarchy apart, read by the episode ledger; or v2).
 
     Args:
         limits: what each session's cgroup allows.
@@ -155,7 +156,13 @@ class Cgroups:
             _write(parent / "cgroup.subtree_control", "+memory +cpu +pids")
             self._parents = [parent]
         else:
-            self._parents = [CGROUP_ROOT / c / CGROUP_PARENT for c in ("memory", "cpu", "pids")]
+            hierarchies = ["memory", "cpu", "pids"]
+            if (
+                not (CGROUP_ROOT / "cpu" / "cpuacct.usage").exists()
+                and (CGROUP_ROOT / "cpuacct" / "cgroup.procs").is_file()
+            ):  # cpuacct mounted apart from cpu: the episode ledger reads its CPU
+                hierarchies.append("cpuacct")
+            self._parents = [CGROUP_ROOT / c / CGROUP_PARENT for c in hierarchies]
             for parent in self._parents:
                 parent.mkdir(exist_ok=True)
         self.parents = [str(p) for p in self._parents]
@@ -184,7 +191,7 @@ class Cgroups:
             _write(path / "cpu.max", f"{quota} {period}")
             _write(path / "pids.max", str(lim.pids))
         else:
-            memory, cpu, pids = paths
+            memory, cpu, pids = paths[:3]  # (then cpuacct's, no limit: only read)
             _write(memory / "memory.limit_in_bytes", str(mem))
             _write(memory / "memory.memsw.limit_in_bytes", str(mem), optional=True)
             _write(cpu / "cpu.cfs_period_us", str(period))
@@ -218,7 +225,7 @@ class Cgroups:
     def kill(self, paths: list[str]) -> bool:
         """SIGKILL every process in the session's cgroup (a few rounds: it may be forking).
         ``True``: it held processes (killed; they may take a moment to be gone)."""
-        procs = Path(paths[-1]) / "cgroup.procs"  # pids (v1) or the one (v2)
+        procs = Path(paths[2 if len(paths) > 1 else 0]) / "cgroup.procs"  # pids (v1), v2's
         found = False
         for _ in range(8):
             try:

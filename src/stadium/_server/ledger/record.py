@@ -2,13 +2,16 @@
 as Parquet shards, off the event loop.
 
 **Path of an episode.** The session keeps its episode's reset reply, and per step the
-action, the reply frame (or the error's text) and the step's time, by reference (no
-encoding on the event loop), up to :attr:`RecordConfig.episode_bytes`. When the episode
-ends, :meth:`Recorder.submit` puts it on a queue bounded in bytes
-(:attr:`RecordConfig.queue_bytes`): when the queue is full the episode is dropped and
-counted (``stadium_record_dropped_episodes_total``), never waited for. The writer
-thread takes the queue every :data:`WAKE_S` and turns each episode into a row
-(:mod:`.rows`: the redaction hook, the filter).
+request frame as it came, the reply frame (or the error's text) and the step's time, by
+reference (no encoding on the event loop, nothing the cyclic collector tracks), up to
+:attr:`RecordConfig.episode_bytes`. When the episode ends, :meth:`Recorder.submit` puts
+it on a deque bounded in bytes (:attr:`RecordConfig.queue_bytes`; no lock: the loop
+appends, the writer pops, each byte counter written by one thread): when the queue is
+full the episode is dropped and counted (``stadium_record_dropped_episodes_total``),
+never waited for. The writer thread takes the queue every :data:`WAKE_S`, in chunks of
+:data:`CHUNK_STEPS` steps, each turned into columns (:mod:`.rows`: the redaction hook,
+the filter) then a pause of :data:`YIELD_S` with the GIL let go; every
+:data:`SEAL_STEPS` steps the columns become an Arrow record batch.
 
 **Shards.** Each worker writes its own files (no cross-process lock), named
 ``episodes-<env>-<pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
@@ -30,6 +33,7 @@ never fails or waits because of the recording. docs/RECORDING.md has the schema.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import enum
@@ -46,7 +50,7 @@ from typing import Any
 
 from stadium._errors import ConfigError
 from stadium._server.ledger.episode import Episode
-from stadium._server.ledger.rows import Rows, Summary, write_shard
+from stadium._server.ledger.rows import Rows, Shard, Summary, write_shard
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
@@ -56,6 +60,15 @@ PAUSE_S = 10.0
 #: The writer thread takes what is queued this often (not at each episode: a wake-up and the
 #: GIL passed back and forth per episode cost the loop more than the writing itself).
 WAKE_S = 0.2
+#: The writer reads the queue in chunks of about this many steps (a few ms of work at
+#: most, the GIL held), then sleeps :data:`YIELD_S`: a loop waiting for the GIL takes it
+#: then, not after the interpreter's 5 ms switch interval.
+CHUNK_STEPS = 256
+YIELD_S = 0.0005
+#: The gathered steps become an Arrow record batch every this many (a few ms of work, in
+#: C calls the interpreter can switch between), and at the shard's end: few batches a
+#: shard (each one a few objects the cyclic collector tracks until the shard is written).
+SEAL_STEPS = 4096
 #: Fields of the ``counts`` row the recorder writes: recorded, dropped, write errors, on.
 RECORDED, DROPPED, WRITE_ERRORS, RECORDING = range(4)
 
@@ -217,9 +230,14 @@ class Recorder:
         self.counts = counts
         self._rows = Rows(env, info_key, parse_filter(config.filter), load_redactor(config.redact))
         self.state = RecorderState.IDLE
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: list[tuple[Episode, int]] = []
-        self._queued_bytes = 0
+        self._lock = threading.Lock()  # the lifecycle's changes
+        self._wake = threading.Event()
+        # The queue: appended on the loop, taken by the writer (a deque's append and
+        # popleft are atomic); its bytes are what the loop put minus what the writer took,
+        # each counter written by one thread only: no lock per episode.
+        self._queue: collections.deque[tuple[Episode, int]] = collections.deque()
+        self._put = 0
+        self._taken = 0
         self._thread: threading.Thread | None = None
         self._paused_until = 0.0
         self._log = Throttle(PAUSE_S)
@@ -235,84 +253,103 @@ class Recorder:
         return self._sample >= 1.0 or self._random() < self._sample
 
     def submit(self, episode: Episode, size: int) -> None:
-        """Hand an ended episode (its frames ``size`` bytes) to the writer; never blocks:
-        dropped and counted when the queue is full, recording is paused or closed."""
-        counts = self.counts
-        with self._cond:
-            state = self.state
+        """Hand an ended episode (its frames ``size`` bytes) to the writer, on the loop;
+        never blocks: dropped and counted when the queue is full, recording is paused or
+        closed."""
+        state = self.state
+        if state is not RecorderState.RECORDING:
             if state is RecorderState.IDLE:
                 self._start()
-            elif state is not RecorderState.RECORDING and not self._resume():
-                counts[DROPPED] += 1
+            elif not self._resume():
+                self.counts[DROPPED] += 1
                 return
-            if self._queued_bytes + size > self.config.queue_bytes and self._queue:
-                counts[DROPPED] += 1
-                return
-            self._queue.append((episode, size))
-            self._queued_bytes += size
-            if self._queued_bytes > self.config.queue_bytes // 2:  # else it wakes on its own
-                self._cond.notify()
+        queued = self._put - self._taken
+        limit = self.config.queue_bytes
+        if queued + size > limit and queued:
+            self.counts[DROPPED] += 1
+            return
+        self._queue.append((episode, size))
+        self._put += size
+        if queued + size > limit // 2:  # else it wakes on its own
+            self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued and gathered, then stop the thread (waits up to ``timeout``)."""
-        with self._cond:
+        with self._lock:
             thread = self._thread
             self.state = RecorderState.CLOSED
-            self._cond.notify()
+        self._wake.set()
         if thread is not None:
             thread.join(timeout)
         self.counts[RECORDING] = 0
 
-    def _resume(self) -> bool:  # with the lock held
-        if self.state is RecorderState.PAUSED and time.monotonic() >= self._paused_until:
-            self.state = RecorderState.RECORDING
-            self.counts[RECORDING] = 1
-            return True
+    def _resume(self) -> bool:
+        with self._lock:
+            if self.state is RecorderState.PAUSED and time.monotonic() >= self._paused_until:
+                self.state = RecorderState.RECORDING
+                self.counts[RECORDING] = 1
+                return True
         return False
 
-    def _start(self) -> None:  # with the lock held; in the worker (after any fork)
-        self._stem = f"episodes-{_safe(self.env_name)}-{os.getpid()}-{int(time.time() * 1000)}"
-        self.state = RecorderState.RECORDING
-        self.counts[RECORDING] = 1
-        self._thread = threading.Thread(target=self._run, name="stadium-record", daemon=True)
-        self._thread.start()
+    def _start(self) -> None:  # in the worker (after any fork)
+        with self._lock:
+            if self.state is not RecorderState.IDLE:
+                return
+            self._stem = f"episodes-{_safe(self.env_name)}-{os.getpid()}-{int(time.time() * 1000)}"
+            self.state = RecorderState.RECORDING
+            self.counts[RECORDING] = 1
+            self._thread = threading.Thread(target=self._run, name="stadium-record", daemon=True)
+            self._thread.start()
 
     # -- the writer thread ----------------------------------------------------------
 
     def _run(self) -> None:
-        rows: list[dict[str, Any]] = []
+        shard = Shard()
         size = 0
         first = 0.0
         flush_s = self.config.flush_s
-        cond = self._cond
-        while True:
-            with cond:  # woken by a close or a half-full queue, else every WAKE_S
-                if self.state is not RecorderState.CLOSED:
-                    cond.wait(WAKE_S)
-                batch, self._queue = self._queue, []
-                self._queued_bytes = 0
-                closing = self.state is RecorderState.CLOSED
-            for episode, weight in batch:
-                try:
-                    row = self._rows.row(episode)
-                except Exception as exc:  # e.g. a redaction hook that raised
-                    self.counts[DROPPED] += 1
-                    self._warn("an episode could not be recorded: %r", exc)
-                    continue
-                if row is None:
-                    continue
-                if not rows:
-                    first = time.monotonic()
-                rows.append(row)
-                size += weight
-            if rows and (closing or size >= self.config.shard_bytes
-                         or time.monotonic() - first >= flush_s):  # fmt: skip
-                self._write(rows)
-                rows, size = [], 0
+        queue = self._queue
+        while True:  # woken by a close or a half-full queue, else every WAKE_S
+            if self.state is not RecorderState.CLOSED:
+                self._wake.wait(WAKE_S)
+            self._wake.clear()
+            closing = self.state is RecorderState.CLOSED
+            batch: list[Episode] = []
+            steps = taken = 0
+            while queue:
+                episode, weight = queue.popleft()
+                batch.append(episode)
+                taken += weight
+                steps += len(episode.steps)
+                if steps >= CHUNK_STEPS * 3 or not queue:  # a chunk: then the loop's turn
+                    if not shard:
+                        first = time.monotonic()
+                    self._gather(batch, shard)
+                    self._taken += taken
+                    size += taken
+                    batch, steps, taken = [], 0, 0
+                    time.sleep(YIELD_S)
+            if shard and (closing or size >= self.config.shard_bytes
+                          or time.monotonic() - first >= flush_s):  # fmt: skip
+                self._write(shard)
+                shard, size = Shard(), 0
             if closing:
                 return
 
-    def _write(self, rows: list[dict[str, Any]]) -> None:
+    def _gather(self, batch: list[Episode], shard: Shard) -> None:
+        """Add a chunk of the queue to ``shard``, as an Arrow batch of its own."""
+        try:
+            _added, failed = self._rows.add(batch, shard)
+            if len(shard.step_s) >= SEAL_STEPS:
+                shard.seal(YIELD_S)
+        except Exception as exc:  # a bug: the chunk is lost, the recording goes on
+            failed = [f"{len(batch)} episode(s): {exc!r}"]
+            shard._open()
+        if failed:
+            self.counts[DROPPED] += len(failed)
+            self._warn("--record: %d episode(s) could not be recorded: %s", len(failed), failed[0])
+
+    def _write(self, shard: Shard) -> None:
         """One shard: written to a ``.tmp`` name, renamed when complete."""
         directory = self.config.directory
         self._shards += 1
@@ -320,26 +357,26 @@ class Recorder:
         tmp = path + ".tmp"
         try:
             os.makedirs(directory, exist_ok=True)
-            write_shard(rows, tmp)
+            write_shard(shard, tmp)
             os.replace(tmp, path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             counts = self.counts
             counts[WRITE_ERRORS] += 1
-            counts[DROPPED] += len(rows)
+            counts[DROPPED] += len(shard)
             counts[RECORDING] = 0
-            with self._cond:
+            with self._lock:
+                self._paused_until = time.monotonic() + PAUSE_S
                 if self.state is RecorderState.RECORDING:
                     self.state = RecorderState.PAUSED
-                self._paused_until = time.monotonic() + PAUSE_S
             self._warn(
                 "--record: writing %s failed (%s): %d episode(s) dropped; not recording for "
                 "%gs, then trying again",
-                path, exc.strerror or exc, len(rows), PAUSE_S,
+                path, exc.strerror or exc, len(shard), PAUSE_S,
             )  # fmt: skip
             return
-        self.counts[RECORDED] += len(rows)
+        self.counts[RECORDED] += len(shard)
         self.written.append(path)
         del self.written[:-256]
 
