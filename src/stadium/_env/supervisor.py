@@ -37,6 +37,7 @@ import array
 import contextlib
 import ctypes
 import errno
+import gc
 import marshal
 import os
 import select
@@ -404,6 +405,7 @@ class _Served:
 
 def _serve(fd: int, libc: ctypes.CDLL) -> None:
     """The supervisor's life: keep only its socket (and stdio), become a subreaper."""
+    gc.freeze()  # the env's objects, shared copy-on-write: never scanned (nor copied) here
     os.closerange(3, fd)
     os.closerange(fd + 1, 1 << 20)
     with contextlib.suppress(ValueError, OSError):
