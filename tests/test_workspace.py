@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -110,12 +111,60 @@ def test_a_dead_fork_server_is_started_again(ws: Workspace) -> None:
     assert ws.python("print(1)").exit_code == 0
     server = ws._server
     assert server is not None
-    server.kill()
-    server.wait()
+    server.kill()  # through the supervisor, which reaps it
+    server.wait(time.monotonic() + 10 * UNIT)
     assert ws.python("print(2)").stdout == "2\n"  # found dead: a new one
     with pytest.raises(stadium.ExecutionError, match="fork server exited"):
         ws.python("import os, signal; os.kill(os.getppid(), signal.SIGKILL); input()")
     assert ws.python("print(3)").stdout == "3\n"
+
+
+#: A daemon that escapes the command's group and session (setsid, then a double fork).
+DAEMON = (
+    "setsid sh -c 'echo $$ > pid; while :; do echo x > tick; sleep 0.01; done' >/dev/null 2>&1 &"
+    " while [ ! -s pid ]; do sleep 0.01; done"
+)
+
+
+def _pid(ws: Workspace, name: str = "pid") -> int:
+    return int(ws.read_file(name))
+
+
+def test_stop_others_ends_daemons_that_escaped_and_the_workspace_goes_on(ws: Workspace) -> None:
+    assert ws.run(DAEMON).exit_code == 0
+    daemon = _pid(ws)
+    snippet = (
+        "import subprocess as s; print(s.Popen(['sleep', '60'], start_new_session=True, "
+        "stdout=s.DEVNULL).pid)"
+    )
+    sleeper = int(ws.python(snippet).stdout)
+    assert proc_alive(daemon)  # they outlived their command and its group
+    assert proc_alive(sleeper)
+    assert ws.stop_others() >= 4  # the two, the fork server and its spare
+    assert not proc_alive(daemon)
+    assert not proc_alive(sleeper)
+    os.remove(os.path.join(ws.root, "tick"))
+    time.sleep(0.1 * UNIT)
+    assert not os.path.exists(os.path.join(ws.root, "tick"))  # nothing rewrites it
+    assert ws.run("echo ok").stdout == "ok\n"  # commands and snippets still work
+    assert ws.python("print(7)").stdout == "7\n"
+    assert ws.stop_others() >= 1  # the new fork server
+    assert proc_alive(os.getpid())
+
+
+def test_a_killed_supervisor_makes_stop_others_refuse(ws: Workspace) -> None:
+    assert ws.run("true").exit_code == 0
+    supervisor = ws._sup
+    assert supervisor is not None
+    with pytest.raises(stadium.ExecutionError, match="supervisor is gone"):
+        ws.run(f"kill -9 {supervisor.pid}")  # its status is lost with it
+    killed = r"process supervisor \(pid \d+\) was killed"
+    for _ in range(2):  # and from then on
+        with pytest.raises(stadium.ExecutionError, match=killed):
+            ws.stop_others()
+    assert ws.run("echo still").stdout == "still\n"  # commands go on (a new supervisor)
+    with pytest.raises(stadium.ExecutionError, match="was killed"):
+        ws.stop_others()
 
 
 def test_files(ws: Workspace) -> None:

@@ -6,8 +6,12 @@ runs the tests under this interpreter; ``test_swe_images`` does the same in task
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ from stadium import ConfigError, SessionError, ValidationError
 from stadium._env.tools import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
 from stadium.envs.swe_grading import judge
-from tests.conftest import UNIT
+from tests.conftest import UNIT, proc_alive
 from tests.swe.tasks import FIXES, inline_tasks
 
 FAKE_TESTS = (
@@ -48,6 +52,14 @@ PLANT_PYC = (
     f"open(src, 'w').write({FAKE_TESTS!r})\n"
     "py_compile.compile(src, cfile=importlib.util.cache_from_source('tests/test_ops.py'),\n"
     "                   invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)\n"
+)
+
+#: A daemon (its own session, so it outlives its command) rewriting the failing test with
+#: one that passes, over and over (a rename: the test run never reads half a file).
+DAEMON = (
+    "setsid sh -c 'while :; do cp ../fake_test_ops.py ../t.py; mv -f ../t.py tests/test_ops.py;"
+    " [ -s ../daemon.pid ] || echo $$ > ../daemon.pid; done' >/dev/null 2>&1 &"
+    " while [ ! -s ../daemon.pid ]; do sleep 0.01; done"
 )
 
 Call = tuple[str, dict[str, Any]]
@@ -104,6 +116,10 @@ FORGERIES: dict[str, tuple[list[Call], bool]] = {
          _run("mv tests tests.orig && ln -s fake tests")],
         True,
     ),
+    "leaves a daemon rewriting the failing test": (
+        [_write("../fake_test_ops.py", FAKE_TESTS), _run(DAEMON)],
+        True,
+    ),
     "adds sitecustomize.py, usercustomize.py and a .pth": (
         [_write(name, "import unittest\nunittest.TestCase.assertEqual = lambda *a, **k: None\n")
          for name in ("sitecustomize.py", "usercustomize.py")]
@@ -123,11 +139,38 @@ def _data(result: Any) -> Any:
     return obs.result["data"]
 
 
+def _end_daemon(env: SweEnv) -> int | None:
+    """The pid of the DAEMON this test's policy started, if it still runs (then killed)."""
+    ws = env._ws
+    path = os.path.join(ws.root, "daemon.pid") if ws is not None else ""
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        pid = int(f.read())
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = proc_alive(pid) and b"fake_test_ops" in f.read()
+    except FileNotFoundError:  # gone
+        return None
+    if not ours:
+        return None
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10 * UNIT
+    while proc_alive(pid) and time.monotonic() < deadline:  # (a kill takes a moment)
+        time.sleep(0.01)
+    return pid
+
+
 @pytest.fixture
 def env() -> Any:
     env = SweEnv(inline_tasks(), test_timeout_s=30 * UNIT)
     yield env
-    env.close()
+    try:
+        left = _end_daemon(env)  # (what a grader without stop_others left running)
+    finally:
+        env.close()
+    assert left is None, "the policy's daemon outlived the grading"
 
 
 @pytest.mark.slow
@@ -174,6 +217,33 @@ async def test_a_forgery_gets_no_reward(env: SweEnv, attack: str) -> None:
     assert graded["problems"], graded
     # The repository was brought back, bar the source the policy may change.
     assert "tests.test_ops.TestAbsolute.test_negative" in graded["tests"]
+
+
+@pytest.mark.slow
+async def test_a_fix_with_a_daemon_left_running_is_graded_on_the_real_tests(env: SweEnv) -> None:
+    env.reset(options={"task": "calc-abs"})
+    for name, arguments in FORGERIES["leaves a daemon rewriting the failing test"][0]:
+        _data(await _call(env, name, **arguments))
+    _data(await _call(env, "write_file", path=FIXES["calc-abs"][0], content=FIXES["calc-abs"][1]))
+    graded = _data(await _call(env, "submit"))
+    assert graded["resolved"], graded  # the daemon was stopped, the test restored
+    assert graded["restored"] == ["restored tests/test_ops.py"]
+
+
+@pytest.mark.slow
+async def test_a_policy_that_kills_the_supervisor_is_not_graded(env: SweEnv) -> None:
+    env.reset(options={"task": "calc-abs"})
+    _data(await _call(env, "write_file", path="../fake_test_ops.py", content=FAKE_TESTS))
+    _data(await _call(env, "run", command=DAEMON))
+    killed = await _call(env, "run", command="kill -9 $PPID")  # its parent: the supervisor
+    assert "supervisor is gone" in killed.observation.error.message
+    _data(await _call(env, "write_file", path=FIXES["calc-abs"][0], content=FIXES["calc-abs"][1]))
+    done = await _call(env, "submit")
+    graded = _data(done)
+    assert (done.reward, graded["resolved"]) == (0.0, False)
+    assert graded["problems"][0].startswith("not graded: the workspace's process supervisor ")
+    assert "was killed" in graded["problems"][0]
+    assert _end_daemon(env) is not None  # it escaped (this test ends it)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """The ``swe`` env in its task images (``--isolation sandbox``, each session's ``/`` the
 task's image): a scripted policy solves both example tasks, choosing each task's image at
-reset; forgeries get 0.0; a task whose image the session does not run is a clear error.
+reset; forgeries get 0.0 (a daemon the policy left rewriting a test among them; a policy
+that kills its commands' supervisor is not graded); a task whose image the session does
+not run is a clear error.
 Skipped, with the reason, without root, bubblewrap or Podman."""
 
 from __future__ import annotations
@@ -63,12 +65,26 @@ async def test_the_env_solves_and_grades_in_task_images(tasks: list[dict[str, An
             assert (name, done.reward, done.done) == (name, 1.0, True), done.observation
         for attack in ("exits 0 at import", "edits the failing test",
                        "monkeypatches unittest from the module under test",
-                       "replaces the tests folder with a link to passing tests"):  # fmt: skip
+                       "replaces the tests folder with a link to passing tests",
+                       "leaves a daemon rewriting the failing test"):  # fmt: skip
             await env.reset(options={"task": "calc-abs", "image": calc})
             for name, arguments in FORGERIES[attack][0]:
                 if "plant_pyc" not in str(arguments):
                     _data(await _call(env, name, **arguments))
             done = await _call(env, "submit")
             assert (attack, done.reward) == (attack, 0.0), done.observation
+        # The policy kills the supervisor of its commands (its daemon then escapes it):
+        # not graded.
+        await env.reset(options={"task": "calc-abs", "image": calc})
+        for name, arguments in FORGERIES["leaves a daemon rewriting the failing test"][0]:
+            _data(await _call(env, name, **arguments))
+        killed = await _call(env, "run", command="kill -9 $PPID")
+        assert "supervisor is gone" in killed.observation["error"]["message"], killed.observation
+        path, fixed = FIXES["calc-abs"]
+        _data(await _call(env, "write_file", path=path, content=fixed))
+        done = await _call(env, "submit")
+        assert done.reward == 0.0, done.observation
+        problem = done.observation["result"]["data"]["problems"][0]
+        assert problem.startswith("not graded: the workspace's process supervisor "), problem
         with pytest.raises(stadium.StadiumError, match="runs in image"):
             await env.reset(options={"task": "slug-case", "image": calc})

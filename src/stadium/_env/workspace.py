@@ -20,7 +20,11 @@ a sequence) in its own process group, killed as a whole at ``timeout`` and when 
 command ends (what it left running in the background goes with it). :meth:`Workspace.python`
 runs a snippet under ``python3`` through a warm fork server (:data:`FORK_SERVER`, started
 on first use inside the session): a fork per snippet, made ahead (a spare waits for the
-next snippet), no interpreter start. Output is
+next snippet), no interpreter start. Both start through the workspace's process
+supervisor (:mod:`stadium._env.supervisor`, a child subreaper forked on first use), so
+that what escapes a command's group and session (``setsid``, a double fork) still stays
+under it: :meth:`Workspace.stop_others` ends all of it (a grader calls it before it looks
+at the files). Output is
 decoded as UTF-8 (errors replaced) and at most ``max_output`` characters of each stream are
 kept; a cut stream ends with a visible marker and sets ``truncated``.
 """
@@ -36,17 +40,17 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
+from stadium._env.supervisor import FD_MARK, Child, Supervisor
 from stadium._errors import ExecutionError
 
 #: The ``PATH`` a command gets when the image (or the host) names none.
@@ -261,7 +265,10 @@ class Workspace:
         self.env: dict[str, str] = base
         self._python = python
         self._lock = threading.Lock()
-        self._server: subprocess.Popen[bytes] | None = None
+        self._sup_lock = threading.Lock()
+        self._sup: Supervisor | None = None
+        self._lost: str | None = None  # why stop_others() can no longer vouch for anything
+        self._server: Child | None = None
         self._sock: socket.socket | None = None
         self._server_fd = -1
         self._owner = os.getpid()
@@ -303,37 +310,40 @@ class Workspace:
         start = time.monotonic()
         deadline = start + timeout
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        sup = self._supervisor()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        feed: int | None = None
+        if stdin is not None:
+            in_r, feed = os.pipe()
+        else:
+            in_r = os.open(os.devnull, os.O_RDONLY)
         try:
-            proc = subprocess.Popen(
-                argv, cwd=self._path(cwd or "."), env=full_env, start_new_session=True,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            )  # fmt: skip
-        except OSError as exc:
+            child = sup.spawn(argv, self._path(cwd or "."), full_env, in_r, out_w, err_w)
+        except BaseException as exc:
+            for fd in (out_r, err_r) if feed is None else (out_r, err_r, feed):
+                os.close(fd)
+            if not isinstance(exc, OSError):
+                raise
             return RunResult(
                 127, "", f"{argv[0]}: {exc.strerror or exc}\n", False, False,
                 time.monotonic() - start,
             )  # fmt: skip
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        pidfd = os.pidfd_open(proc.pid)
-        feed = None
-        if proc.stdin is not None:
-            feed = os.dup(proc.stdin.fileno())
-            proc.stdin.close()
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
         try:
             out, err, timed_out = _collect(
-                proc.pid, proc.stdout.fileno(), proc.stderr.fileno(), feed, data, pidfd,
-                deadline, max_output,
-            )  # fmt: skip
+                child.kill, out_r, err_r, feed, data, child.fileno(), deadline, max_output
+            )
+            if timed_out:
+                child.kill()
+            status = child.wait(time.monotonic() + 5.0)
         finally:
-            _kill_group(proc.pid)
-            proc.kill()
-            proc.wait()
-            os.close(pidfd)
-            proc.stdout.close()
-            proc.stderr.close()
-        code = None if timed_out else proc.returncode
+            child.close()
+            os.close(out_r)
+            os.close(err_r)
+        code = None if timed_out else status
         return self._result(code, out, err, timed_out, start)
 
     @staticmethod
@@ -382,8 +392,8 @@ class Workspace:
             try:
                 pid = self._receive(sock, deadline)
                 out, err, timed_out = _collect(
-                    pid, out_r, err_r, None, b"", sock.fileno(), deadline, max_output,
-                    self._server_fd,
+                    lambda: _kill_group(pid), out_r, err_r, None, b"", sock.fileno(), deadline,
+                    max_output, self._server_fd,
                 )  # fmt: skip
                 if timed_out:
                     _kill_group(pid)
@@ -399,7 +409,7 @@ class Workspace:
 
     def _receive(self, sock: socket.socket, deadline: float) -> int:
         """The fork server's next answer (4 bytes), waited for to ``deadline``; its death
-        (its pidfd readable, its socket silent) is an :class:`ExecutionError` at once."""
+        (its reply socket readable, its socket silent) is an :class:`ExecutionError` at once."""
         data = b""
         while len(data) < 4:
             left = deadline - time.monotonic()
@@ -418,13 +428,69 @@ class Workspace:
             raise ExecutionError("the Python fork server refused the request")
         return value
 
+    def _check_owner(self) -> None:
+        """In a forked copy of the process that started the supervisor and the fork
+        server: they are not this copy's (it starts its own)."""
+        if self._owner != os.getpid():
+            self._server, self._sock, self._sup, self._owner = None, None, None, os.getpid()
+            self._server_fd = -1
+
+    def _supervisor(self) -> Supervisor:
+        """The running supervisor (started here on first use). One that died was killed
+        by someone (the workspace never stops it but in :meth:`close`): what it started may
+        have escaped, so :meth:`stop_others` refuses from then on."""
+        self._check_owner()
+        with self._sup_lock:
+            sup = self._sup
+            if sup is not None and sup.alive():
+                return sup
+            if sup is not None:
+                self._lose(sup)
+            self._sup = Supervisor()
+            return self._sup
+
+    def _lose(self, sup: Supervisor) -> str:
+        lost = self._lost = self._lost or (
+            f"the workspace's process supervisor (pid {sup.pid}) was killed, so processes "
+            "its commands started may still run where nothing can stop them: this "
+            "workspace's files cannot be vouched for (start a new session)"
+        )
+        sup.close()
+        if self._sup is sup:
+            self._sup = None
+        return lost
+
+    def stop_others(self) -> int:
+        """End every process this workspace's commands and snippets started and anything
+        they left behind (``setsid``, double forks, ``nohup``: the whole subtree of the
+        workspace's supervisor, frozen then killed), the Python fork server included (the
+        next :meth:`python` starts one); not this process, nor anything else. Returns how
+        many processes were ended. An :class:`ExecutionError` when that cannot be vouched
+        for: the supervisor was killed (then on every later call too), or did not answer.
+        """
+        with self._lock:
+            self._check_owner()
+            sup = self._sup
+            if sup is not None and not sup.alive():
+                self._lose(sup)
+            if self._lost is not None:
+                raise ExecutionError(self._lost)
+            if sup is None:
+                return 0
+            try:
+                count = sup.stop()
+            except ExecutionError:
+                if not sup.alive(wait=1.0):
+                    raise ExecutionError(self._lose(sup)) from None
+                raise
+            self._stop_server()  # it was in the subtree
+            return count
+
     def _fork_server(self) -> socket.socket:
         """The running fork server's socket (started here on first use, and again in a
         forked copy of this process or after the server died)."""
-        if self._owner != os.getpid():  # a fork of the process that started it: not ours
-            self._server, self._sock, self._owner = None, None, os.getpid()
-            self._server_fd = -1
-        if self._sock is not None and self._server is not None and self._server.poll() is None:
+        self._check_owner()
+        if self._sock is not None and self._server is not None and not self._server.ended():
             return self._sock
         self._stop_server()
         python = self._python or shutil.which("python3", path=self.env.get("PATH"))
@@ -432,32 +498,37 @@ class Workspace:
             raise ExecutionError(
                 "no python3 on the workspace's PATH: install one in the image, or use run()"
             )
+        sup = self._supervisor()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        null = os.open(os.devnull, os.O_RDWR)
         try:
-            self._server = subprocess.Popen(
-                [python, "-u", "-c", FORK_SERVER, str(theirs.fileno())],
-                cwd=self.root, env=self.env, pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+            self._server = sup.spawn(
+                [python, "-u", "-c", FORK_SERVER, FD_MARK], self.root, self.env, null, null,
+                2, extra=theirs.fileno(),
             )  # fmt: skip
         except OSError as exc:
             ours.close()
             raise ExecutionError(f"cannot start {python}: {exc.strerror or exc}") from exc
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
+            os.close(null)
         self._sock = ours
-        self._server_fd = os.pidfd_open(self._server.pid)
+        self._server_fd = self._server.fileno()
         return ours
 
     def _stop_server(self) -> None:
         if self._sock is not None:  # its spare sees EOF and ends
             self._sock.close()
             self._sock = None
-        if self._server_fd >= 0:
-            os.close(self._server_fd)
-            self._server_fd = -1
+        self._server_fd = -1
         if self._server is not None:
             self._server.kill()
-            self._server.wait()
+            with contextlib.suppress(ExecutionError):
+                self._server.wait(time.monotonic() + 5.0)
+            self._server.close()
             self._server = None
 
     # ---- files -----------------------------------------------------------------------
@@ -509,6 +580,9 @@ class Workspace:
         """Stop the fork server; remove the work directory if this workspace made it."""
         if self._owner == os.getpid():
             self._stop_server()
+            if self._sup is not None:
+                self._sup.close()
+                self._sup = None
         if self._finalizer is not None:
             self._finalizer()
 
@@ -523,15 +597,15 @@ class Workspace:
 
 
 def _collect(
-    pid: int, out: int, err: int, feed: int | None, data: bytes, ended: int, deadline: float,
-    limit: int, also: int = -1,
+    kill: Callable[[], None], out: int, err: int, feed: int | None, data: bytes, ended: int,
+    deadline: float, limit: int, also: int = -1,
 ) -> tuple[_Stream, _Stream, bool]:  # fmt: skip
-    """Read both output pipes (writing ``data`` to ``feed``) until ``ended`` (a pidfd, or
-    the fork server's socket) is readable and the pipes are at EOF; kill the process's
-    group as soon as it ended (what it left in the background would otherwise hold the
-    pipes open). ``also``: another descriptor whose readiness ends the wait as well (the
-    fork server's pidfd). Returns the streams and whether ``deadline`` passed before it
-    ended."""
+    """Read both output pipes (writing ``data`` to ``feed``) until ``ended`` (the
+    supervisor's reply socket of a command, or the fork server's socket) is readable and
+    the pipes are at EOF; ``kill`` the process's group as soon as it ended (what it left in
+    the background would otherwise hold the pipes open). ``also``: another descriptor
+    whose readiness ends the wait as well (the fork server's reply socket). Returns the
+    streams and whether ``deadline`` passed before it ended."""
     streams = {out: _Stream(out, limit), err: _Stream(err, limit)}
     sel = selectors.DefaultSelector()
     view = memoryview(data)
@@ -560,7 +634,7 @@ def _collect(
                         for end in ends:
                             sel.unregister(end)
                     finished = True
-                    _kill_group(pid)
+                    kill()
                     deadline = min(deadline, time.monotonic() + _DRAIN_S)
                 elif fd == feed:
                     try:

@@ -45,7 +45,7 @@ from stadium._env.tools import (
     tool_result,
 )
 from stadium._env.workspace import DirEntry, Workspace, current_image
-from stadium._errors import ConfigError, SessionError, ValidationError
+from stadium._errors import ConfigError, ExecutionError, SessionError, ValidationError
 from stadium.envs.swe_grading import GradingError, Pristine, Rules, Verdict, restore, run_tests
 
 #: The largest tasks file read.
@@ -373,6 +373,11 @@ class SweEnv(ToolEnvironment):
         assert self.pristine is not None
         task = self.current
         rules = Rules(tuple(task.test_files), tuple(task.src_paths))
+        try:  # first, nothing the policy started may run on (and rewrite a test after this)
+            self._workspace().stop_others()
+        except ExecutionError as exc:
+            problem = f"not graded: {exc.message}"
+            return Graded(False, dict.fromkeys(task.tests, "missing"), [problem], [], "")
         try:
             restored = restore(self.pristine, rules)
         except GradingError as exc:

@@ -8,11 +8,13 @@ the source files the task lets it change:
 1. **Pristine capture** (:meth:`Pristine.capture`, at ``reset``, before the policy acts): every
    file, directory and link of the repository (but ``.git``), its bytes and mode, kept in the
    env process's memory (which the policy's processes cannot open when sandboxed).
-2. **Restore** (:func:`restore`, at grading): every change outside the paths the policy may
-   change (:class:`Rules`) is undone in place: test files and the files that configure a test
-   run (``conftest.py``, ``setup.cfg``, ``*.pth``, ``sitecustomize.py``, a test package's
-   ``__init__.py``, ``__pycache__``...) get their pristine bytes back, files added there are
-   removed, and so is every link the policy made and anything not a file, directory or link.
+2. **Restore** (:func:`restore`, at grading, after the env ended every process the policy
+   started: :meth:`stadium.Workspace.stop_others`, called by ``SweEnv.grade``): every
+   change outside the paths the policy may change (:class:`Rules`) is undone in place: test
+   files and the files that configure a test run (``conftest.py``, ``setup.cfg``, ``*.pth``,
+   ``sitecustomize.py``, a test package's ``__init__.py``, ``__pycache__``...) get their
+   pristine bytes back, files added there are removed, and so is every link the policy made
+   and anything not a file, directory or link.
 3. **Run** (:func:`run_tests`): the runner (:mod:`stadium.envs.swe_runner`, shipped with
    Stadium, run with the image's ``python3 -I``) gets the test ids and a fresh nonce on a pipe
    made for this run, before any repository code loads, and reports each test on another.
@@ -23,8 +25,7 @@ the source files the task lets it change:
 
 What this does not stop (``docs/SWE.md``): code written against this runner, which finds the
 nonce and the results pipe in its own process and writes a forged stream, or patches and
-un-patches unittest within one test; a process the policy left running that races the
-restore (unless the workspace can stop the session's other processes first); changes outside
+un-patches unittest within one test; changes outside
 the repository (the image's system files, which a sandboxed session's uid cannot write when
 the image's root owns them).
 """
