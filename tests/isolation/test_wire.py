@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from stadium import ConfigError, EnvProtocolError, ErrorCode
 from stadium._server.isolation import Limits, wire
-from stadium._server.isolation.proc import EnvProcess, Gone, WireStats
+from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
 from stadium._server.isolation.sandbox import UidLease, bwrap_argv
 from tests.conftest import UNIT
 
@@ -380,3 +380,21 @@ async def test_the_control_socket_takes_control_messages_only_and_keeps_no_descr
     assert len(os.listdir("/proc/self/fd")) == before  # every descriptor sent was closed
     for s in (ours, theirs, stray, other):
         s.close()
+
+
+def test_an_env_s_error_names_a_class_and_its_message_is_bounded() -> None:
+    """Hostile code in a sandbox answers a call with an error it made up: a class name
+    carrying escape sequences is refused (it would reach the log and the client), and a
+    message of megabytes reaches neither whole."""
+    forged = wire.encode(wire.Raised("\x1b]0;owned\x07Error", "boom"))
+    with pytest.raises(EnvProtocolError, match="type"):
+        SMALL.decode(wire.STEP_REPLY, forged)
+    with pytest.raises(EnvProtocolError, match="type"):
+        SMALL.decode(wire.STEP_REPLY, wire.encode(wire.Raised("E" * 201, "boom")))
+    huge = SMALL.decode(wire.STEP_REPLY, wire.encode(wire.Raised("ValueError", "x" * 3 * MIB)))
+    assert isinstance(huge, wire.Raised)
+    err = foreign_error(huge)
+    assert type(err).__name__ == "ValueError"
+    assert len(str(err)) < wire.MESSAGE_CHARS + 64
+    assert str(err).endswith(f"({3 * MIB - wire.MESSAGE_CHARS} characters cut)")
+    assert foreign_error(wire.Raised("KeyError", "short")).args == ("short",)

@@ -621,7 +621,10 @@ def _raised(exc: Exception) -> wire.Raised:
     """A ``Raised`` reply: the exception's type and message, and a Stadium error's wire
     form (code and context), so the worker raises the same error."""
     data = exc.to_wire() if isinstance(exc, StadiumError) else None
-    return wire.Raised(type(exc).__name__, str(exc), data)
+    name = type(exc).__name__
+    if not name.isidentifier() or len(name) > 200:  # what the worker takes (wire.Raised)
+        name = "Exception"
+    return wire.Raised(name, str(exc), data)
 
 
 def session_main(sock: socket.socket) -> None:

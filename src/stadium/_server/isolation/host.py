@@ -719,8 +719,8 @@ class Isolation:
         )  # fmt: skip
 
     def raised(self, proc: EnvProcess, op: str, reply: wire.Raised) -> StadiumError:
-        """The error of a call the env raised in: a refused fork past the process limit
-        is ``LIMIT_EXCEEDED``, anything else ``EXECUTION_ERROR``."""
+        """A call the env raised in: a fork refused past ``pids`` ``LIMIT_EXCEEDED``, else
+        ``EXECUTION_ERROR`` (the message bounded: ``Raised.said``)."""
         if self.cgroups is not None and proc.cgroups:
             counters = self.cgroups.counters(proc.cgroups)
             if counters.get("pids_max", 0) > proc.baseline.get("pids_max", 0):
@@ -728,13 +728,13 @@ class Isolation:
                 self.limit_kills += 1
                 return LimitExceededError(
                     f"{op} tried to run more than {self.limits.pids} processes at once and "
-                    f"was refused ({reply.exception}: {reply.message})",
+                    f"was refused ({reply.exception}: {reply.said})",
                     operation=op, limit="pids", value=self.limits.pids,
                 )  # fmt: skip
         if reply.data is not None:  # a Stadium error: itself
             return foreign_error(reply)  # type: ignore[return-value]
         return ExecutionError(
-            f"{op} raised {reply.exception}: {reply.message}", exception=reply.exception,
+            f"{op} raised {reply.exception}: {reply.said}", exception=reply.exception,
             operation=op,
         )  # fmt: skip
 

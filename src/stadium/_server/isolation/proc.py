@@ -326,7 +326,7 @@ def foreign_error(reply: wire.Raised) -> Exception:
     """The exception an env process reported, raised again in the worker: a Stadium error
     as itself (code, context), any other as an exception of the same type name and message
     (so that error replies read as in-process)."""
-    name, message, data = reply.exception, reply.message, reply.data
+    name, message, data = reply.exception, reply.said, reply.data
     if data is not None:
         context = {k: v for k, v in data.items() if k not in ("message", "code")}
         if name == "ToolCallError":

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import struct
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 
@@ -52,6 +52,8 @@ MIB = 1024 * 1024
 MAX_REQUEST = 256 * MIB
 #: Replies this size or smaller are decoded without a scan (see the module docstring).
 DIRECT_BYTES = 64 * 1024
+#: The most of an env's exception message the worker keeps (:attr:`Raised.said`).
+MESSAGE_CHARS = 8192
 #: Bits of a sandboxed process's key holding its pid (pid_max is at most 2**22).
 KEY_SHIFT = 22
 
@@ -118,9 +120,20 @@ class Raised(msgspec.Struct, array_like=True, tag=RAISED):
     """The env raised: the exception's type name and message, and a Stadium error's wire
     form (its code and context)."""
 
-    exception: str
+    exception: Annotated[str, msgspec.Meta(max_length=200, pattern=r"^[^\W\d]\w*$")]
+    """A class name (an identifier: no text a log line or an error reply would carry
+    otherwise); anything else is refused as ``type``."""
     message: str
     data: dict[str, Any] | None = None
+
+    @property
+    def said(self) -> str:
+        """The message, at most :data:`MESSAGE_CHARS` characters (it goes into an error reply
+        and the log; its frame may be as large as any reply), the cut said."""
+        text = self.message
+        if len(text) <= MESSAGE_CHARS:
+            return text
+        return f"{text[:MESSAGE_CHARS]}... ({len(text) - MESSAGE_CHARS} characters cut)"
 
 
 class StepOk(msgspec.Struct, array_like=True, tag=OK):
