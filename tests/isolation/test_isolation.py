@@ -319,3 +319,30 @@ async def test_the_shell_env_runs_commands_as_an_unprivileged_user_without_netwo
             gone = await env.step({"command": f"ls {pwd}/note.txt && rm -rf /usr/bin/env"})
             assert "Read-only file system" in gone.observation["stderr"]
             assert gone.observation["exit_code"] != 0
+
+
+async def test_no_template_starts_again_once_the_isolation_is_shut_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The warm pool's fills still on their way when the worker shuts down start no
+    template again (one did, and its process and socket outlived the server)."""
+    from stadium._server.isolation import Isolation, IsolationConfig, host
+
+    started: list[Any] = []
+    popen = host.subprocess.Popen
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(host.subprocess, "Popen", counted)
+    iso = Isolation(IsolationConfig("process", "echo", warm_pool=3))
+    iso.start()  # the template, and three fills not yet run
+    iso.shutdown()
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+    assert len(started) == 1
+    assert started[0].poll() is not None
+    assert iso.pools.all() == []
+    assert iso._control is None
+    assert not iso._tasks

@@ -50,6 +50,7 @@ from stadium._errors import (
     SnapshotError,
     StadiumError,
 )
+from stadium._server.isolation import proc as procs
 from stadium._server.isolation import wire
 from stadium._server.isolation.imaging import ImagePolicy, ImageSet, WarmPools
 from stadium._server.isolation.netns import Networks, SessionNet
@@ -111,6 +112,10 @@ class _TemplateGone(ExecutionError):
     """The template died before it forked a process asked of it."""
 
 
+class _ShutDown(ExecutionError):
+    """Asked for a process after :meth:`Isolation.shutdown` (a warm fill still on its way)."""
+
+
 class Isolation:
     """One worker's template process, warm pool and isolated-session counters."""
 
@@ -150,6 +155,7 @@ class Isolation:
         self.warm: collections.deque[EnvProcess] = self.pools.pool(self.policy.default)
         """The default image's warm processes (another image's: :attr:`pools`)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False  # shut down: no template is started again
         self._numbers = itertools.count(1)
         self._template: subprocess.Popen[bytes] | None = None
         self._ended_templates: list[subprocess.Popen[bytes]] = []
@@ -200,6 +206,8 @@ class Isolation:
         await self._ensure_template()
 
     def _ensure_template(self) -> asyncio.Future[None]:
+        if self._closed:
+            raise _ShutDown("the worker's isolation is shut down; no env process starts")
         if self._ready is not None and self._template is not None:
             return self._ready
         loop = self._loop = asyncio.get_running_loop()
@@ -394,6 +402,8 @@ class Isolation:
         try:
             if self.networks is not None:  # its own namespace, veth pair and rules
                 net = await self.networks.acquire()
+            if self._closed:
+                raise _ShutDown("the worker's isolation is shut down; no env process starts")
             if self._control is None:
                 raise _TemplateGone("the isolation template process ended; retry")
             fds = [net.fd] if net is not None else []
@@ -492,7 +502,7 @@ class Isolation:
     def refill(self) -> None:
         """Fork processes ahead until each image's warm pool holds ``warm_pool`` of them."""
         loop = asyncio.get_running_loop()
-        for image in self.pools.short():
+        for image in self.pools.short() if not self._closed else ():
             self.pools.filling[image] += 1
             task = loop.create_task(self._fill(image))
             self._tasks.add(task)
@@ -501,11 +511,17 @@ class Isolation:
     async def _fill(self, image: str | None) -> None:
         try:
             proc = await self._spawn(image)
+        except _ShutDown:
+            return
         except Exception as exc:
             log.warning("could not fork a warm isolated env process: %s", exc)
             return
         finally:
             self.pools.filling[image] -= 1
+        if self._closed:  # shut down while it started: ended like the others
+            self.kill(proc)
+            proc.close()
+            return
         self.pools.pool(image).append(proc)
 
     async def adopt_fork(self, parent: EnvProcess) -> EnvProcess:
@@ -530,10 +546,10 @@ class Isolation:
             sock = socket.socket(fileno=fd)
         except OSError:
             os.close(fd)
-            raise _forged("its socket is no socket") from None
+            raise procs.forged("its socket is no socket") from None
         if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM:
             sock.close()
-            raise _forged("its socket is not a Unix stream socket")
+            raise procs.forged("its socket is not a Unix stream socket")
         try:
             key = self._fork_key(parent, sock)
         except EnvProtocolError:
@@ -561,17 +577,17 @@ class Isolation:
             "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
         )
         if pid <= 0:
-            raise _forged("its socket's maker is not visible")
+            raise procs.forged("its socket's maker is not visible")
         key: int = pid
         if self.sandbox:
             if uid != parent.uid:
-                raise _forged(f"its socket was made by uid {uid}, not the session's")
-            pids = _ns_pids(pid)
-            if len(pids) != _ns_depth() + 2:  # the template's namespace, then the family's
-                raise _forged("its socket was made outside the session's pid namespace")
+                raise procs.forged(f"its socket was made by uid {uid}, not the session's")
+            pids = procs.ns_pids(pid)
+            if len(pids) != procs.ns_depth() + 2:  # the template's namespace, then the family's
+                raise procs.forged("its socket was made outside the session's pid namespace")
             key = (parent.pid >> wire.KEY_SHIFT << wire.KEY_SHIFT) | pids[-1]
         if key in self.live:
-            raise _forged("its socket was made by a process already known")
+            raise procs.forged("its socket was made by a process already known")
         return key
 
     def spill_path(self, spill_id: int) -> str:
@@ -739,7 +755,10 @@ class Isolation:
         )  # fmt: skip
 
     def shutdown(self) -> None:
-        """End every env process and the template."""
+        """End every env process and the template; a fill on its way starts none again."""
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
         for proc in list(self.live.values()) + self.pools.all():
             self.kill(proc)
             proc.close()
@@ -773,28 +792,3 @@ class Isolation:
         if self._spill_dir is not None:
             shutil.rmtree(self._spill_dir, ignore_errors=True)
             self._spill_dir = None
-
-
-def _forged(why: str) -> EnvProtocolError:
-    """A fork whose copy cannot be told apart from the kernel's word (its process is
-    stopped by the caller)."""
-    return EnvProtocolError(
-        f"a fork's reply the worker cannot trust: {why} (fork)", limit="fork", value=0
-    )
-
-
-def _ns_pids(pid: int) -> list[int]:
-    """``pid``'s pids in each pid namespace it is in, outermost first (``NSpid``)."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            for line in status.read(1 << 16).splitlines():
-                if line.startswith(b"NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
-    except (OSError, ValueError):
-        pass
-    return []
-
-
-def _ns_depth() -> int:
-    """How many pid namespaces the worker is in (1: the host's)."""
-    return len(_ns_pids(os.getpid())) or 1

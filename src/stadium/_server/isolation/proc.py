@@ -338,3 +338,28 @@ def foreign_error(reply: wire.Raised) -> Exception:
             _FOREIGN.clear()
         cls = _FOREIGN[name] = type(name, (Exception,), {"__module__": "stadium.isolated"})
     return cls(message)
+
+
+def forged(why: str) -> EnvProtocolError:
+    """A fork whose copy cannot be told apart from the kernel's word (its process is
+    stopped by the caller)."""
+    return EnvProtocolError(
+        f"a fork's reply the worker cannot trust: {why} (fork)", limit="fork", value=0
+    )
+
+
+def ns_pids(pid: int) -> list[int]:
+    """``pid``'s pids in each pid namespace it is in, outermost first (``NSpid``)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as status:
+            for line in status.read(1 << 16).splitlines():
+                if line.startswith(b"NSpid:"):
+                    return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def ns_depth() -> int:
+    """How many pid namespaces the worker is in (1: the host's)."""
+    return len(ns_pids(os.getpid())) or 1
