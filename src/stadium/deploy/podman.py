@@ -51,7 +51,7 @@ from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.running import Running
 
-#: The image ``start`` runs unless told otherwise (what the README's build command tags).
+#: The image ``start`` runs unless told otherwise (what docs/DEPLOY.md's build command tags).
 DEFAULT_IMAGE = "localhost/stadium:latest"
 #: The port a server listens on inside its container when the network is not the host's.
 CONTAINER_PORT = 8000

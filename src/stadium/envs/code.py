@@ -6,7 +6,7 @@ Each step's code runs in a fresh ``python -I`` subprocess of the session (bounde
 ``python3``, packages and working directory; else the server's interpreter in a work
 directory of the session's own). Served as it asks
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
-uid, memory, process and disk limits (README, "Isolated sessions"); so the policy's
+uid, memory, process and disk limits (docs/ISOLATION.md); so the policy's
 code can do what it likes to it and nothing else.
 
 Grading (:func:`run_tests`): nothing the submission writes counts as a result. The

@@ -69,7 +69,8 @@ kernel modules, ``kexec_*``, ``reboot``, ``swapon``/``swapoff``, ``syslog``, ``a
 
 Not a sandbox by itself: the session is also an unprivileged uid with ``no_new_privs`` in
 its own namespaces (see :mod:`.sandbox`); the filter narrows what kernel code that uid can
-reach. Kernel bugs in the calls still allowed remain reachable (README "Isolated sessions").
+reach. Kernel bugs in the calls still allowed remain reachable (docs/ISOLATION.md, "What each
+level protects against").
 """
 
 from __future__ import annotations
