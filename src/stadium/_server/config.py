@@ -284,8 +284,8 @@ class ServerConfig:
         _check(self.log_format in ("text", "json"), "--log-format must be text or json")
         _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
         _check(
-            self.isolation in (None, "none", "process", "sandbox"),
-            "--isolation must be none, process or sandbox",
+            self.isolation in (None, "none", "process", "sandbox", "vm"),
+            "--isolation must be none, process, sandbox or vm",
             value=self.isolation,
         )
         _check(
@@ -675,11 +675,12 @@ def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--isolation",
-            type=click.Choice(["none", "process", "sandbox"]),
+            type=click.Choice(["none", "process", "sandbox", "vm"]),
             envvar="STADIUM_ISOLATION",
             help="Each session's env in the worker (none), in its own process (process), or "
             "in its own sandboxed process (sandbox: namespaces, unprivileged uid, cgroup "
-            "limits, no network) [the env's `isolation` attribute, else none].",
+            "limits, no network), or in a microVM of its own (vm: its own guest kernel) "
+            "[the env's `isolation` attribute, else none].",
         ),
         click.option(
             "--warm-pool",
