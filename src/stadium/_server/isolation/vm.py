@@ -51,8 +51,13 @@ from stadium._errors import (
     SnapshotError,
     StadiumError,
 )
-from stadium._server.isolation import vmchild, vmimage, wire
-from stadium._server.isolation.host import TEMPLATE_START_S, Isolation, IsolationConfig
+from stadium._server.isolation import vmchild, vmimage, vmsnap, wire
+from stadium._server.isolation.host import (
+    TEMPLATE_START_S,
+    Isolation,
+    IsolationConfig,
+    _ShutDown,
+)
 from stadium._server.isolation.output import OutputReader
 from stadium._server.isolation.proc import EnvProcess, Gone
 
@@ -60,7 +65,7 @@ log = logging.getLogger("stadium.isolation")
 
 QEMU = "qemu-system-x86_64"
 #: Seconds a VM has to boot, import the env's code and say ``Ready``.
-VM_BOOT_S = TEMPLATE_START_S
+VM_BOOT_S = 3 * TEMPLATE_START_S
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
 _READY: msgspec.msgpack.Decoder[wire.Ready | wire.Failed] = msgspec.msgpack.Decoder(
@@ -105,6 +110,7 @@ def qemu_argv(
     chan_fd: int,
     out_fd: int,
     accel: str = "kvm",
+    ram_file: bool = False,
 ) -> list[str]:
     """The QEMU command of one VM: ``microvm``, no network, no disk, no devices but the
     virtio-serial port (``chan_fd``, the session's channel) and the console (``out_fd``,
@@ -123,6 +129,8 @@ def qemu_argv(
         )
     else:
         machine, cpu, extra = "microvm,isa-serial=off", "max", "tsc_early_khz=2000000"
+    if ram_file:  # the RAM is the memory-backend-file object named ram (:mod:`.vmsnap`)
+        machine += ",memory-backend=ram"
     return [
         QEMU, "-M", machine, "-accel", accel, "-cpu", cpu, "-m", str(memory_mib),
         "-smp", str(max(1, math.ceil(cpus))), "-nodefaults", "-no-user-config",
@@ -142,12 +150,19 @@ class VmIsolation(Isolation):
         self._sys_path = [os.path.abspath(p) for p in sys.path if p]
         self.accel = accelerator() or "kvm"
         """``kvm`` or ``tcg`` (see :func:`accelerator`)."""
+        self.snapshots = os.environ.get("STADIUM_VM_SNAPSHOT", "on") != "off"
+        """Start each session's VM from the template's snapshot (:mod:`.vmsnap`); off: boot
+        each one (``STADIUM_VM_SNAPSHOT=off``)."""
+        self.snapshot: vmsnap.Snapshot | None = None
+        self.boot_seconds = 0.0
+        """The template VM's boot to ``Ready`` (or the last cold VM's)."""
         self._built: asyncio.Future[None] | None = None
         self._qemu: dict[int, subprocess.Popen[bytes]] = {}
         """Each VM's QEMU process, by its key (its pid), until reaped."""
 
     def start(self) -> None:
-        """Build (or find) the guest image, then fill the warm pool."""
+        """Build (or find) the guest image and the template's snapshot, then fill the
+        warm pool."""
         if self.accel == "tcg":
             log.warning(
                 "--isolation vm runs its VMs in QEMU's emulator (TCG): this host's KVM cannot "
@@ -157,41 +172,77 @@ class VmIsolation(Isolation):
         self.refill()
 
     def _ensure_template(self) -> asyncio.Future[None]:
-        """The guest image, built off the loop once (the VMs' "template")."""
+        """The guest image (built off the loop) and, with snapshots, the template's saved
+        state: made once, again only after a failure."""
+        if self._closed:
+            raise _ShutDown("the worker's isolation is shut down; no VM starts")
         if self._built is None or (self._built.done() and self._built.exception()):
             loop = self._loop = asyncio.get_running_loop()
             self._built = loop.create_future()
-            built = loop.run_in_executor(None, vmimage.build_image, self._sys_path)
-            built.add_done_callback(self._on_built)
+            task = loop.create_task(self._prepare(self._built))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         return self._built
 
-    def _on_built(self, done: asyncio.Future[vmimage.GuestImage]) -> None:
-        assert self._built is not None
-        if self._built.done():
+    async def _prepare(self, built: asyncio.Future[None]) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+            self.image = await loop.run_in_executor(None, vmimage.build_image, self._sys_path)
+            if self.snapshots and self.snapshot is None:
+                self.snapshot = await self._make_template()
+        except BaseException as exc:
+            if not built.done():
+                built.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
             return
-        exc = done.exception()
-        if exc is not None:
-            self._built.set_exception(exc)
-        else:
-            self.image = done.result()
-            self._built.set_result(None)
+        if not built.done():
+            built.set_result(None)
 
-    async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
-        started = time.perf_counter()
-        await self._ensure_template()
+    def _memory(self) -> int:
+        assert self.image is not None
+        return self.limits.memory_mib + self.image.initrd_mib
+
+    async def _make_template(self) -> vmsnap.Snapshot:
+        """Boot the template VM to ``Ready`` and save it (:mod:`.vmsnap`)."""
+        folder = vmsnap.new_folder()
+        qmp_ours, qmp_theirs = socket.socketpair()
+        memory = self._memory()
+        try:
+            extra = vmsnap.template_argv(folder, memory, qmp_theirs.fileno())
+            proc = self._launch(extra, [qmp_theirs.fileno()], track=False)
+        except BaseException:
+            qmp_ours.close()
+            vmsnap.Snapshot(folder, "", "", 0).remove()
+            raise
+        finally:
+            qmp_theirs.close()
+        try:
+            await self._boot(proc)
+            return await vmsnap.save(vmsnap.Qmp(qmp_ours), folder, memory)
+        except BaseException:
+            vmsnap.Snapshot(folder, "", "", 0).remove()
+            raise
+        finally:
+            qmp_ours.close()
+            self._end(proc)
+
+    def _launch(self, extra: list[str], fds: list[int], track: bool = True) -> EnvProcess:
+        """Start one VM's QEMU process (``extra``: its snapshot or template arguments);
+        its channel is the returned process's socket."""
         image, loop = self.image, self._loop
         assert image is not None
         assert loop is not None
         ours, theirs = socket.socketpair()
         out_r, out_w = socket.socketpair() if self.config.output == "log" else (None, None)
-        memory = self.limits.memory_mib + image.initrd_mib
+        memory = self._memory()
         argv = qemu_argv(
             image, memory, self.limits.cpus, theirs.fileno(),
-            out_w.fileno() if out_w is not None else -1, self.accel,
-        )  # fmt: skip
-        fds = [theirs.fileno()] + ([out_w.fileno()] if out_w is not None else [])
+            out_w.fileno() if out_w is not None else -1, self.accel, ram_file=bool(extra),
+        ) + extra  # fmt: skip
+        fds = [theirs.fileno(), *fds] + ([out_w.fileno()] if out_w is not None else [])
         try:
-            qemu = _popen(argv, fds)
+            qemu = _popen(argv, fds, out_w.fileno() if out_w is not None else -1)
         except OSError as exc:
             ours.close()
             if out_r is not None:
@@ -206,36 +257,89 @@ class VmIsolation(Isolation):
         proc = self._process(ours)
         proc.pid = key
         if out_r is not None:
+            tag = f"vm {key}" if track else "template vm"
             self.outputs[key] = OutputReader(
-                loop, out_r.detach(), f"vm {key}", on_close=lambda: self.outputs.pop(key, None)
+                loop, out_r.detach(), tag, on_close=lambda: self.outputs.pop(key, None)
             )
-        self._track(proc)
-        if proc.pidfd >= 0:
-            loop.add_reader(proc.pidfd, self._reap, key)
+        if track:
+            self._track(proc)
+            if proc.pidfd >= 0:
+                loop.add_reader(proc.pidfd, self._reap, key)
+        return proc
+
+    def _end(self, proc: EnvProcess) -> None:
+        """Kill and reap an untracked VM (the template)."""
+        proc.close()
+        qemu = self._qemu.pop(proc.pid, None)
+        if qemu is not None:
+            qemu.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                qemu.wait(REAP_S)
+
+    async def _boot(self, proc: EnvProcess) -> None:
+        """Send a booting VM its settings; wait for its ``Ready``."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        ready = proc.expect(_READY)
+        settings = {
+            "sys_path": self._sys_path,
+            "target": self.config.target,
+            "env_kwargs": self.config.env_kwargs,
+        }
         try:
-            ready = proc.expect(_READY)
-            settings = {
-                "sys_path": self._sys_path,
-                "target": self.config.target,
-                "env_kwargs": self.config.env_kwargs,
-                "disk_mib": self.limits.disk_mib,
-            }
-            await loop.sock_sendall(ours, wire.frame(json.dumps(settings).encode()))
+            await loop.sock_sendall(proc.sock, wire.frame(json.dumps(settings).encode()))
             said = await asyncio.wait_for(ready, VM_BOOT_S)
-            if isinstance(said, wire.Failed):
-                raise ConfigError(f"the isolated env's VM failed to start: {said.reason}")
+        except (Gone, TimeoutError, OSError) as exc:
+            why = "did not boot in time" if isinstance(exc, TimeoutError) else "ended while booting"
+            raise ExecutionError(f"an isolated env's VM {why}") from None
+        if isinstance(said, wire.Failed):
+            raise ConfigError(f"the isolated env's VM failed to start: {said.reason}")
+        self.boot_seconds = loop.time() - started
+
+    async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
+        started = time.perf_counter()
+        await self._ensure_template()
+        snapshot = self.snapshot
+        state, qmp_ours, qmp_theirs = -1, None, None
+        if snapshot is not None:
+            state = os.open(snapshot.state, os.O_RDONLY | os.O_CLOEXEC)
+            qmp_ours, qmp_theirs = socket.socketpair()
+        try:
+            if snapshot is not None and qmp_theirs is not None:
+                fds = [state, qmp_theirs.fileno()]
+                proc = self._launch(snapshot.restore_argv(qmp_theirs.fileno()), fds)
+            else:
+                proc = self._launch([], [])
+        finally:
+            if qmp_theirs is not None:
+                qmp_theirs.close()
+        loop = asyncio.get_running_loop()
+        try:
+            if qmp_ours is not None:
+                await asyncio.wait_for(vmsnap.restore(vmsnap.Qmp(qmp_ours), state), VM_BOOT_S)
+                log.debug("VM %d restored in %.3f s", proc.pid, time.perf_counter() - started)
+            else:
+                await self._boot(proc)
             hello = proc.expect(wire.HELLO_REPLY)
-            await loop.sock_sendall(ours, wire.frame(_GO.encode(vmchild.Go(os.urandom(32)))))
+            await loop.sock_sendall(proc.sock, wire.frame(_GO.encode(vmchild.Go(os.urandom(32)))))
             reply = await asyncio.wait_for(hello, VM_BOOT_S)
         except (Gone, TimeoutError, OSError) as exc:
             self.kill(proc)
             proc.close()
-            why = "did not boot in time" if isinstance(exc, TimeoutError) else "ended while booting"
+            why = (
+                "did not start in time" if isinstance(exc, TimeoutError) else "ended while starting"
+            )
+            log.debug("a VM %s: %r", why, exc)
             raise ExecutionError(f"an isolated env's VM {why}") from None
         except BaseException:
             self.kill(proc)
             proc.close()
             raise
+        finally:
+            if state >= 0:
+                os.close(state)
+            if qmp_ours is not None:
+                qmp_ours.close()
         if isinstance(reply, wire.Raised):
             self.kill(proc)
             proc.close()
@@ -314,12 +418,17 @@ class VmIsolation(Isolation):
             with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
                 qemu.wait(max(0.0, deadline - time.monotonic()))
         self._qemu.clear()
+        if self.snapshot is not None:
+            self.snapshot.remove()
+            self.snapshot = None
 
 
-def _popen(argv: list[str], fds: list[int]) -> subprocess.Popen[bytes]:
+def _popen(argv: list[str], fds: list[int], out: int) -> subprocess.Popen[bytes]:
     """Start one VM's QEMU process (its own session: killed with its group), passing
-    ``fds``; its stdout and stderr go nowhere (the guest's console is the output)."""
+    ``fds``; its stdout and stderr are the VM's output (``out``, as its guest's console),
+    or nowhere (-1)."""
+    sink: int = out if out >= 0 else subprocess.DEVNULL
     return subprocess.Popen(
-        argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, cwd="/",
+        argv, pass_fds=fds, stdin=subprocess.DEVNULL, stdout=sink, stderr=sink,
+        start_new_session=True, cwd="/",
     )  # fmt: skip
