@@ -285,6 +285,7 @@ class VmIsolation(Isolation):
             "sys_path": self._sys_path,
             "target": self.config.target,
             "env_kwargs": self.config.env_kwargs,
+            "disk_mib": self.limits.disk_mib,
         }
         try:
             await loop.sock_sendall(proc.sock, wire.frame(json.dumps(settings).encode()))

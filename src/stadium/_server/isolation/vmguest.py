@@ -34,6 +34,7 @@ _SETTINGS_MAX = 64 * 1024 * 1024
 _GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULES = ("virtio_ring.ko", "virtio.ko", "virtio_mmio.ko", "virtio_console.ko")
 _SYS_FINIT_MODULE = 313
+_MS_REMOUNT = 32
 #: Seconds the guest waits for its port to appear.
 _PORT_WAIT_S = 10.0
 
@@ -137,6 +138,9 @@ def main() -> None:
     port = Port(_port("stadium"))
     _output()
     settings = json.loads(_recv(port, _SETTINGS_MAX))
+    disk = int(settings.get("disk_mib", 256))  # /tmp's size: --sandbox-disk
+    if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_REMOUNT, f"size={disk}m".encode()) != 0:
+        raise OSError(ctypes.get_errno(), "remount /tmp")
     sys.path[:] = [str(p) for p in settings["sys_path"]]
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"})
     os.chdir("/tmp")
