@@ -21,6 +21,7 @@ VMs share its pages through the snapshot's memory file (:mod:`.vm`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -53,6 +54,8 @@ _STDLIB_SKIP = frozenset(
     {"test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages",
      "pydoc_data", "unittest/test", "__phello__"}
 )  # fmt: skip
+#: Images kept in the cache (the newest; an older one is rebuilt if asked again).
+KEEP_IMAGES = 4
 #: The largest image built (MiB): past it, the env imports too much to pack.
 MAX_IMAGE_MIB = 768
 
@@ -319,7 +322,18 @@ def build_image(sys_path: list[str], cache_dir: str = CACHE_DIR) -> GuestImage:
     except BaseException:
         os.unlink(tmp)
         raise
+    _prune(cache_dir, keep=KEEP_IMAGES)
     return GuestImage(vmlinux(kernel, cache_dir), initrd, python, _mib(initrd))
+
+
+def _prune(cache_dir: str, keep: int) -> None:
+    """Remove all but the ``keep`` newest images (a VM that maps one keeps it open)."""
+    images = sorted(
+        glob.glob(os.path.join(cache_dir, "initrd-*.cpio")), key=os.path.getmtime, reverse=True
+    )
+    for old in images[keep:]:
+        with contextlib.suppress(OSError):
+            os.unlink(old)
 
 
 def _mib(path: str) -> int:
