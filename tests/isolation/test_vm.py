@@ -4,7 +4,8 @@ One server, two VM sessions side by side (each VM boots in seconds under QEMU's 
 on a host whose KVM cannot run a stock kernel; with hardware KVM, faster): each sees a
 kernel and a ``/proc`` of its own, the hostile battery's basics stay inside its guest, and
 a crash of one guest's kernel ends only that session (``ENV_CRASHED``) while the other
-keeps stepping. ``make test`` installs QEMU and the guest kernel as root (``make vm-deps``).
+keeps stepping; VMs restored from one snapshot get random state of their own.
+``make test`` installs QEMU and the guest kernel as root (``make vm-deps``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
             kernel = await _step(a, "uname")
             assert kernel != host_kernel
             assert kernel == await _step(b, "uname")
+            # restored from one snapshot, yet each with random state of its own
+            assert await _step(a, "random") != await _step(b, "random")
             procs = (await _step(a, "procs")).split()
             assert "1" in procs
             assert str(os.getpid()) not in procs or len(procs) < 50  # not the host's /proc
@@ -79,6 +82,13 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
             assert crashed.value.code == ErrorCode.ENV_CRASHED
             for n in range(3):  # the neighbour VM steps on
                 assert await _step(b, "echo", f"after {n}") == f"after {n}"
+            # a's next reset: a fresh VM (restored again), whose env's death ends it too
+            assert (await a.reset()).observation["pid"] == 1
+            assert await _step(a, "echo", "again") == "again"
+            with pytest.raises(stadium.StadiumError) as segfault:
+                await _step(a, "segfault")
+            assert segfault.value.code == ErrorCode.ENV_CRASHED
+            assert await _step(b, "echo", "still") == "still"
         isolation = server.runtime.isolation
         await wait_until(lambda: not isolation.live, 30 * UNIT, "VMs ended")
-        assert isolation.crashes == 1
+        assert isolation.crashes == 2
