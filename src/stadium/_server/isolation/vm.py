@@ -66,6 +66,12 @@ log = logging.getLogger("stadium.isolation")
 QEMU = "qemu-system-x86_64"
 #: Seconds a VM has to boot, import the env's code and say ``Ready``.
 VM_BOOT_S = 3 * TEMPLATE_START_S
+#: QEMU's own confinement: its seccomp filter (no exec, no resource changes, no obsolete
+#: calls), and, once set up, the uid ``nobody`` (its files and descriptors are open by
+#: then; privilege changes stay allowed by the filter only so that it can drop to it).
+HARDENING = (
+    "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny", "-runas", "nobody",
+)  # fmt: skip
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
 _READY: msgspec.msgpack.Decoder[wire.Ready | wire.Failed] = msgspec.msgpack.Decoder(
@@ -134,7 +140,8 @@ def qemu_argv(
     return [
         QEMU, "-M", machine, "-accel", accel, "-cpu", cpu, "-m", str(memory_mib),
         "-smp", str(max(1, math.ceil(cpus))), "-nodefaults", "-no-user-config",
-        "-display", "none", "-no-reboot", "-kernel", image.kernel, "-initrd", image.initrd,
+        "-display", "none", "-no-reboot", *HARDENING,
+        "-kernel", image.kernel, "-initrd", image.initrd,
         "-append", image.cmdline(extra), "-chardev", f"socket,id=chan,fd={chan_fd}",
         "-device", "virtio-serial-device,max_ports=2",
         "-device", "virtserialport,chardev=chan,name=stadium", *console,
