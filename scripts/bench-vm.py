@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -179,14 +178,14 @@ async def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--idle", type=int, default=10)
     parser.add_argument("--max-concurrent", type=int, default=64)
+    parser.add_argument("--skip-starts", action="store_true", help="only the steady part")
     args = parser.parse_args()
     for mode in args.modes.split(","):
-        row = {
-            "mode": mode,
-            "warm": await starts(mode, 4, args.sessions, 1.0),
-            "cold": await starts(mode, 0, args.sessions, 0.2),
-            **await steady(mode, args.steps, args.idle, args.max_concurrent),
-        }
+        row: dict[str, object] = {"mode": mode}
+        if not args.skip_starts:
+            row["warm"] = await starts(mode, 4, args.sessions, 1.0)
+            row["cold"] = await starts(mode, 0, args.sessions, 0.2)
+        row.update(await steady(mode, args.steps, args.idle, args.max_concurrent))
         print(json.dumps(row), flush=True)
 
 
