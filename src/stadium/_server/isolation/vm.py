@@ -212,9 +212,9 @@ class VmIsolation(Isolation):
 
     async def _make_template(self) -> vmsnap.Snapshot:
         """Boot the template VM to ``Ready`` and save it (:mod:`.vmsnap`)."""
-        folder = vmsnap.new_folder()
-        qmp_ours, qmp_theirs = socket.socketpair()
         memory = self._memory()
+        folder = vmsnap.new_folder(memory)
+        qmp_ours, qmp_theirs = socket.socketpair()
         try:
             extra = vmsnap.template_argv(folder, memory, qmp_theirs.fileno())
             proc = self._launch(extra, [qmp_theirs.fileno()], track=False)

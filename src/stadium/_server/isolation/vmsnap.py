@@ -57,9 +57,16 @@ class Snapshot:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def new_folder() -> str:
-    """A ``0700`` folder for one template's files (``/dev/shm``: RAM, not disk)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+def new_folder(memory_mib: int) -> str:
+    """A ``0700`` folder for one template's files: in ``/dev/shm`` (RAM) when it has room
+    for the guest's whole RAM, else in ``/var/tmp`` (the page cache holds it)."""
+    base = "/var/tmp"
+    try:
+        shm = os.statvfs("/dev/shm")
+        if shm.f_bavail * shm.f_frsize > (memory_mib + 64) << 20:
+            base = "/dev/shm"
+    except OSError:
+        pass
     return tempfile.mkdtemp(prefix="stadium-vm-", dir=base)
 
 
