@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -67,7 +68,17 @@ def new_folder(memory_mib: int) -> str:
             base = "/dev/shm"
     except OSError:
         pass
-    return tempfile.mkdtemp(prefix="stadium-vm-", dir=base)
+    sweep()
+    return tempfile.mkdtemp(prefix=f"stadium-vm-{os.getpid()}-", dir=base)
+
+
+def sweep() -> None:
+    """Remove templates' folders left by workers that died (their pid in the name)."""
+    for base in ("/dev/shm", "/var/tmp"):
+        for folder in glob.glob(os.path.join(base, "stadium-vm-*-*")):
+            pid = os.path.basename(folder).split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                shutil.rmtree(folder, ignore_errors=True)
 
 
 def template_argv(folder: str, memory_mib: int, qmp_fd: int) -> list[str]:
