@@ -6,7 +6,9 @@ its own sandboxed process (``--isolation sandbox``), forked from a per-worker te
 drives (each call a request to its process), :mod:`.reaper` the teardown off the event
 loop, :mod:`.child` the template's and the env processes' side, :mod:`.sandbox` the
 namespaces, mounts, uids and cgroups, :mod:`.seccomp` the sandboxed sessions' seccomp
-filter, :mod:`.wire` the frames between them.
+filter, :mod:`.wire` the frames between them. ``--isolation vm`` (a microVM per session, the
+same wire over virtio-serial): :mod:`.vm`, :mod:`.vmimage`, :mod:`.vmguest`,
+:mod:`.vmchild`, :mod:`.vmsnap`.
 """
 
 from stadium._server.isolation.host import MODES, Isolation, IsolationConfig
