@@ -74,6 +74,16 @@ def test_cli_default_is_the_configs(option: click.Option, monkeypatch: pytest.Mo
         assert value == default
 
 
+def test_slurm_gives_each_server_serves_default_sessions() -> None:
+    """`stadium slurm` passes --max-sessions to every server: its default is serve's."""
+    from stadium.deploy.slurm import SlurmOptions
+
+    (option,) = [p for p in cli.commands["slurm"].params if p.name == "max_sessions_per_node"]
+    default = field_default(FIELDS["max_sessions"])
+    assert option.default == default
+    assert SlurmOptions(target="echo").max_sessions_per_node == default
+
+
 @pytest.mark.parametrize(
     ("args", "name", "value"),
     [

@@ -17,6 +17,7 @@ from typing import Any
 import click
 
 from stadium._errors import StadiumError
+from stadium._server.config import DEFAULT_MAX_SESSIONS
 from stadium._version import __version__
 
 # Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
@@ -329,7 +330,7 @@ def router(endpoints: tuple[str, ...], kind: str, bind: str, port: int,
               help="Envoy: its admin port (on 127.0.0.1 of the first node).")  # fmt: skip
 @click.option("--workers", default="auto", show_default=True,
               help="Worker processes per node; auto: the CPUs SLURM gave the node.")  # fmt: skip
-@click.option("--max-sessions-per-node", default=8192, show_default=True,
+@click.option("--max-sessions-per-node", default=DEFAULT_MAX_SESSIONS, show_default=True,
               type=click.IntRange(1), help="Each server's --max-sessions.")  # fmt: skip
 @click.option("--deployment", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("stadium-deployment.json"), show_default=True,
