@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -144,3 +145,55 @@ def test_the_config_module_loads_no_click() -> None:
     )
     assert json.loads(out.stdout) == []
     assert "click" not in vars(config_module)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONS_BY_FLAG = {option_name(f): f for f, _ in flags()}
+
+
+def _documented_defaults() -> list[tuple[str, str, str, str]]:
+    """Each serve option in the docs' option tables (header ``| option | env var | default |``):
+    (file:line, option, its env var cell, its default) — a row naming several options
+    (``--host``, ``--port``) gives each the default at its place (``127.0.0.1, 8000``)."""
+    rows = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        in_table = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if [c.lower() for c in cells[:3]] == ["option", "env var", "default"]:
+                in_table = True
+                continue
+            if not in_table or not line.startswith("|"):
+                in_table = False
+                continue
+            names = re.findall(r"`(--[a-z][a-z-]*)", cells[0])
+            defaults = [d.strip() for d in cells[2].split(",")] if cells[2] else []
+            if len(defaults) != len(names):  # one default for all, or none: not per option
+                defaults = [cells[2]] * len(names)
+            where = f"{path.relative_to(ROOT)}:{number}"
+            rows += [(where, n, cells[1], d) for n, d in zip(names, defaults, strict=True)]
+    return rows
+
+
+def test_the_docs_option_tables_state_the_configs_defaults() -> None:
+    """A default written in the docs' option tables is the config's: a number (``10 MiB``
+    in bytes), ``off``, or a word whose meaning the field's Flag states."""
+    rows = _documented_defaults()
+    assert rows, "no `| option | env var | default |` table found in README.md or docs/"
+    checked = 0
+    for where, name, env_cell, said in rows:
+        field = OPTIONS_BY_FLAG.get(name)
+        if field is None:  # --auth-token-file, or another command's option
+            continue
+        default, flag = field_default(field), field.metadata[FLAG]
+        assert not flag.env or f"`{flag.env}`" in env_cell, f"{where}: {name} reads {flag.env}"
+        number = re.match(r"(\d+(?:\.\d+)?)\s*(MiB)?", said)
+        if isinstance(default, str) and default:
+            assert said.split()[0] == default, f"{where}: {name} is documented as {said}"
+        elif number:
+            value = float(number.group(1)) * (1 << 20 if number.group(2) else 1)
+            assert value == default, f"{where}: {name} is documented as {said}, is {default}"
+        elif said.startswith("off"):
+            assert not default, f"{where}: {name} is documented as off, is {default}"
+        checked += 1
+    assert checked >= 20
