@@ -212,12 +212,16 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
         for folder in target_files(config.target)[0]:  # bound read-only in the sandbox
             add_to_path(folder)
     limits = limits_for(config, manifest_of(config), config.step_timeout or DEFAULT_CALL_TIMEOUT_S)
+    env_kwargs = dict(config.env_kwargs)
+    prepare = getattr(env_cls, "prepare_kwargs", None)  # trusted env code, on the server's files
+    if callable(prepare):
+        env_kwargs = prepare(env_kwargs)
     image = config.image
     build, base = build_spec(image)
     if build:  # the env directory's recipe, built now (then a cache hit in each worker)
         image = build_image(config.target, base)
     return IsolationConfig(
-        mode, target, dict(config.env_kwargs), config.warm_pool, limits,
+        mode, target, env_kwargs, config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
         untrusted=untrusted, preload=config.preload, action_model=config.action_model,
         replies=WireLimits.of_mib(config.sandbox_reply_mib), image=image,
