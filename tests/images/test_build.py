@@ -4,6 +4,7 @@ the substitution of a local base, and the errors (``stadium._server.images.build
 from __future__ import annotations
 
 import importlib.resources
+import os
 import shutil
 from pathlib import Path
 
@@ -89,8 +90,10 @@ def test_the_server_builds_before_it_serves(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr("stadium._server.worker.build_image", fake)
     monkeypatch.setattr("stadium._server.worker.sandbox_unavailable", lambda: None)
     monkeypatch.setattr("stadium._server.worker.seccomp_unavailable", lambda: None)
-    cfg = ServerConfig(target=str(RECIPE_ENV), isolation="sandbox", image="build:localhost/b:1")
+    relative = os.path.relpath(RECIPE_ENV)
+    cfg = ServerConfig(target=relative, isolation="sandbox", image="build:localhost/b:1")
     settings = isolation_config(cfg, None)
     assert settings is not None
     assert settings.image == "localhost/built:1"
-    assert asked == [(str(RECIPE_ENV), "localhost/b:1")]
+    assert settings.target == str(RECIPE_ENV)  # absolute: the template has another cwd
+    assert asked == [(relative, "localhost/b:1")]
