@@ -60,6 +60,12 @@ def test_the_content_key_follows_the_directory(tmp_path: Path) -> None:
     (env / "__pycache__" / "x.pyc").write_bytes(b"junk")
     assert build.content_key(str(env), recipe, None) == key  # caches do not count
     assert build.content_key(str(env), recipe, "localhost/b:1") != key  # the base does
+    (env / "data").symlink_to("server")
+    linked = build.content_key(str(env), recipe, None)
+    assert linked != key  # a link to a directory counts as its target's name
+    (env / "data").unlink()
+    (env / "data").symlink_to("elsewhere")
+    assert build.content_key(str(env), recipe, None) not in (key, linked)
     (env / "models.py").write_text("changed\n")
     assert build.content_key(str(env), recipe, None) != key
     assert build._tag(str(env), key) == f"localhost/stadium-build-env:{key[:16]}"

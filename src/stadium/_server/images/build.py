@@ -166,7 +166,8 @@ def content_key(env_dir: str, recipe: str, base: str | None) -> str:
     files = total = 0
     for folder, dirs, names in os.walk(env_dir):
         dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS)
-        for name in sorted(names):
+        links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # not walked
+        for name in sorted(names + links):
             if name.endswith(".pyc"):
                 continue
             path = os.path.join(folder, name)
