@@ -191,7 +191,9 @@ class ServerConfig:
             (:mod:`stadium._server.isolation.remote`). Costs each session the import.
         image: ``sandbox``: the task image every session runs in (its ``/``: the image's
             layers under a private copy-on-write layer; commands from the image), a
-            ``REF`` (``dir:/rootfs``, ...); ``images``: the others a reset may choose with
+            ``REF`` (``dir:/rootfs``, ...), or ``build``/``build:BASE``: the env
+            directory's recipe built with Podman (``stadium._server.images.build``);
+            ``images``: the others a reset may choose with
             ``options={"image": REF}`` (a file of REFs, or comma-separated patterns).
         preload: with ``untrusted_env_code``, operator-trusted modules (``numpy``) the
             template imports once, so that sessions share them instead of importing them.
@@ -386,7 +388,8 @@ class ServerConfig:
         None,
         "With --isolation sandbox: the task image every session runs in (its / is the image, "
         "private copy-on-write on top; commands come from the image): dir:/rootfs, "
-        "localhost/name:tag, oci:DIR",
+        "localhost/name:tag, oci:DIR; build: the env directory's Dockerfile, built with "
+        "Podman (build:BASE: FROM a local BASE)",
         metavar="REF",
         means="none",
     )

@@ -32,6 +32,7 @@ from stadium._server.config import ServerConfig, default_session_store
 from stadium._server.durable import Durable, read_key_file
 from stadium._server.endpoints import HttpEndpoints
 from stadium._server.fair import FairAdmission
+from stadium._server.images.build import build_image, build_spec
 from stadium._server.isolation import (
     MODES,
     Isolation,
@@ -199,6 +200,8 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
     module, sep, attr = target.rpartition(":")
     if sep and (module.endswith(".py") or "/" in module):  # a file: absolute for the template
         target = f"{os.path.abspath(module)}:{attr}"
+    elif not sep and "/" in target and os.path.isdir(target):  # an env directory: absolute too
+        target = os.path.abspath(target)
     untrusted = config.untrusted_env_code
     if untrusted:
         if config.sandbox_seccomp != "on":
@@ -209,11 +212,19 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
         for folder in target_files(config.target)[0]:  # bound read-only in the sandbox
             add_to_path(folder)
     limits = limits_for(config, manifest_of(config), config.step_timeout or DEFAULT_CALL_TIMEOUT_S)
+    env_kwargs = dict(config.env_kwargs)
+    prepare = getattr(env_cls, "prepare_kwargs", None)  # trusted env code, on the server's files
+    if callable(prepare):
+        env_kwargs = prepare(env_kwargs)
+    image = config.image
+    build, base = build_spec(image)
+    if build:  # the env directory's recipe, built now (then a cache hit in each worker)
+        image = build_image(config.target, base)
     return IsolationConfig(
-        mode, target, dict(config.env_kwargs), config.warm_pool, limits,
+        mode, target, env_kwargs, config.warm_pool, limits,
         seccomp=config.sandbox_seccomp == "on", output=config.sandbox_output,
         untrusted=untrusted, preload=config.preload, action_model=config.action_model,
-        replies=WireLimits.of_mib(config.sandbox_reply_mib), image=config.image,
+        replies=WireLimits.of_mib(config.sandbox_reply_mib), image=image,
         images=config.images, image_cache_mib=config.image_cache_mib,
     )  # fmt: skip
 
