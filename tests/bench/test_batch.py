@@ -248,7 +248,7 @@ def test_the_floor_refuses_batches(tmp_path: Path) -> None:
 
 
 def _serves_batches() -> bool:
-    return importlib.util.find_spec("stadium._server.batch") is not None
+    return importlib.util.find_spec("stadium._server.http.batch_socket") is not None
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from stadium._server.isolation.manifest import (
     read_manifest,
     unenforced,
 )
-from stadium._server.worker import startup_warnings
+from stadium._server.processes.worker import startup_warnings
 from tests.conftest import UNIT, serve, wait_until
 
 EPISODIC = Path(__file__).with_name("episodic.py")

@@ -346,7 +346,7 @@ def test_an_env_that_asks_for_the_sandbox_says_why_it_cannot_have_it(
 ) -> None:
     from stadium import ServerConfig
     from stadium._server.isolation import sandbox
-    from stadium._server.worker import Worker
+    from stadium._server.processes.worker import Worker
 
     monkeypatch.setattr(sandbox.shutil, "which", lambda _name: None)
     with pytest.raises(ConfigError, match=r"bubblewrap.*code asks for it; --isolation process"):

@@ -14,7 +14,7 @@ nothing else changes and clients see no difference. A reply the worker refuses (
 between replies: it is written (in a thread) to the session's spill file, ``0600`` in a
 private directory of the worker's (:meth:`Isolation.spill_path`), replaced by the next
 one and removed with the session; it is read back only to write the session's record.
-A snapshot may be at most :data:`~stadium._server.durable.MAX_RECORD_BYTES` (and under
+A snapshot may be at most :data:`~stadium._server.durability.records.MAX_RECORD_BYTES` (and under
 the reply limit): a larger one ends the session's durability, said once, as an env whose
 snapshot fails does.
 """
@@ -31,7 +31,7 @@ import msgspec
 from stadium._env.snapshot import snapshot_env
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
-from stadium._server.durable import INLINE_BYTES, MAX_RECORD_BYTES
+from stadium._server.durability.records import INLINE_BYTES, MAX_RECORD_BYTES
 from stadium._server.isolation import wire
 from stadium._server.isolation.host import FORK_S, Isolation
 from stadium._server.isolation.proc import EnvProcess, Gone, foreign_error

@@ -8,7 +8,7 @@ file is a :class:`~stadium.ConfigError` naming the field.
 
 :class:`SharedTenants` is shared memory made before the workers fork: per tenant
 (a *row*, at most :data:`MAX_TENANTS`) and per worker process (a *column*, written only
-by that process, as :class:`~stadium._server.admission.SharedSlots`' counters) the
+by that process, as :class:`~stadium._server.admission.slots.SharedSlots`' counters) the
 sessions it holds, is charged (held or waiting: the quota) and has waiting, and its
 cumulative counts (sessions opened, refusals, steps, queue wait, the ended episodes'
 cost, counted once per episode at its end); a dead worker's
@@ -21,7 +21,7 @@ is dropped: sessions keep their slots; a tenant keeps its row while it is in the
 a tenant gone from the file keeps its sessions until they end, and its token is refused
 from then on. A bad file on reload is refused with an ERROR line and the old table kept.
 
-The fair choice of whose waiter gets a free slot is :mod:`stadium._server.fair`.
+The fair choice of whose waiter gets a free slot is :mod:`stadium._server.admission.fair`.
 """
 
 from __future__ import annotations

@@ -41,14 +41,11 @@ from stadium._errors import (
     SessionError,
     StadiumError,
 )
-from stadium._server.admission import Verdict
-from stadium._server.doorway import Door, Pass
-from stadium._server.durable import SessionRecord
-from stadium._server.episodes import EpisodeAccounts
-from stadium._server.forking import ForkingSession
+from stadium._server.admission.doorway import Door, Pass
+from stadium._server.admission.slots import Verdict
+from stadium._server.durability.records import SessionRecord
 from stadium._server.invoke import EAGER_TASKS, awaited
 from stadium._server.ledger import ThreadTimed
-from stadium._server.resumable import Where
 from stadium._server.runtime import (
     CLOSE_GOING_AWAY,
     CLOSE_INTERNAL_ERROR,
@@ -63,7 +60,10 @@ from stadium._server.runtime import (
     Phase,
     Runtime,
 )
-from stadium._server.session_mcp import SESSION_METHODS, session_method
+from stadium._server.sessions.episodes import EpisodeAccounts
+from stadium._server.sessions.forking import ForkingSession
+from stadium._server.sessions.mcp_methods import SESSION_METHODS, session_method
+from stadium._server.sessions.resumable import Where
 from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
@@ -164,8 +164,8 @@ class Session(ForkingSession, EpisodeAccounts):
     # -- transport-facing ------------------------------------------------------
 
     def start(self, door: Door = Door.WEBSOCKET, group: object | None = None) -> None:
-        """Ask the worker's :class:`~stadium._server.doorway.Doorway` for a slot (``door``:
-        how this session came: a WebSocket, a batch entry, a restore); it opens when
+        """Ask the worker's :class:`~stadium._server.admission.doorway.Doorway` for a slot
+        (``door``: how this session came: a WebSocket, a batch entry, a restore); it opens when
         one is granted. ``group``: the batch connection it is one of, whose waiting
         sessions are bounded together."""
         rt = self.runtime

@@ -1,6 +1,6 @@
 """Resuming a session on a new connection: this worker's, or one restored from the store.
 
-Both transports call :func:`resume_session` (through :mod:`stadium._server.connect`)
+Both transports call :func:`resume_session` (through :mod:`stadium._server.http.upgrade`)
 when the handshake says a ``/ws`` request resumes a session (:mod:`stadium._core.resume`
 has the wire extension).
 """
@@ -14,9 +14,9 @@ from stadium._core.access import Tenant
 from stadium._core.protocol import Encoding
 from stadium._core.resume import ResumeAsk, Target, unknown_session
 from stadium._errors import ResumeError, StadiumError
-from stadium._server.resumable import Where
 from stadium._server.runtime import Runtime
-from stadium._server.session import Session
+from stadium._server.sessions.resumable import Where
+from stadium._server.sessions.runner import Session
 
 log = logging.getLogger("stadium.session")
 

@@ -1,7 +1,7 @@
 """Durable sessions (``stadium serve --durable``): what a session writes to the store, and when.
 
 A durable session is a resumable one (:mod:`stadium._core.resume`) whose state is also
-in a :class:`~stadium._server.store.SessionStore`: before each reply is sent, the
+in a :class:`~stadium._server.durability.session_store.SessionStore`: before each reply is sent, the
 session writes a :class:`SessionRecord` — the env's snapshot
 (:func:`~stadium._env.snapshot.snapshot_env`), the protocol's counters (episode id,
 step count) and the replies a resuming client may have missed, the one being
@@ -43,7 +43,7 @@ from collections.abc import Callable
 import msgspec
 
 from stadium._errors import ConfigError, ResumeError
-from stadium._server.store import SessionStore
+from stadium._server.durability.session_store import SessionStore
 from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")

@@ -39,12 +39,12 @@ from stadium._errors import (
     StadiumError,
     ValidationError,
 )
-from stadium._server.doorway import Door, Pass
+from stadium._server.admission.doorway import Door, Pass
+from stadium._server.admission.tenants import TenantCollector
 from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
 from stadium._server.runtime import CLOSE_GOING_AWAY, NODE_NAME, Runtime
-from stadium._server.tenants import TenantCollector
 from stadium._util.throttle import ThrottledLog
 from stadium._version import __version__
 from stadium.integrations.openenv_harness import is_harness_environment
@@ -145,7 +145,7 @@ class HttpEndpoints:
         self.production = mode != SIMULATION
         self.harness = self.production and is_harness_environment(spec.env_cls)
         """Whether ``WS /harness`` is served: as OpenEnv 0.10, for a ``HarnessEnvironment``
-        in production mode (``stadium._server.harness_socket``)."""
+        in production mode (``stadium._server.http.harness_socket``)."""
         self._openapi = msgspec.json.encode(
             openapi(
                 spec, mode=mode, server_version=__version__,

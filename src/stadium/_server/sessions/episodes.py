@@ -1,5 +1,5 @@
 """The episode ledger's part of a session: :class:`EpisodeAccounts`, a base of
-:class:`~stadium._server.session.Session` (over its resume half, ``resumable``).
+:class:`~stadium._server.sessions.runner.Session` (over its resume half, ``resumable``).
 
 The per-step accounting stays inline in the session's step path (a few additions into
 its slots: the request's and the reply's bytes, the env call's time); what runs once per
@@ -26,7 +26,7 @@ from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
 from stadium._server.ledger import EndReason, Episode, ThreadTimed, usage, with_cost
-from stadium._server.resumable import ResumableSession
+from stadium._server.sessions.resumable import ResumableSession
 
 _clock = time.perf_counter
 _POOL = CallMode.POOL
@@ -34,7 +34,7 @@ _POOL = CallMode.POOL
 
 class EpisodeAccounts(ResumableSession):
     """The running episode's ledger of one session (module doc); the session's resume half
-    (:class:`~stadium._server.resumable.ResumableSession`) below it."""
+    (:class:`~stadium._server.sessions.resumable.ResumableSession`) below it."""
 
     # The session's state this part writes (see _no_episode).
     __slots__ = (

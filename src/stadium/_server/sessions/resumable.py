@@ -1,8 +1,9 @@
 """Resuming, restoring and persisting a session: the resumable half of ``Session``.
 
-:class:`ResumableSession` is a mixin of :class:`stadium._server.session.Session` (its ``__slots__``
-are the resume state; the rest it uses is the session's, named in :class:`ResumeHost`). See
-:mod:`stadium._core.resume` for the wire extension and :mod:`stadium._server.durable` for records.
+:class:`ResumableSession` is a mixin of :class:`stadium._server.sessions.runner.Session` (its
+``__slots__`` are the resume state; the rest it uses is the session's, named in
+:class:`ResumeHost`). See :mod:`stadium._core.resume` for the wire extension and
+:mod:`stadium._server.durability.records` for records.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from stadium._core.resume import (
 )
 from stadium._env.snapshot import snapshot_env
 from stadium._errors import ResumeError, StadiumError
-from stadium._server.doorway import Door
-from stadium._server.durable import RECORD_VERSION, Durable, SessionRecord, token_digest
+from stadium._server.admission.doorway import Door
+from stadium._server.durability.records import RECORD_VERSION, Durable, SessionRecord, token_digest
 from stadium._server.runtime import CLOSE_GOING_AWAY, CLOSE_POLICY, Channel, Phase, Runtime
 from stadium._util.throttle import ThrottledLog
 
@@ -38,7 +39,7 @@ Where = tuple[str, str]
 
 class ResumeHost(Protocol):
     """What the resumable half needs of the session it is part of: the one interface
-    between the two halves, explicit (mypy checks :class:`~stadium._server.session.Session`
+    between the two halves, explicit (mypy checks :class:`~stadium._server.sessions.runner.Session`
     against it wherever a method below that calls back into the session is called).
 
     The session's state the resume uses, its own calls (:meth:`close`, :meth:`start`,

@@ -1,7 +1,7 @@
 """OpenEnv 0.10's ``WS /harness`` (RFC 005): a session whose frames are harness turns.
 
 Served where OpenEnv serves it: an OpenEnv ``HarnessEnvironment`` in production mode
-(:attr:`~stadium._server.endpoints.HttpEndpoints.harness`). Each connection is a session
+(:attr:`~stadium._server.http.endpoints.HttpEndpoints.harness`). Each connection is a session
 like any ``/ws`` one (a slot, queued for at capacity, refused with ``CAPACITY_REACHED``;
 its env built by the worker and closed when the connection ends), whose requests are not
 the session protocol's: on open the env is reset (which starts the harness) and
@@ -27,7 +27,7 @@ from stadium._server.runtime import (
     Phase,
     Runtime,
 )
-from stadium._server.session import Session
+from stadium._server.sessions.runner import Session
 from stadium.integrations import openenv_harness as harness
 
 

@@ -3,7 +3,7 @@
 Each connection is a session with its own env (a slot like any ``/ws`` session); each
 text frame is one MCP JSON-RPC request (``tools/list``, ``tools/call``, ``initialize``,
 ``ping``, ``openenv/session/create`` ...) and each reply frame the bare JSON-RPC
-response. :class:`McpSocket` is a :class:`~stadium._server.session.Session` with a
+response. :class:`McpSocket` is a :class:`~stadium._server.sessions.runner.Session` with a
 frame adapter each way: a request goes in as the ``{"type": "mcp", "data": ...}``
 message of ``/ws``, and the session's ``mcp`` reply goes out as its ``data``. A
 session error (no slot: ``CAPACITY_REACHED``; the env could not be built) goes out as
@@ -20,7 +20,7 @@ from stadium._core import mcp as _mcp
 from stadium._core.access import Tenant
 from stadium._core.protocol import Encoding
 from stadium._server.runtime import Channel, Runtime
-from stadium._server.session import Session
+from stadium._server.sessions.runner import Session
 
 _PREFIX = b'{"type":"mcp","data":'
 

@@ -3,7 +3,7 @@
 ``stadium serve`` (picows) and the ASGI app both serve through a :class:`Worker`:
 the target loaded, its class compiled to an :class:`~stadium._env.spec.EnvSpec`, the
 :class:`~stadium._server.runtime.Runtime` (admission, env calls, idle reaping) and the
-:class:`~stadium._server.endpoints.HttpEndpoints`. Transports add only the bytes.
+:class:`~stadium._server.http.endpoints.HttpEndpoints`. Transports add only the bytes.
 
 With ``--isolation sandbox --untrusted-env-code`` nothing of the env is imported here: the
 spec is built from the description a sandboxed process gave
@@ -27,11 +27,15 @@ from stadium._env.contract import Environment
 from stadium._env.snapshot import why_not_durable
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import ConfigError
-from stadium._server.admission import Admission, LocalSlots, Slots
+from stadium._server.admission.fair import FairAdmission
+from stadium._server.admission.slots import Admission, LocalSlots, Slots
+from stadium._server.admission.tenants import TenantDirectory
 from stadium._server.config import ServerConfig, default_session_store
-from stadium._server.durable import Durable, read_key_file
-from stadium._server.endpoints import HttpEndpoints
-from stadium._server.fair import FairAdmission
+from stadium._server.durability.records import Durable, read_key_file
+from stadium._server.durability.session_store import store_from_url
+from stadium._server.http.endpoints import HttpEndpoints
+from stadium._server.http.openenv_routes import OpenEnvRoutes
+from stadium._server.http.recordings import RecordingsRoutes
 from stadium._server.isolation import (
     MODES,
     Isolation,
@@ -53,13 +57,9 @@ from stadium._server.ledger import RecordConfig
 from stadium._server.ledger.record import load_redactor
 from stadium._server.loader import add_to_path, load_target, target_files
 from stadium._server.metrics import MetricsBoard
-from stadium._server.openenv_http import OpenEnvRoutes
-from stadium._server.pool import auto_limit
-from stadium._server.recordings_http import RecordingsRoutes
+from stadium._server.processes.watchdog import Watchdog
 from stadium._server.runtime import Runtime
-from stadium._server.store import store_from_url
-from stadium._server.tenants import TenantDirectory
-from stadium._server.watchdog import Watchdog
+from stadium._server.thread_pool import auto_limit
 
 #: Each isolated call's limit when --step-timeout is 0 (an isolated env is always bounded).
 DEFAULT_CALL_TIMEOUT_S = 300.0
@@ -370,7 +370,8 @@ class Worker:
             durable.start_sweeping(idle + self.config.resume_grace + 60.0)
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
-        """Start the worker's :class:`~stadium._server.watchdog.Watchdog` on the running loop.
+        """Start the worker's :class:`~stadium._server.processes.watchdog.Watchdog` on the
+        running loop.
 
         For a process that owns its worker (``stadium serve``): past ``--stall-limit``
         it ends the process; past ``--max-worker-memory``, or with too many stuck

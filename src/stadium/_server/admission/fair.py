@@ -1,10 +1,10 @@
 """Fair admission between tenants (``--tenants``): whose waiting session gets a free slot.
 
-:class:`FairAdmission` is an :class:`~stadium._server.admission.Admission` whose queue
+:class:`FairAdmission` is an :class:`~stadium._server.admission.slots.Admission` whose queue
 is kept per tenant, and which gives each free slot to the tenant that is furthest
 below its weighted share: the one, among the tenants with sessions waiting on any
 worker of the node, with the fewest slots held per unit of weight (held / weight,
-over the node, from :class:`~stadium._server.tenants.SharedTenants`). Serving the
+over the node, from :class:`~stadium._server.admission.tenants.SharedTenants`). Serving the
 smallest normalized holding first converges to the weighted max-min fair shares: two
 tenants of weights 1 and 3, both asking for more than the node has, hold a quarter
 and three quarters of the slots; a tenant alone (or the only one waiting) gets every
@@ -13,12 +13,12 @@ slot (work-conserving: a slot is never left free while anyone waits).
 Each worker's queue is its own; the counts that decide are the node's. When a slot
 frees on worker A and the neediest tenant's waiters are all on worker B, A gives the
 slot back to the shared pool and B's poll (every
-:data:`~stadium._server.admission.POLL_INTERVAL_S`) takes it for that tenant. So that
+:data:`~stadium._server.admission.slots.POLL_INTERVAL_S`) takes it for that tenant. So that
 no slot idles should B be slow, A serves its own neediest waiter after the slot has
 stayed free for :data:`FALLBACK_POLLS` of its polls.
 
 A decision reads two counters per tenant and worker: O(tenants × workers) word reads,
-with tenants ≤ :data:`~stadium._server.tenants.MAX_TENANTS` (64) and a handful of
+with tenants ≤ :data:`~stadium._server.admission.tenants.MAX_TENANTS` (64) and a handful of
 workers, whatever the number of sessions or waiters; none when nobody waits anywhere
 (the first check: one word per worker). Quotas (``max_sessions``) are charged at the
 door (``doorway``), not here: a slot never goes to a tenant over its quota because a
@@ -32,8 +32,15 @@ import math
 from bisect import bisect_left
 
 from stadium._core.access import Tenant
-from stadium._server.admission import POLL_INTERVAL_S, Admission, Slots, Verdict, Waiter, _Entry
-from stadium._server.tenants import (
+from stadium._server.admission.slots import (
+    POLL_INTERVAL_S,
+    Admission,
+    Slots,
+    Verdict,
+    Waiter,
+    _Entry,
+)
+from stadium._server.admission.tenants import (
     ANON,
     HELD,
     NFIELDS,

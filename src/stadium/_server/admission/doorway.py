@@ -11,26 +11,26 @@ the worker's :class:`Doorway`, which
   :class:`~stadium._core.limits.ClientLimits`): refused at once with
   ``CAPACITY_REACHED`` over the quota; a fork is charged to the client of the session
   it forks, an MCP session to the client that created it; with several workers, the
-  quota holds over all of them (:mod:`~stadium._server.client_counts`);
+  quota holds over all of them (:mod:`~stadium._server.admission.client_counts`);
 * gives it its client's token bucket (``--rate-limit``): every request on it, whatever
   door it came through, spends one token; with several workers the bucket is the
   client's view of windowed counters all workers share
-  (:class:`~stadium._server.client_counts.SharedClientRates`): one budget per client;
+  (:class:`~stadium._server.admission.client_counts.SharedClientRates`): one budget per client;
   a WebSocket attached to an MCP session holds its client's record without a session
   of the quota (it rides on the MCP session's slot and env) and its requests are
   rate-limited like any other;
-* takes its slot (``--max-sessions``, :class:`~stadium._server.admission.Admission`):
+* takes its slot (``--max-sessions``, :class:`~stadium._server.admission.slots.Admission`):
   queued (a WebSocket, batch or restored session), awaited (HTTP, MCP create) or now
   or never (a fork);
 * counts it in ``stadium_sessions_opened_total{door}`` (``/metrics``) and in the
   worker's ``sessions_total`` (``/metadata``) once admitted;
 * mints session ids, resume tokens and MCP session ids (:mod:`stadium._core.resume`).
 
-With tenants (``--tenants``, :mod:`~stadium._server.tenants`), a session is also charged
+With tenants (``--tenants``, :mod:`~stadium._server.admission.tenants`), a session is also charged
 to the tenant its token names: its quota (``max_sessions``, over every worker: counted
 at the door, waiting or seated, refused at once over it), its rate (``rate_limit``,
 over every worker, spent with the client's), its slot through
-:class:`~stadium._server.fair.FairAdmission` (weighted fair order), and its counts
+:class:`~stadium._server.admission.fair.FairAdmission` (weighted fair order), and its counts
 (sessions, refusals, steps, queue wait) for ``/metrics`` and ``GET /tenant/usage``.
 
 What a session is charged is its :class:`Pass`; :meth:`Doorway.leave` gives it back
@@ -49,11 +49,11 @@ from stadium._core.limits import Bucket, ClientLimits, ClientRecord, window_take
 from stadium._core.resume import new_session_id, new_token
 from stadium._env.cost import EpisodeCost
 from stadium._errors import CapacityError, RateLimitError
-from stadium._server.admission import Admission, Verdict, Waiter
-from stadium._server.client_counts import Keys
-from stadium._server.fair import FairAdmission
+from stadium._server.admission.client_counts import Keys
+from stadium._server.admission.fair import FairAdmission
+from stadium._server.admission.slots import Admission, Verdict, Waiter
+from stadium._server.admission.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
 from stadium._server.metrics import DOORS
-from stadium._server.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
 
 
 class Door(enum.IntEnum):
@@ -96,7 +96,7 @@ class Pass:
 
 class TenantBucket:
     """A tenant's ``rate_limit`` over every worker: sliding windows of about a second
-    in :class:`~stadium._server.tenants.SharedTenants` (as ``client_counts``' rates)."""
+    in :class:`~stadium._server.admission.tenants.SharedTenants` (as ``client_counts``' rates)."""
 
     __slots__ = ("directory", "tenant")
 
@@ -305,7 +305,7 @@ class Doorway:
         """A session that may wait for its slot (WebSocket, batch entry, restore): charge
         it, then take a slot now, queue ``waiter`` or refuse (no admission timeout, or
         its connection ``group`` or its client has its bound of waiting sessions:
-        :meth:`~stadium._server.admission.Admission.queue_error` says which).
+        :meth:`~stadium._server.admission.slots.Admission.queue_error` says which).
         Raises :class:`~stadium.CapacityError` over the client's or tenant's quota
         (nothing taken)."""
         if self.limits is None and tenant is None:

@@ -1,7 +1,7 @@
 """The worker supervisor of ``stadium serve --workers N`` (N >= 2).
 
 The supervisor forks N workers, which share the listening socket (bound before
-the fork) and a server-wide session limit (:class:`~stadium._server.admission.SharedSlots`),
+the fork) and a server-wide session limit (:class:`~stadium._server.admission.slots.SharedSlots`),
 and from then on only waits: for a signal, a worker's exit or a deadline. It
 serves no connection and runs no environment code, so it has nothing to hang on.
 
@@ -30,7 +30,7 @@ serves no connection and runs no environment code, so it has nothing to hang on.
   supervisor: the environment's code and the configuration are not reloaded.
   With ``--tenants``, SIGHUP instead reloads the tenants file in place (no worker
   is recycled, no session dropped): the supervisor reads and checks it and publishes
-  it to the workers (:class:`~stadium._server.tenants.TenantDirectory`); a bad file is
+  it to the workers (:class:`~stadium._server.admission.tenants.TenantDirectory`); a bad file is
   refused with an ERROR line and the old tenants kept.
 * **SIGTERM / SIGINT**: every worker gets SIGTERM and drains; the supervisor
   exits when all have exited: 0, or 1 if one had to be killed (see below).
@@ -62,9 +62,9 @@ from collections.abc import Callable
 from types import FrameType
 from typing import NoReturn
 
-from stadium._server.admission import SharedSlots
+from stadium._server.admission.slots import SharedSlots
+from stadium._server.admission.tenants import TenantDirectory
 from stadium._server.metrics import MetricsBoard
-from stadium._server.tenants import TenantDirectory
 from stadium._util.process import RECYCLE_EXIT_CODE
 from stadium._util.throttle import Throttle
 

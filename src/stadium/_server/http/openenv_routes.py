@@ -33,7 +33,7 @@ from stadium._core.protocol import reset_call
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError, ValidationError
-from stadium._server.endpoints import (
+from stadium._server.http.endpoints import (
     HttpEndpoints,
     HttpResponse,
     _new_episode_id,

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from stadium._core.handshake import Upgrade
 from stadium._core.protocol import SessionProtocol
 from stadium._errors import StadiumError
-from stadium._server.batch import BatchServerConnection
-from stadium._server.harness_socket import HarnessSession
-from stadium._server.mcp_socket import McpSocket
-from stadium._server.reattach import resume_session
+from stadium._server.http.batch_socket import BatchServerConnection
+from stadium._server.http.harness_socket import HarnessSession
+from stadium._server.http.mcp_socket import McpSocket
 from stadium._server.runtime import CLOSE_POLICY, NODE_NAME, Channel, Runtime
-from stadium._server.session import Session
+from stadium._server.sessions.reattach import resume_session
+from stadium._server.sessions.runner import Session
 
 
 def open_upgrade(

@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from stadium._server.endpoints import ExtraRoutes, HttpEndpoints, HttpResponse, error_response
+from stadium._server.http.endpoints import ExtraRoutes, HttpEndpoints, HttpResponse, error_response
 
 #: Episodes per page, at most.
 PAGE_MAX = 200

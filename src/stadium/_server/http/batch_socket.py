@@ -4,8 +4,8 @@ A client that offers the subprotocol ``stadium.batch`` (or ``stadium.batch.msgpa
 gets a :class:`BatchServerConnection` instead of one session: each batch frame carries one
 call per session (docs/PROTOCOL.md, "Batches"). The frame is decoded once, its calls
 (:class:`~stadium._core.protocol.BatchCall`) go to their sessions as decoded requests, and
-the sessions are the ordinary :class:`~stadium._server.session.Session` — their own env, their
-own slot, admission, time limits, drain — whose channel (:class:`_Member`) files each
+the sessions are the ordinary :class:`~stadium._server.sessions.runner.Session` — their
+own env, their own slot, admission, time limits, drain — whose channel (:class:`_Member`) files each
 reply into its place in the batch. The reply frame goes out once every result is in
 (or, with ``first``, whenever ``first`` are ready). Errors stay per entry.
 
@@ -30,11 +30,11 @@ from stadium._core.protocol import BatchCall, BatchFrame, Encoding, SessionProto
 from stadium._core.resume import ResumeAsk
 from stadium._errors import InvalidMessageError, SessionError, StadiumError
 from stadium._errors import ValidationError as StadiumValidationError
-from stadium._server.doorway import Door
-from stadium._server.reattach import resume_session
-from stadium._server.resumable import Where
+from stadium._server.admission.doorway import Door
 from stadium._server.runtime import CLOSE_GOING_AWAY, Channel, Runtime
-from stadium._server.session import Session
+from stadium._server.sessions.reattach import resume_session
+from stadium._server.sessions.resumable import Where
+from stadium._server.sessions.runner import Session
 
 log = logging.getLogger("stadium.session")
 

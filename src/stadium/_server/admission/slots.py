@@ -30,13 +30,13 @@ from typing import Protocol
 
 from stadium._core.access import Tenant
 from stadium._errors import CapacityError
-from stadium._server.client_counts import (
+from stadium._server.admission.client_counts import (
     SharedClientCounts,
     SharedClientRates,
     buckets_for,
     rate_buckets_for,
 )
-from stadium._server.tenants import SharedTenants
+from stadium._server.admission.tenants import SharedTenants
 from stadium._util.fence import full_fence
 
 #: How often waiters look for slots freed by other workers.
@@ -265,7 +265,7 @@ class Admission:
         connection — or ``client`` — its address — has its bound of waiting sessions),
         or queue ``waiter``. ``client`` is counted only when ``group`` is given or
         ``client`` is not ``None``. ``tenant``: for
-        :class:`~stadium._server.fair.FairAdmission` only."""
+        :class:`~stadium._server.admission.fair.FairAdmission` only."""
         if not self._queue and self.slots.try_acquire():
             return Verdict.ADMITTED
         if self.timeout <= 0:

@@ -1,11 +1,11 @@
 """The ``fork`` of a session: :class:`ForkingSession`, a base of
-:class:`~stadium._server.session.Session`.
+:class:`~stadium._server.sessions.runner.Session`.
 
 A fork is a new session holding a copy of this one's env (an in-process env's snapshot
 restored into a fresh one; an isolated env's process forked by the kernel, off the loop,
 ``ProcessEnv.prepare_fork``), charged to the forking session's client, detached until a
 client resumes it with the ``forked`` reply's id and token. Its methods run on a
-:class:`~stadium._server.session.Session` (their ``self``), whose attributes they use as
+:class:`~stadium._server.sessions.runner.Session` (their ``self``), whose attributes they use as
 the session's own methods do.
 """
 
@@ -19,7 +19,7 @@ from stadium._core.resume import NOWHERE, ResumeChannel
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import CallMode
 from stadium._errors import CapacityError, SessionError
-from stadium._server.doorway import Door, Pass
+from stadium._server.admission.doorway import Door, Pass
 from stadium._server.runtime import NODE_NAME, Phase
 
 

@@ -21,7 +21,7 @@ sessions of all other clients fill a bucket to 1/8 on average at most: with a qu
 1 and every slot held by other clients, a new client is refused early with a chance of
 about (1 - e^-1/8)^3 ≈ 0.16 % (less with a larger quota or fewer sessions held).
 
-Like :class:`~stadium._server.admission.SharedSlots`, a counter is written only by its
+Like :class:`~stadium._server.admission.slots.SharedSlots`, a counter is written only by its
 own process (and zeroed by the supervisor once that process is dead and reaped), an
 increment is made visible (a full fence) before the sums are read, and a refused try
 takes its increment back: processes racing for a client's last session may each see the
