@@ -38,7 +38,7 @@ from stadium._server.admission.slots import (
     Slots,
     Verdict,
     Waiter,
-    _Entry,
+    _Queued,
 )
 from stadium._server.admission.tenants import (
     ANON,
@@ -126,7 +126,7 @@ class FairAdmission(Admission):
             shared.add(row, REFUSED)
             return verdict
         loop = self._loop_now()
-        self._queue[waiter] = _Entry(loop.time() + self.timeout, group, client, row)
+        self._queue[waiter] = _Queued(loop.time() + self.timeout, group, client, row)
         self._count(group, client)
         queue = self._by_tenant.get(row)
         if queue is None:

@@ -190,7 +190,7 @@ class Verdict(enum.Enum):
     (:meth:`Admission.queue_error` says which)."""
 
 
-class _Entry:
+class _Queued:
     """A queued waiter: its deadline, the connection and client it counts against, and
     its tenant's row (``fair``; -1 here)."""
 
@@ -239,7 +239,7 @@ class Admission:
         self.per_connection = per_connection
         self.per_client = per_client
         # Insertion-ordered, O(1) removal of any waiter and of the first one.
-        self._queue: collections.OrderedDict[Waiter, _Entry] = collections.OrderedDict()
+        self._queue: collections.OrderedDict[Waiter, _Queued] = collections.OrderedDict()
         self._by_group: dict[object, int] = {}
         self._by_client: dict[str | None, int] = {}
         self._poller: asyncio.TimerHandle | None = None
@@ -274,7 +274,7 @@ class Admission:
         if verdict is not None:
             return verdict
         loop = self._loop_now()
-        self._queue[waiter] = _Entry(loop.time() + self.timeout, group, client)
+        self._queue[waiter] = _Queued(loop.time() + self.timeout, group, client)
         self._count(group, client)
         if self._poller is None:
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
@@ -326,7 +326,7 @@ class Admission:
             retry_after_s=1.0,
         )
 
-    def _forget(self, entry: _Entry) -> None:
+    def _forget(self, entry: _Queued) -> None:
         group, client = entry.group, entry.client
         if group is not None:
             left = self._by_group[group] - 1

@@ -89,7 +89,7 @@ NFIELDS = EPISODES + 6
 _GAUGES = (HELD, CHARGED, WAITING)
 
 
-class _Entry(msgspec.Struct, frozen=True):
+class _TenantEntry(msgspec.Struct, frozen=True):
     """A tenant as the table travels between processes."""
 
     name: str
@@ -100,10 +100,10 @@ class _Entry(msgspec.Struct, frozen=True):
     rate_limit: float
 
 
-_ENTRIES = msgspec.json.Decoder(list[_Entry])
+_ENTRIES = msgspec.json.Decoder(list[_TenantEntry])
 
 
-def load_tenants(path: str) -> list[_Entry]:
+def load_tenants(path: str) -> list[_TenantEntry]:
     """The tenants in ``path`` (rows unassigned: -1). Raises :class:`ConfigError` naming
     the file and the field on anything wrong."""
     try:
@@ -165,7 +165,7 @@ def load_tenants(path: str) -> list[_Entry]:
         rate = _number(spec.get("rate_limit", 0), f"{where}.rate_limit", bad)
         if not 0 <= rate <= 1e9:
             raise bad(f"{where}.rate_limit", "must be >= 0 requests per second (0: none)")
-        out.append(_Entry(name, -1, digests, weight, quota, rate))
+        out.append(_TenantEntry(name, -1, digests, weight, quota, rate))
     return out
 
 
@@ -351,7 +351,7 @@ class TenantDirectory:
         log.info("SIGHUP: %d tenants reloaded from %s", len(entries), self.path)
         return True
 
-    def _publish(self, entries: list[_Entry]) -> None:
+    def _publish(self, entries: list[_TenantEntry]) -> None:
         shared = self.shared
         old = {t.name: t.row for t in self.rows if t is not None}
         free = [r for r in range(MAX_TENANTS) if r not in old.values()]

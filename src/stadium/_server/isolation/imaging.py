@@ -23,7 +23,7 @@ import os
 from typing import TYPE_CHECKING
 
 from stadium._errors import ConfigError, ValidationError
-from stadium._server.images import ImageStore, Lease
+from stadium._server.images import ImageLease, ImageStore
 from stadium._server.isolation import wire
 from stadium._server.metrics import IMAGE_SLOTS
 
@@ -48,7 +48,7 @@ class ImageSet:
     def __init__(self, budget_mib: int = 0) -> None:
         self.store = ImageStore(budget_bytes=budget_mib * 2**20 if budget_mib else None)
         self.ready: dict[str, wire.Image] = {}
-        self._leases: list[Lease] = []
+        self._leases: list[ImageLease] = []
 
     def prepare(self, ref: str) -> wire.Image:
         """``ref``'s image (prepared and leased the first time: slow then; blocking).

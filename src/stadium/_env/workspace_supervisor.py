@@ -8,16 +8,16 @@ per workspace does, a fork of the env's process (no ``exec``: it needs nothing o
 image, and works the same in-process and in an image-backed sandbox) that is a **child
 subreaper** (``prctl(PR_SET_CHILD_SUBREAPER)``). An orphan is re-parented to its nearest
 subreaper ancestor, so every process a command starts, daemons included, stays in the
-supervisor's subtree, whatever session or group it moved to; :meth:`Supervisor.stop`
+supervisor's subtree, whatever session or group it moved to; :meth:`WorkspaceSupervisor.stop`
 has the supervisor freeze (``SIGSTOP``) and kill (``SIGKILL``) that whole subtree, walking
 ``/proc/PID/task/TID/children`` until it is empty (bounded in rounds and time).
 
 The supervisor closes every descriptor it inherited but its control socket, starts its own
 session and is not dumpable (a process of the same uid cannot ``ptrace`` it). The same
 uid can still signal it: a supervisor that died is seen through its pidfd, and
-:class:`Supervisor` then says so (:attr:`Supervisor.lost`) rather than pretending its
-subtree is empty. A stopped (``SIGSTOP``) supervisor is continued before each request, and
-one that does not answer in time is an error too.
+:class:`WorkspaceSupervisor` then says so (:attr:`WorkspaceSupervisor.lost`) rather than
+pretending its subtree is empty. A stopped (``SIGSTOP``) supervisor is continued before each
+request, and one that does not answer in time is an error too.
 
 The wire (a socketpair, the env's end and the supervisor's): a request is a 4-byte length
 with descriptors attached, then that many bytes (``marshal``: argv, cwd, env); its
@@ -26,7 +26,7 @@ more to pass on (:data:`FD_MARK` in argv names its number). The supervisor answe
 reply socket: the pid (4 bytes; negative: ``-errno``, it could not start), then, once the
 command exited and its process group was killed, its exit status (negative: the signal).
 A byte from the env on the reply socket (or its close) kills the command's group. A
-request of length 0 is :meth:`~Supervisor.stop`, answered on the control socket (the
+request of length 0 is :meth:`~WorkspaceSupervisor.stop`, answered on the control socket (the
 number of processes killed; -1: the subtree did not empty in time). EOF on the control
 socket: the supervisor kills its subtree and exits.
 """
@@ -53,7 +53,7 @@ from stadium._errors import ExecutionError
 
 #: An argv item the supervisor replaces by the number of the extra descriptor passed on.
 FD_MARK = "\0stadium-fd"
-#: How long :meth:`Supervisor.stop` may take, and in how many rounds at most.
+#: How long :meth:`WorkspaceSupervisor.stop` may take, and in how many rounds at most.
 STOP_S = 5.0
 STOP_ROUNDS = 2000
 _PR_SET_DUMPABLE = 4
@@ -116,7 +116,7 @@ class Child:
         self.reply.close()
 
 
-class Supervisor:
+class WorkspaceSupervisor:
     """The env side of a workspace's supervisor (forked here, at construction)."""
 
     def __init__(self) -> None:

@@ -37,7 +37,7 @@ from stadium.bench.results import (
     PointSettings,
     PointSummary,
     ServerStats,
-    SessionRecord,
+    SessionResult,
     summarize,
 )
 
@@ -372,7 +372,7 @@ def _load_spec(config: BenchConfig, key: PointKey) -> LoadSpec:
 
 def _measure(
     state: _Run, server: RunningServer, spec: LoadSpec, settings: PointSettings
-) -> tuple[list[SessionRecord], ServerStats | None, str]:
+) -> tuple[list[SessionResult], ServerStats | None, str]:
     """Run the load while sampling the server, then stop the server (always).
 
     Returns the records, the server's figures (``None`` when its PID is

@@ -11,7 +11,7 @@ defaults from here and builds these values from what it parsed
 (:meth:`GridOptions.from_cli`). Three translations, one place each:
 
 * :meth:`GridOptions.bench_config` / :meth:`RampOptions.config` — the
-  :class:`~stadium.bench.runner.BenchConfig` a command runs;
+  :class:`~stadium.bench.grid.BenchConfig` a command runs;
 * :meth:`GridOptions.argv` — the flags that reproduce the value (most
   defaults left out), so ``stadium bench ramp`` + ``argv()`` parses back to an equal
   value; :meth:`RampOptions.command` is that shell command.
@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any, Self
 
 from stadium.bench.arms import BATCH_KINDS, Arm, parse_cpus, parse_size
+from stadium.bench.grid import BenchConfig, pin_defaults
 from stadium.bench.loadspec import ThinkModel
-from stadium.bench.runner import BenchConfig, pin_defaults
 
 _ALWAYS = {"always": True}
 """Field metadata: render the flag even at its default (what defines the points:
@@ -85,7 +85,7 @@ class GridOptions:
         """The run these options describe, for ``arms``.
 
         ``pin`` without ``cpus`` or ``load_cpus`` splits this machine's CPUs
-        (:func:`~stadium.bench.runner.pin_defaults`); no ``output_dir`` means
+        (:func:`~stadium.bench.grid.pin_defaults`); no ``output_dir`` means
         ``bench-results/<timestamp>``.
         """
         arms = [x for arm in arms for x in self._with_batches(arm)]

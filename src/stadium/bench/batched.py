@@ -32,8 +32,7 @@ from typing import Any
 import msgspec
 
 from stadium.bench.loadspec import LoadSpec
-from stadium.bench.metrics import ErrorKind
-from stadium.bench.results import SessionRecord
+from stadium.bench.results import SessionResult
 from stadium.bench.sessions import (
     Fail,
     _classify_oserror,
@@ -41,12 +40,13 @@ from stadium.bench.sessions import (
     until_deadline,
     ws_connection_class,
 )
+from stadium.bench.stats import ErrorKind
 
 SUBPROTOCOL = "stadium.batch"
 """The subprotocol a batched connection offers (JSON frames)."""
 
 
-class _Result(msgspec.Struct):
+class _BatchResult(msgspec.Struct):
     """One entry of a batch reply: its type, and its data left undecoded."""
 
     type: str
@@ -58,7 +58,7 @@ class _Reply(msgspec.Struct):
 
     type: str
     id: int | str | None = None
-    results: list[_Result] = msgspec.field(default_factory=list)
+    results: list[_BatchResult] = msgspec.field(default_factory=list)
     data: msgspec.Raw = msgspec.Raw()
 
 
@@ -72,7 +72,7 @@ def batch_body(kind: str, sessions: Sequence[int], data: dict[str, Any]) -> byte
     return msgspec.json.encode({"type": "batch", "id": kind, "calls": calls})
 
 
-def _entry_failure(result: _Result) -> Fail | None:
+def _entry_failure(result: _BatchResult) -> Fail | None:
     """``None`` for an observation; else why that session failed."""
     if result.type == "observation":
         return None
@@ -89,7 +89,7 @@ def _entry_failure(result: _Result) -> Fail | None:
     return Fail(ErrorKind.PROTOCOL, f"unexpected entry type {result.type!r}")
 
 
-def _check_reply(payload: bytes, calls: int) -> list[_Result]:
+def _check_reply(payload: bytes, calls: int) -> list[_BatchResult]:
     """The ``calls`` entries of a batch reply, or raise :class:`Fail` (every session fails)."""
     try:
         reply = _REPLY.decode(payload)
@@ -128,7 +128,7 @@ def batch_connection_class() -> type[Any]:
                     f"(picked {picked!r}): it has no batches",
                 )
 
-        async def request(self, body: bytes, calls: int, limit: float) -> list[_Result]:
+        async def request(self, body: bytes, calls: int, limit: float) -> list[_BatchResult]:
             """Send one batch frame of ``calls`` calls; its entries, in call order."""
             if self.disconnected:
                 raise self._gone()
@@ -153,7 +153,7 @@ def _expire(waiter: asyncio.Future[bytes]) -> None:
         waiter.set_exception(Fail(ErrorKind.TIMEOUT, "batch reply timed out"))
 
 
-def _fail(recs: Sequence[SessionRecord], exc: BaseException) -> None:
+def _fail(recs: Sequence[SessionResult], exc: BaseException) -> None:
     """Record ``exc`` as the failure of every session in ``recs``."""
     if isinstance(exc, Fail):
         kind, detail = exc.kind.value, exc.detail
@@ -166,7 +166,7 @@ def _fail(recs: Sequence[SessionRecord], exc: BaseException) -> None:
         rec.error, rec.detail = kind, detail
 
 
-async def run_connection(recs: Sequence[SessionRecord], spec: LoadSpec, t0: float) -> None:
+async def run_connection(recs: Sequence[SessionResult], spec: LoadSpec, t0: float) -> None:
     """Run the sessions ``recs`` on one batched connection (session *k* is ``recs[k]``);
     record each in its record. Never raises but on cancel."""
     now = time.monotonic
@@ -176,7 +176,7 @@ async def run_connection(recs: Sequence[SessionRecord], spec: LoadSpec, t0: floa
     conn = batch_connection_class()(spec.endpoint(recs[0].index), recs[0].source)
     live = list(range(len(recs)))
 
-    def settle(entries: Sequence[_Result], t: float, into: str) -> None:
+    def settle(entries: Sequence[_BatchResult], t: float, into: str) -> None:
         """Record each live session's entry; a failed entry fails its session alone."""
         keep = []
         for k, entry in zip(live, entries, strict=True):
@@ -242,7 +242,7 @@ async def run_batch_sessions(
     *,
     worker: int = 0,
     on_done: Callable[[], None] | None = None,
-) -> list[SessionRecord]:
+) -> list[SessionResult]:
     """Run the sessions ``indices`` of a batched ``spec`` from monotonic time ``t0``:
     ``spec.batch`` of them per connection, in the order given.
 
@@ -250,14 +250,14 @@ async def run_batch_sessions(
     ``t0 + spec.deadline()`` are cancelled and recorded as ``deadline``.
     ``on_done()`` is called once per session as its connection ends.
     """
-    records = [SessionRecord(index=i, worker=worker, source=spec.source(i)) for i in indices]
+    records = [SessionResult(index=i, worker=worker, source=spec.source(i)) for i in indices]
     size = spec.batch
     groups = [records[k : k + size] for k in range(0, len(records), size)]
     delay = t0 - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
 
-    async def one(group: list[SessionRecord]) -> None:
+    async def one(group: list[SessionResult]) -> None:
         await run_connection(group, spec, t0)
         if on_done is not None:
             for _ in group:
