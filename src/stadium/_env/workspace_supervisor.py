@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import ctypes
 import errno
 import gc
 import marshal
@@ -50,14 +49,13 @@ import time
 from collections.abc import Mapping, Sequence
 
 from stadium._errors import ExecutionError
+from stadium._util.libc import PR_SET_DUMPABLE, become_subreaper, libc
 
 #: An argv item the supervisor replaces by the number of the extra descriptor passed on.
 FD_MARK = "\0stadium-fd"
 #: How long :meth:`WorkspaceSupervisor.stop` may take, and in how many rounds at most.
 STOP_S = 5.0
 STOP_ROUNDS = 2000
-_PR_SET_DUMPABLE = 4
-_PR_SET_CHILD_SUBREAPER = 36
 _INT = struct.Struct("<i")
 _LEN = struct.Struct("<I")
 
@@ -121,12 +119,12 @@ class WorkspaceSupervisor:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc()  # loaded before the fork: the supervisor only calls it
         pid = os.fork()
         if pid == 0:  # the supervisor: never returns into the caller's code
             code = 70
             try:
-                _serve(theirs.fileno(), libc)
+                _serve(theirs.fileno())
                 code = 0
             finally:
                 os._exit(code)
@@ -403,7 +401,7 @@ class _Served:
         return True
 
 
-def _serve(fd: int, libc: ctypes.CDLL) -> None:
+def _serve(fd: int) -> None:
     """The supervisor's life: keep only its socket (and stdio), become a subreaper."""
     gc.freeze()  # the env's objects, shared copy-on-write: never scanned (nor copied) here
     os.closerange(3, fd)
@@ -415,7 +413,6 @@ def _serve(fd: int, libc: ctypes.CDLL) -> None:
             signal.signal(sig, signal.SIG_DFL)
     with contextlib.suppress(OSError):
         os.setsid()
-    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
-    libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
+    become_subreaper()
+    libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     _Served(socket.socket(fileno=fd)).serve()

@@ -45,8 +45,9 @@ _ANNOUNCE = re.compile(r"listening on (https?://\S+:\d+)")
 #: Run as ``python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARG...``: ask the kernel for
 #: SIGTERM when the parent dies (``PR_SET_PDEATHSIG``, kept across ``exec``), then exec.
 _DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "import os, signal, sys\n"
+    "from stadium._util.libc import die_with_parent\n"
+    "die_with_parent(signal.SIGTERM)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('stadium: the launcher is gone')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"

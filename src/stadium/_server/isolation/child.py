@@ -72,9 +72,8 @@ from stadium._server.isolation import remote, rootfs, wire
 from stadium._server.isolation.sandbox import enter_sandbox, session_workdir
 from stadium._server.isolation.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
+from stadium._util.libc import become_subreaper, die_with_parent, libc
 
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_PDEATHSIG = 1
 _CLONE_NEWPID = 0x20000000
 #: Bits of a sandboxed process's key holding its pid (pid_max is at most 2**22).
 KEY_SHIFT = wire.KEY_SHIFT
@@ -121,9 +120,9 @@ def template_main(config: dict[str, Any]) -> None:
     """Run a template (see the module docstring) until its control socket closes."""
     if config.get("sys_path"):
         sys.path[:] = config["sys_path"]
-    libc = _Ctx.libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _Ctx.libc = libc()
+    become_subreaper()
+    die_with_parent(signal.SIGKILL)
     control = socket.socket(fileno=config["control_fd"])
     env_kwargs = config.get("env_kwargs") or {}
     try:
@@ -292,7 +291,7 @@ def _start_family(
     returns, to serve), then reap the namespace until it is empty (never returns).
     With an ``image``, the image is the family's root (:mod:`.rootfs`) and the session's
     :class:`~stadium.Workspace` is its filesystem."""
-    _Ctx.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent(signal.SIGKILL)
     procs = [os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY) for p in cgroups]
     if image is not None and _Ctx.init is not None:  # where the init is, once in the image
         _Ctx.init = rootfs.HOST + os.path.realpath(_Ctx.init)

@@ -25,6 +25,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from stadium._util.libc import libc
+
 #: Where the host's interpreter and code are, read-only, inside an image's root.
 HOST = "/.stadium/host"
 #: The device nodes an image-backed session gets (bound from the template's ``/dev``).
@@ -67,8 +69,7 @@ def host_roots(extra: Iterable[str] = ()) -> list[str]:
     return kept
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True)
+_libc = libc
 
 
 def _check(rc: int, what: str) -> None:

@@ -36,11 +36,11 @@ import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from stadium._errors import ConfigError
 from stadium._server.isolation import rootfs
 from stadium._server.isolation.wire import Image
+from stadium._util.libc import PR_SET_NO_NEW_PRIVS, libc
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: The folder under each hierarchy holding the sessions' cgroups.
@@ -464,15 +464,7 @@ _MS_NODEV = 4
 _MS_NOEXEC = 8
 _MS_BIND = 4096
 _MNT_DETACH = 2
-_PR_SET_NO_NEW_PRIVS = 38
-_libc: Any = None
-
-
-def _c() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
+_c = libc
 
 
 def _check(rc: int, what: str) -> None:
@@ -535,7 +527,7 @@ def enter_sandbox(
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-    _check(_c().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    _check(_c().prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     os.chdir(WORK_DIR)
     if image is not None:
         os.environ.update(image.env)

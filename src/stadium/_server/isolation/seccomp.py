@@ -83,13 +83,12 @@ import socket
 from typing import Any
 
 from stadium._errors import ConfigError
+from stadium._util.libc import PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, libc
 
 #: The name the startup log and the template's ``ready`` report give the filter.
 NAME = "stadium-docker-strict-v2"
 LIBRARY = "libseccomp.so.2"
 
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
 _ACT_ALLOW = 0x7FFF0000
 _ACT_ERRNO = 0x00050000
@@ -223,7 +222,7 @@ class _ArgCmp(ctypes.Structure):
 
 
 def _libc_free(pointer: int) -> None:
-    ctypes.CDLL(None).free(ctypes.c_void_p(pointer))
+    libc().free(ctypes.c_void_p(pointer))
 
 
 def _errno_action(code: int) -> int:
@@ -302,12 +301,12 @@ class Filter:
         """Install the filter in the calling process (irreversible; inherited by forks):
         the program compiled in :func:`build_filter`, with ``no_new_privs`` (which the
         kernel requires of an unprivileged process)."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        c = libc()
+        if c.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
         program = ctypes.create_string_buffer(self.bpf, len(self.bpf))
         fprog = _SockFprog(len(self.bpf) // 8, ctypes.cast(program, ctypes.c_void_p))
-        rc = libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0)
+        rc = c.prctl(PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0)
         if rc != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")

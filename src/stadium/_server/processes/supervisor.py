@@ -65,6 +65,7 @@ from typing import NoReturn
 from stadium._server.admission.slots import SharedSlots
 from stadium._server.admission.tenants import TenantDirectory
 from stadium._server.metrics import MetricsBoard
+from stadium._util.libc import die_with_parent
 from stadium._util.process import RECYCLE_EXIT_CODE
 from stadium._util.throttle import Throttle
 
@@ -513,11 +514,5 @@ def _drain(fd: int) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGTERM this worker if the supervisor dies (no orphaned workers)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except (OSError, AttributeError):  # pragma: no cover - not Linux
-        pass
+    with contextlib.suppress(OSError, AttributeError):  # not Linux
+        die_with_parent(signal.SIGTERM)
