@@ -17,7 +17,7 @@ import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._cli.main import cli
 from stadium._server.isolation import Limits, sandbox_unavailable
-from stadium._server.isolation.manifest import (
+from stadium._server.isolation.worker.manifest import (
     find_manifest,
     limits_for,
     read_manifest,

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from stadium import ConfigError, EnvProtocolError, ErrorCode
 from stadium._server.isolation import Limits, wire
-from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
 from stadium._server.isolation.sandbox import UidLease, bwrap_argv
+from stadium._server.isolation.worker.proc import EnvProcess, Gone, WireStats, foreign_error
 from tests.conftest import UNIT
 
 MIB = 1024 * 1024

@@ -47,7 +47,7 @@ from stadium._env.contract import Environment
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import ConfigError, InvalidMessageError, StadiumError, TargetError
 from stadium._server.isolation import wire
-from stadium._server.isolation.host import TEMPLATE_START_S, Isolation, IsolationConfig
+from stadium._server.isolation.worker.isolation import TEMPLATE_START_S, Isolation, IsolationConfig
 from stadium._server.loader import load_target
 
 #: The largest description accepted (its MessagePack bytes).

@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from stadium._errors import ConfigError
-from stadium._server.isolation import rootfs
+from stadium._server.isolation.template import rootfs
 from stadium._server.isolation.wire import Image
 from stadium._util.libc import PR_SET_NO_NEW_PRIVS, libc
 
@@ -78,7 +78,7 @@ class Limits:
             ``limit: episode_time``). 0: none. Process isolation enforces it too.
         network: ``none`` (no network at all), ``allowlist`` (only
             ``allowed_hosts``) or ``public`` (any address but the host's own);
-            see :mod:`~stadium._server.isolation.netns`.
+            see :mod:`~stadium._server.isolation.worker.netns`.
         allowed_hosts: host names, addresses or CIDR ranges of ``allowlist``.
         ptys: pseudo-terminals the session may hold at once (its own ``devpts``
             instance's ``max``; the host's and other sessions' are not shared).

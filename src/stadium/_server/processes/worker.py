@@ -43,16 +43,16 @@ from stadium._server.isolation import (
     isolated_spec,
     sandbox_unavailable,
 )
-from stadium._server.isolation.manifest import (
+from stadium._server.isolation.remote import Description, describe_remote, remote_spec
+from stadium._server.isolation.template.seccomp import seccomp_unavailable
+from stadium._server.isolation.wire import WireLimits
+from stadium._server.isolation.worker.manifest import (
     Manifest,
     find_manifest,
     limits_for,
     manifest_warning,
     read_manifest,
 )
-from stadium._server.isolation.remote import Description, describe_remote, remote_spec
-from stadium._server.isolation.seccomp import seccomp_unavailable
-from stadium._server.isolation.wire import WireLimits
 from stadium._server.ledger import RecordConfig
 from stadium._server.ledger.record import load_redactor
 from stadium._server.loader import add_to_path, load_target, target_files

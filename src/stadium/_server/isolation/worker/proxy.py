@@ -4,7 +4,7 @@ it in the env's :class:`~stadium._env.spec.EnvSpec`.
 
 Each call (``reset``, ``step``, ``state``, ``tools/list``, ``tools/call``) is a request
 on the session's socket to its env process (:mod:`.wire`), made by the worker's
-:class:`~stadium._server.isolation.host.Isolation`. The session runner, the invoker,
+:class:`~stadium._server.isolation.worker.isolation.Isolation`. The session runner, the invoker,
 the protocol, limits and metrics drive the proxy as they drive any async env, so
 nothing else changes and clients see no difference. A reply the worker refuses (over
 ``--sandbox-reply-mib``, malformed, unexpected) ends its call with
@@ -33,8 +33,8 @@ from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
 from stadium._server.durability.records import INLINE_BYTES, MAX_RECORD_BYTES
 from stadium._server.isolation import wire
-from stadium._server.isolation.host import FORK_S, Isolation
-from stadium._server.isolation.proc import EnvProcess, Gone, foreign_error
+from stadium._server.isolation.worker.isolation import FORK_S, Isolation
+from stadium._server.isolation.worker.proc import EnvProcess, Gone, foreign_error
 
 #: A durable snapshot larger than this is spilled to a file (see the module docstring).
 SPILL_BYTES = INLINE_BYTES

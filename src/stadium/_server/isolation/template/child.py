@@ -68,9 +68,10 @@ from stadium._env.contract import StepResult
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import EnvSpec
 from stadium._errors import StadiumError, ToolCallError
-from stadium._server.isolation import remote, rootfs, wire
+from stadium._server.isolation import remote, wire
 from stadium._server.isolation.sandbox import enter_sandbox, session_workdir
-from stadium._server.isolation.seccomp import Filter, build_filter
+from stadium._server.isolation.template import rootfs
+from stadium._server.isolation.template.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
 from stadium._util.libc import become_subreaper, die_with_parent, libc
 
@@ -242,8 +243,10 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-#: The native init (native/stadium-init, built by ``make sandbox-deps``), beside this module.
-NATIVE_INIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stadium-init")
+#: The native init (native/stadium-init, built by ``make sandbox-deps``), in ``isolation/``.
+NATIVE_INIT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stadium-init"
+)
 
 
 def native_init() -> str | None:

@@ -20,8 +20,8 @@ import msgspec
 
 from stadium._errors import EnvProtocolError, ToolCallError, error_from_wire
 from stadium._server.isolation import wire
-from stadium._server.isolation.netns import SessionNet
-from stadium._server.isolation.reaper import Reaper
+from stadium._server.isolation.worker.netns import SessionNet
+from stadium._server.isolation.worker.reaper import Reaper
 
 #: Bytes read from a session's socket at a time (a reply this size or less: one read).
 READ_BYTES = 1 << 16

@@ -28,7 +28,7 @@ from stadium._server.isolation import wire
 from stadium._server.metrics import IMAGE_SLOTS
 
 if TYPE_CHECKING:
-    from stadium._server.isolation.proc import EnvProcess
+    from stadium._server.isolation.worker.proc import EnvProcess
 
 #: The environment a session's commands get when the image names none.
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}

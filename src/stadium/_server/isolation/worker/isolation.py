@@ -50,14 +50,14 @@ from stadium._errors import (
     SnapshotError,
     StadiumError,
 )
-from stadium._server.isolation import proc as procs
 from stadium._server.isolation import wire
-from stadium._server.isolation.imaging import ImagePolicy, ImageSet, WarmPools
-from stadium._server.isolation.netns import Networks, SessionNet
-from stadium._server.isolation.output import OutputReader
-from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
-from stadium._server.isolation.reaper import Reaper
 from stadium._server.isolation.sandbox import Cgroups, Limits, UidLease, bwrap_argv
+from stadium._server.isolation.worker import proc as procs
+from stadium._server.isolation.worker.imaging import ImagePolicy, ImageSet, WarmPools
+from stadium._server.isolation.worker.netns import Networks, SessionNet
+from stadium._server.isolation.worker.output import OutputReader
+from stadium._server.isolation.worker.proc import EnvProcess, Gone, WireStats, foreign_error
+from stadium._server.isolation.worker.reaper import Reaper
 from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.isolation")
@@ -65,7 +65,9 @@ _CONTROL_REFUSED = ThrottledLog(log, logging.WARNING)
 
 MODES = ("none", "process", "sandbox")
 #: The script a template process starts with (:mod:`.boot`).
-BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot.py")
+BOOT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "template", "boot.py"
+)
 #: Seconds a template has to import the env's code and say it is ready.
 TEMPLATE_START_S = 60.0
 #: Seconds to wait for the template's report of a dead process's wait status.
@@ -622,7 +624,7 @@ class Isolation:
     def release(self, proc: EnvProcess) -> None:
         """The session is done with ``proc``: close its socket (its env closes, it exits);
         killed if it has not exited ``RELEASE_GRACE_S`` later. The socket is closed off the
-        loop (:class:`~stadium._server.isolation.reaper.Reaper`)."""
+        loop (:class:`~stadium._server.isolation.worker.reaper.Reaper`)."""
         proc.released = True
         proc.close(self.reaper)
         if proc.pid in self.live and self._loop is not None and not self._loop.is_closed():

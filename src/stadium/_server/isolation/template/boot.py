@@ -7,7 +7,7 @@ process forked from the template, and in ``/proc/self/environ``, for its life). 
 script reads and closes the memfd, puts the worker's ``sys.path`` in place *before* it
 imports Stadium (so the template runs the worker's own copy of the code, not whichever
 one the interpreter's site-packages names), then runs
-:func:`~stadium._server.isolation.child.template_main`. Run with ``-P``: the folder of
+:func:`~stadium._server.isolation.template.child.template_main`. Run with ``-P``: the folder of
 this file is not put on ``sys.path``. Standard library only, until ``sys.path`` is set.
 """
 
@@ -41,7 +41,7 @@ def main() -> None:
     path = settings.get("sys_path")
     if isinstance(path, list) and path:
         sys.path[:] = [str(p) for p in path]
-    from stadium._server.isolation.child import template_main
+    from stadium._server.isolation.template.child import template_main
 
     template_main(settings)
 
