@@ -70,6 +70,17 @@ def test_the_core_imports_no_integration_at_run_time() -> None:
         ("+_server/ledger/rows.py", "import stadium._server.ledger.record", "Ledger:"),
         ("+_server/images/refs.py", "import stadium._server.images.store", "Images:"),
         ("+_server/transports/h11.py", "import stadium._server.transports.picows", "Transports:"),
+        # The isolation room's two sides never import each other, nor does what they share.
+        ("_server/isolation/template/_probe.py", "import stadium._server.isolation.worker.proc",
+         "Isolation: the worker's side and the env's side"),
+        ("_server/isolation/worker/_probe.py", "import stadium._server.isolation.template.child",
+         "Isolation: the worker's side and the env's side"),
+        ("+_server/isolation/sandbox.py", "import stadium._server.isolation.template.rootfs",
+         "Isolation: the worker's side and the env's side"),
+        ("+_server/isolation/worker/proc.py", "import stadium._server.isolation.worker.proxy",
+         "Isolation, the worker's side"),
+        ("+_server/isolation/template/rootfs.py", "import stadium._server.isolation.template.child",
+         "Isolation, the env's side"),
     ],
 )  # fmt: skip
 def test_the_contracts_catch_a_file_by_the_folder_it_lands_in(

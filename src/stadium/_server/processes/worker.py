@@ -43,9 +43,10 @@ from stadium._server.isolation import (
     isolated_spec,
     sandbox_unavailable,
 )
-from stadium._server.isolation.remote import Description, describe_remote, remote_spec
+from stadium._server.isolation.remote import Description, remote_spec
 from stadium._server.isolation.template.seccomp import seccomp_unavailable
 from stadium._server.isolation.wire import WireLimits
+from stadium._server.isolation.worker.describe import describe_remote
 from stadium._server.isolation.worker.manifest import (
     Manifest,
     find_manifest,
@@ -227,7 +228,7 @@ def untrusted_spec(
 
     Raises:
         ConfigError, TargetError: see :func:`isolation_config` and
-            :func:`~stadium._server.isolation.remote.describe_remote`.
+            :func:`~stadium._server.isolation.worker.describe.describe_remote`.
     """
     settings = isolation_config(config, None)
     assert settings is not None  # --untrusted-env-code goes with --isolation sandbox

@@ -15,7 +15,7 @@ worker can tell a segfault from an OOM kill from an exit.
 Sandboxed, each spawn is a *family* in a pid namespace of its own: the template
 forks the family's init (pid 1 of a new pid namespace; ``unshare(CLONE_NEWPID)``
 then ``fork``, then ``setns`` back), which sets the sandbox up
-(:func:`~stadium._server.isolation.sandbox.enter_sandbox`, the seccomp filter) and
+(:func:`~stadium._server.isolation.template.confine.enter_sandbox`, the seccomp filter) and
 forks the session's process (pid 2), the only one that joins the session's cgroups.
 The init then reaps every process of the namespace (the session's, the copies
 ``fork`` makes, orphans) and reports each wait status to the template, which passes
@@ -69,8 +69,8 @@ from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import EnvSpec
 from stadium._errors import StadiumError, ToolCallError
 from stadium._server.isolation import remote, wire
-from stadium._server.isolation.sandbox import enter_sandbox, session_workdir
 from stadium._server.isolation.template import rootfs
+from stadium._server.isolation.template.confine import enter_sandbox, session_workdir
 from stadium._server.isolation.template.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
 from stadium._util.libc import become_subreaper, die_with_parent, libc

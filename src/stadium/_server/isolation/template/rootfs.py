@@ -1,5 +1,5 @@
 """An image-backed session's root filesystem, set up by its family's init (as root, in the
-family's fresh mount namespace, before :func:`~.sandbox.enter_sandbox` drops privileges).
+family's fresh mount namespace, before :func:`~.confine.enter_sandbox` drops privileges).
 
 :func:`enter_image`: a tmpfs of the session's disk size (``--sandbox-disk``) holds the
 overlay's upper and work directories (nothing is written to disk until the session writes,

@@ -10,7 +10,7 @@ form, safe to call through ctypes), and the filter it compiles is the same.
 
 The filter is built and compiled to BPF once per template process (:func:`build_filter`,
 a few ms) and installed in each session's family (:meth:`Filter.load`: one ``prctl``, a
-few microseconds) after :func:`~stadium._server.isolation.sandbox.enter_sandbox`: after the
+few microseconds) after :func:`~stadium._server.isolation.template.confine.enter_sandbox`: after the
 session's mounts and namespaces are made and its uid dropped, before the env is built.
 Every process the env forks inherits it; it can never be removed.
 
