@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from stadium._server.admission import LocalSlots, SharedSlots
+from stadium._server.admission.slots import LocalSlots, SharedSlots
 from tests.conftest import UNIT
 
 # The suite's process has threads (other tests' client loop, thread pools); the

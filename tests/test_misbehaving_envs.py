@@ -21,7 +21,7 @@ import pytest
 import websockets
 
 from stadium import AsyncClient, Environment, SessionClosedError, State, StepResult
-from stadium._server.watchdog import MIB, Watchdog
+from stadium._server.processes.watchdog import MIB, Watchdog
 from stadium._util.process import RECYCLE_EXIT_CODE, rss_bytes
 from tests.conftest import TRANSPORTS, UNIT, proc_alive, serve, wait_until
 from tests.test_supervisor import _serve

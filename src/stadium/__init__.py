@@ -61,7 +61,7 @@ if _typing.TYPE_CHECKING:
     from stadium._client.pool import Client, SessionPool
     from stadium._client.session import AsyncClient
     from stadium._env.checker import check_env
-    from stadium._env.tools import ToolEnvironment, tool
+    from stadium._env.tool_env import ToolEnvironment, tool
     from stadium._env.workspace import DirEntry, RunResult, Workspace
     from stadium._server.config import ServerConfig
     from stadium._server.server import Server, ServerState, run_server
@@ -74,8 +74,8 @@ _LAZY = {
     "ConnectOptions": "stadium._client.options",
     "Client": "stadium._client.pool",
     "SessionPool": "stadium._client.pool",
-    "ToolEnvironment": "stadium._env.tools",
-    "tool": "stadium._env.tools",
+    "ToolEnvironment": "stadium._env.tool_env",
+    "tool": "stadium._env.tool_env",
     "Workspace": "stadium._env.workspace",
     "RunResult": "stadium._env.workspace",
     "DirEntry": "stadium._env.workspace",

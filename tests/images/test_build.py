@@ -12,7 +12,7 @@ import pytest
 
 from stadium import ConfigError, ServerConfig
 from stadium._server.images import build
-from stadium._server.worker import isolation_config
+from stadium._server.processes.worker import isolation_config
 
 RECIPE_ENV = Path(__file__).parents[1] / "openenv_apps" / "recipe_env"
 
@@ -93,9 +93,9 @@ def test_the_server_builds_before_it_serves(monkeypatch: pytest.MonkeyPatch) -> 
         asked.append((env_dir, base))
         return "localhost/built:1"
 
-    monkeypatch.setattr("stadium._server.worker.build_image", fake)
-    monkeypatch.setattr("stadium._server.worker.sandbox_unavailable", lambda: None)
-    monkeypatch.setattr("stadium._server.worker.seccomp_unavailable", lambda: None)
+    monkeypatch.setattr("stadium._server.processes.worker.build_image", fake)
+    monkeypatch.setattr("stadium._server.processes.worker.sandbox_unavailable", lambda: None)
+    monkeypatch.setattr("stadium._server.processes.worker.seccomp_unavailable", lambda: None)
     relative = os.path.relpath(RECIPE_ENV)
     cfg = ServerConfig(target=relative, isolation="sandbox", image="build:localhost/b:1")
     settings = isolation_config(cfg, None)

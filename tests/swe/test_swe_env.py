@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from stadium import ConfigError, SessionError, ValidationError
-from stadium._env.tools import CallToolAction
+from stadium._env.tool_env import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
 from stadium.envs.swe_grading import judge
 from tests.conftest import UNIT, proc_alive

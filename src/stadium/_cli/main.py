@@ -184,7 +184,7 @@ def check(
     if not target.startswith(("ws://", "wss://", "http://", "https://")):
         from stadium._server.config import ServerConfig
         from stadium._server.loader import load_target
-        from stadium._server.worker import startup_warnings
+        from stadium._server.processes.worker import startup_warnings
 
         served = ServerConfig(target=target)
         for warning in startup_warnings(served, load_target(target)):

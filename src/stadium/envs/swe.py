@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from stadium._env.contract import StepResult
-from stadium._env.tools import (
+from stadium._env.tool_env import (
     CallToolAction,
     ToolAction,
     ToolEnvironment,
@@ -46,7 +46,14 @@ from stadium._env.tools import (
 )
 from stadium._env.workspace import DirEntry, Workspace, current_image
 from stadium._errors import ConfigError, ExecutionError, SessionError, ValidationError
-from stadium.envs.swe_grading import GradingError, Pristine, Rules, Verdict, restore, run_tests
+from stadium.envs.swe_grading import (
+    GradingError,
+    GradingVerdict,
+    Pristine,
+    Rules,
+    restore,
+    run_tests,
+)
 
 #: The largest tasks file read.
 MAX_TASKS_BYTES = 64 << 20
@@ -414,7 +421,7 @@ class SweEnv(ToolEnvironment):
             "LANG": "C.UTF-8",
             "HOME": self.repo,
         }
-        verdict: Verdict = run_tests(
+        verdict: GradingVerdict = run_tests(
             self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env
         )
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)
