@@ -22,9 +22,9 @@ import websockets
 import stadium
 from stadium._core.access import Tenant, TenantTable
 from stadium._errors import ConfigError
+from stadium._server.admission.tenants import load_tenants
 from stadium._server.config import ServerConfig
 from stadium._server.server import Server
-from stadium._server.tenants import load_tenants
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 from tests.test_supervisor import _serve
 

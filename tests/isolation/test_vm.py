@@ -19,8 +19,8 @@ import pytest
 
 import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
-from stadium._server.isolation.vm import vm_unavailable
-from stadium._server.worker import isolation_config
+from stadium._server.isolation.worker.vm import vm_unavailable
+from stadium._server.processes.worker import isolation_config
 from tests.conftest import UNIT, serve, wait_until
 
 TARGET = f"{Path(__file__).with_name('vm_env.py')}:VmHostile"
