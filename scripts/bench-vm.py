@@ -35,8 +35,11 @@ def _port() -> int:
 
 
 def _cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # ended meanwhile (the template VM, once saved)
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -115,6 +118,7 @@ async def steady(mode: str, steps: int, idle: int, max_concurrent: int) -> dict[
             await env.reset()
             for i in range(20):
                 await env.step({"do": "echo", "arg": str(i)})
+            await asyncio.sleep(1)
             kids = _children(server.pid)
             cpu0, kid0 = _cpu(server.pid), sum(_cpu(k) for k in kids)
             t = time.perf_counter()
