@@ -502,8 +502,9 @@ class _Session:
             wire.Describe: self._describe,
         }
         encode = _Ctx.encoder.encode
+        reader = wire.FrameReader(self.sock)
         while True:
-            body = wire.recv_frame(self.sock)
+            body = reader.next()
             if body is None:
                 await self.close()
                 os._exit(0)
@@ -525,6 +526,7 @@ class _Session:
                     _send(self.sock, _raised(exc))
                     continue
                 if copy:  # this is the copy now, on its own socket: it says hello there
+                    reader = wire.FrameReader(self.sock)
                     _send(self.sock, wire.Hello())
                 continue
             try:
