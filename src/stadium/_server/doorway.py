@@ -53,7 +53,7 @@ from stadium._server.admission import Admission, Verdict, Waiter
 from stadium._server.client_counts import Keys
 from stadium._server.fair import FairAdmission
 from stadium._server.metrics import DOORS
-from stadium._server.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
+from stadium._server.tenants import CHARGED, NFIELDS, REFUSED, STEPS, TenantDirectory
 
 
 class Door(enum.IntEnum):
@@ -212,7 +212,7 @@ class Doorway:
         tenant = directory.current(tenant)
         shared, row = directory.shared, tenant.row
         if charged.counted:
-            shared.add(row, CHARGED)
+            shared.counts[(row * NFIELDS + CHARGED) * shared.width + shared.column] += 1  # add()
             if tenant.max_sessions:
                 shared.fence()  # the increment is visible before the sum is read
                 if shared.total(row, CHARGED) > tenant.max_sessions:
@@ -239,7 +239,8 @@ class Doorway:
             charged.tenant = None
             charged.bucket = None
             if charged.counted and self.tenants is not None:
-                self.tenants.shared.add(tenant.row, CHARGED, -1)
+                t = self.tenants.shared
+                t.counts[(tenant.row * NFIELDS + CHARGED) * t.width + t.column] -= 1
         record = charged.record
         if record is None:
             return
@@ -283,8 +284,9 @@ class Doorway:
         if charged is not None and charged.inherited:
             n -= charged.inherited
             charged.inherited = 0
-        if tenant is not None and n > 0 and self.tenants is not None:
-            self.tenants.shared.add(tenant.row, STEPS, n)
+        if n > 0 and tenant is not None and self.tenants is not None:
+            shared = self.tenants.shared
+            shared.counts[(tenant.row * NFIELDS + STEPS) * shared.width + shared.column] += n
 
     def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
@@ -308,10 +310,14 @@ class Doorway:
         :meth:`~stadium._server.admission.Admission.queue_error` says which).
         Raises :class:`~stadium.CapacityError` over the client's or tenant's quota
         (nothing taken)."""
-        if self.limits is None and tenant is None:
-            charged = self._free[door]
-        else:
+        if self.limits is not None:
             charged = self.enter(door, client, now, tenant=tenant)
+        elif tenant is None:
+            charged = self._free[door]
+        elif self.tenants is not None:  # enter() without a client to charge, inlined
+            charged = self._enter_tenant(self._free[door], self.tenants, tenant, now)
+        else:
+            charged = self._free[door]
         return charged, self.admission.admit(waiter, group, client, tenant)
 
     def admit_now(
