@@ -175,7 +175,7 @@ def negotiate(
         websocket=websocket,
     )  # fmt: skip
     if terms.access.tenants is not None and isinstance(decided, Upgrade):
-        tenant = terms.access.tenant_of(headers.get("authorization"))
+        tenant = terms.access.tenant_of(headers.get("authorization"))  # known: check()'s
         # decided._replace(tenant=tenant) without its Python frames (once per upgrade):
         # ``tenant`` is the last field.
         return tuple.__new__(Upgrade, (*decided[:-1], tenant))

@@ -209,8 +209,11 @@ class Doorway:
     ) -> Pass:
         if charged.record is None:  # a shared free pass: this one is the session's own
             charged = Pass(charged.door, None, charged.counted)
-        tenant = directory.current(tenant)
-        shared, row = directory.shared, tenant.row
+        row = tenant.row
+        now_is = directory.rows[row]  # directory.current(tenant), inlined (per session)
+        if now_is is not None and now_is.name == tenant.name:
+            tenant = now_is
+        shared = directory.shared
         if charged.counted:
             shared.counts[(row * NFIELDS + CHARGED) * shared.width + shared.column] += 1  # add()
             if tenant.max_sessions:
