@@ -45,8 +45,8 @@ sys.path.insert(0, str(REPO / "src"))
 from stadium._util.health import healthy  # noqa: E402
 from stadium.bench import report  # noqa: E402
 from stadium.bench.arms import Arm, free_port  # noqa: E402
+from stadium.bench.grid import BenchConfig, run  # noqa: E402
 from stadium.bench.procstat import run_time_s  # noqa: E402
-from stadium.bench.runner import BenchConfig, run  # noqa: E402
 from stadium.deploy import envoy, haproxy  # noqa: E402
 from stadium.deploy.deployment import Deployment  # noqa: E402
 

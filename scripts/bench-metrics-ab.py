@@ -13,8 +13,8 @@ import time
 
 from stadium._core.protocol import Op
 from stadium._server.config import ServerConfig
-from stadium._server.session import Session
-from stadium._server.worker import Worker
+from stadium._server.processes.worker import Worker
+from stadium._server.sessions.runner import Session
 from stadium._util.process import new_event_loop
 from stadium.bench.opcount import _Driver
 from stadium.envs.benchmark import BenchmarkEnv

@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 
-from stadium._server.isolation.netns import Networks, leftovers
+from stadium._server.isolation.worker.netns import Networks, leftovers
 
 
 def main() -> None:

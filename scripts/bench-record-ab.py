@@ -20,7 +20,7 @@ import tempfile
 CHILD = r"""
 import asyncio, sys, time
 from stadium._server.config import ServerConfig
-from stadium._server.worker import Worker
+from stadium._server.processes.worker import Worker
 from stadium._util.process import new_event_loop
 from stadium.bench.opcount import _Driver
 from stadium.envs.benchmark import BenchmarkEnv

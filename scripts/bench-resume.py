@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import stadium
 from stadium._core.resume import new_session_id, new_token
 from stadium._server.config import ServerConfig
-from stadium._server.session import Session
-from stadium._server.worker import Worker
+from stadium._server.processes.worker import Worker
+from stadium._server.sessions.runner import Session
 from stadium._util.process import new_event_loop
 from stadium.bench.opcount import _Driver
 from stadium.envs.benchmark import BenchmarkEnv

@@ -64,9 +64,9 @@ sys.path.insert(0, str(REPO / "src"))
 from stadium._util.health import healthy  # noqa: E402
 from stadium.bench import report  # noqa: E402
 from stadium.bench.arms import Arm, CpuCap  # noqa: E402
+from stadium.bench.grid import BenchConfig, run  # noqa: E402
 from stadium.bench.loadspec import ThinkModel  # noqa: E402
 from stadium.bench.procstat import run_time_s  # noqa: E402
-from stadium.bench.runner import BenchConfig, run  # noqa: E402
 from stadium.deploy.deployment import Deployment  # noqa: E402
 from stadium.deploy.haproxy import RouterOptions, render  # noqa: E402
 from tests.cluster.harness import Cluster, haproxy_servers, stop_process, wait_for  # noqa: E402

@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 
 from stadium._env.snapshot import restore_env, snapshot_env
-from stadium._server.store import DirectoryStore
+from stadium._server.durability.session_store import DirectoryStore
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv
 from stadium.envs.echo import EchoAction, EchoEnv
 from stadium.envs.tools import NotesEnv

@@ -57,9 +57,9 @@ sys.path.insert(0, str(REPO / "src"))
 from stadium._util.health import healthy  # noqa: E402
 from stadium.bench import report  # noqa: E402
 from stadium.bench.arms import Arm, CpuCap, free_port  # noqa: E402
-from stadium.bench.metrics import SUCCESS_THRESHOLD, batch_per_core, max_batch  # noqa: E402
+from stadium.bench.grid import BenchConfig, run  # noqa: E402
 from stadium.bench.procstat import run_time_s  # noqa: E402
-from stadium.bench.runner import BenchConfig, run  # noqa: E402
+from stadium.bench.stats import SUCCESS_THRESHOLD, batch_per_core, max_batch  # noqa: E402
 from stadium.deploy import envoy, haproxy  # noqa: E402
 from stadium.deploy.deployment import Deployment  # noqa: E402
 from tests.cluster.harness import Cluster, haproxy_servers, stop_process, wait_for  # noqa: E402

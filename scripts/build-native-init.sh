@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (--test: test, then build) the sandbox's native init (native/stadium-init, Rust, no dependencies) and put it beside
-# stadium/_server/isolation/child.py, where sandboxed sessions find it. Without cargo it says so
+# stadium/_server/isolation/template/child.py, where sandboxed sessions find it. Without cargo it says so
 # and exits 0: sandboxed sessions then run the same loop in a forked interpreter (~0.8 MiB more).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

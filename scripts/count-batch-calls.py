@@ -3,8 +3,8 @@
 (BENCHMARKS.md, "Batched steps through SessionPool"): a deterministic measure of the
 per-step work, where CPU times on a shared machine are noise.
 
-A :class:`~stadium._server.batch.BatchServerConnection` of 64 ``benchmark`` sessions with an
-in-memory channel, fed batch frames as the picows transport feeds them, counted with
+A :class:`~stadium._server.http.batch_socket.BatchServerConnection` of 64 ``benchmark``
+sessions with an in-memory channel, fed batch frames as the picows transport feeds them, counted with
 ``sys.setprofile`` (``call`` and ``c_call`` events; this script's own are left out). Arms:
 
 * ``plain``: calls without ids, sessions not resumable (``stadium bench``'s frame, and
@@ -31,10 +31,10 @@ from typing import Any
 import msgspec
 
 from stadium._env.spec import EnvSpec
-from stadium._server.batch import BatchServerConnection
 from stadium._server.config import ServerConfig
+from stadium._server.http.batch_socket import BatchServerConnection
 from stadium._server.loader import load_target
-from stadium._server.worker import Worker
+from stadium._server.processes.worker import Worker
 from stadium._util.process import new_event_loop
 from stadium.testing import MemoryChannel
 

@@ -26,10 +26,10 @@ import time
 
 import httpx
 
+from stadium._server.admission.doorway import Door
 from stadium._server.config import ServerConfig
-from stadium._server.doorway import Door
+from stadium._server.processes.worker import Worker
 from stadium._server.server import Server
-from stadium._server.worker import Worker
 
 TOKENS = ("token-of-tenant-one-xxxxxxxx", "token-of-tenant-two-xxxxxxxx")
 

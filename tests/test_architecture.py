@@ -46,24 +46,60 @@ def test_the_core_imports_no_integration_at_run_time() -> None:
 @pytest.mark.parametrize(
     ("where", "line", "broken"),
     [
-        ("_client/_probe.py", "import stadium._server.session", "Packages"),
+        ("_client/_probe.py", "import stadium._server.sessions.runner", "Packages"),
         ("_core/_probe.py", "import asyncio", "The protocol core does no I/O"),
         ("_server/session_probe.py", "import picows", "only the transports speak picows"),
         ("_client/_probe.py", "import prometheus_client", "The client side never loads"),
+        # A new file in a room is checked by the room it lands in (the `server` contract) ...
+        ("_server/transports/_probe.py", "import stadium._server.server", "Server rooms"),
+        ("_server/processes/_probe.py", "import stadium._server.transports", "Server rooms"),
+        ("_server/http/_probe.py", "import stadium._server.processes.worker", "Server rooms"),
+        ("_server/sessions/_probe.py", "import stadium._server.http.endpoints", "Server rooms"),
+        ("_server/isolation/_probe.py", "import stadium._server.runtime", "Server rooms"),
+        ("_server/admission/_probe.py", "import stadium._server.runtime", "Server rooms"),
+        ("_server/durability/_probe.py", "import stadium._server.admission", "Server rooms"),
+        ("_server/ledger/_probe.py", "import stadium._server.isolation", "Server rooms"),
+        ("_server/images/_probe.py", "import stadium._server.ledger", "Server rooms"),
+        # ... and a module of a room that imports upwards inside it, by the room's own contract.
+        ("+_server/processes/watchdog.py", "import stadium._server.processes.worker", "Processes:"),
+        ("+_server/http/endpoints.py", "import stadium._server.http.upgrade", "HTTP:"),
+        ("+_server/sessions/resumable.py", "import stadium._server.sessions.runner", "Sessions:"),
+        ("+_server/admission/slots.py", "import stadium._server.admission.fair", "Admission:"),
+        ("+_server/durability/session_store.py", "import stadium._server.durability.records",
+         "Durability:"),
+        ("+_server/ledger/rows.py", "import stadium._server.ledger.record", "Ledger:"),
+        ("+_server/images/refs.py", "import stadium._server.images.store", "Images:"),
+        ("+_server/transports/h11.py", "import stadium._server.transports.picows", "Transports:"),
+        # The isolation room's two sides never import each other, nor does what they share.
+        ("_server/isolation/template/_probe.py", "import stadium._server.isolation.worker.proc",
+         "Isolation: the worker's side and the env's side"),
+        ("_server/isolation/worker/_probe.py", "import stadium._server.isolation.template.child",
+         "Isolation: the worker's side and the env's side"),
+        ("+_server/isolation/sandbox.py", "import stadium._server.isolation.template.rootfs",
+         "Isolation: the worker's side and the env's side"),
+        ("+_server/isolation/worker/proc.py", "import stadium._server.isolation.worker.proxy",
+         "Isolation, the worker's side"),
+        ("+_server/isolation/template/rootfs.py", "import stadium._server.isolation.template.child",
+         "Isolation, the env's side"),
     ],
-)
+)  # fmt: skip
 def test_the_contracts_catch_a_file_by_the_folder_it_lands_in(
     tmp_path: Path, where: str, line: str, broken: str
 ) -> None:
     """A new module breaking a rule fails ``make lint`` with no list to update: a copy of the
-    package with one injected file is checked against the same contracts."""
+    package with one injected file (or, ``+`` before the path, one import appended to a module
+    of a room) is checked against the same contracts."""
     import shutil
     import subprocess
     import sys
 
     copy = tmp_path / "src" / "stadium"
     shutil.copytree(SRC, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    (copy / where).write_text(f'"""An injected import."""\n\n{line}\n')
+    if where.startswith("+"):
+        target = copy / where[1:]
+        target.write_text(f"{target.read_text()}\n{line}  # noqa: E402  (injected)\n")
+    else:
+        (copy / where).write_text(f'"""An injected import."""\n\n{line}\n')
     root = SRC.parents[1]
     lint = Path(sys.executable).with_name("lint-imports")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}

@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from stadium._core.resume import REPLAY_FRAMES, ResumeChannel
-from stadium._server.batch import BatchServerConnection
+from stadium._server.http.batch_socket import BatchServerConnection
 from stadium.testing import MemoryChannel, memory_runtime
 
 pytestmark = pytest.mark.asyncio

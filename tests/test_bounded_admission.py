@@ -16,8 +16,8 @@ import pytest
 import websockets
 from websockets.typing import Subprotocol
 
-import stadium._server.admission as admission_module
-from stadium._server.admission import Admission, LocalSlots, Verdict
+import stadium._server.admission.slots as admission_module
+from stadium._server.admission.slots import Admission, LocalSlots, Verdict
 from tests.conftest import UNIT, serve, wait_until
 
 pytestmark = pytest.mark.asyncio
@@ -34,7 +34,7 @@ def _waiter(log: list[bool]) -> Callable[[bool], None]:
 
 
 def _lines_in_admission(body: Callable[[], None]) -> int:
-    """How many lines of ``stadium._server.admission`` ``body`` executes (its work, counted
+    """How many lines of ``stadium._server.admission.slots`` ``body`` executes (its work, counted
     without a clock)."""
     count = 0
     source = admission_module.__file__

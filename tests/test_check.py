@@ -14,6 +14,15 @@ from stadium._server.loader import load_target
 from stadium.envs import BUILTIN
 
 
+def test_check_env_lives_beside_the_env_contract() -> None:
+    """Gymnasium keeps its checker beside the env; the old import path still works."""
+    from stadium._cli import check as cli_check
+    from stadium._env import checker
+
+    assert check_env is checker.check_env is cli_check.check_env
+    assert check_env.__module__ == "stadium._env.checker"
+
+
 @pytest.mark.parametrize("name", sorted(BUILTIN))
 def test_builtin_envs_pass(name: str) -> None:
     log = check_env(load_target(name))

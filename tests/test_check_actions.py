@@ -15,8 +15,9 @@ import pytest
 
 import stadium
 from stadium import EnvCheckError, Environment, State, StepResult, check_env
-from stadium._cli.check import check_server, load_actions, sample_value, schema_action
+from stadium._cli.check import check_server, load_actions
 from stadium._cli.main import main
+from stadium._env.checker import sample_value, schema_action
 from stadium._env.spec import EnvSpec
 from tests.conftest import serve
 

@@ -1,5 +1,5 @@
 """``--max-sessions-per-client`` over every worker: the shared count-min sketch
-(``stadium._server.client_counts``) in one process, raced by forked processes, and a
+(``stadium._server.admission.client_counts``) in one process, raced by forked processes, and a
 two-worker server holding a client to its quota wherever the kernel puts its
 connections."""
 
@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import websockets
 
-from stadium._server.admission import SharedSlots
-from stadium._server.client_counts import (
+from stadium._server.admission.client_counts import (
     MAX_BUCKETS,
     MIN_BUCKETS,
     SharedClientCounts,
     buckets_for,
 )
+from stadium._server.admission.slots import SharedSlots
 from tests.conftest import UNIT
 from tests.test_admission import race
 from tests.test_supervisor import _serve

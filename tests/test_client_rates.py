@@ -1,6 +1,6 @@
 """``--rate-limit`` over every worker: the sliding windows of
 ``stadium._core.limits.window_take`` (pure, time passed in), their shared table
-(``stadium._server.client_counts.SharedClientRates``), and a two-worker server holding a
+(``stadium._server.admission.client_counts.SharedClientRates``), and a two-worker server holding a
 client to the node-wide rate wherever the kernel puts its connections."""
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import time
 import pytest
 
 from stadium._core.limits import COUNT_BITS, window_take
-from stadium._server.admission import SharedSlots
-from stadium._server.client_counts import (
+from stadium._server.admission.client_counts import (
     MAX_RATE_BUCKETS,
     MIN_RATE_BUCKETS,
     SharedClientRates,
     rate_buckets_for,
 )
+from stadium._server.admission.slots import SharedSlots
 from tests.conftest import UNIT
 from tests.test_supervisor import _serve
 

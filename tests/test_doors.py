@@ -26,7 +26,7 @@ from websockets.typing import Subprotocol
 from stadium._core.limits import ClientLimits
 from stadium._core.resume import SESSION_HEADER, TOKEN_HEADER, owner_pid
 from stadium._errors import CapacityError
-from stadium._server.doorway import Door
+from stadium._server.admission.doorway import Door
 from stadium._server.metrics import DOORS
 from stadium._server.runtime import CLOSE_TRY_AGAIN_LATER
 from stadium.testing import memory_runtime

@@ -27,7 +27,7 @@ import stadium
 from stadium._core.resume import TOKEN_HEADER, ResumeChannel, new_session_id, new_token
 from stadium._env.snapshot import _envelope
 from stadium._errors import ConfigError, ResumeError
-from stadium._server.durable import (
+from stadium._server.durability.records import (
     INLINE_BYTES,
     RECORD_VERSION,
     Durable,
@@ -35,7 +35,7 @@ from stadium._server.durable import (
     read_key_file,
     token_digest,
 )
-from stadium._server.store import DirectoryStore
+from stadium._server.durability.session_store import DirectoryStore
 from stadium.envs.benchmark import BenchmarkEnv
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from stadium import AsyncClient, Environment, State, StepResult
-from stadium._server.pool import MAX_AUTO_THREADS, ElasticPool, auto_limit
+from stadium._server.thread_pool import MAX_AUTO_THREADS, ElasticPool, auto_limit
 from tests.conftest import UNIT, serve, wait_until
 
 _HANG = threading.Event()

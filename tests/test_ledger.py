@@ -569,3 +569,32 @@ async def test_an_isolated_episode_costs_its_process_cpu_and_peak_memory(
     assert lean.cpu_s >= 0.02 - 1e-6
     assert hog.peak_rss_bytes >= 100 << 20
     assert lean.peak_rss_bytes < 100 << 20
+
+
+def test_cgroup_v2_peak_is_read_through_the_descriptor_its_reset_wrote_to(
+    tmp_path: Path,
+) -> None:
+    """v2's ``memory.peak`` restarts for one open file (Linux ≥ 6.12): the session's
+    Cgroup keeps it open from the reset, writes to it, and reads the peak through it (a
+    plain file stands in for the cgroup's here: this host runs cgroup v1)."""
+    from stadium._server.ledger.usage import Cgroup
+
+    (tmp_path / "cpu.stat").write_bytes(b"usage_usec 2500000\n")
+    peak = tmp_path / "memory.peak"
+    peak.write_bytes(b"")
+    cgroup = Cgroup([str(tmp_path)])
+    assert cgroup.cpu_seconds() == 2.5
+    assert cgroup.peak_bytes() is None  # no descriptor yet: nothing read
+    cgroup.reset_peak()
+    assert peak.read_bytes() == b"reset\n"  # written through the descriptor
+    fd = cgroup.peak_fd
+    peak.write_bytes(b"104857600\n")  # the kernel's answer to that descriptor's reads
+    assert cgroup.peak_bytes() == 100 << 20
+    cgroup.reset_peak()
+    assert cgroup.peak_fd == fd  # one descriptor for the session's episodes
+    cgroup.close()
+    assert cgroup.peak_bytes() is None
+    gone = Cgroup([str(tmp_path / "missing")])
+    gone.reset_peak()  # an older kernel's (read-only) or a missing memory.peak: not read
+    assert gone.peak is None
+    assert gone.peak_bytes() is None

@@ -15,9 +15,9 @@ import websockets
 from stadium import Environment, State, StepResult
 from stadium._core.limits import ClientLimits, TokenBucket, client_address
 from stadium._errors import CapacityError, RateLimitError
-from stadium._server.endpoints import HttpEndpoints
+from stadium._server.http.endpoints import HttpEndpoints
 from stadium._server.runtime import CLOSE_TRY_AGAIN_LATER
-from stadium._server.session import Session
+from stadium._server.sessions.runner import Session
 from stadium.testing import MemoryChannel, memory_runtime
 from tests.conftest import TRANSPORTS, UNIT, serve
 

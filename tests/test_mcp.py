@@ -21,7 +21,7 @@ import websockets
 
 import stadium
 from stadium._core import mcp as _mcp
-from stadium._env.tools import CallToolAction, ListToolsAction, compile_tools
+from stadium._env.tool_env import CallToolAction, ListToolsAction, compile_tools
 from stadium.envs.tools import NotesEnv
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 

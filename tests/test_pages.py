@@ -25,7 +25,7 @@ import pytest_asyncio
 import stadium
 from stadium import AsyncClient
 from stadium.bench import report
-from stadium.bench.results import PointKey, PointSettings, SessionRecord, summarize
+from stadium.bench.results import PointKey, PointSettings, SessionResult, summarize
 from tests.conftest import TRANSPORTS, UNIT, serve
 
 CHROMIUM = os.environ.get("STADIUM_CHROMIUM", "/usr/bin/chromium")
@@ -409,7 +409,7 @@ def _rows(tmp: Path) -> list[dict[str, Any]]:
     summaries = []
     for n in (4, 8):
         recs = [
-            SessionRecord(
+            SessionResult(
                 index=i, ok=True, start=0.0, end=0.1, connect_s=0.001, reset_s=0.002,
                 step_s=[0.01, 0.012], close_s=0.001, total_s=0.05 + i / 1000, host="node1",
             )

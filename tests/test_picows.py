@@ -283,7 +283,7 @@ async def test_ended_sessions_leave_no_reference_cycles() -> None:
     (a soak of churning sessions grew a worker by ~130 MB in 5 minutes)."""
     import gc
 
-    from stadium._server.session import Session
+    from stadium._server.sessions.runner import Session
 
     def alive() -> int:
         return sum(isinstance(o, Session | _SessionListener) for o in gc.get_objects())

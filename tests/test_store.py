@@ -1,4 +1,5 @@
-"""The session store (``stadium._server.store``): atomic writes, safe keys, sweep, permissions."""
+"""The session store (``stadium._server.durability.session_store``): atomic writes, safe keys,
+sweep, permissions."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from stadium._errors import ConfigError
 from stadium._server import config as config_module
 from stadium._server.config import default_session_store
-from stadium._server.store import (
+from stadium._server.durability.session_store import (
     DirectoryStore,
     SessionStore,
     acl_grants_write,

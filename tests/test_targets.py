@@ -112,7 +112,7 @@ def _stadium_serve(args: list[str], cwd: Path) -> Iterator[str]:
     ) as proc:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 30 * UNIT
+            deadline = time.monotonic() + 120 * UNIT  # it imports openenv (gradio, pandas)
             while True:
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=UNIT):

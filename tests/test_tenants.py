@@ -25,11 +25,9 @@ from stadium._core.access import AccessPolicy, Refusal, Tenant, TenantBook, Tena
 from stadium._core.handshake import MSGPACK_SUBPROTOCOL, Terms, Upgrade, _negotiate, negotiate
 from stadium._core.protocol import Encoding
 from stadium._errors import ConfigError
-from stadium._server.admission import LocalSlots
-from stadium._server.config import ServerConfig
-from stadium._server.fair import FairAdmission
-from stadium._server.server import Server
-from stadium._server.tenants import (
+from stadium._server.admission.fair import FairAdmission
+from stadium._server.admission.slots import LocalSlots
+from stadium._server.admission.tenants import (
     HELD,
     OPENED,
     WAIT_BUCKETS,
@@ -39,6 +37,8 @@ from stadium._server.tenants import (
     TenantDirectory,
     load_tenants,
 )
+from stadium._server.config import ServerConfig
+from stadium._server.server import Server
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 from tests.test_supervisor import _serve
 

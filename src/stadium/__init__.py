@@ -57,11 +57,11 @@ from stadium._errors import (
 from stadium._version import __version__
 
 if _typing.TYPE_CHECKING:
-    from stadium._cli.check import check_env
     from stadium._client.options import ConnectOptions
     from stadium._client.pool import Client, SessionPool
     from stadium._client.session import AsyncClient
-    from stadium._env.tools import ToolEnvironment, tool
+    from stadium._env.checker import check_env
+    from stadium._env.tool_env import ToolEnvironment, tool
     from stadium._env.workspace import DirEntry, RunResult, Workspace
     from stadium._server.config import ServerConfig
     from stadium._server.server import Server, ServerState, run_server
@@ -74,8 +74,8 @@ _LAZY = {
     "ConnectOptions": "stadium._client.options",
     "Client": "stadium._client.pool",
     "SessionPool": "stadium._client.pool",
-    "ToolEnvironment": "stadium._env.tools",
-    "tool": "stadium._env.tools",
+    "ToolEnvironment": "stadium._env.tool_env",
+    "tool": "stadium._env.tool_env",
     "Workspace": "stadium._env.workspace",
     "RunResult": "stadium._env.workspace",
     "DirEntry": "stadium._env.workspace",
@@ -85,7 +85,7 @@ _LAZY = {
     "run_server": "stadium._server.server",
     "AsgiApp": "stadium._server.transports.asgi",
     "asgi_app": "stadium._server.transports.asgi",
-    "check_env": "stadium._cli.check",
+    "check_env": "stadium._env.checker",
     "launch": "stadium.deploy.launch",
 }
 

@@ -104,7 +104,7 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
     return run_sync(coro)
 
 
-class _Session:
+class _GymSession:
     """One remote session and the conversions between wire values and space values."""
 
     def __init__(
@@ -198,7 +198,7 @@ class RemoteEnv(gymnasium.Env[Any, Any]):
         client: AsyncClient[Any] = AsyncClient(
             url, msgpack=msgpack, action_encoder=_encoder(msgpack), **client_kwargs
         )
-        self._session = _Session(client, info, msgpack)
+        self._session = _GymSession(client, info, msgpack)
         self._closed = False
 
     def reset(
@@ -254,18 +254,18 @@ class RemoteVectorEnv(VectorEnv[Any, Any, Any]):
         self._pool: SessionPool[Any] = SessionPool(
             url, num_envs, msgpack=msgpack, action_encoder=_encoder(msgpack), **client_kwargs
         )
-        self._open_sessions: list[_Session] | None = None
+        self._open_sessions: list[_GymSession] | None = None
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
         self._obs: Any = create_empty_array(self.single_observation_space, num_envs)
         self._env_obs: list[Any] = [None] * num_envs
 
     @property
-    def _sessions(self) -> list[_Session]:
+    def _sessions(self) -> list[_GymSession]:
         """The sessions, the pool opened on first use (it then chooses batching or not)."""
         if self._open_sessions is None:
             _run(self._pool.open())
             self._open_sessions = [
-                _Session(c, self._info, self._msgpack) for c in self._pool.clients
+                _GymSession(c, self._info, self._msgpack) for c in self._pool.clients
             ]
         return self._open_sessions
 

@@ -1,6 +1,6 @@
 """Test helpers: drive a server's sessions in memory, with no sockets.
 
-A transport gives each :class:`~stadium._server.session.Session` a channel with two
+A transport gives each :class:`~stadium._server.sessions.runner.Session` a channel with two
 methods, ``send(frame)`` and ``close(code, reason)``. :class:`MemoryChannel` is
 that channel in memory, so a test (or a benchmark that counts calls) can feed a
 session frames and read its replies exactly as the picows and ASGI transports
@@ -24,9 +24,9 @@ from typing import Any
 from stadium._core.protocol import Encoding
 from stadium._env.contract import Environment
 from stadium._server.config import ServerConfig
+from stadium._server.processes.worker import Worker
 from stadium._server.runtime import Runtime
-from stadium._server.session import Session
-from stadium._server.worker import Worker
+from stadium._server.sessions.runner import Session
 
 
 class MemoryChannel:

@@ -19,21 +19,21 @@ from stadium._errors import ConfigError
 from stadium.bench import report, run_ramp
 from stadium.bench._cli import bench, ramp
 from stadium.bench.arms import FLOOR_SCRIPT, Arm, free_port, spawn_server, wait_healthy
-from stadium.bench.batch import _check_reply, _entry_failure, _Result, batch_body
+from stadium.bench.batched import _BatchResult, _check_reply, _entry_failure, batch_body
+from stadium.bench.bench_options import GridOptions, RampOptions
 from stadium.bench.goals import GOALS, Ramp, run_goals
 from stadium.bench.loadgen import load
 from stadium.bench.loadspec import LoadSpec
-from stadium.bench.metrics import ErrorKind
-from stadium.bench.options import GridOptions, RampOptions
 from stadium.bench.results import (
     PointKey,
     PointSettings,
     ServerStats,
-    SessionRecord,
+    SessionResult,
     columns,
     summarize,
 )
 from stadium.bench.sessions import Fail
+from stadium.bench.stats import ErrorKind
 
 TINY = {"deadline_s": 120.0, "progress": False, "settle_s": 0.0}
 
@@ -133,7 +133,7 @@ def test_batch_frames() -> None:
         _check_reply(msgspec.json.encode(refused), 1)
     with pytest.raises(Fail, match="unreadable"):
         _check_reply(b"{", 1)
-    assert _entry_failure(_Result("observation")) is None
+    assert _entry_failure(_BatchResult("observation")) is None
 
 
 # ------------------------------------------------------- summary and goals
@@ -141,7 +141,7 @@ def test_batch_frames() -> None:
 
 def test_summary_of_a_batched_point() -> None:
     records = [
-        SessionRecord(index=i, ok=True, start=0.0, end=2.0, reset_s=0.01, step_s=[0.001] * 10,
+        SessionResult(index=i, ok=True, start=0.0, end=2.0, reset_s=0.01, step_s=[0.001] * 10,
                       total_s=2.0)
         for i in range(8)
     ]  # fmt: skip
@@ -248,7 +248,7 @@ def test_the_floor_refuses_batches(tmp_path: Path) -> None:
 
 
 def _serves_batches() -> bool:
-    return importlib.util.find_spec("stadium._server.batch") is not None
+    return importlib.util.find_spec("stadium._server.http.batch_socket") is not None
 
 
 @pytest.mark.slow

@@ -23,9 +23,9 @@ from stadium._errors import ConfigError
 from stadium.bench import report
 from stadium.bench._cli import bench
 from stadium.bench.arms import Arm, CpuCap, endpoint_weights, spawn_server
+from stadium.bench.grid import BenchConfig, run
 from stadium.bench.loadspec import LoadSpec, spread, ws_urls
-from stadium.bench.results import PointKey, PointSettings, SessionRecord, summarize
-from stadium.bench.runner import BenchConfig, run
+from stadium.bench.results import PointKey, PointSettings, SessionResult, summarize
 from stadium.deploy.deployment import Deployment
 from tests.conftest import UNIT
 
@@ -160,9 +160,9 @@ def test_a_dead_url_prints_the_cause_and_exits_non_zero(tmp_path: Path) -> None:
 
 
 def test_failure_text_names_the_commonest_kinds_with_an_example() -> None:
-    recs = [SessionRecord(index=i, ok=True) for i in range(2)]
-    recs += [SessionRecord(index=2 + i, error="timeout", detail=f"t{i}") for i in range(3)]
-    recs += [SessionRecord(index=9, error="capacity", detail="CAPACITY_REACHED: full")]
+    recs = [SessionResult(index=i, ok=True) for i in range(2)]
+    recs += [SessionResult(index=2 + i, error="timeout", detail=f"t{i}") for i in range(3)]
+    recs += [SessionResult(index=9, error="capacity", detail="CAPACITY_REACHED: full")]
     s = summarize(PointKey("a", 6, 0.0, 0), recs, PointSettings())
     assert s.failures == "66.7 % failed: timeout (3): t0; capacity (1): CAPACITY_REACHED: full"
     assert summarize(PointKey("a", 2, 0.0, 0), recs[:2], PointSettings()).failures == ""
@@ -247,8 +247,8 @@ def test_unknown_capacity_means_equal_weights() -> None:
 
 
 def test_sessions_per_host_in_the_summary_report_and_table(tmp_path: Path) -> None:
-    recs = [SessionRecord(index=i, ok=True, host=f"node{1 + i % 3}") for i in range(7)]
-    recs.append(SessionRecord(index=7, error="refused", detail="x"))
+    recs = [SessionResult(index=i, ok=True, host=f"node{1 + i % 3}") for i in range(7)]
+    recs.append(SessionResult(index=7, error="refused", detail="x"))
     s = summarize(PointKey("url", 8, 1.0, 0), recs, PointSettings())
     assert s.unique_hosts == 3
     assert json.loads(s.sessions_per_host) == {"node1": 3, "node2": 2, "node3": 2}

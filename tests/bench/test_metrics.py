@@ -9,20 +9,20 @@ from collections import Counter
 import pytest
 
 from stadium._errors import ConfigError
-from stadium.bench import metrics, report
+from stadium.bench import report, stats
 from stadium.bench.arms import Arm, parse_cpus, parse_size
 from stadium.bench.loadspec import PORTS_PER_SOURCE, LoadSpec, ThinkModel, source_address
-from stadium.bench.metrics import ErrorKind
 from stadium.bench.results import (
     PointKey,
     PointSettings,
     ServerStats,
-    SessionRecord,
+    SessionResult,
     columns,
     error_column,
     summarize,
 )
 from stadium.bench.sessions import bound_socket
+from stadium.bench.stats import ErrorKind
 
 
 @pytest.mark.parametrize(
@@ -40,60 +40,60 @@ from stadium.bench.sessions import bound_socket
     ],
 )
 def test_percentile_is_nearest_rank(values: list[float], p: float, expected: float) -> None:
-    assert metrics.percentile(values, p) == expected
+    assert stats.percentile(values, p) == expected
 
 
 def test_percentile_edges() -> None:
-    assert metrics.percentile([], 50) is None
+    assert stats.percentile([], 50) is None
     with pytest.raises(ValueError, match="percentile"):
-        metrics.percentile([1.0], 101)
-    q = metrics.Quantiles.of([4.0, 1.0, 3.0, 2.0])
+        stats.percentile([1.0], 101)
+    q = stats.Quantiles.of([4.0, 1.0, 3.0, 2.0])
     assert (q.p50, q.p90, q.p99, q.max) == (2.0, 4.0, 4.0, 4.0)
-    assert metrics.Quantiles.of([]).max is None
+    assert stats.Quantiles.of([]).max is None
 
 
 def test_max_batch_needs_every_rep_at_95_percent() -> None:
     rates = {32: [1.0, 1.0, 1.0], 128: [0.95, 1.0, 0.99], 512: [1.0, 0.94, 1.0], 2048: [0.2]}
-    assert metrics.max_batch(rates) == 128
-    assert metrics.max_batch({32: [0.5]}) == 0
-    assert metrics.max_batch({}) == 0
-    assert metrics.max_batch({64: []}) == 0
+    assert stats.max_batch(rates) == 128
+    assert stats.max_batch({32: [0.5]}) == 0
+    assert stats.max_batch({}) == 0
+    assert stats.max_batch({64: []}) == 0
     # the study's rule is "largest N that holds", not "last N before the first failure"
-    assert metrics.max_batch({32: [0.9], 64: [1.0]}) == 64
+    assert stats.max_batch({32: [0.9], 64: [1.0]}) == 64
 
 
 def test_holds_threshold_is_inclusive() -> None:
-    assert metrics.holds(0.95)
-    assert metrics.holds(19 / 20)
-    assert not metrics.holds(0.9499)
-    assert metrics.collapsed(0.94)
-    assert not metrics.collapsed(1.0)
-    assert metrics.collapsed(1.0, oom=True)
-    assert metrics.collapsed(1.0, deadline_hit=True)
+    assert stats.holds(0.95)
+    assert stats.holds(19 / 20)
+    assert not stats.holds(0.9499)
+    assert stats.collapsed(0.94)
+    assert not stats.collapsed(1.0)
+    assert stats.collapsed(1.0, oom=True)
+    assert stats.collapsed(1.0, deadline_hit=True)
 
 
 def test_inflation_and_ideal() -> None:
-    assert metrics.ideal_total(1.0, 3, 0.5) == 4.5
-    assert metrics.inflation(9.0, 4.5) == 2.0
-    assert metrics.inflation(1.0, 0.0) is None
-    assert metrics.inflation(None, 1.0) is None
+    assert stats.ideal_total(1.0, 3, 0.5) == 4.5
+    assert stats.inflation(9.0, 4.5) == 2.0
+    assert stats.inflation(1.0, 0.0) is None
+    assert stats.inflation(None, 1.0) is None
 
 
 def test_concurrency_and_rates() -> None:
     iv = [(0.0, 1.0), (0.0, 1.0), (0.5, 1.0)]
-    assert metrics.effective_concurrency(iv) == 2.5
-    assert metrics.effective_concurrency([]) == 0.0
-    assert metrics.peak_open(iv) == 3
-    assert metrics.peak_open([(0.0, 1.0), (1.0, 2.0)]) == 1  # back to back: one slot
-    assert metrics.batch_per_core(512, 2.0) == 256.0
+    assert stats.effective_concurrency(iv) == 2.5
+    assert stats.effective_concurrency([]) == 0.0
+    assert stats.peak_open(iv) == 3
+    assert stats.peak_open([(0.0, 1.0), (1.0, 2.0)]) == 1  # back to back: one slot
+    assert stats.batch_per_core(512, 2.0) == 256.0
     with pytest.raises(ValueError, match="cores"):
-        metrics.batch_per_core(1, 0)
-    assert metrics.per_unit(0.5, 1000, 1e6) == 500.0
-    assert metrics.per_unit(None, 10) is None
-    assert metrics.per_unit(1.0, 0) is None
-    assert metrics.ratio(2.0, 4.0) == 0.5
-    assert metrics.ratio(1.0, 0.0) is None
-    assert metrics.success_rate(0, 0) == 0.0
+        stats.batch_per_core(1, 0)
+    assert stats.per_unit(0.5, 1000, 1e6) == 500.0
+    assert stats.per_unit(None, 10) is None
+    assert stats.per_unit(1.0, 0) is None
+    assert stats.ratio(2.0, 4.0) == 0.5
+    assert stats.ratio(1.0, 0.0) is None
+    assert stats.success_rate(0, 0) == 0.0
 
 
 def test_think_model_and_deadline() -> None:
@@ -148,8 +148,8 @@ def test_parsers() -> None:
         Arm.parse("url")
 
 
-def _ok(i: int, total: float, steps: list[float], pid: int = 1) -> SessionRecord:
-    return SessionRecord(
+def _ok(i: int, total: float, steps: list[float], pid: int = 1) -> SessionResult:
+    return SessionResult(
         index=i, ok=True, start=0.0, end=total, connect_s=0.01, reset_s=0.001,
         step_s=steps, close_s=0.001, total_s=total, pid=pid, host="h",
     )  # fmt: skip
@@ -157,8 +157,8 @@ def _ok(i: int, total: float, steps: list[float], pid: int = 1) -> SessionRecord
 
 def test_summarize_counts_errors_and_latencies() -> None:
     records = [_ok(i, 1.0 + i / 100, [1.0, 1.0], pid=100 + i % 2) for i in range(18)]
-    records.append(SessionRecord(index=18, error=ErrorKind.TIMEOUT.value, start=0.0, end=2.0))
-    records.append(SessionRecord(index=19, error=ErrorKind.CAPACITY.value, start=0.0, end=0.1))
+    records.append(SessionResult(index=18, error=ErrorKind.TIMEOUT.value, start=0.0, end=2.0))
+    records.append(SessionResult(index=19, error=ErrorKind.CAPACITY.value, start=0.0, end=0.1))
     s = summarize(
         PointKey("floor", 20, 0.5, 0),
         records,
@@ -196,9 +196,9 @@ def test_summarize_empty_point() -> None:
 def test_error_columns_are_the_error_kinds() -> None:
     """ErrorKind is the one list of failure kinds: summary.csv and the report follow it."""
     kinds = [k for k in ErrorKind if k is not ErrorKind.NONE]
-    assert list(metrics.ERROR_KINDS) == kinds
+    assert list(stats.ERROR_KINDS) == kinds
     assert [c for c in columns() if c.startswith("err_")] == [f"err_{k.value}" for k in kinds]
-    records = [SessionRecord(index=i, error=k.value) for i, k in enumerate(kinds)]
+    records = [SessionResult(index=i, error=k.value) for i, k in enumerate(kinds)]
     row = summarize(PointKey("x", len(kinds), 0.0, 0), records, PointSettings()).as_row()
     assert all(row[error_column(k)] == 1 for k in kinds)
     assert report.errors_text([row, row]) == " ".join(f"{k.value}:2" for k in kinds)

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from stadium.bench import runner
+from stadium.bench import grid
 from stadium.bench._cli import bench, ramp
+from stadium.bench.bench_options import RampOptions
 from stadium.bench.goals import RAMPS, run_goals
-from stadium.bench.options import RampOptions
 from stadium.bench.results import columns
 
 EVERYTHING = RampOptions(
@@ -71,13 +71,13 @@ def test_the_ramp_command_runs_the_config_of_its_options(
     options: RampOptions, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     options = dataclasses.replace(options, output_dir=tmp_path)
-    seen: list[runner.BenchConfig] = []
+    seen: list[grid.BenchConfig] = []
 
-    def fake_run(config: runner.BenchConfig) -> Path:
+    def fake_run(config: grid.BenchConfig) -> Path:
         seen.append(config)
         return tmp_path / "report.md"
 
-    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr(grid, "run", fake_run)
     result = CliRunner().invoke(bench, ["ramp", *options.argv()])
     assert result.exit_code == 0, result.output
     assert seen == [options.config()]
@@ -86,16 +86,16 @@ def test_the_ramp_command_runs_the_config_of_its_options(
 def test_goals_run_each_ramp_in_process_with_its_command(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    seen: list[runner.BenchConfig] = []
+    seen: list[grid.BenchConfig] = []
 
-    def fake_run(config: runner.BenchConfig) -> Path:
+    def fake_run(config: grid.BenchConfig) -> Path:
         seen.append(config)
         config.output_dir.mkdir(parents=True)
         with (config.output_dir / "summary.csv").open("w", newline="") as fh:
             csv.DictWriter(fh, fieldnames=columns()).writeheader()
         return config.output_dir / "report.md"
 
-    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr(grid, "run", fake_run)
     run_goals(tmp_path, only=["per_step", "burst_openenv"], arms=["stadium", "openenv"])
     per_step = dataclasses.replace(
         RAMPS["per_step"].options, arms=("stadium", "openenv"), output_dir=tmp_path / "per_step"
@@ -118,14 +118,14 @@ def test_goals_command_runs_the_ramps_it_is_given(
 ) -> None:
     seen: list[list[str]] = []
 
-    def fake_run(config: runner.BenchConfig) -> Path:
+    def fake_run(config: grid.BenchConfig) -> Path:
         seen.append([a.name for a in config.arm_list()])
         config.output_dir.mkdir(parents=True)
         with (config.output_dir / "summary.csv").open("w", newline="") as fh:
             csv.DictWriter(fh, fieldnames=columns()).writeheader()
         return config.output_dir / "report.md"
 
-    monkeypatch.setattr(runner, "run", fake_run)
+    monkeypatch.setattr(grid, "run", fake_run)
     args = ["goals", "--only", "per_step", "--only", "burst_32768", "--arm", "floor",
             "--output-dir", str(tmp_path)]  # fmt: skip
     result = CliRunner().invoke(bench, args)
@@ -138,7 +138,7 @@ def test_goals_command_runs_the_ramps_it_is_given(
 
 def test_no_bench_module_imports_the_command_line() -> None:
     """The command line imports the harness, never the other way round."""
-    bench_dir = Path(runner.__file__).parent
+    bench_dir = Path(grid.__file__).parent
     for path in bench_dir.glob("*.py"):
         if path.name == "_cli.py":
             continue

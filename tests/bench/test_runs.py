@@ -107,14 +107,14 @@ def test_connect_window_bounds_connects_in_flight(
 
 async def test_http_mode_from_the_default_and_a_chosen_source_address() -> None:
     from stadium.bench.arms import spawn_server
-    from stadium.bench.results import SessionRecord
+    from stadium.bench.results import SessionResult
     from stadium.bench.sessions import HttpConnection, Plan, run_session
 
     with spawn_server("benchmark", "--log-level", "warning") as (_, url):
         spec = LoadSpec(url=url.replace("http", "ws") + "/ws", sessions=2,
                         wait_s=0.0, steps=2, mode="http")  # fmt: skip
         plan = Plan.of(spec, time.monotonic())
-        records = [SessionRecord(index=0), SessionRecord(index=1, source="127.0.0.3")]
+        records = [SessionResult(index=0), SessionResult(index=1, source="127.0.0.3")]
         for rec in records:
             await run_session(rec, HttpConnection(spec.url, rec.source), plan)
     assert all(r.ok for r in records), [r.detail for r in records]
@@ -232,7 +232,7 @@ def test_compare_against_a_git_ref(tmp_path: Path) -> None:
 
 def test_url_arm_with_server_pid(tmp_path: Path, floor_server: tuple[str, int]) -> None:
     from stadium.bench.arms import Arm
-    from stadium.bench.runner import BenchConfig, run
+    from stadium.bench.grid import BenchConfig, run
 
     floor, pid = floor_server
     cfg = BenchConfig(

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from stadium.bench._cli import bench
 from stadium.bench.procstat import count_fds, tree_figures
-from stadium.bench.results import SessionRecord
+from stadium.bench.results import SessionResult
 from stadium.bench.sessions import SoakTally
 from stadium.bench.soak import SoakRow, summarize
 
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.slow
 
 def test_tally_counts_failed_steps_not_failed_connects() -> None:
     tally = SoakTally()
-    tally.add(SessionRecord(index=0, ok=True, reset_s=0.1, step_s=[0.1, 0.2]), 2)
-    tally.add(SessionRecord(index=1, error="refused"), 2)  # never got a session
-    tally.add(SessionRecord(index=2, error="disconnected", reset_s=0.1, step_s=[0.1]), 2)
-    tally.add(SessionRecord(index=3, error="timeout", reset_s=0.1, step_s=[0.1, 0.1]), 2)  # close
+    tally.add(SessionResult(index=0, ok=True, reset_s=0.1, step_s=[0.1, 0.2]), 2)
+    tally.add(SessionResult(index=1, error="refused"), 2)  # never got a session
+    tally.add(SessionResult(index=2, error="disconnected", reset_s=0.1, step_s=[0.1]), 2)
+    tally.add(SessionResult(index=3, error="timeout", reset_s=0.1, step_s=[0.1, 0.1]), 2)  # close
     assert (tally.sessions_ok, tally.sessions_failed) == (1, 3)
     assert (tally.steps_ok, tally.steps_failed) == (5, 1)
     assert tally.errors == {"refused": 1, "disconnected": 1, "timeout": 1}

@@ -232,7 +232,9 @@ def test_stadium_serve_an_app_target_and_an_env_directory() -> None:
     cwd = os.getcwd()
     os.chdir(APPS)
     try:
-        with spawn_server("coding_env.server.app:app", "--log-level", "warning") as (_, url):
+        with spawn_server(
+            "coding_env.server.app:app", "--log-level", "warning", timeout=120 * UNIT
+        ) as (_, url):
             out = subprocess.run(
                 [sys.executable, "-c", code, url], capture_output=True, text=True,
                 timeout=120 * UNIT, cwd=APPS,
@@ -241,7 +243,7 @@ def test_stadium_serve_an_app_target_and_an_env_directory() -> None:
         os.chdir(cwd)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "4"
-    with spawn_server(ECHO, "--log-level", "warning") as (_, url):
+    with spawn_server(ECHO, "--log-level", "warning", timeout=120 * UNIT) as (_, url):
         reply = httpx.post(url + "/step", json={"action": {"message": "hi"}}, timeout=30 * UNIT)
         assert reply.json()["observation"]["echoed_message"] == "hi"
         assert httpx.get(url + "/health").json()["max_sessions"] == 8

@@ -23,10 +23,10 @@ import pytest
 
 import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
-from stadium._server.isolation import child as child_module
 from stadium._server.isolation import sandbox_unavailable
-from stadium._server.isolation import seccomp as seccomp_module
-from stadium._server.isolation.child import NATIVE_INIT, native_init
+from stadium._server.isolation.template import child as child_module
+from stadium._server.isolation.template import seccomp as seccomp_module
+from stadium._server.isolation.template.child import NATIVE_INIT, native_init
 from tests.conftest import UNIT, serve, wait_until
 from tests.isolation.neighbours import stepping
 

@@ -20,8 +20,8 @@ import pytest
 import websockets
 
 import stadium
-from stadium._server import resumable
 from stadium._server.isolation import sandbox_unavailable
+from stadium._server.sessions import resumable
 from stadium._util.throttle import Throttle
 from tests.conftest import UNIT, serve, wait_until
 from tests.test_durable import _Server

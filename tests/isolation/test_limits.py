@@ -17,13 +17,13 @@ import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._cli.main import cli
 from stadium._server.isolation import Limits, sandbox_unavailable
-from stadium._server.isolation.manifest import (
+from stadium._server.isolation.worker.manifest import (
     find_manifest,
     limits_for,
     read_manifest,
     unenforced,
 )
-from stadium._server.worker import startup_warnings
+from stadium._server.processes.worker import startup_warnings
 from tests.conftest import UNIT, serve, wait_until
 
 EPISODIC = Path(__file__).with_name("episodic.py")

@@ -23,7 +23,7 @@ import pytest
 import stadium
 from stadium import ConfigError
 from stadium._server.isolation import sandbox_unavailable
-from stadium._server.isolation.netns import (
+from stadium._server.isolation.worker.netns import (
     LEASES,
     Networks,
     host_addresses,
@@ -190,7 +190,7 @@ async def test_an_allowed_name_is_resolved_at_start_into_the_sandbox_hosts_file(
     """The worker resolves the name when the session starts (here a resolver that knows
     the outside host; the machine's DNS is not asked); the sandbox reads it from its
     read-only ``/etc/hosts``, with no DNS of its own."""
-    from stadium._server.isolation import netns
+    from stadium._server.isolation.worker import netns
 
     asked: list[str] = []
 
@@ -269,7 +269,7 @@ async def test_no_network_by_default(outside: Outside) -> None:
 def test_a_dead_workers_networks_are_swept() -> None:
     crash = (
         "import os\n"
-        "from stadium._server.isolation.netns import Networks\n"
+        "from stadium._server.isolation.worker.netns import Networks\n"
         "nets = Networks('public', (), 'w')\n"
         "nets.create(); nets.create()\n"
         "print(os.getpid(), flush=True)\n"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stadium._server.isolation.reaper import Reaper
 from stadium._server.isolation.sandbox import Cgroups, Limits, sandbox_unavailable
+from stadium._server.isolation.worker.reaper import Reaper
 from tests.conftest import UNIT
 
 WHY_NO_SANDBOX = sandbox_unavailable()

@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 
 import stadium
-from stadium._server.isolation import output as output_module
 from stadium._server.isolation import sandbox_unavailable
-from stadium._server.isolation.output import escape
 from stadium._server.isolation.sandbox import UID_BASE, UidLease
-from stadium._server.isolation.seccomp import seccomp_unavailable
+from stadium._server.isolation.template.seccomp import seccomp_unavailable
+from stadium._server.isolation.worker import output as output_module
+from stadium._server.isolation.worker.output import escape
 from tests.conftest import UNIT, serve, wait_until
 from tests.isolation.neighbours import stepping
 

@@ -30,7 +30,7 @@ import websockets
 import stadium
 from stadium import ErrorCode
 from stadium._server.isolation import sandbox_unavailable
-from stadium._server.isolation.seccomp import seccomp_unavailable
+from stadium._server.isolation.template.seccomp import seccomp_unavailable
 from tests.conftest import serve
 from tests.isolation.test_isolation_serve import _workers
 from tests.test_durable import _Server

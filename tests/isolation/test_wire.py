@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from stadium import ConfigError, EnvProtocolError, ErrorCode
 from stadium._server.isolation import Limits, wire
-from stadium._server.isolation.proc import EnvProcess, Gone, WireStats, foreign_error
 from stadium._server.isolation.sandbox import UidLease, bwrap_argv
+from stadium._server.isolation.worker.proc import EnvProcess, Gone, WireStats, foreign_error
 from tests.conftest import UNIT
 
 MIB = 1024 * 1024
@@ -346,7 +346,7 @@ def test_an_env_that_asks_for_the_sandbox_says_why_it_cannot_have_it(
 ) -> None:
     from stadium import ServerConfig
     from stadium._server.isolation import sandbox
-    from stadium._server.worker import Worker
+    from stadium._server.processes.worker import Worker
 
     monkeypatch.setattr(sandbox.shutil, "which", lambda _name: None)
     with pytest.raises(ConfigError, match=r"bubblewrap.*code asks for it; --isolation process"):

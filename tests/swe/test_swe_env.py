@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from stadium import ConfigError, SessionError, ValidationError
-from stadium._env.tools import CallToolAction
+from stadium._env.tool_env import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
 from stadium.envs.swe_grading import judge
 from tests.conftest import UNIT, proc_alive
@@ -401,3 +401,17 @@ def test_the_verdict_believes_only_a_whole_stream(
     assert verdict.resolved == (problem is None)
     if problem is not None:
         assert problem in verdict.problems[0], verdict.problems
+
+
+def test_the_server_reads_a_tasks_file_for_the_sessions(tmp_path: Path) -> None:
+    """``SweEnv.prepare_kwargs`` (run by the server before sessions' processes exist) turns
+    ``tasks=PATH`` into the file's rows; a bad file is an error then, naming its line."""
+    path = tmp_path / "tasks.jsonl"
+    rows = inline_tasks()
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n\n")
+    prepared = SweEnv.prepare_kwargs({"tasks": str(path), "max_steps": 5})
+    assert prepared == {"tasks": rows, "max_steps": 5}
+    assert SweEnv.prepare_kwargs({"tasks": rows}) == {"tasks": rows}
+    path.write_text(json.dumps(rows[0]) + "\n{not json\n")
+    with pytest.raises(ConfigError, match="task 2"):
+        SweEnv.prepare_kwargs({"tasks": str(path)})

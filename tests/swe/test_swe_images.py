@@ -7,6 +7,8 @@ Skipped, with the reason, without root, bubblewrap or Podman."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -88,3 +90,25 @@ async def test_the_env_solves_and_grades_in_task_images(tasks: list[dict[str, An
         assert problem.startswith("not graded: the workspace's process supervisor "), problem
         with pytest.raises(stadium.StadiumError, match="runs in image"):
             await env.reset(options={"task": "slug-case", "image": calc})
+
+
+async def test_a_tasks_file_is_read_by_the_server_for_image_sessions(
+    tasks: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """``tasks=PATH``: the file is on the server's filesystem, not in the task image the
+    session's ``/`` is; the server reads it (``SweEnv.prepare_kwargs``) and the sessions
+    get its rows."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps(task) + "\n" for task in tasks))
+    calc = tasks[0]["image"]
+    kwargs = {"tasks": str(path), "test_timeout_s": 30 * UNIT}
+    async with (
+        serve("swe", isolation="sandbox", image=calc, env_kwargs=kwargs) as server,
+        stadium.AsyncClient(server.url) as env,
+    ):
+        await env.reset(options={"task": "calc-abs"})
+        _data(
+            await _call(env, "write_file", path=FIXES["calc-abs"][0], content=FIXES["calc-abs"][1])
+        )
+        done = await _call(env, "submit")
+        assert (done.reward, done.done) == (1.0, True), done.observation

@@ -2,7 +2,7 @@
 
 The server is started by :func:`stadium.bench.arms.spawn_server`, its CPU,
 RSS and threads read by :func:`stadium.bench.procstat.read_stat`, latencies
-summarized by :func:`stadium.bench.metrics.percentile` (nearest rank), as in
+summarized by :func:`stadium.bench.stats.percentile` (nearest rank), as in
 ``stadium bench``.
 """
 
@@ -18,8 +18,8 @@ from rich.table import Table
 
 from stadium._client.session import AsyncClient
 from stadium.bench.arms import spawn_server as spawn_server
-from stadium.bench.metrics import percentile
 from stadium.bench.procstat import read_stat
+from stadium.bench.stats import percentile
 
 _proc_stats = read_stat
 """(CPU seconds, RSS bytes, threads) of a process: the name the lifecycle tests import."""

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import importlib
 import sys
+import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
 from stadium._errors import StadiumError
+from stadium._server.config import DEFAULT_MAX_SESSIONS
 from stadium._version import __version__
 
 # Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
@@ -42,10 +46,59 @@ def cli() -> None:
     """Stadium: serve RL and LLM-agent environments to thousands of sessions."""
 
 
-def _serve_options(fn: Any) -> Any:
-    from stadium._server.config import serve_click_options
+def serve_options() -> list[Callable[[Any], Any]]:
+    """The options of ``stadium serve``, built from :class:`ServerConfig`'s fields: each
+    field's :class:`~stadium._server.config.Flag` gives the option's name, env var, choices
+    and help (which shows the field's default); the field's type gives the option's. Every
+    option's default is ``None``: not given, so :meth:`ServerConfig.from_options` leaves
+    the field's default (and ``given`` tells it apart from a value given).
+    """
+    from stadium._server.config import ServerConfig, flags, help_text, option_name
 
-    return serve_click_options(fn)
+    hints = typing.get_type_hints(ServerConfig)
+    options = []
+    for f, flag in flags():
+        kind = hints[f.name]
+        if isinstance(kind, types.UnionType):  # X | None
+            kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        kind = typing.get_origin(kind) or kind
+        param_type: Any = None
+        if flag.choices:
+            param_type = click.Choice(flag.choices)
+        elif flag.path:
+            param_type = click.Path(dir_okay=False)
+        elif kind in (int, float):
+            param_type = kind
+        options.append(
+            click.option(
+                option_name(f),
+                f.name,
+                type=param_type,
+                multiple=kind is tuple,
+                is_flag=kind is bool,
+                default=None,
+                envvar=flag.env or None,
+                metavar=flag.metavar or None,
+                hidden=flag.hidden,
+                help=None if flag.hidden else help_text(f),
+            )
+        )
+        if f.name == "auth_token":  # its file form: how the command line takes a secret
+            options.append(
+                click.option(
+                    "--auth-token-file",
+                    type=click.Path(dir_okay=False),
+                    help="Read the bearer token clients must send from this file's first line "
+                    "[env STADIUM_AUTH_TOKEN; none].",
+                )
+            )
+    return options
+
+
+def _serve_options(fn: Any) -> Any:
+    for option in reversed(serve_options()):
+        fn = option(fn)
+    return fn
 
 
 @cli.command()
@@ -131,7 +184,7 @@ def check(
     if not target.startswith(("ws://", "wss://", "http://", "https://")):
         from stadium._server.config import ServerConfig
         from stadium._server.loader import load_target
-        from stadium._server.worker import startup_warnings
+        from stadium._server.processes.worker import startup_warnings
 
         served = ServerConfig(target=target)
         for warning in startup_warnings(served, load_target(target)):
@@ -277,7 +330,7 @@ def router(endpoints: tuple[str, ...], kind: str, bind: str, port: int,
               help="Envoy: its admin port (on 127.0.0.1 of the first node).")  # fmt: skip
 @click.option("--workers", default="auto", show_default=True,
               help="Worker processes per node; auto: the CPUs SLURM gave the node.")  # fmt: skip
-@click.option("--max-sessions-per-node", default=8192, show_default=True,
+@click.option("--max-sessions-per-node", default=DEFAULT_MAX_SESSIONS, show_default=True,
               type=click.IntRange(1), help="Each server's --max-sessions.")  # fmt: skip
 @click.option("--deployment", type=click.Path(dir_okay=False, path_type=Path),
               default=Path("stadium-deployment.json"), show_default=True,

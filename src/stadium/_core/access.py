@@ -99,7 +99,7 @@ class Tenant:
     """One tenant of a server (``--tenants``): who a request is, by its token.
 
     ``row`` is its place in the node's shared per-tenant counters
-    (:mod:`stadium._server.tenants`); it stays the same across reloads while the
+    (:mod:`stadium._server.admission.tenants`); it stays the same across reloads while the
     tenant is in the file."""
 
     name: str

@@ -39,7 +39,7 @@ its own. In this order:
 What stays with the transport: reading the socket (the peer and local addresses),
 the per-client rate limit (a clock), passing a resume for another worker's session
 to that worker (picows' ``handoff``; the ASGI app has one process per app and no
-such hand-off), and opening what the upgrade names (``stadium._server.connect``).
+such hand-off), and opening what the upgrade names (``stadium._server.http.upgrade``).
 """
 
 from __future__ import annotations
@@ -71,10 +71,10 @@ WS_PATH = "/ws"
 """Where sessions live (OpenEnv's path)."""
 MCP_PATH = "/mcp"
 """Where OpenEnv 0.10 serves JSON-RPC over a WebSocket (``WS /mcp``): one session per
-connection, each frame a bare JSON-RPC request (``stadium._server.mcp_socket``)."""
+connection, each frame a bare JSON-RPC request (``stadium._server.http.mcp_socket``)."""
 HARNESS_PATH = "/harness"
 """Where OpenEnv 0.10 serves an agentic harness env (RFC 005), in production mode: one
-harness session per connection, each frame a turn (``stadium._server.harness_socket``)."""
+harness session per connection, each frame a turn (``stadium._server.http.harness_socket``)."""
 ATTACH_PARAM = "session_id"
 """Query parameter of OpenEnv's attach to an HTTP MCP session (``/ws?session_id=``)."""
 

@@ -12,13 +12,13 @@ Two limits, each off unless configured (``--max-sessions-per-client``,
 * **sessions per client**: a session beyond the quota is refused at once, whichever
   door it comes through (a WebSocket or batch session, a ``fork``, a ``POST /reset`` /
   ``POST /step`` / ``GET /state`` while it runs, an MCP ``openenv/session/create``, a
-  restore: ``stadium._server.doorway``);
+  restore: ``stadium._server.admission.doorway``);
 * **request rate**: a token bucket per client (``rate`` tokens a second, at most
   ``burst`` saved up), one token per WebSocket request or HTTP request; a request
   that finds the bucket empty is refused, with the seconds until a token is due.
 
 Counting here is per worker process; both limits also hold over every worker
-(``stadium._server.client_counts``, shared memory made before the fork). With one
+(``stadium._server.admission.client_counts``, shared memory made before the fork). With one
 worker the rate is a :class:`TokenBucket`; with several, each client's bucket is a view
 of windowed counters every worker adds to (:func:`window_take`, below): one budget per
 client for the node, however the kernel spreads its connections over the workers.
@@ -194,7 +194,7 @@ class ClientLimits:
         max_idle: records of clients without sessions kept at most.
 
     ``new_bucket(address, now)`` makes a client's bucket (a :class:`TokenBucket` unless
-    set: ``stadium._server.client_counts`` sets its view of the shared windows).
+    set: ``stadium._server.admission.client_counts`` sets its view of the shared windows).
     """
 
     __slots__ = ("_active", "_idle", "burst", "max_idle", "max_sessions", "new_bucket", "rate")

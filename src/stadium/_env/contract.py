@@ -158,6 +158,19 @@ class Environment(Generic[ActT, ObsT, StateT]):
         if not cls.__dict__.get("name"):
             cls.name = cls.__name__
 
+    @classmethod
+    def prepare_kwargs(cls, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments sessions' envs are made with, from ``--env-kwargs``.
+
+        Called by the server (on its own filesystem, as its user) before sessions' envs
+        are made in processes of their own (``--isolation process|sandbox``), whose
+        filesystem may be a task image where the server's files are not: read the files
+        ``env_kwargs`` names here and return what they hold instead (it goes to each
+        session's process, so keep it JSON-like). Not called with ``--untrusted-env-code``
+        (the env's code never runs on the server). Default: ``env_kwargs`` as given.
+        """
+        return env_kwargs
+
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> MaybeAwaitable[ObsT | StepResult[ObsT]]:

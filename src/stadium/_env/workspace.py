@@ -21,7 +21,7 @@ command ends (what it left running in the background goes with it). :meth:`Works
 runs a snippet under ``python3`` through a warm fork server (:data:`FORK_SERVER`, started
 on first use inside the session): a fork per snippet, made ahead (a spare waits for the
 next snippet), no interpreter start. Both start through the workspace's process
-supervisor (:mod:`stadium._env.supervisor`, a child subreaper forked on first use), so
+supervisor (:mod:`stadium._env.workspace_supervisor`, a child subreaper forked on first use), so
 that what escapes a command's group and session (``setsid``, a double fork) still stays
 under it: :meth:`Workspace.stop_others` ends all of it (a grader calls it before it looks
 at the files). Output is
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from stadium._env.supervisor import FD_MARK, Child, Supervisor
+from stadium._env.workspace_supervisor import FD_MARK, Child, WorkspaceSupervisor
 from stadium._errors import ExecutionError
 
 #: The ``PATH`` a command gets when the image (or the host) names none.
@@ -266,7 +266,7 @@ class Workspace:
         self._python = python
         self._lock = threading.Lock()
         self._sup_lock = threading.Lock()
-        self._sup: Supervisor | None = None
+        self._sup: WorkspaceSupervisor | None = None
         self._lost: str | None = None  # why stop_others() can no longer vouch for anything
         self._server: Child | None = None
         self._sock: socket.socket | None = None
@@ -435,7 +435,7 @@ class Workspace:
             self._server, self._sock, self._sup, self._owner = None, None, None, os.getpid()
             self._server_fd = -1
 
-    def _supervisor(self) -> Supervisor:
+    def _supervisor(self) -> WorkspaceSupervisor:
         """The running supervisor (started here on first use). One that died was killed
         by someone (the workspace never stops it but in :meth:`close`): what it started may
         have escaped, so :meth:`stop_others` refuses from then on."""
@@ -446,10 +446,10 @@ class Workspace:
                 return sup
             if sup is not None:
                 self._lose(sup)
-            self._sup = Supervisor()
+            self._sup = WorkspaceSupervisor()
             return self._sup
 
-    def _lose(self, sup: Supervisor) -> str:
+    def _lose(self, sup: WorkspaceSupervisor) -> str:
         lost = self._lost = self._lost or (
             f"the workspace's process supervisor (pid {sup.pid}) was killed, so processes "
             "its commands started may still run where nothing can stop them: this "

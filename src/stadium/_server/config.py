@@ -1,4 +1,10 @@
-"""Server configuration: one validated dataclass, fed by options, env vars or code."""
+"""Server configuration: one validated dataclass, fed by options, env vars or code.
+
+:class:`ServerConfig` is the one home of every ``stadium serve`` setting: each field that
+the command line sets carries a :class:`Flag` in its metadata (the option's help, name,
+env var, choices), from which ``stadium._cli`` builds the option and its help, the
+default shown from the field's own. This module imports no click.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +14,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
-
-import click
 
 from stadium._errors import ConfigError
 
@@ -19,6 +23,51 @@ DEFAULT_MAX_SESSIONS = 8192
 DEFAULT_DETACHED_IDLE_TIMEOUT = 300.0
 """Seconds an HTTP MCP session (no live connection) may sit unused before it is closed,
 unless ``--idle-timeout`` is given."""
+
+FLAG = "stadium.flag"
+"""The key of a field's :class:`Flag` in its ``dataclasses.Field.metadata``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Flag:
+    """How ``stadium serve`` takes a :class:`ServerConfig` field (the field's metadata).
+
+    Attributes:
+        help: what the option does, without its default (:func:`help_text` adds it).
+        flag: the option's name; ``""``: ``--`` and the field's name with dashes.
+        env: the environment variable read when the option is not given.
+        choices: the values it takes (also checked by :class:`ServerConfig`).
+        metavar: the value's name in the help; ``""``: click's (from the type).
+        path: the value is a file's path (click checks it is not a directory).
+        hidden: left out of ``--help``.
+        means: what the default means (for ``None`` or empty: all that is shown).
+        show: how the default is shown; ``None``: as a number, a word or on/off.
+    """
+
+    help: str
+    flag: str = ""
+    env: str = ""
+    choices: tuple[str, ...] = ()
+    metavar: str = ""
+    path: bool = False
+    hidden: bool = False
+    means: str = ""
+    show: Callable[[Any], str] | None = None
+
+
+def _flag(
+    default: Any,
+    text: str,
+    *,
+    repr: bool = True,
+    **flag: Any,
+) -> Any:
+    """A field that ``stadium serve`` sets: ``dataclasses.field`` with a :class:`Flag`."""
+    return dataclasses.field(default=default, repr=repr, metadata={FLAG: Flag(text, **flag)})
+
+
+def _mib(value: int) -> str:
+    return f"{value} ({value / (1 << 20):g} MiB)"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -142,7 +191,9 @@ class ServerConfig:
             (:mod:`stadium._server.isolation.remote`). Costs each session the import.
         image: ``sandbox``: the task image every session runs in (its ``/``: the image's
             layers under a private copy-on-write layer; commands from the image), a
-            ``REF`` (``dir:/rootfs``, ...); ``images``: the others a reset may choose with
+            ``REF`` (``dir:/rootfs``, ...), or ``build``/``build:BASE``: the env
+            directory's recipe built with Podman (``stadium._server.images.build``);
+            ``images``: the others a reset may choose with
             ``options={"image": REF}`` (a file of REFs, or comma-separated patterns).
         preload: with ``untrusted_env_code``, operator-trusted modules (``numpy``) the
             template imports once, so that sessions share them instead of importing them.
@@ -161,72 +212,233 @@ class ServerConfig:
     """
 
     target: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    workers: int = 1
-    max_sessions: int = DEFAULT_MAX_SESSIONS
-    admission_timeout: float = 5.0
-    max_waiting_per_connection: int = 4096
-    max_waiting_per_client: int = 16384
-    idle_timeout: float | None = None
-    max_message_bytes: int = 10 * 1024 * 1024
-    drain_timeout: float = 30.0
-    resume_grace: float = 60.0
-    ping_interval: float = 20.0
-    ping_timeout: float = 20.0
-    executor_threads: int = 0
-    restart_max_delay: float = 30.0
-    env_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    log_level: str = "info"
-    log_format: str = "text"
+    host: str = _flag("127.0.0.1", "Address to bind", env="HOST")
+    port: int = _flag(8000, "Port; 0 picks one", env="PORT")
+    workers: int = _flag(1, "Worker processes", env="WORKERS")
+    max_sessions: int = _flag(
+        DEFAULT_MAX_SESSIONS, "Concurrent sessions, server-wide", env="MAX_CONCURRENT_ENVS"
+    )
+    admission_timeout: float = _flag(5.0, "Seconds to wait for a free slot")
+    max_waiting_per_connection: int = _flag(
+        4096, "Sessions one connection may have waiting for a slot; 0 no bound"
+    )
+    max_waiting_per_client: int = _flag(
+        16384, "Sessions one client address may have waiting for a slot; 0 no bound"
+    )
+    idle_timeout: float | None = _flag(
+        None,
+        "Close sessions idle this long, connected ones too; 0 off",
+        means=f"connected: never; HTTP MCP sessions: {DEFAULT_DETACHED_IDLE_TIMEOUT:g}",
+    )
+    max_message_bytes: int = _flag(10 * 1024 * 1024, "Largest message accepted", show=_mib)
+    drain_timeout: float = _flag(30.0, "Seconds to finish in-flight work on SIGTERM")
+    resume_grace: float = _flag(
+        60.0, "Seconds a lost session waits for its client to resume it; 0 off"
+    )
+    ping_interval: float = _flag(20.0, "Keepalive ping when idle this long; 0 off")
+    ping_timeout: float = _flag(20.0, "Drop a peer that does not pong in time")
+    executor_threads: int = _flag(
+        0, "Most threads for blocking sync env calls; 0: one per session, at most 4096"
+    )
+    restart_max_delay: float = _flag(
+        30.0, "Longest wait before restarting a worker that keeps crashing"
+    )
+    env_kwargs: dict[str, Any] = dataclasses.field(
+        default_factory=dict,
+        metadata={FLAG: Flag("JSON object of constructor arguments for the env", means="none")},
+    )
+    log_level: str = _flag("info", "Logging level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _flag(
+        "text",
+        "Log lines as text, or as one JSON object per line (time, level, logger, message, "
+        "pid, session)",
+        choices=("text", "json"),
+    )
     """``text`` or ``json`` (one JSON object per line; ``server._setup_logging``)."""
     # Envs that misbehave.
-    step_timeout: float = 0.0
-    stall_limit: float = 60.0
-    max_worker_memory: int = 0
+    step_timeout: float = _flag(
+        0.0,
+        "Seconds an env call may run before it is answered TIMEOUT and its session closed; 0 off",
+    )
+    stall_limit: float = _flag(
+        60.0,
+        "Replace a worker whose event loop is stuck this long (its sessions are lost); 0 off",
+    )
+    max_worker_memory: int = _flag(
+        0, "MiB of RSS after which a worker drains and is replaced; 0 off"
+    )
     # Sockets.
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    keepalive_timeout: float = 15.0
-    # Access control.
-    auth_token: str | None = dataclasses.field(default=None, repr=False)
-    tenants: str | None = None
+    header_timeout: float = _flag(10.0, "Seconds to send request headers")
+    body_timeout: float = _flag(30.0, "Seconds to send a request body")
+    keepalive_timeout: float = _flag(15.0, "Seconds an idle HTTP keep-alive connection is kept")
+    # Access control. The token is read from the environment only: `stadium serve` refuses it
+    # on the command line, where every local user can read it (/proc/PID/cmdline).
+    auth_token: str | None = _flag(None, "", env="STADIUM_AUTH_TOKEN", hidden=True, repr=False)
+    tenants: str | None = _flag(
+        None,
+        "A TOML or YAML file of tenants: their token hashes or token files, weights in the "
+        "fair share of sessions, quotas and rate limits over the node (docs/TENANTS.md); "
+        "SIGHUP reloads it",
+        path=True,
+        means="none",
+    )
     """``--tenants FILE``: the tenants and their tokens (``tenants``)."""
-    allowed_origins: tuple[str, ...] = ()
-    max_sessions_per_client: int = 0
-    rate_limit: float = 0.0
-    rate_burst: int = 100
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    debug_errors: bool = False
-    durable: bool = False
-    session_store: str = ""
+    allowed_origins: tuple[str, ...] = _flag(
+        (),
+        "Browser Origin allowed to open sessions (repeatable; '*' any)",
+        flag="--allow-origin",
+        means="same host",
+    )
+    max_sessions_per_client: int = _flag(0, "Concurrent sessions per client address; 0 off")
+    rate_limit: float = _flag(0.0, "Requests per second per client address; 0 off")
+    rate_burst: int = _flag(100, "Burst above --rate-limit")
+    tls_cert: str | None = _flag(None, "PEM certificate: serve TLS", path=True, means="none")
+    tls_key: str | None = _flag(None, "PEM private key", path=True, means="none")
+    debug_errors: bool = _flag(
+        False, "Full exception text (paths) in error replies; log every env traceback"
+    )
+    durable: bool = _flag(
+        False,
+        "Snapshot sessions to --session-store after each reply; a session whose worker or "
+        "node dies is restored when its client resumes",
+    )
+    session_store: str = _flag(
+        "",
+        "Where --durable writes sessions: a directory only the server's user can write "
+        "(shared between nodes on a cluster)",
+        metavar="DIR",
+        means="a private one, made at start",
+    )
     """``""``: :func:`default_session_store`, looked up only with ``durable``."""
-    session_store_key: str = ""
+    session_store_key: str = _flag(
+        "",
+        "Key file (0600, >= 32 bytes) signing --session-store records, for a store other "
+        "servers or nodes read too",
+        metavar="FILE",
+        path=True,
+        means="a key made at start, in memory only",
+    )
     """``""``: a key of the server's own (``durable.process_key``)."""
     # Isolated sessions.
-    isolation: str | None = None
-    warm_pool: int = 0
-    sandbox_memory: int = 1024
-    sandbox_cpus: float = 1.0
-    sandbox_pids: int = 128
-    sandbox_disk: int = 256
-    episode_timeout: float = 0.0
-    sandbox_network: str | None = None
-    sandbox_allow: tuple[str, ...] = ()
-    sandbox_seccomp: str = "on"
-    sandbox_output: str = "log"
-    untrusted_env_code: bool = False
-    preload: tuple[str, ...] = ()
-    sandbox_reply_mib: int = 64
-    image: str | None = None
-    images: str | None = None
-    image_cache_mib: int = 0
-    action_model: str | None = None
-    record: str = ""
-    record_sample: float = 1.0
-    record_filter: str = ""
-    record_redact: str = ""
+    isolation: str | None = _flag(
+        None,
+        "Each session's env in the worker (none), in its own process (process), or in its "
+        "own sandboxed process (sandbox: namespaces, unprivileged uid, cgroup limits, no "
+        "network)",
+        choices=("none", "process", "sandbox"),
+        env="STADIUM_ISOLATION",
+        means="the env's `isolation` attribute, else none",
+    )
+    warm_pool: int = _flag(0, "Isolated env processes each worker forks ahead, envs built")
+    sandbox_memory: int = _flag(1024, "MiB of memory per sandboxed session")
+    sandbox_cpus: float = _flag(1.0, "CPU cores per sandboxed session")
+    sandbox_pids: int = _flag(128, "Processes per sandboxed session")
+    sandbox_disk: int = _flag(256, "MiB of work directory per sandboxed session")
+    episode_timeout: float = _flag(
+        0.0,
+        "Isolated sessions: seconds from a reset until the episode ends; past it the env's "
+        "process is killed",
+        metavar="SECONDS",
+        means="openenv.yaml resources.episode_timeout_s, else none",
+    )
+    sandbox_network: str | None = _flag(
+        None,
+        "Sandboxed sessions' network: none, allowlist (only --sandbox-allow hosts) or public "
+        "(any address but the host's own)",
+        choices=("none", "allowlist", "public"),
+        means="openenv.yaml network, else none",
+    )
+    sandbox_allow: tuple[str, ...] = _flag(
+        (),
+        "A host (name, address or CIDR range) sandboxed sessions may reach (repeat it; "
+        "implies --sandbox-network allowlist)",
+        metavar="HOST",
+        means="none",
+    )
+    sandbox_seccomp: str = _flag(
+        "on",
+        "The seccomp filter of sandboxed sessions (off: none; on needs libseccomp)",
+        choices=("on", "off"),
+    )
+    sandbox_output: str = _flag(
+        "log",
+        "What isolated env processes print: log (the server's log, bounded, tagged with the "
+        "session) or drop",
+        choices=("log", "drop"),
+    )
+    untrusted_env_code: bool = _flag(
+        False,
+        "The env's code is third-party (with --isolation sandbox): imported only inside each "
+        "session's sandbox, never by the server or its template; each session pays the import",
+        env="STADIUM_UNTRUSTED_ENV_CODE",
+    )
+    preload: tuple[str, ...] = _flag(
+        (),
+        "With --untrusted-env-code: operator-trusted modules (comma-separated or repeated, "
+        "e.g. numpy) the template imports once for every session",
+        metavar="MODULES",
+        means="none",
+    )
+    sandbox_reply_mib: int = _flag(
+        64,
+        "Isolated sessions: MiB one reply of an env process may take in the worker, as a "
+        "frame and decoded; over it: ENV_PROTOCOL",
+    )
+    image: str | None = _flag(
+        None,
+        "With --isolation sandbox: the task image every session runs in (its / is the image, "
+        "private copy-on-write on top; commands come from the image): dir:/rootfs, "
+        "localhost/name:tag, oci:DIR; build: the env directory's Dockerfile, built with "
+        "Podman (build:BASE: FROM a local BASE)",
+        metavar="REF",
+        means="none",
+    )
+    images: str | None = _flag(
+        None,
+        "Images a reset may choose (options={'image': REF}): comma-separated patterns "
+        "(localhost/swe-*) or a file of REFs, one a line",
+        metavar="PATTERN|FILE",
+        means="only --image",
+    )
+    image_cache_mib: int = _flag(
+        0,
+        "MiB the node's image cache (STADIUM_IMAGE_CACHE_DIR, default /var/lib/stadium/images) "
+        "may take; past it, the least recently used images no session uses are evicted "
+        "(0: no budget)",
+    )
+    action_model: str | None = _flag(
+        None,
+        "The pydantic action model of an OpenEnv env class or app (for envs that give it "
+        "only to create_app)",
+        metavar="MODULE:CLASS",
+        means="the one the env declares",
+    )
+    record: str = _flag(
+        "",
+        "Write every episode (env, seed, options, actions, observations, rewards, errors, "
+        "timings, cost) to DIR as Parquet shards (docs/RECORDING.md)",
+        metavar="DIR",
+        means="off",
+    )
+    record_sample: float = _flag(
+        1.0,
+        "With --record: the fraction of episodes recorded, chosen at reset",
+        metavar="FRACTION",
+    )
+    record_filter: str = _flag(
+        "",
+        "With --record: write only episodes matching EXPR, e.g. 'reward>0.9', 'error', "
+        "'steps>=100 and not truncated' (docs/RECORDING.md)",
+        metavar="EXPR",
+        means="all",
+    )
+    record_redact: str = _flag(
+        "",
+        "With --record: a function given each episode's record (a dict) that returns it "
+        "redacted, or None to store nothing",
+        metavar="MODULE:FUNCTION",
+        means="none",
+    )
     given: frozenset[str] = dataclasses.field(default=frozenset(), compare=False)
 
     def __post_init__(self) -> None:
@@ -277,36 +489,20 @@ class ServerConfig:
             "--restart-max-delay must be between 0.05 and 3600 seconds",
             value=self.restart_max_delay,
         )
-        _check(
-            self.log_level in ("debug", "info", "warning", "error"),
-            "--log-level must be debug, info, warning or error",
-        )
-        _check(self.log_format in ("text", "json"), "--log-format must be text or json")
         _check(self.step_timeout >= 0, "--step-timeout must be >= 0 (0 disables it)")
-        _check(
-            self.isolation in (None, "none", "process", "sandbox"),
-            "--isolation must be none, process or sandbox",
-            value=self.isolation,
-        )
+        for f, flag in flags():  # --log-level, --isolation, --sandbox-network, ...
+            value = getattr(self, f.name)
+            unset = value is None and f.default is None  # the env's or openenv.yaml's say
+            if flag.choices and value not in flag.choices and not unset:
+                raise ConfigError(
+                    f"{option_name(f)} must be {', '.join(flag.choices[:-1])} or "
+                    f"{flag.choices[-1]}",
+                    value=value,
+                )
         _check(
             self.episode_timeout >= 0,
             "--episode-timeout must be >= 0 seconds (0: none)",
             value=self.episode_timeout,
-        )
-        _check(
-            self.sandbox_network in (None, "none", "allowlist", "public"),
-            "--sandbox-network must be none, allowlist or public",
-            value=self.sandbox_network,
-        )
-        _check(
-            self.sandbox_seccomp in ("on", "off"),
-            "--sandbox-seccomp must be on or off",
-            value=self.sandbox_seccomp,
-        )
-        _check(
-            self.sandbox_output in ("log", "drop"),
-            "--sandbox-output must be log or drop",
-            value=self.sandbox_output,
         )
         _check(
             not self.untrusted_env_code or self.isolation == "sandbox",
@@ -431,18 +627,15 @@ class ServerConfig:
             if "auth_token" in kwargs:
                 raise ConfigError("give STADIUM_AUTH_TOKEN or --auth-token-file, not both")
             kwargs["auth_token"] = read_token_file(token_file)
-        if "sandbox_allow" in kwargs:
-            kwargs["sandbox_allow"] = tuple(kwargs["sandbox_allow"])
-            if not kwargs["sandbox_allow"]:
-                del kwargs["sandbox_allow"]
         if "preload" in kwargs:
-            kwargs["preload"] = tuple(
+            kwargs["preload"] = [
                 name.strip() for item in kwargs["preload"] for name in item.split(",") if name
-            )
-            if not kwargs["preload"]:
-                del kwargs["preload"]
-        if "allowed_origins" in kwargs:
-            kwargs["allowed_origins"] = tuple(kwargs["allowed_origins"])
+            ]
+        for name in ("allowed_origins", "sandbox_allow", "preload"):  # repeatable: () not given
+            if name in kwargs:
+                kwargs[name] = tuple(kwargs[name])
+                if not kwargs[name]:
+                    del kwargs[name]
         return cls(**kwargs, given=frozenset(kwargs))
 
     def for_target(self, env_cls: type[Any]) -> ServerConfig:
@@ -511,287 +704,46 @@ def _check(ok: bool, message: str, **context: Any) -> None:
         raise ConfigError(message, **context)
 
 
-def serve_click_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The options of ``stadium serve`` (env vars as OpenEnv deployments name them)."""
-    options = [
-        click.option("--host", envvar="HOST", help="Address to bind [env HOST; 127.0.0.1]."),
-        click.option("--port", type=int, envvar="PORT", help="Port; 0 picks one [env PORT; 8000]."),
-        click.option(
-            "--workers", type=int, envvar="WORKERS", help="Worker processes [env WORKERS; 1]."
-        ),
-        click.option(
-            "--max-sessions",
-            type=int,
-            envvar="MAX_CONCURRENT_ENVS",
-            help=f"Concurrent sessions, server-wide [env MAX_CONCURRENT_ENVS; "
-            f"{DEFAULT_MAX_SESSIONS}].",
-        ),
-        click.option(
-            "--admission-timeout", type=float, help="Seconds to wait for a free slot [5]."
-        ),
-        click.option(
-            "--max-waiting-per-connection",
-            type=int,
-            help="Sessions one connection may have waiting for a slot; 0 no bound [4096].",
-        ),
-        click.option(
-            "--max-waiting-per-client",
-            type=int,
-            help="Sessions one client address may have waiting for a slot; 0 no bound [16384].",
-        ),
-        click.option(
-            "--idle-timeout",
-            type=float,
-            help="Close sessions idle this long, connected ones too; 0 off [connected: "
-            "never; HTTP MCP sessions: 300].",
-        ),
-        click.option("--max-message-bytes", type=int, help="Largest message accepted [10 MiB]."),
-        click.option(
-            "--drain-timeout", type=float, help="Seconds to finish in-flight work on SIGTERM [30]."
-        ),
-        click.option(
-            "--resume-grace",
-            type=float,
-            help="Seconds a lost session waits for its client to resume it; 0 off [60].",
-        ),
-        click.option(
-            "--ping-interval", type=float, help="Keepalive ping when idle this long; 0 off [20]."
-        ),
-        click.option(
-            "--ping-timeout", type=float, help="Drop a peer that does not pong in time [20]."
-        ),
-        click.option(
-            "--executor-threads",
-            type=int,
-            help="Most threads for blocking sync env calls; 0: one per session, at most 4096 [0].",
-        ),
-        click.option(
-            "--restart-max-delay",
-            type=float,
-            help="Longest wait before restarting a worker that keeps crashing [30].",
-        ),
-        click.option("--env-kwargs", help="JSON object of constructor arguments for the env."),
-        click.option(
-            "--action-model",
-            metavar="MODULE:CLASS",
-            help="The pydantic action model of an OpenEnv env class or app (for envs that "
-            "give it only to create_app) [the one the env declares].",
-        ),
-        click.option(
-            "--log-level",
-            type=click.Choice(["debug", "info", "warning", "error"]),
-            help="Logging level [info].",
-        ),
-        click.option(
-            "--log-format",
-            type=click.Choice(["text", "json"]),
-            help="Log lines as text, or as one JSON object per line (time, level, logger, "
-            "message, pid, session) [text].",
-        ),
-        click.option(
-            "--step-timeout",
-            type=float,
-            help="Seconds an env call may run before it is answered TIMEOUT and its "
-            "session closed; 0 off [0].",
-        ),
-        click.option(
-            "--stall-limit",
-            type=float,
-            help="Replace a worker whose event loop is stuck this long (its sessions are "
-            "lost); 0 off [60].",
-        ),
-        click.option(
-            "--max-worker-memory",
-            type=int,
-            help="MiB of RSS after which a worker drains and is replaced; 0 off [0].",
-        ),
-        click.option("--header-timeout", type=float, help="Seconds to send request headers [10]."),
-        click.option("--body-timeout", type=float, help="Seconds to send a request body [30]."),
-        click.option(
-            "--keepalive-timeout",
-            type=float,
-            help="Seconds an idle HTTP keep-alive connection is kept [15].",
-        ),
-        # Read from the environment only: `stadium serve` refuses it on the command line,
-        # where every local user can read it (/proc/PID/cmdline).
-        click.option("--auth-token", envvar="STADIUM_AUTH_TOKEN", hidden=True),
-        click.option(
-            "--auth-token-file",
-            type=click.Path(dir_okay=False),
-            help="Read the bearer token clients must send from this file's first line "
-            "[env STADIUM_AUTH_TOKEN; none].",
-        ),
-        click.option(
-            "--tenants",
-            type=click.Path(dir_okay=False),
-            help="A TOML or YAML file of tenants: their token hashes or token files, "
-            "weights in the fair share of sessions, quotas and rate limits over the node "
-            "(docs/TENANTS.md); SIGHUP reloads it [none].",
-        ),
-        click.option(
-            "--allow-origin",
-            "allowed_origins",
-            multiple=True,
-            help="Browser Origin allowed to open sessions (repeatable; '*' any) [same host].",
-        ),
-        click.option(
-            "--max-sessions-per-client",
-            type=int,
-            help="Concurrent sessions per client address; 0 off [0].",
-        ),
-        click.option(
-            "--rate-limit", type=float, help="Requests per second per client address; 0 off [0]."
-        ),
-        click.option("--rate-burst", type=int, help="Burst above --rate-limit [100]."),
-        click.option(
-            "--tls-cert", type=click.Path(dir_okay=False), help="PEM certificate: serve TLS."
-        ),
-        click.option("--tls-key", type=click.Path(dir_okay=False), help="PEM private key."),
-        click.option(
-            "--debug-errors",
-            is_flag=True,
-            default=None,
-            help="Full exception text (paths) in error replies; log every env traceback.",
-        ),
-        click.option(
-            "--durable",
-            is_flag=True,
-            default=None,
-            help="Snapshot sessions to --session-store after each reply; a session whose "
-            "worker or node dies is restored when its client resumes.",
-        ),
-        click.option(
-            "--session-store",
-            metavar="DIR",
-            help="Where --durable writes sessions: a directory only the server's user can "
-            "write (shared between nodes on a cluster) [a private one, made at start].",
-        ),
-        click.option(
-            "--session-store-key",
-            metavar="FILE",
-            type=click.Path(dir_okay=False),
-            help="Key file (0600, >= 32 bytes) signing --session-store records, for a store "
-            "other servers or nodes read too [a key made at start, in memory only].",
-        ),
-        click.option(
-            "--isolation",
-            type=click.Choice(["none", "process", "sandbox"]),
-            envvar="STADIUM_ISOLATION",
-            help="Each session's env in the worker (none), in its own process (process), or "
-            "in its own sandboxed process (sandbox: namespaces, unprivileged uid, cgroup "
-            "limits, no network) [the env's `isolation` attribute, else none].",
-        ),
-        click.option(
-            "--warm-pool",
-            type=int,
-            help="Isolated env processes each worker forks ahead, envs built [0].",
-        ),
-        click.option(
-            "--sandbox-memory", type=int, help="MiB of memory per sandboxed session [1024]."
-        ),
-        click.option("--sandbox-cpus", type=float, help="CPU cores per sandboxed session [1]."),
-        click.option("--sandbox-pids", type=int, help="Processes per sandboxed session [128]."),
-        click.option(
-            "--sandbox-disk", type=int, help="MiB of work directory per sandboxed session [256]."
-        ),
-        click.option(
-            "--image",
-            metavar="REF",
-            help="With --isolation sandbox: the task image every session runs in (its / is "
-            "the image, private copy-on-write on top; commands come from the image): "
-            "dir:/rootfs, localhost/name:tag, oci:DIR [none].",
-        ),
-        click.option(
-            "--images",
-            metavar="PATTERN|FILE",
-            help="Images a reset may choose (options={'image': REF}): comma-separated "
-            "patterns (localhost/swe-*) or a file of REFs, one a line [only --image].",
-        ),
-        click.option(
-            "--episode-timeout",
-            type=float,
-            metavar="SECONDS",
-            help="Isolated sessions: seconds from a reset until the episode ends; past it "
-            "the env's process is killed [openenv.yaml resources.episode_timeout_s, else none].",
-        ),
-        click.option(
-            "--sandbox-network",
-            type=click.Choice(["none", "allowlist", "public"]),
-            help="Sandboxed sessions' network: none, allowlist (only --sandbox-allow hosts) "
-            "or public (any address but the host's own) [openenv.yaml network, else none].",
-        ),
-        click.option(
-            "--sandbox-allow",
-            multiple=True,
-            metavar="HOST",
-            help="A host (name, address or CIDR range) sandboxed sessions may reach "
-            "(repeat it; implies --sandbox-network allowlist).",
-        ),
-        click.option(
-            "--sandbox-seccomp",
-            type=click.Choice(["on", "off"]),
-            help="The seccomp filter of sandboxed sessions (off: none; on needs libseccomp) [on].",
-        ),
-        click.option(
-            "--sandbox-output",
-            type=click.Choice(["log", "drop"]),
-            help="What isolated env processes print: log (the server's log, bounded, tagged "
-            "with the session) or drop [log].",
-        ),
-        click.option(
-            "--untrusted-env-code",
-            is_flag=True,
-            default=None,
-            envvar="STADIUM_UNTRUSTED_ENV_CODE",
-            help="The env's code is third-party (with --isolation sandbox): imported only "
-            "inside each session's sandbox, never by the server or its template; each "
-            "session pays the import [env STADIUM_UNTRUSTED_ENV_CODE; off].",
-        ),
-        click.option(
-            "--preload",
-            multiple=True,
-            metavar="MODULES",
-            help="With --untrusted-env-code: operator-trusted modules (comma-separated or "
-            "repeated, e.g. numpy) the template imports once for every session.",
-        ),
-        click.option(
-            "--sandbox-reply-mib",
-            type=int,
-            help="Isolated sessions: MiB one reply of an env process may take in the worker, "
-            "as a frame and decoded; over it: ENV_PROTOCOL [64].",
-        ),
-        click.option(
-            "--image-cache-mib",
-            type=int,
-            help="MiB the node's image cache (STADIUM_IMAGE_CACHE_DIR, default "
-            "/var/lib/stadium/images) may take; past it, the least recently used images no "
-            "session uses are evicted (0: no budget) [0].",
-        ),
-        click.option(
-            "--record",
-            metavar="DIR",
-            help="Write every episode (env, seed, options, actions, observations, rewards, "
-            "errors, timings, cost) to DIR as Parquet shards (docs/RECORDING.md) [off].",
-        ),
-        click.option(
-            "--record-sample",
-            type=float,
-            metavar="FRACTION",
-            help="With --record: the fraction of episodes recorded, chosen at reset [1].",
-        ),
-        click.option(
-            "--record-filter",
-            metavar="EXPR",
-            help="With --record: write only episodes matching EXPR, e.g. 'reward>0.9', "
-            "'error', 'steps>=100 and not truncated' (docs/RECORDING.md) [all].",
-        ),
-        click.option(
-            "--record-redact",
-            metavar="MODULE:FUNCTION",
-            help="With --record: a function given each episode's record (a dict) that "
-            "returns it redacted, or None to store nothing.",
-        ),
-    ]
-    for option in reversed(options):
-        fn = option(fn)
-    return fn
+def flags() -> Iterator[tuple[dataclasses.Field[Any], Flag]]:
+    """Each field ``stadium serve`` sets, with its :class:`Flag`, in the fields' order."""
+    for f in dataclasses.fields(ServerConfig):
+        flag = f.metadata.get(FLAG)
+        if isinstance(flag, Flag):
+            yield f, flag
+
+
+def option_name(f: dataclasses.Field[Any]) -> str:
+    """The option that sets ``f``: its :class:`Flag`'s ``flag``, else ``--field-name``."""
+    flag: Flag = f.metadata[FLAG]
+    return flag.flag or "--" + f.name.replace("_", "-")
+
+
+def field_default(f: dataclasses.Field[Any]) -> Any:
+    """The default of ``f`` (its factory's value for a mutable one)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def shown_default(f: dataclasses.Field[Any]) -> str:
+    """The default of ``f`` as ``--help`` shows it, in brackets: ``[env PORT; 8000]``;
+    an empty or ``None`` default by what it means (``[none]``, ``[same host]``)."""
+    flag: Flag = f.metadata[FLAG]
+    default = field_default(f)
+    if flag.show is not None:
+        value = flag.show(default)
+    elif isinstance(default, bool):
+        value = "on" if default else "off"
+    elif default is None or default in ("", (), {}):
+        value = ""
+    elif isinstance(default, float):
+        value = f"{default:g}"
+    else:
+        value = str(default)
+    said = ": ".join(part for part in (value, flag.means) if part)
+    return f"[env {flag.env}; {said}]" if flag.env else f"[{said}]"
+
+
+def help_text(f: dataclasses.Field[Any]) -> str:
+    """The option's help line: its :class:`Flag`'s text and :func:`shown_default`."""
+    return f"{f.metadata[FLAG].help} {shown_default(f)}."

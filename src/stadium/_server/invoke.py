@@ -3,7 +3,7 @@
 An environment method is either a coroutine function (run as an *eager* task
 on the event loop where Python has them, so a call that never suspends
 completes in place), a blocking sync function (run on the worker's thread pool,
-:class:`~stadium._server.pool.ElasticPool`, which grows with demand up to a bound
+:class:`~stadium._server.thread_pool.ElasticPool`, which grows with demand up to a bound
 tied to the session capacity, so N sessions blocked in sync calls run at once),
 or a non-blocking sync
 function (``blocking = False``: called inline). That decision is made once,
@@ -19,7 +19,7 @@ only then (a call that completed at once, or an inline call, needs none; with
 no limit nothing is armed at all). When it fires, the call is abandoned (its
 task cancelled, its pool future cancelled) and its outcome is
 :class:`~stadium.CallTimeoutError`. An inline call cannot be interrupted: the
-event-loop watchdog (:mod:`stadium._server.watchdog`) covers those.
+event-loop watchdog (:mod:`stadium._server.processes.watchdog`) covers those.
 
 **Hung and stuck threads.** With no time limit (the default) a call that never
 returns holds its thread, and its session waits; the pool grows past it, so other
@@ -28,9 +28,9 @@ that is abandoned while it runs (timed out, or its session gone) cannot be
 stopped: Python cannot kill a thread. If it is still running
 :data:`STUCK_GRACE_S` later its thread is *written off*: counted in
 :attr:`Invoker.stuck`, logged (rate-limited), and no longer counted against the
-pool's bound (:meth:`~stadium._server.pool.ElasticPool.write_off`), so a
+pool's bound (:meth:`~stadium._server.thread_pool.ElasticPool.write_off`), so a
 replacement thread can start. Past :attr:`Invoker.stuck_limit` the worker asks to
-be replaced (see :mod:`stadium._server.watchdog`). A stuck thread that finally
+be replaced (see :mod:`stadium._server.processes.watchdog`). A stuck thread that finally
 returns is no longer counted. The pool's growth past its core and every call that
 finds the bound reached are logged (rate-limited) and in ``/metrics``
 (``stadium_executor_*``, docs/METRICS.md).
@@ -51,7 +51,7 @@ from typing import Any
 
 from stadium._env.spec import CallMode
 from stadium._errors import CallTimeoutError
-from stadium._server.pool import ElasticPool
+from stadium._server.thread_pool import ElasticPool
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.invoke")
@@ -93,7 +93,7 @@ class Invoker:
 
     Args:
         threads: the most live threads of the pool for blocking sync calls
-            (:class:`~stadium._server.pool.ElasticPool`; threads start on demand).
+            (:class:`~stadium._server.thread_pool.ElasticPool`; threads start on demand).
         timeout: the default limit, in seconds, of a call that waits (0: none);
             ``--step-timeout``.
         core: threads the pool keeps when idle (at most ``threads``).

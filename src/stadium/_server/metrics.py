@@ -3,7 +3,7 @@
 A :class:`MetricsBoard` is shared memory created before the fork, with one row of
 float64 counts per worker process that may be alive at once. Each worker counts
 straight into its own row: only that worker writes it, so there is no lock (as
-:class:`~stadium._server.admission.SharedSlots`), and a write is a store into a
+:class:`~stadium._server.admission.slots.SharedSlots`), and a write is a store into a
 ``memoryview`` (no call): the per-step path adds to a :class:`Histogram` bucket
 found with one ``bisect`` and to its sum (the step count is its count). Error codes and session
 outcomes count through :class:`RowCounter`, a ``Counter`` that writes its row too.
@@ -74,7 +74,7 @@ resumes of durable sessions from the store, ``forked`` the sessions started by a
 
 DOORS = ("websocket", "batch", "http", "fork", "mcp_create", "mcp_attach", "restore")
 """``stadium_sessions_opened_total`` doors: how sessions came into being (the values of
-:class:`stadium._server.doorway.Door`; ``http``: a request that builds an env for its
+:class:`stadium._server.admission.doorway.Door`; ``http``: a request that builds an env for its
 duration; ``mcp_attach``: a WebSocket attached to an MCP session, on that session's env)."""
 
 _WIRE_CODES = list(ErrorCode)[: list(ErrorCode).index(ErrorCode.CONNECT_ERROR)]

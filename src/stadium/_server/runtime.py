@@ -1,8 +1,8 @@
 """What all sessions of one worker share: the :class:`Runtime`, the session lifecycle
 (:class:`Phase`), the channel a transport offers, and the server's close codes and bounds.
 
-:mod:`stadium._server.session` runs one session on it; transports build a :class:`Runtime`
-through :class:`~stadium._server.worker.Worker`.
+:mod:`stadium._server.sessions.runner` runs one session on it; transports build a :class:`Runtime`
+through :class:`~stadium._server.processes.worker.Worker`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 from stadium._core.limits import ClientLimits
 from stadium._env.spec import EnvSpec
 from stadium._errors import CapacityError, describe_exception
-from stadium._server.admission import Admission
-from stadium._server.doorway import Doorway
-from stadium._server.durable import Durable
+from stadium._server.admission.doorway import Doorway
+from stadium._server.admission.slots import Admission
+from stadium._server.durability.records import Durable
 from stadium._server.invoke import Invoker
 from stadium._server.ledger import Ledger, RecordConfig
 from stadium._server.metrics import FLUSH_INTERVAL_S, MetricsBoard, WorkerCounts
@@ -85,7 +85,7 @@ class Phase(enum.IntEnum):
 
 
 class SessionLike(Protocol):
-    """What the runtime sees of a session (:class:`stadium._server.session.Session`)."""
+    """What the runtime sees of a session (:class:`stadium._server.sessions.runner.Session`)."""
 
     phase: Phase
     last_active: float
@@ -155,7 +155,8 @@ class Runtime:
         self.watchdog: Any = None
         self.isolation: Any = None
         """The worker's :class:`~stadium._server.isolation.Isolation` (isolated sessions)."""
-        """The worker's :class:`~stadium._server.watchdog.Watchdog` when one runs (its counters)."""
+        """The worker's :class:`~stadium._server.processes.watchdog.Watchdog` when one runs
+        (its counters)."""
         self.env_kwargs = env_kwargs or {}
         self.attachable: dict[str, Any] = {}
         """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP

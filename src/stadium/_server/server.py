@@ -10,8 +10,8 @@
 ``run_server(config)`` is what ``stadium serve`` calls: it binds the listening
 socket once (backlog at the kernel's maximum), then either serves in this
 process (``workers == 1``) or forks the workers, which share the socket and a
-server-wide session limit (:class:`~stadium._server.admission.SharedSlots`), under
-:class:`~stadium._server.supervisor.Supervisor`. SIGTERM or SIGINT stops accepting,
+server-wide session limit (:class:`~stadium._server.admission.slots.SharedSlots`), under
+:class:`~stadium._server.processes.supervisor.Supervisor`. SIGTERM or SIGINT stops accepting,
 lets sessions finish for up to ``drain_timeout``, closes the rest with 1001
 after their in-flight request, and exits 0. SIGHUP recycles the workers (see
 :func:`run_server`).
@@ -43,26 +43,26 @@ from stadium._core.access import AccessPolicy, exposure_warnings
 from stadium._env.contract import Environment
 from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError
-from stadium._server.admission import SharedSlots, Slots
+from stadium._server.admission.slots import SharedSlots, Slots
+from stadium._server.admission.tenants import TenantDirectory
 from stadium._server.config import ServerConfig, default_session_store
-from stadium._server.durable import process_key, read_key_file
+from stadium._server.durability.records import process_key, read_key_file
+from stadium._server.durability.session_store import store_from_url
 from stadium._server.invoke import running_pool_threads
 from stadium._server.isolation.remote import Description
 from stadium._server.loader import load_target
 from stadium._server.metrics import MetricsBoard
-from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
-from stadium._server.store import store_from_url
-from stadium._server.supervisor import Supervisor
-from stadium._server.tenants import TenantDirectory
-from stadium._server.transports.handoff import Handoff, private_dir
-from stadium._server.transports.picows import PicowsTransport
-from stadium._server.worker import (
+from stadium._server.processes.supervisor import Supervisor
+from stadium._server.processes.worker import (
     Worker,
     isolation_config,
     record_config,
     startup_warnings,
     untrusted_spec,
 )
+from stadium._server.runtime import CLOSE_GOING_AWAY, SESSION_ID
+from stadium._server.transports.handoff import Handoff, private_dir
+from stadium._server.transports.picows import PicowsTransport
 from stadium._util.process import RECYCLE_EXIT_CODE, flush_logs, new_event_loop, raise_nofile_limit
 from stadium._util.throttle import Throttle
 
@@ -486,7 +486,8 @@ def run_server(config: ServerConfig) -> int:
 
     The open-file soft limit is raised to the hard limit first, with a warning if
     that cannot hold the sessions. With ``workers == 1`` the server runs in this
-    process; otherwise a :class:`~stadium._server.supervisor.Supervisor` forks the workers.
+    process; otherwise a :class:`~stadium._server.processes.supervisor.Supervisor` forks the
+    workers.
 
     Signals:
 
@@ -507,7 +508,7 @@ def run_server(config: ServerConfig) -> int:
       quick crash of that worker (0.05 s up to ``restart_max_delay``); the others
       keep serving.
 
-    Envs that misbehave (see :mod:`stadium._server.watchdog`):
+    Envs that misbehave (see :mod:`stadium._server.processes.watchdog`):
 
     * A worker whose event loop is stuck past ``stall_limit`` (an env call that
       never yields) ends itself with exit code

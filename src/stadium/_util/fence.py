@@ -8,6 +8,8 @@ import ctypes
 import functools
 from collections.abc import Callable
 
+from stadium._util.libc import libc
+
 _MEMORY_ORDER_SEQ_CST = 5  # C11 memory_order_seq_cst
 
 
@@ -25,7 +27,7 @@ def full_fence() -> Callable[[], object]:
     try:
         fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
     except (OSError, AttributeError):
-        getpid: Callable[[], object] = ctypes.CDLL(None).getpid
+        getpid: Callable[[], object] = libc().getpid
         return getpid
     fence.argtypes = [ctypes.c_int]
     fence.restype = None

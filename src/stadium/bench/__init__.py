@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stadium.bench.compare import compare
-    from stadium.bench.runner import BenchConfig, run, run_ramp
+    from stadium.bench.grid import BenchConfig, run, run_ramp
 
 __all__ = ["BenchConfig", "compare", "run", "run_ramp"]
 
 _WHERE = {
-    "BenchConfig": "stadium.bench.runner",
-    "run": "stadium.bench.runner",
-    "run_ramp": "stadium.bench.runner",
+    "BenchConfig": "stadium.bench.grid",
+    "run": "stadium.bench.grid",
+    "run_ramp": "stadium.bench.grid",
     "compare": "stadium.bench.compare",
 }
 

@@ -23,7 +23,7 @@
   per session lifecycle, counted in-process (deterministic; the CI check).
 
 The options shared by the grid commands, and their defaults, are typed values
-of :mod:`stadium.bench.options`; each command builds one from what it parsed.
+of :mod:`stadium.bench.bench_options`; each command builds one from what it parsed.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ import click
 
 from stadium._errors import ConfigError
 from stadium.bench.arms import Arm
+from stadium.bench.bench_options import GridOptions, RampOptions
 from stadium.bench.goals import ARMS as GOAL_ARMS
 from stadium.bench.goals import RAMPS, Ramp, run_goals, run_in_process
-from stadium.bench.options import GridOptions, RampOptions
 
 if TYPE_CHECKING:
-    from stadium.bench.runner import BenchConfig
+    from stadium.bench.grid import BenchConfig
 
 _D = RampOptions()
-"""Every option's default (one home: :mod:`stadium.bench.options`)."""
+"""Every option's default (one home: :mod:`stadium.bench.bench_options`)."""
 
 
 def _ints(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
@@ -229,7 +229,7 @@ def _run(config: BenchConfig) -> Path:
     """Run ``config``; print the report's path. Exits non-zero (after writing the
     report) when every arm's max batch is 0: the run served nothing."""
     from stadium.bench import report
-    from stadium.bench.runner import run
+    from stadium.bench.grid import run
 
     path = run(config)
     click.echo(f"report: {path}")

@@ -19,7 +19,7 @@ An arm is one of:
 
 ``ARM+batchB`` (``stadium+batch64``, ``url+batch256``) is that arm's server
 loaded with B sessions per connection, stepped with one batch frame per round
-(:attr:`Arm.batch`, :mod:`stadium.bench.batch`); only Stadium servers speak
+(:attr:`Arm.batch`, :mod:`stadium.bench.batched`); only Stadium servers speak
 batches, so the floor and OpenEnv have no such arm.
 
 Started arms run in a fresh process group per point and are stopped with

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from stadium.bench.metrics import percentile
+from stadium.bench.stats import percentile
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from stadium._errors import ConfigError
-from stadium.bench import metrics, report
+from stadium.bench import report, stats
 
 METRICS: tuple[tuple[str, str], ...] = (
     ("success_rate", "success"),
@@ -71,7 +71,7 @@ def compare_rows(
             for col, _ in METRICS:
                 va, vb = report.mean_of(ra, col), report.mean_of(rb, col)
                 row[f"{col}_a"], row[f"{col}_b"] = va, vb
-                row[f"{col}_ratio"] = metrics.ratio(vb, va)
+                row[f"{col}_ratio"] = stats.ratio(vb, va)
             out.append(row)
     mba, mbb = report.max_batches(rows_a), report.max_batches(rows_b)
     for arm_a, arm_b in pairs:
@@ -84,7 +84,7 @@ def compare_rows(
                         "n": "max batch",
                         "max_batch_a": mb,
                         "max_batch_b": mbb[(arm_b, w)],
-                        "max_batch_ratio": metrics.ratio(mbb[(arm_b, w)], mb),
+                        "max_batch_ratio": stats.ratio(mbb[(arm_b, w)], mb),
                     }
                 )
     return out

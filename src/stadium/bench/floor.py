@@ -46,7 +46,7 @@ _HOST = socket.gethostname()
 _HEALTH = b'{"status":"healthy"}'
 
 
-class _Counter:
+class _FloorCounter:
     active = 0
     max_sessions = 0
 
@@ -70,26 +70,26 @@ class FloorSession(picows.WSListener):
 
     def on_ws_connected(self, transport: picows.WSTransport) -> None:
         self._transport = transport
-        if _Counter.max_sessions and _Counter.active >= _Counter.max_sessions:
+        if _FloorCounter.max_sessions and _FloorCounter.active >= _FloorCounter.max_sessions:
             transport.send(
                 picows.WSMsgType.TEXT,
                 _error(
                     "no free session slot",
                     "CAPACITY_REACHED",
-                    active_sessions=_Counter.active,
-                    max_sessions=_Counter.max_sessions,
+                    active_sessions=_FloorCounter.active,
+                    max_sessions=_FloorCounter.max_sessions,
                     retry_after_s=1.0,
                 ),
             )
             transport.send_close(picows.WSCloseCode.TRY_AGAIN_LATER)
             transport.disconnect()
             return
-        _Counter.active += 1
+        _FloorCounter.active += 1
         self._counted = True
 
     def on_ws_disconnected(self, transport: picows.WSTransport) -> None:
         if self._counted:
-            _Counter.active -= 1
+            _FloorCounter.active -= 1
             self._counted = False
         self._ballast = b""
 
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=1, help="processes sharing the port")
     parser.add_argument("--max-sessions", type=int, default=0, help="0: unlimited (per worker)")
     args = parser.parse_args(argv)
-    _Counter.max_sessions = args.max_sessions
+    _FloorCounter.max_sessions = args.max_sessions
     if args.workers <= 1:
         _run(args.host, args.port, False, True)
         return 0

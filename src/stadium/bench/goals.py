@@ -1,9 +1,9 @@
 """``stadium bench goals``: the performance goals, each measured by one ramp, in one run.
 
 Every goal is read off one ramp (:data:`RAMPS`): typed ``stadium bench ramp``
-options (:class:`~stadium.bench.options.RampOptions`) with the ``stadium``,
+options (:class:`~stadium.bench.bench_options.RampOptions`) with the ``stadium``,
 ``floor`` and ``openenv`` arms side by side. Each ramp runs in this process
-(:func:`stadium.bench.runner.run`); its command line, rendered from the same
+(:func:`stadium.bench.grid.run`); its command line, rendered from the same
 options, is printed in the report, so one command reproduces each row.
 Nothing here times anything itself: the ramps measure, this module only runs
 them in turn and tables what their ``summary.csv`` says.
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stadium.bench import runner
-from stadium.bench.options import RampOptions
+from stadium.bench import grid
+from stadium.bench.bench_options import RampOptions
 
 ARMS = ("stadium", "floor", "openenv")
 
@@ -354,12 +354,12 @@ RampRunner = Callable[[Ramp, Path], object]
 
 
 def run_in_process(ramp: Ramp, out: Path) -> Path:
-    """Run ``ramp`` into ``out`` in this process (:func:`stadium.bench.runner.run`);
+    """Run ``ramp`` into ``out`` in this process (:func:`stadium.bench.grid.run`);
     return its ``report.md``, which shows the command that reproduces it."""
     options = ramp.into(out)
     config = options.config()
     config.command = options.command()
-    return runner.run(config)
+    return grid.run(config)
 
 
 def run_goals(

@@ -4,7 +4,7 @@
 ``spec.n_procs()`` worker processes (``python -m stadium.bench.loadgen``),
 each on its own uvloop event loop running
 :func:`~stadium.bench.sessions.run_sessions` (a batched load:
-:func:`~stadium.bench.batch.run_batch_sessions`) for its share of the sessions.
+:func:`~stadium.bench.batched.run_batch_sessions`) for its share of the sessions.
 The workers report ready, the parent hands them one start instant on the
 system-wide monotonic clock, and every session of every worker starts then
 (a coordinated burst).
@@ -43,18 +43,18 @@ from typing import IO, Any
 import msgspec
 
 from stadium._util.process import new_event_loop, raise_nofile_limit
-from stadium.bench.batch import batch_connection_class, run_batch_sessions
+from stadium.bench.batched import batch_connection_class, run_batch_sessions
 from stadium.bench.loadspec import LoadSpec
-from stadium.bench.metrics import ErrorKind
-from stadium.bench.results import SessionRecord
+from stadium.bench.results import SessionResult
 from stadium.bench.sessions import SoakTally, run_sessions, soak_sessions, ws_connection_class
+from stadium.bench.stats import ErrorKind
 
 _HEADER = 4
 """Bytes of a frame's length prefix (big-endian)."""
 
 _ENC = msgspec.msgpack.Encoder()
 _TAGGED = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
-_RECORDS = msgspec.msgpack.Decoder(list[SessionRecord])
+_RECORDS = msgspec.msgpack.Decoder(list[SessionResult])
 _TALLY = msgspec.msgpack.Decoder(SoakTally)
 
 REPORT_S = 0.1
@@ -166,7 +166,7 @@ def worker_main() -> int:
         return 1
 
 
-async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionRecord]:
+async def _work(job: _Job, t0: float, out: IO[bytes]) -> list[SessionResult]:
     """Run the job's sessions from ``t0``, reporting progress every 0.1 s."""
     if job.spec.duration_s > 0:
         await _soak(job, t0, out)
@@ -231,7 +231,7 @@ class LoadWorker:
         self.eof = False
         self.done = 0
         self.ready = False
-        self.records: list[SessionRecord] | None = None
+        self.records: list[SessionResult] | None = None
         self.cpu_s: float | None = None
         self.tally = SoakTally()
         self.samples: list[float] = []
@@ -277,14 +277,14 @@ class LoadWorker:
     def finished(self) -> bool:
         return self.records is not None or bool(self.error) or self.eof
 
-    def results(self) -> list[SessionRecord]:
+    def results(self) -> list[SessionResult]:
         """Its records, or one failed record per session it was given."""
         if self.records is not None:
             return self.records
         detail = self.error or "worker exited without results"
         kind = ErrorKind.DEADLINE if "deadline" in detail else ErrorKind.CLIENT
         return [
-            SessionRecord(index=i, worker=self.index, error=kind.value, detail=detail)
+            SessionResult(index=i, worker=self.index, error=kind.value, detail=detail)
             for i in self.indices
         ]
 
@@ -321,7 +321,7 @@ class LoadResult:
     processes used, and their CPU seconds over the sessions (``None`` unless every
     worker reported it)."""
 
-    records: list[SessionRecord]
+    records: list[SessionResult]
     procs: int
     cpu_s: float | None = None
 
@@ -331,7 +331,7 @@ def run_load(
     *,
     progress: Callable[[int], None] | None = None,
     start_delay: float = 0.3,
-) -> tuple[list[SessionRecord], int]:
+) -> tuple[list[SessionResult], int]:
     """Run one point's load from worker processes; return (records, processes used).
 
     ``progress(done)`` is called about ten times a second with the number of

@@ -96,7 +96,7 @@ class LoadSpec:
     (one per URL; empty: equal).
 
     ``batch`` B > 0 puts B sessions on each WebSocket connection (Stadium's
-    ``stadium.batch`` subprotocol, :mod:`stadium.bench.batch`): one batch frame
+    ``stadium.batch`` subprotocol, :mod:`stadium.bench.batched`): one batch frame
     resets them, one batch frame per round steps them all; 0 is one connection
     and one frame per session and step.
     """

@@ -3,7 +3,7 @@
 Wall-clock and CPU-time thresholds are noise on a shared machine; the number of
 function calls the server makes per request is not. :func:`count_ops` drives the
 server's real per-session path (:class:`~stadium._server.runtime.Runtime`,
-:class:`~stadium._server.session.Session`, the protocol core, the environment) in an
+:class:`~stadium._server.sessions.runner.Session`, the protocol core, the environment) in an
 event loop, exactly as the picows transport does (``Session(...)``, ``start()``,
 ``feed(message)`` per message, a channel with ``send``/``close``), but with an
 in-memory channel (:class:`stadium.testing.MemoryChannel`) instead of a WebSocket,
@@ -51,9 +51,9 @@ from stadium._env.contract import Environment
 from stadium._env.spec import EnvSpec
 from stadium._server.config import ServerConfig
 from stadium._server.loader import load_target
+from stadium._server.processes.worker import Worker
 from stadium._server.runtime import Runtime
-from stadium._server.session import Session
-from stadium._server.worker import Worker
+from stadium._server.sessions.runner import Session
 from stadium._util.process import new_event_loop
 from stadium.testing import MemoryChannel
 

@@ -30,8 +30,8 @@ from typing import IO, Any
 
 import msgspec
 
-from stadium.bench import metrics
-from stadium.bench.results import PointKey, PointSummary, SessionRecord, columns, error_column
+from stadium.bench import stats
+from stadium.bench.results import PointKey, PointSummary, SessionResult, columns, error_column
 
 Row = Mapping[str, Any]
 
@@ -39,7 +39,7 @@ Row = Mapping[str, Any]
 # ------------------------------------------------------------------ raw / csv
 
 
-def append_raw(fh: IO[bytes], key: PointKey, records: Iterable[SessionRecord]) -> None:
+def append_raw(fh: IO[bytes], key: PointKey, records: Iterable[SessionResult]) -> None:
     """Append one line per session to an open ``raw.jsonl``."""
     head = {"arm": key.arm, "n": key.n, "wait_s": key.wait_s, "rep": key.rep}
     enc = msgspec.json.Encoder()
@@ -85,11 +85,11 @@ def read_summary(path: Path) -> list[dict[str, Any]]:
 
 
 def max_batches(rows: Iterable[Row]) -> dict[tuple[str, float], int]:
-    """Max batch per (arm, wait) by the study's rule (:func:`metrics.max_batch`)."""
+    """Max batch per (arm, wait) by the study's rule (:func:`stats.max_batch`)."""
     rates: dict[tuple[str, float], dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         rates[(str(r["arm"]), float(r["wait_s"]))][int(r["n"])].append(float(r["success_rate"]))
-    return {k: metrics.max_batch(v) for k, v in rates.items()}
+    return {k: stats.max_batch(v) for k, v in rates.items()}
 
 
 def server_cores(rows: Iterable[Row]) -> dict[str, float]:
@@ -344,9 +344,9 @@ TABLE_COLUMNS: tuple[tuple[str, str, int], ...] = (
 
 def errors_text(rows: Sequence[Row]) -> str:
     """``timeout:3 capacity:1`` summed over repetitions ('' when none), in
-    :data:`~stadium.bench.metrics.ERROR_KINDS` order."""
+    :data:`~stadium.bench.stats.ERROR_KINDS` order."""
     parts = []
-    for kind in metrics.ERROR_KINDS:
+    for kind in stats.ERROR_KINDS:
         total = sum(int(r.get(error_column(kind)) or 0) for r in rows)
         if total:
             parts.append(f"{kind.value}:{total}")
@@ -449,7 +449,7 @@ def write_report(
     lines += ["| arm | W (s) | max batch | batch per core |", "|---|---|---|---|"]
     cores = server_cores(rows)
     for (arm, wait), mb in sorted(max_batches(rows).items()):
-        per_core = metrics.batch_per_core(mb, cores.get(arm, 1.0))
+        per_core = stats.batch_per_core(mb, cores.get(arm, 1.0))
         lines.append(f"| {arm} | {wait:g} | {mb:,} | {per_core:,.0f} |")
     lines += ["", "## Points (means over repetitions)", ""]
     lines.append("| " + " | ".join(h for _, h, _ in TABLE_COLUMNS) + " |")

@@ -1,4 +1,4 @@
-"""What a benchmark run records: one :class:`SessionRecord` per session (a row of
+"""What a benchmark run records: one :class:`SessionResult` per session (a row of
 ``raw.jsonl``) and one :class:`PointSummary` per point (a row of ``summary.csv``).
 
 A *point* is one (arm, N, wait, rep): a burst of N sessions against a server,
@@ -16,11 +16,11 @@ from typing import Any
 
 import msgspec
 
-from stadium.bench import metrics
-from stadium.bench.metrics import ERROR_KINDS, ErrorKind
+from stadium.bench import stats
+from stadium.bench.stats import ERROR_KINDS, ErrorKind
 
 
-class SessionRecord(msgspec.Struct, kw_only=True):
+class SessionResult(msgspec.Struct, kw_only=True):
     """One session, as measured by the load generator. Times in seconds.
 
     ``start`` and ``end`` are relative to the point's coordinated start; the
@@ -76,7 +76,7 @@ class PointSummary:
     Latencies are in milliseconds, memory in MiB (``*_mb``) or KiB (``*_kb``),
     server CPU in ms per session and µs per step. Columns are the field names,
     in this order (:func:`columns`). The ``err_*`` fields are the
-    :data:`~stadium.bench.metrics.ERROR_KINDS`, in their order (checked at import:
+    :data:`~stadium.bench.stats.ERROR_KINDS`, in their order (checked at import:
     add a kind there and here together).
     """
 
@@ -172,7 +172,7 @@ def _check_error_columns() -> None:
 _check_error_columns()
 
 
-def failure_text(records: Sequence[SessionRecord], top: int = 3) -> str:
+def failure_text(records: Sequence[SessionResult], top: int = 3) -> str:
     """The share of failed sessions and the ``top`` most common error kinds, each
     with its count and the detail of its first session: ``"100 % failed:
     refused (64): ConnectionRefusedError; ..."``; '' when none failed.
@@ -221,7 +221,7 @@ class PointSettings:
 
 def summarize(
     key: PointKey,
-    records: Sequence[SessionRecord],
+    records: Sequence[SessionResult],
     settings: PointSettings,
     server: ServerStats | None = None,
     *,
@@ -245,7 +245,7 @@ def summarize(
     )
     s.attempted = len(records)
     s.ok = sum(1 for r in records if r.ok)
-    s.success_rate = metrics.success_rate(s.ok, s.attempted)
+    s.success_rate = stats.success_rate(s.ok, s.attempted)
     kinds = Counter(r.error for r in records if not r.ok)
     for kind in ERROR_KINDS:
         setattr(s, error_column(kind), kinds.get(kind.value, 0))
@@ -258,29 +258,29 @@ def summarize(
         "total": [r.total_s for r in ok if r.total_s is not None],
     }
     for phase, values in phases.items():
-        q = metrics.Quantiles.of(values)
+        q = stats.Quantiles.of(values)
         setattr(s, f"{phase}_p50_ms", _ms(q.p50))
         setattr(s, f"{phase}_p90_ms", _ms(q.p90))
         setattr(s, f"{phase}_p99_ms", _ms(q.p99))
         setattr(s, f"{phase}_max_ms", _ms(q.max))
-    ideal = metrics.ideal_total(key.wait_s, settings.steps, settings.think_s)
+    ideal = stats.ideal_total(key.wait_s, settings.steps, settings.think_s)
     s.ideal_ms = ideal * 1000.0
     totals = phases["total"]
-    s.inflation_p50 = metrics.inflation(metrics.percentile(totals, 50) if totals else None, ideal)
-    s.inflation_p99 = metrics.inflation(metrics.percentile(totals, 99) if totals else None, ideal)
+    s.inflation_p50 = stats.inflation(stats.percentile(totals, 50) if totals else None, ideal)
+    s.inflation_p99 = stats.inflation(stats.percentile(totals, 99) if totals else None, ideal)
 
     intervals = [(r.start, r.end) for r in records if r.end is not None]
     if intervals:
         s.makespan_s = max(e for _, e in intervals) - min(b for b, _ in intervals)
-    s.effective_concurrency = metrics.effective_concurrency(intervals)
-    s.peak_open = metrics.peak_open(intervals)
+    s.effective_concurrency = stats.effective_concurrency(intervals)
+    s.peak_open = stats.peak_open(intervals)
     requests = sum((1 if r.reset_s is not None else 0) + len(r.step_s) for r in records)
     steps_done = sum(len(r.step_s) for r in records)
     if s.makespan_s > 0:
         s.sessions_per_s = s.ok / s.makespan_s
         s.rps = requests / s.makespan_s
         s.steps_per_s = steps_done / s.makespan_s
-    s.client_cpu_us_per_step = metrics.per_unit(settings.client_cpu_s, steps_done, 1e6)
+    s.client_cpu_us_per_step = stats.per_unit(settings.client_cpu_s, steps_done, 1e6)
     s.unique_pids = len({r.pid for r in records if r.pid is not None})
     hosts = Counter(r.host for r in records if r.host is not None)
     s.unique_hosts = len(hosts)
@@ -295,10 +295,10 @@ def summarize(
         s.oom = server.oom
         if server.peak_rss_mb is not None and server.idle_rss_mb is not None and s.attempted:
             s.rss_per_session_kb = (server.peak_rss_mb - server.idle_rss_mb) * 1024.0 / s.attempted
-        s.server_cpu_ms_per_session = metrics.per_unit(server.cpu_s, s.ok, 1000.0)
-        s.server_cpu_us_per_step = metrics.per_unit(server.cpu_s, steps_done, 1e6)
+        s.server_cpu_ms_per_session = stats.per_unit(server.cpu_s, s.ok, 1000.0)
+        s.server_cpu_us_per_step = stats.per_unit(server.cpu_s, steps_done, 1e6)
         if server.cpu_s:
             s.steps_per_s_per_core = steps_done / server.cpu_s
     s.deadline_hit = deadline_hit or s.err_deadline > 0
-    s.collapsed = metrics.collapsed(s.success_rate, oom=s.oom, deadline_hit=s.deadline_hit)
+    s.collapsed = stats.collapsed(s.success_rate, oom=s.oom, deadline_hit=s.deadline_hit)
     return s

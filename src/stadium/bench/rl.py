@@ -37,7 +37,7 @@ import msgspec
 
 from stadium._errors import ConfigError
 from stadium.bench.clientwatch import ClientStats, ClientWatch, quiet_collector
-from stadium.bench.metrics import ErrorKind, percentile
+from stadium.bench.stats import ErrorKind, percentile
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ PRESETS: dict[str, RlProfile] = {
 
 
 @dataclass(frozen=True, slots=True)
-class Episode:
+class RlEpisode:
     """One session's plan: the think time before each of its turns."""
 
     index: int
@@ -104,7 +104,7 @@ class Episode:
         return len(self.thinks)
 
 
-def episodes(profile: RlProfile) -> list[Episode]:
+def episodes(profile: RlProfile) -> list[RlEpisode]:
     """Every session's turns and think times, drawn from ``profile.seed`` (uniform, as the
     stress test draws them): the same profile always gives the same episodes."""
     rng = random.Random(profile.seed)
@@ -113,7 +113,7 @@ def episodes(profile: RlProfile) -> list[Episode]:
     out = []
     for i in range(profile.sessions):
         n = rng.randint(low, high)
-        out.append(Episode(i, tuple(rng.uniform(t_low, t_high) for _ in range(n))))
+        out.append(RlEpisode(i, tuple(rng.uniform(t_low, t_high) for _ in range(n))))
     return out
 
 
@@ -136,7 +136,7 @@ ConnectionFactory = Callable[[str, str | None], Any]
 
 
 async def run_episode(
-    ep: Episode,
+    ep: RlEpisode,
     conn: Any,
     profile: RlProfile,
     resets: asyncio.Semaphore,
@@ -188,7 +188,7 @@ async def run_profile(
     profile: RlProfile,
     url: str,
     connection: ConnectionFactory | None = None,
-    plan: Sequence[Episode] | None = None,
+    plan: Sequence[RlEpisode] | None = None,
     watch: list[ClientStats] | None = None,
 ) -> list[EpisodeRecord]:
     """Run every episode of ``profile`` against ``url`` (a WebSocket URL) on this loop;
@@ -450,8 +450,8 @@ def parse_range(text: str, kind: type[int] | type[float]) -> tuple[Any, Any]:
 __all__ = [
     "PRESETS",
     "ClientStats",
-    "Episode",
     "EpisodeRecord",
+    "RlEpisode",
     "RlProfile",
     "RlSummary",
     "client_note",

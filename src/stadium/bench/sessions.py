@@ -4,7 +4,7 @@
 transport: it waits for the connect window, times each phase into the
 session's :class:`~stadium.bench.results.SessionRecord`, sleeps the think time
 before each step, and classifies any failure as an
-:class:`~stadium.bench.metrics.ErrorKind`. The transport is a
+:class:`~stadium.bench.stats.ErrorKind`. The transport is a
 :class:`Connection`:
 
 * WebSocket (``mode="ws"``, :func:`ws_connection_class`): a picows client on
@@ -36,8 +36,8 @@ import h11
 import msgspec
 
 from stadium.bench.loadspec import LoadSpec, source_address
-from stadium.bench.metrics import ErrorKind
-from stadium.bench.results import SessionRecord
+from stadium.bench.results import SessionResult
+from stadium.bench.stats import ErrorKind
 
 _AUTH: dict[str, str] = (
     {"Authorization": f"Bearer {os.environ['STADIUM_AUTH_TOKEN']}"}
@@ -124,7 +124,7 @@ def messages(spec: LoadSpec) -> tuple[bytes, bytes]:
 # ----------------------------------------------------------------- the skeleton
 
 
-async def run_session(rec: SessionRecord, conn: Connection, plan: Plan) -> None:
+async def run_session(rec: SessionResult, conn: Connection, plan: Plan) -> None:
     """Run one session over ``conn`` and record it in ``rec``; never raises but on cancel.
 
     On success ``rec.ok`` is set and every phase's latency recorded; on failure
@@ -188,7 +188,7 @@ def _classify_oserror(exc: OSError) -> Fail:
     return Fail(ErrorKind.REFUSED, f"{type(exc).__name__}: {exc}")
 
 
-def _observe(rec: SessionRecord, data: dict[str, Any]) -> None:
+def _observe(rec: SessionResult, data: dict[str, Any]) -> None:
     """Copy the server's ``pid``, ``host`` and ``session_hash`` from an observation."""
     obs = data.get("observation")
     if isinstance(obs, dict):
@@ -533,7 +533,7 @@ class SoakTally(msgspec.Struct, kw_only=True):
     errors: dict[str, int] = msgspec.field(default_factory=dict)
     step_s: list[float] = msgspec.field(default_factory=list)
 
-    def add(self, rec: SessionRecord, steps: int) -> None:
+    def add(self, rec: SessionResult, steps: int) -> None:
         """Fold in one finished session of ``steps`` steps."""
         self.steps_ok += len(rec.step_s)
         if len(self.step_s) < SOAK_SAMPLE:
@@ -574,7 +574,7 @@ async def soak_sessions(
     async def slot(index: int) -> None:
         source = source_address(index, spec.sessions)
         while time.monotonic() < end:
-            rec = SessionRecord(index=index, worker=worker, source=source)
+            rec = SessionResult(index=index, worker=worker, source=source)
             await run_session(rec, connection(spec.url, source), plan)
             tally.add(rec, spec.steps)
             if not rec.ok:
@@ -600,7 +600,7 @@ async def run_sessions(
     *,
     worker: int = 0,
     on_done: Callable[[], None] | None = None,
-) -> list[SessionRecord]:
+) -> list[SessionResult]:
     """Run the sessions ``indices`` of ``spec`` starting at monotonic time ``t0``.
 
     Session ``i`` connects to ``spec.endpoint(i)`` (several endpoints: a static,
@@ -609,14 +609,14 @@ async def run_sessions(
     ``on_done()`` is called as each session ends. Runs on the current event
     loop; :func:`stadium.bench.loadgen.run_load` calls it in each worker.
     """
-    records = [SessionRecord(index=i, worker=worker, source=spec.source(i)) for i in indices]
+    records = [SessionResult(index=i, worker=worker, source=spec.source(i)) for i in indices]
     plan = Plan.of(spec, t0)
     connection = connection_class(spec.mode)
     delay = t0 - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
 
-    async def one(rec: SessionRecord) -> None:
+    async def one(rec: SessionResult) -> None:
         await run_session(rec, connection(spec.endpoint(rec.index), rec.source), plan)
         if on_done is not None:
             on_done()
@@ -626,10 +626,10 @@ async def run_sessions(
 
 async def until_deadline(
     runs: Sequence[Coroutine[Any, Any, None]],
-    records: list[SessionRecord],
+    records: list[SessionResult],
     spec: LoadSpec,
     t0: float,
-) -> list[SessionRecord]:
+) -> list[SessionResult]:
     """Run ``runs`` until they end or the point's deadline passes (the rest cancelled);
     ``records`` not finished by then are marked ``deadline``."""
     tasks = [asyncio.ensure_future(run) for run in runs]

@@ -27,8 +27,8 @@ from stadium._core.urls import ws_url
 from stadium.bench.arms import spawn_server
 from stadium.bench.loadgen import LoadWorker, pump_until, start_workers, stop_workers
 from stadium.bench.loadspec import LoadSpec
-from stadium.bench.metrics import percentile
 from stadium.bench.procstat import TreeFigures, tree_figures
+from stadium.bench.stats import percentile
 
 _MIB = 1024.0 * 1024.0
 

@@ -57,7 +57,7 @@ from typing import Any
 
 from stadium._errors import ConfigError
 from stadium.deploy.deployment import Deployment
-from stadium.deploy.haproxy import RouterOptions, Server, global_maxconn, servers
+from stadium.deploy.haproxy import Backend, RouterOptions, global_maxconn, servers
 
 ENVOY_DEFAULT_LIMIT = 1024
 """Envoy's own default for each cluster circuit breaker (connections, pending, requests)."""
@@ -90,7 +90,7 @@ def _seconds(value: float) -> str:
     return f"{value:g}s"
 
 
-def _address(server: Server) -> tuple[str, int]:
+def _address(server: Backend) -> tuple[str, int]:
     host, _, port = server.address.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -103,7 +103,7 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _endpoint(server: Server) -> dict[str, Any]:
+def _endpoint(server: Backend) -> dict[str, Any]:
     host, port = _address(server)
     return {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
 
@@ -143,7 +143,7 @@ def _policy(balance: str) -> dict[str, Any]:
     return {"policies": [{"typed_extension_config": {"name": name, "typed_config": config}}]}
 
 
-def _cluster(name: str, nodes: list[Server], options: RouterOptions,
+def _cluster(name: str, nodes: list[Backend], options: RouterOptions,
              balance: str) -> dict[str, Any]:  # fmt: skip
     """A cluster of ``nodes``: ``balance``, per-node cap, /health checks, no panic."""
     interval = _seconds(options.check_interval)

@@ -68,7 +68,7 @@ class RouterOptions:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Server:
+class Backend:
     """One node as HAProxy sees it."""
 
     name: str
@@ -77,14 +77,14 @@ class Server:
     tls: bool
 
 
-def servers(deployment: Deployment, options: RouterOptions) -> list[Server]:
+def servers(deployment: Deployment, options: RouterOptions) -> list[Backend]:
     """The nodes of ``deployment`` as HAProxy servers ``node1``, ``node2`` ..."""
     cap = options.max_sessions_per_node or deployment.max_sessions_per_node or DEFAULT_NODE_CAPACITY
     out = []
     for i, url in enumerate(deployment.nodes, start=1):
         parts = urllib.parse.urlsplit(url)
         _check_node(url, parts)
-        out.append(Server(f"node{i}", parts.netloc, cap, parts.scheme == "https"))
+        out.append(Backend(f"node{i}", parts.netloc, cap, parts.scheme == "https"))
     return out
 
 

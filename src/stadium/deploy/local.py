@@ -31,14 +31,13 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from stadium._errors import ConfigError
 from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment, refuse_token_in_argv
-from stadium.deploy.running import Running
+from stadium.deploy.running import Running, Stopper
 
 #: The server's announce line names its URL (``--port 0``: the port the kernel chose).
 _ANNOUNCE = re.compile(r"listening on (https?://\S+:\d+)")
@@ -46,8 +45,9 @@ _ANNOUNCE = re.compile(r"listening on (https?://\S+:\d+)")
 #: Run as ``python -c _DIE_WITH_PARENT PARENT_PID PROGRAM ARG...``: ask the kernel for
 #: SIGTERM when the parent dies (``PR_SET_PDEATHSIG``, kept across ``exec``), then exec.
 _DIE_WITH_PARENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "import os, signal, sys\n"
+    "from stadium._util.libc import die_with_parent\n"
+    "die_with_parent(signal.SIGTERM)\n"
     "if os.getppid() != int(sys.argv[1]):\n"
     "    sys.exit('stadium: the launcher is gone')\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
@@ -198,35 +198,34 @@ def stop_all(servers: Sequence[ServerProcess], timeout: float) -> list[int | Non
     return [s.proc.returncode for s in servers]
 
 
-class _Stopper:
-    """What stopping needs, kept apart from the deployment so a finalizer can hold it."""
+class _LocalStopper(Stopper[list[int | None]]):
+    """Stops the local servers (and removes the log folder this launcher made)."""
 
     def __init__(self, servers: list[ServerProcess], log_dir: Path, owns_log_dir: bool) -> None:
+        super().__init__()
         self.servers = servers
         self.log_dir = log_dir
         self.owns_log_dir = owns_log_dir
-        self.codes: list[int | None] | None = None
-        self.lock = threading.Lock()
 
-    def __call__(self, timeout: float) -> list[int | None]:
-        with self.lock:
-            if self.codes is None:
-                self.codes = stop_all(self.servers, timeout)
-                if self.owns_log_dir:
-                    shutil.rmtree(self.log_dir, ignore_errors=True)
-            return self.codes
+    def stop(self, timeout: float) -> list[int | None]:
+        codes = stop_all(self.servers, timeout)
+        if self.owns_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+        return codes
 
 
 class LocalDeployment(Running):
     """Servers started by :func:`start`: ``servers`` (their processes), ``log_dir``."""
 
-    def __init__(self, servers: list[ServerProcess], urls: list[str], stopper: _Stopper) -> None:
+    def __init__(
+        self, servers: list[ServerProcess], urls: list[str], stopper: _LocalStopper
+    ) -> None:
         super().__init__(Deployment.of(urls))
         self.servers = servers
         self.log_dir = stopper.log_dir
         self._stopper = stopper
         # forgotten: stopped when collected or at exit (weakref.finalize runs at exit)
-        self._finalizer = weakref.finalize(self, stopper, 10.0)
+        self._finalizer = self._stop_when_dropped(stopper)
 
     @property
     def pids(self) -> list[int]:
@@ -295,7 +294,7 @@ def start(
     # PR_SET_PDEATHSIG fires when the *thread* that forked ends: only from the main thread
     main = threading.current_thread() is threading.main_thread()
     servers: list[ServerProcess] = []
-    stopper = _Stopper(servers, logs, owns)
+    stopper = _LocalStopper(servers, logs, owns)
     try:
         for i in range(replicas):
             cmd = serve_command(

@@ -41,7 +41,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -49,9 +48,9 @@ from pathlib import Path
 from stadium._errors import ConfigError
 from stadium._util.health import healthy
 from stadium.deploy.deployment import Deployment, refuse_token_in_argv
-from stadium.deploy.running import Running
+from stadium.deploy.running import Running, Stopper
 
-#: The image ``start`` runs unless told otherwise (what the README's build command tags).
+#: The image ``start`` runs unless told otherwise (what docs/DEPLOY.md's build command tags).
 DEFAULT_IMAGE = "localhost/stadium:latest"
 #: The port a server listens on inside its container when the network is not the host's.
 CONTAINER_PORT = 8000
@@ -207,17 +206,15 @@ def _add_wheels(ctx: Path, wheels: Path, *, temporary: bool) -> None:
             shutil.copy2(whl, dest / whl.name)
 
 
-class _Stopper:
-    """What stopping needs, kept apart from the deployment so a finalizer can hold it."""
+class _PodmanStopper(Stopper[dict[str, int | None]]):
+    """Stops the containers (``podman stop``), reads their exit codes, removes them."""
 
     def __init__(self, podman: str, names: Sequence[str]) -> None:
+        super().__init__()
         self.podman = podman
         self.names = list(names)
-        self.codes: dict[str, int | None] | None = None
 
-    def __call__(self, timeout: float) -> None:
-        if self.codes is not None:
-            return
+    def stop(self, timeout: float) -> dict[str, int | None]:
         self.codes = dict.fromkeys(self.names)
         seconds = max(0, math.ceil(timeout))
         try:
@@ -225,7 +222,7 @@ class _Stopper:
                 [self.podman, "stop", "--ignore", "-t", str(seconds), *self.names],
                 timeout=seconds + 60, check=False, what="podman stop",
             )  # fmt: skip
-            self.codes = _exit_codes(self.podman, self.names)
+            return _exit_codes(self.podman, self.names)
         finally:
             _run(
                 [self.podman, "rm", "--force", "--ignore", "-t", "0", *self.names],
@@ -246,8 +243,8 @@ class PodmanDeployment(Running):
         #: The value of the ``io.stadium.deployment`` label on every container.
         self.ident = ident
         self._podman = podman
-        self._stopper = _Stopper(podman, self.containers)
-        self._finalizer = weakref.finalize(self, self._stopper, 10.0)
+        self._stopper = _PodmanStopper(podman, self.containers)
+        self._finalizer = self._stop_when_dropped(self._stopper)
 
     @property
     def exit_codes(self) -> dict[str, int | None] | None:

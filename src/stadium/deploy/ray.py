@@ -38,7 +38,6 @@ import os
 import shutil
 import tempfile
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,7 @@ from typing import Any
 from stadium._errors import ConfigError
 from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.local import ServerProcess, serve_command, wait_all_ready
-from stadium.deploy.running import Running
+from stadium.deploy.running import Running, Stopper
 
 log = logging.getLogger("stadium.deploy.ray")
 
@@ -111,40 +110,39 @@ class ServerActor:
         return code
 
 
-class _Stopper:
+class _RayStopper(Stopper[list[int | None]]):
+    """Stops the server actors, removes the placement group (and the connection this launcher
+    made)."""
+
     def __init__(self, actors: list[Any], group: Any, owns_connection: bool) -> None:
+        super().__init__()
         self.actors = actors
         self.group = group
         self.owns_connection = owns_connection
-        self.codes: list[int | None] | None = None
-        self.done = False
-        self.lock = threading.Lock()
 
-    def __call__(self, timeout: float) -> None:
-        with self.lock:
-            if self.done:
-                return
-            self.done = True
-            ray = _ray()
-            if not ray.is_initialized():  # disconnected: Ray ended the actors, the servers drain
-                return
+    def stop(self, timeout: float) -> list[int | None] | None:
+        codes: list[int | None] | None = None
+        ray = _ray()
+        if not ray.is_initialized():  # disconnected: Ray ended the actors, the servers drain
+            return None
+        try:
+            refs = [a.stop.remote(timeout) for a in self.actors]
+            codes = list(ray.get(refs, timeout=timeout + 15.0))
+        except Exception as exc:  # an actor already dead, a timeout: kill regardless
+            log.warning("stopping the Stadium servers on Ray: %r", exc)
+        for actor in self.actors:
             try:
-                refs = [a.stop.remote(timeout) for a in self.actors]
-                self.codes = list(ray.get(refs, timeout=timeout + 15.0))
-            except Exception as exc:  # an actor already dead, a timeout: kill regardless
-                log.warning("stopping the Stadium servers on Ray: %r", exc)
-            for actor in self.actors:
-                try:
-                    ray.kill(actor)
-                except Exception as exc:
-                    log.debug("ray.kill: %r", exc)
-            if self.group is not None:
-                try:
-                    ray.util.remove_placement_group(self.group)
-                except Exception as exc:
-                    log.debug("remove_placement_group: %r", exc)
-            if self.owns_connection:
-                ray.shutdown()
+                ray.kill(actor)
+            except Exception as exc:
+                log.debug("ray.kill: %r", exc)
+        if self.group is not None:
+            try:
+                ray.util.remove_placement_group(self.group)
+            except Exception as exc:
+                log.debug("remove_placement_group: %r", exc)
+        if self.owns_connection:
+            ray.shutdown()
+        return codes
 
 
 class RayDeployment(Running):
@@ -152,14 +150,14 @@ class RayDeployment(Running):
     ``actors``; :meth:`stop` drains them, kills the actors, removes the group."""
 
     def __init__(
-        self, servers: list[RayServer], actors: list[Any], group: Any, stopper: _Stopper
+        self, servers: list[RayServer], actors: list[Any], group: Any, stopper: _RayStopper
     ) -> None:
         super().__init__(Deployment.of(s.url for s in servers))
         self.servers = servers
         self.actors = actors
         self.placement_group = group
         self._stopper = stopper
-        self._finalizer = weakref.finalize(self, stopper, 10.0)
+        self._finalizer = self._stop_when_dropped(stopper)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Ask each actor to SIGTERM its server and wait up to ``timeout`` for the drain
@@ -265,7 +263,7 @@ def start(
     owns = _connect(ray, address)
     actors: list[Any] = []
     group: Any = None
-    stopper = _Stopper(actors, None, owns)
+    stopper = _RayStopper(actors, None, owns)
     try:
         count, cpus, workers, strategy = _layout(ray, replicas, cpus_per_server, workers, strategy)
         strategies = importlib.import_module("ray.util.scheduling_strategies")

@@ -6,7 +6,7 @@ Each step's code runs in a fresh ``python -I`` subprocess of the session (bounde
 ``python3``, packages and working directory; else the server's interpreter in a work
 directory of the session's own). Served as it asks
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
-uid, memory, process and disk limits (README, "Isolated sessions"); so the policy's
+uid, memory, process and disk limits (docs/ISOLATION.md); so the policy's
 code can do what it likes to it and nothing else.
 
 Grading (:func:`run_tests`): nothing the submission writes counts as a result. The
@@ -115,7 +115,7 @@ class Returned(
     value: T
 
 
-class Failed(msgspec.Struct, tag="failed", tag_field="kind", forbid_unknown_fields=True):
+class RunFailed(msgspec.Struct, tag="failed", tag_field="kind", forbid_unknown_fields=True):
     """The call raised, or returned what JSON cannot carry; ``message`` says which."""
 
     message: str
@@ -129,7 +129,7 @@ class Unloadable(msgspec.Struct, tag="unloadable", tag_field="kind", forbid_unkn
 
 @functools.cache
 def _decoder(returns: Any) -> msgspec.json.Decoder[Any]:
-    return msgspec.json.Decoder(Returned[returns] | Failed | Unloadable)
+    return msgspec.json.Decoder(Returned[returns] | RunFailed | Unloadable)
 
 
 class Report(msgspec.Struct):
@@ -285,7 +285,7 @@ def run_tests(
             if isinstance(reply, Unloadable):
                 report.failures = [_message(reply.message)]
                 break
-            if isinstance(reply, Failed):
+            if isinstance(reply, RunFailed):
                 report.failures.append(f"{call} {_message(reply.message)}")
             elif reply.value == expected:  # plain values the decoder built: no __eq__ of theirs
                 report.passed += 1

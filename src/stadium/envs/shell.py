@@ -4,7 +4,7 @@ Each command runs with ``bash -c`` (``sh`` where there is no bash) in the sessio
 :class:`~stadium.Workspace` (files persist between steps; variables and ``cd`` do not),
 bounded by ``timeout_s``. Served as it asks (``isolation = "sandbox"``), the session's own
 sandbox is all it can touch: no network, its own uid, memory, process and disk limits
-(README, "Isolated sessions"). ``stadium serve shell --image REF`` is a terminal inside
+(docs/ISOLATION.md). ``stadium serve shell --image REF`` is a terminal inside
 the image: its tools, its environment, its working directory, a private copy of its files.
 """
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import msgspec
 
 from stadium._env.contract import StepResult
-from stadium._env.tools import (
+from stadium._env.tool_env import (
     CallToolAction,
     ToolAction,
     ToolEnvironment,
@@ -46,7 +46,14 @@ from stadium._env.tools import (
 )
 from stadium._env.workspace import DirEntry, Workspace, current_image
 from stadium._errors import ConfigError, ExecutionError, SessionError, ValidationError
-from stadium.envs.swe_grading import GradingError, Pristine, Rules, Verdict, restore, run_tests
+from stadium.envs.swe_grading import (
+    GradingError,
+    GradingVerdict,
+    Pristine,
+    Rules,
+    restore,
+    run_tests,
+)
 
 #: The largest tasks file read.
 MAX_TASKS_BYTES = 64 << 20
@@ -173,17 +180,28 @@ def load_tasks(tasks: str | Sequence[dict[str, Any]] | None) -> tuple[SweTask, .
         return (DEMO_TASK,)
     if not isinstance(tasks, str):
         return parse_tasks(list(tasks), "the tasks list")
+    return parse_tasks(_read_tasks(tasks).split(b"\n"), tasks)
+
+
+def task_rows(path: str) -> list[dict[str, Any]]:
+    """A JSONL tasks file's rows as objects (checked as tasks first: the errors name the line)."""
+    data = _read_tasks(path)
+    parse_tasks(data.split(b"\n"), path)
+    return [msgspec.json.decode(line) for line in data.split(b"\n") if line.strip()]
+
+
+def _read_tasks(tasks: str) -> bytes:
     try:
         with open(tasks, "rb") as f:
             data = f.read(MAX_TASKS_BYTES + 1)
     except OSError as exc:
         raise ConfigError(
             f"cannot read the SWE tasks file {tasks!r}: {exc.strerror or exc} (pass "
-            '--env-kwargs \'{"tasks": "PATH.jsonl"}\' with a path the session can read)'
+            '--env-kwargs \'{"tasks": "PATH.jsonl"}\' with a path the server can read)'
         ) from None
     if len(data) > MAX_TASKS_BYTES:
         raise ConfigError(f"the SWE tasks file {tasks!r} is over {MAX_TASKS_BYTES} bytes")
-    return parse_tasks(data.split(b"\n"), tasks)
+    return data
 
 
 def reset_options(task: SweTask) -> dict[str, Any]:
@@ -248,6 +266,15 @@ class SweEnv(ToolEnvironment):
     description = "Fix a repository so that its failing tests pass (SWE-bench style tasks)"
     isolation: ClassVar[str] = "sandbox"
     blocking: ClassVar[bool] = True
+
+    @classmethod
+    def prepare_kwargs(cls, env_kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``tasks=PATH`` read by the server, before the sessions' processes (whose ``/``
+        is a task image) are made: they get the rows inline."""
+        tasks = env_kwargs.get("tasks")
+        if isinstance(tasks, str):
+            return {**env_kwargs, "tasks": task_rows(tasks)}
+        return env_kwargs
 
     def __init__(
         self, tasks: str | Sequence[dict[str, Any]] | None = None, max_steps: int = 50,
@@ -394,7 +421,7 @@ class SweEnv(ToolEnvironment):
             "LANG": "C.UTF-8",
             "HOME": self.repo,
         }
-        verdict: Verdict = run_tests(
+        verdict: GradingVerdict = run_tests(
             self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env
         )
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)

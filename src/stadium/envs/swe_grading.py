@@ -19,9 +19,9 @@ the source files the task lets it change:
    Stadium, run with the image's ``python3 -I``) gets the test ids and a fresh nonce on a pipe
    made for this run, before any repository code loads, and reports each test on another.
    Its stdout and stderr are output (a bounded tail for the policy), never parsed.
-4. **Verdict** (:class:`Verdict`): resolved only if every FAIL_TO_PASS and PASS_TO_PASS test is
-   reported ``passed`` by name, once, the stream ends with the run's nonce, the runner saw no
-   rebinding of unittest, the builtins or itself, and the process exited 0 in time.
+4. **Verdict** (:class:`GradingVerdict`): resolved only if every FAIL_TO_PASS and PASS_TO_PASS
+   test is reported ``passed`` by name, once, the stream ends with the run's nonce, the runner
+   saw no rebinding of unittest, the builtins or itself, and the process exited 0 in time.
 
 What this does not stop (``docs/SWE.md``): code written against this runner, which finds the
 nonce and the results pipe in its own process and writes a forged stream, or patches and
@@ -244,7 +244,7 @@ class Reported(msgspec.Struct, tag="result", tag_field="kind", forbid_unknown_fi
     detail: str = ""
 
 
-class Done(msgspec.Struct, tag="done", tag_field="kind", forbid_unknown_fields=True):
+class GradingDone(msgspec.Struct, tag="done", tag_field="kind", forbid_unknown_fields=True):
     nonce: str
 
 
@@ -252,10 +252,10 @@ class Tampered(msgspec.Struct, tag="tampered", tag_field="kind", forbid_unknown_
     what: str
 
 
-_RECORD = msgspec.json.Decoder(Reported | Done | Tampered)
+_RECORD = msgspec.json.Decoder(Reported | GradingDone | Tampered)
 
 
-class Verdict(msgspec.Struct):
+class GradingVerdict(msgspec.Struct):
     """How the task's tests did: ``resolved`` only if every one passed (module docstring).
 
     ``tests``: each test id's outcome (``missing``: not reported); ``problems``: why the run
@@ -333,7 +333,7 @@ class _Pipes:
 def run_tests(
     root: str, tests: Sequence[str], *, python: str, timeout_s: float,
     env: dict[str, str] | None = None,
-) -> Verdict:  # fmt: skip
+) -> GradingVerdict:  # fmt: skip
     """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream."""
     nonce = secrets.token_hex(16)
     request = msgspec.json.encode({"nonce": nonce, "tests": list(tests)}) + b"\n"
@@ -349,7 +349,7 @@ def run_tests(
     except OSError as exc:
         for fd in (control_r, control_w, results_r, results_w):
             os.close(fd)
-        return Verdict(
+        return GradingVerdict(
             False, dict.fromkeys(tests, "missing"), [f"the tests could not start: {exc}"]
         )
     os.close(control_r)
@@ -382,7 +382,7 @@ def run_tests(
     return verdict
 
 
-def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None) -> Verdict:
+def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None) -> GradingVerdict:
     """The verdict on a results stream (pure: the tests feed it literal streams)."""
     wanted = set(tests)
     outcomes: dict[str, str] = {}
@@ -405,7 +405,7 @@ def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None
         if isinstance(record, Tampered):
             problems.append(f"the tests' process rebound {record.what}")
             break
-        if isinstance(record, Done):
+        if isinstance(record, GradingDone):
             if record.nonce != nonce:
                 problems.append("the run ended with another run's nonce")
                 break
@@ -426,14 +426,14 @@ def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None
     failing = [t for t, o in table.items() if o != "passed"]
     if failing and not problems:
         problems.append(f"{len(failing)} of {len(tests)} tests did not pass: {failing[0]}")
-    return Verdict(not problems, table, problems)
+    return GradingVerdict(not problems, table, problems)
 
 
 __all__ = [
     "GradingError",
+    "GradingVerdict",
     "Pristine",
     "Rules",
-    "Verdict",
     "judge",
     "restore",
     "run_tests",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from stadium._env.contract import StepResult
-from stadium._env.tools import ToolEnvironment, ToolObservation, tool
+from stadium._env.tool_env import ToolEnvironment, ToolObservation, tool
 
 
 class NotesEnv(ToolEnvironment):

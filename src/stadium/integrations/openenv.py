@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from stadium._env.codecs import TypeCodec, register_codec_factory
 from stadium._env.contract import Environment, StepResult
-from stadium._env.tools import sample_arguments
+from stadium._env.tool_env import sample_arguments
 from stadium._errors import ExecutionError, TargetError, ToolCallError
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ recoverable ``{"type": "protocol_error", "data": {"message", "code"}}`` (``INVAL
 ``session_timeout_s``, a harness not running, a turn that raised or whose stream ended
 without ``turn_complete`` end the session with a terminal ``error`` event (the adapter's
 exception is not sent: it may hold credentials or process output). The connection side
-(slots, queueing, closing) is :mod:`stadium._server.harness_socket`.
+(slots, queueing, closing) is :mod:`stadium._server.http.harness_socket`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 An image named by a REF (:func:`parse_ref`: a Podman image, an OCI layout or archive, a root
 filesystem directory) is prepared once per node by :class:`ImageStore` into content-addressed
 layers shared between images, ready as overlayfs lowerdirs (:class:`PreparedImage`), leased
-while sessions use it (:class:`Lease`) and evicted least recently used first under a disk
+while sessions use it (:class:`ImageLease`) and evicted least recently used first under a disk
 budget. ``stadium images list|prefetch|prune|inspect`` is its command line
 (``stadium._cli.images``); :mod:`.collector` its ``/metrics`` figures.
 
@@ -18,8 +18,8 @@ from stadium._server.images.refs import ImageRef, RefKind, parse_ref
 from stadium._server.images.store import (
     CacheStats,
     ImageInfo,
+    ImageLease,
     ImageStore,
-    Lease,
     LeaseState,
     PreparedImage,
     default_root,
@@ -29,9 +29,9 @@ __all__ = [
     "CacheStats",
     "ImageConfig",
     "ImageInfo",
+    "ImageLease",
     "ImageRef",
     "ImageStore",
-    "Lease",
     "LeaseState",
     "PreparedImage",
     "RefKind",

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from stadium._errors import ConfigError
-from stadium._server.images import podman
+from stadium._server.images import podman_storage as podman
 from stadium._server.images.extract import extract_layer
 from stadium._server.images.oci import ArchiveLayout, DirLayout, ImageConfig, Layout, read_image
 from stadium._server.images.refs import ImageRef, RefKind, parse_ref
@@ -48,8 +48,8 @@ __all__ = [
     "DEFAULT_ROOT",
     "CacheStats",
     "ImageInfo",
+    "ImageLease",
     "ImageStore",
-    "Lease",
     "LeaseState",
     "PreparedImage",
     "default_root",
@@ -116,7 +116,7 @@ class LeaseState(enum.Enum):
     RELEASED = "released"
 
 
-class Lease:
+class ImageLease:
     """A hold on a prepared image: while any process holds one, prune never evicts it.
 
     A shared ``flock`` on the image's lease file: released by :meth:`close`, or by the kernel
@@ -137,7 +137,7 @@ class Lease:
                 os.utime(self._path)
             os.close(self._fd)
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> ImageLease:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -439,7 +439,7 @@ class ImageStore:
 
     # ------------------------------------------------------------------ leases
 
-    def lease(self, image: PreparedImage) -> Lease:
+    def lease(self, image: PreparedImage) -> ImageLease:
         """Hold ``image`` against eviction until the lease is closed or this process (and
         its children) exit. If it was evicted since it was prepared, it is prepared again."""
         self._ensure()
@@ -451,7 +451,7 @@ class ImageStore:
                 same = os.fstat(fd).st_ino == os.stat(path).st_ino
                 if same and os.path.exists(record):
                     os.utime(fd)
-                    return Lease(image, fd, path)
+                    return ImageLease(image, fd, path)
             except FileNotFoundError:
                 pass
             except BaseException:

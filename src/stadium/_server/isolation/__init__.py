@@ -1,17 +1,19 @@
 """Isolated sessions: each session's env in its own process (``--isolation process``), or in
 its own sandboxed process (``--isolation sandbox``), forked from a per-worker template.
 
-:mod:`.host` is the worker's side (the template, the warm pool, the env processes),
-:mod:`.proc` one env process as the worker holds it, :mod:`.proxy` the env a session
-drives (each call a request to its process), :mod:`.reaper` the teardown off the event
-loop, :mod:`.child` the template's and the env processes' side, :mod:`.sandbox` the
-namespaces, mounts, uids and cgroups, :mod:`.seccomp` the sandboxed sessions' seccomp
-filter, :mod:`.wire` the frames between them.
+Two sides and what they share: ``worker/`` is the worker's side (:mod:`.worker.isolation`:
+the template, the warm pool, the env processes; :mod:`.worker.proc` one env process as the
+worker holds it; :mod:`.worker.proxy` the env a session drives; :mod:`.worker.reaper` the
+teardown off the event loop; ...), ``template/`` the env's side (:mod:`.template.child`: the
+template and the env processes; :mod:`.template.seccomp` the sandboxed sessions' filter;
+:mod:`.template.rootfs` a task image's root). Beside them, what both use: :mod:`.wire` the
+messages and frames between them, :mod:`.sandbox` the namespaces, mounts, uids and cgroups,
+:mod:`.remote` an env known only by its description (``--untrusted-env-code``).
 """
 
-from stadium._server.isolation.host import MODES, Isolation, IsolationConfig
-from stadium._server.isolation.proxy import ProcessEnv, isolated_spec
 from stadium._server.isolation.sandbox import Limits, sandbox_unavailable
+from stadium._server.isolation.worker.isolation import MODES, Isolation, IsolationConfig
+from stadium._server.isolation.worker.proxy import ProcessEnv, isolated_spec
 
 __all__ = [
     "MODES",

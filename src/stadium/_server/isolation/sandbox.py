@@ -1,11 +1,11 @@
 """Sandbox isolation: the limits, the cgroups (v1 and v2), bubblewrap, and the set-up of one
-session's process.
+session's process (:mod:`.template.confine` enters it).
 
 The worker starts its template process under ``bwrap`` (new pid, network, ipc and uts
 namespaces; a read-only view of the interpreter and the env's code; a private
 ``/tmp``; see :func:`bwrap_argv`). Per session, the worker makes a cgroup with the
 session's limits (:class:`Cgroups`), and the process the template forks for it
-(:func:`enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
+(:func:`~.template.confine.enter_sandbox`) joins that cgroup, takes new mount, network, ipc and uts
 namespaces of its own, mounts a private size-bounded tmpfs as its work directory
 (``/sandbox``, also its home and ``TMPDIR``; ``/tmp`` is the same tmpfs, or read-only when
 the code lives under ``/tmp``), mounts a ``devpts`` instance of its own with a small
@@ -16,17 +16,16 @@ server's user; unique among the node's live sessions: :class:`UidLease`) with
 Sessions cannot see each other's files nor signal each other's processes (distinct
 uids), reach no
 network (unless the server's sandbox network is ``allowlist`` or ``public``: then the
-session joins the network namespace :mod:`.netns` made for it, with its own
+session joins the network namespace :mod:`.worker.netns` made for it, with its own
 ``/etc/hosts``), and are bounded in memory, CPU, processes, work-directory size and
 wall time (per call and per episode).
-The template gives each session a pid namespace of its own (:mod:`.child`) and, after
-:func:`enter_sandbox`, the seccomp filter (:mod:`.seccomp`).
+The template gives each session a pid namespace of its own (:mod:`.template.child`) and, after
+:func:`~.template.confine.enter_sandbox`, the seccomp filter (:mod:`.template.seccomp`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import os
@@ -36,11 +35,8 @@ import stat
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from stadium._errors import ConfigError
-from stadium._server.isolation import rootfs
-from stadium._server.isolation.wire import Image
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: The folder under each hierarchy holding the sessions' cgroups.
@@ -78,7 +74,7 @@ class Limits:
             ``limit: episode_time``). 0: none. Process isolation enforces it too.
         network: ``none`` (no network at all), ``allowlist`` (only
             ``allowed_hosts``) or ``public`` (any address but the host's own);
-            see :mod:`~stadium._server.isolation.netns`.
+            see :mod:`~stadium._server.isolation.worker.netns`.
         allowed_hosts: host names, addresses or CIDR ranges of ``allowlist``.
         ptys: pseudo-terminals the session may hold at once (its own ``devpts``
             instance's ``max``; the host's and other sessions' are not shared).
@@ -446,138 +442,3 @@ def bwrap_argv(extra_ro: Iterable[str], *, resolver: bool = False) -> list[str]:
         "--",
     ]  # fmt: skip
     return argv
-
-
-# -- in the session's process (the template's fork), before the env is built -------
-
-_MS_RDONLY = 1
-_MS_REMOUNT = 32
-
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWUTS = 0x04000000
-_CLONE_NEWIPC = 0x08000000
-_CLONE_NEWNET = 0x40000000
-_MS_REC = 0x4000
-_MS_PRIVATE = 1 << 18
-_MS_NOSUID = 2
-_MS_NODEV = 4
-_MS_NOEXEC = 8
-_MS_BIND = 4096
-_MNT_DETACH = 2
-_PR_SET_NO_NEW_PRIVS = 38
-_libc: Any = None
-
-
-def _c() -> Any:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    return _libc
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None) -> None:
-    rc = _c().mount(
-        source.encode(),
-        target.encode(),
-        fstype.encode() if fstype else None,
-        ctypes.c_ulong(flags),
-        data.encode() if data else None,
-    )
-    _check(rc, f"mount {target}")
-
-
-def enter_sandbox(
-    cgroups: list[str],
-    uid: int,
-    disk_mib: int,
-    *,
-    netns_fd: int = -1,
-    hosts: str | None = None,
-    ptys: int = 16,
-    image: Image | None = None,
-    host_roots: list[str] | None = None,
-    userns_fd: int = -1,
-) -> None:
-    """Make the calling process (a session's, as root with capabilities inside the
-    template's namespaces) a sandboxed one: see the module docstring. Irreversible.
-
-    ``netns_fd``: the network namespace the worker made for it (``allowlist``,
-    ``public``: :mod:`.netns`), joined instead of a new one with no network; ``hosts``:
-    its ``/etc/hosts``; ``ptys``: the ``max`` of its own ``devpts`` instance; ``image``:
-    the task image that becomes its root (:func:`.rootfs.enter_image`, with
-    ``host_roots`` under ``/.stadium/host``; its layers idmapped by ``userns_fd``, when
-    given: see :func:`.rootfs.enter_image`); it then starts in the image's workdir."""
-    for path in cgroups:
-        with open(os.path.join(path, "cgroup.procs"), "w") as f:
-            f.write("0")
-    flags = _CLONE_NEWNS | _CLONE_NEWIPC | _CLONE_NEWUTS
-    if netns_fd >= 0:
-        _check(_c().setns(netns_fd, _CLONE_NEWNET), "setns (the session's network)")
-        os.close(netns_fd)
-    else:
-        flags |= _CLONE_NEWNET
-    _check(_c().unshare(flags), "unshare")
-    _mount("none", "/", None, _MS_REC | _MS_PRIVATE, None)
-    _check(_c().umount2(str(CGROUP_ROOT).encode(), _MNT_DETACH), "umount cgroup tree")
-    if image is not None:  # its root: the image's layers under a private, bounded one
-        roots = host_roots or []
-        rootfs.enter_image(image.layers, uid, disk_mib, WORK_DIR, WORK_DIR, ptys, roots, userns_fd)
-    else:
-        _own_mounts(uid, disk_mib, ptys)
-    if hosts is not None:  # names of the allowed hosts: no DNS needed
-        _bind_file(hosts, "/etc/hosts")
-    os.setgroups([])
-    os.setresgid(uid, uid, uid)
-    os.setresuid(uid, uid, uid)
-    _check(_c().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    os.chdir(WORK_DIR)
-    if image is not None:
-        os.environ.update(image.env)
-        with contextlib.suppress(OSError):  # the image's workdir, where it can be entered
-            os.chdir(session_workdir(image))
-    os.environ["HOME"] = os.environ["TMPDIR"] = WORK_DIR
-    os.environ.pop("PWD", None)
-
-
-def session_workdir(image: Image) -> str:
-    """Where an image-backed session starts: the image's workdir, or its own work
-    directory when the image names none (``/`` is not the session's to write)."""
-    return image.workdir if image.workdir not in ("", "/") else WORK_DIR
-
-
-def _own_mounts(uid: int, disk_mib: int, ptys: int) -> None:
-    """A session's mounts without an image: its ``/proc``, work directory, ``/tmp``,
-    ``/dev/shm`` and pseudo-terminals."""
-    # A /proc of its own that shows only its uid's processes (not the other sessions').
-    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, "hidepid=2")
-    opts = f"size={disk_mib}m,mode=0700,uid={uid},gid={uid}"
-    _mount("tmpfs", WORK_DIR, "tmpfs", _MS_NOSUID | _MS_NODEV, opts)
-    if not os.statvfs("/tmp").f_flag & os.ST_RDONLY:  # no code under /tmp: the same tmpfs
-        _mount(WORK_DIR, "/tmp", None, _MS_BIND, None)
-    if os.path.isdir("/dev/shm"):
-        _mount("tmpfs", "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
-    # Pseudo-terminals of its own (``/dev/ptmx`` is bubblewrap's link to ``pts/ptmx``): at
-    # most ``ptys``; none of the host's nor of another session's instance.
-    _mount(
-        "devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
-        f"newinstance,ptmxmode=0666,mode=0620,max={ptys}",
-    )  # fmt: skip
-
-
-def _bind_file(text: str, target: str) -> None:
-    """``text`` as the read-only file ``target`` in this mount namespace only."""
-    staged = os.path.join(WORK_DIR, ".stadium-" + os.path.basename(target))
-    with open(staged, "w") as f:
-        f.write(text)
-    os.chmod(staged, 0o644)
-    with open(target, "a"):  # a mount point (an empty file the template's /etc keeps)
-        pass
-    _mount(staged, target, None, _MS_BIND, None)
-    _mount("none", target, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None)
-    os.unlink(staged)  # reachable as ``target`` only, read-only

@@ -1,7 +1,7 @@
 """The episode ledger: what each episode cost, every episode recorded (``--record``).
 
 A session accounts for its running episode in a few slots of its own (bytes in and out,
-the env's CPU time, the start; see :class:`~stadium._server.session.Session` and
+the env's CPU time, the start; see :class:`~stadium._server.sessions.runner.Session` and
 docs/PROTOCOL.md "Episode cost"); when the episode ends it hands the figures to the
 worker's :class:`Ledger`, which sums them into the worker's metrics row and, when the
 episode is recorded, gives it to the :class:`~.record.Recorder` (:mod:`.record`).

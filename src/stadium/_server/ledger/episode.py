@@ -1,7 +1,7 @@
 """One episode as a session accounts for it: how it ended, the cost spliced into the reply
 that ended it, the pool-thread CPU clock, and what the recorder is handed.
 
-The per-step accounting lives in :class:`~stadium._server.session.Session` itself (a few
+The per-step accounting lives in :class:`~stadium._server.sessions.runner.Session` itself (a few
 additions into its slots, see docs/PROTOCOL.md "Episode cost"); this module holds what
 runs once per episode, or inside the env's own pool thread.
 """

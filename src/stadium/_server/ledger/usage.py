@@ -7,10 +7,13 @@ read is a few µs, at an episode's start and end, not per step).
 env process is known by a key, not a pid (``isolation.proc``), but its session has
 cgroups of its own (:class:`Cgroup`): cgroup v1's ``cpuacct.usage`` and
 ``memory.max_usage_in_bytes`` (reset at each episode's start), v2's ``cpu.stat``
-``usage_usec`` (its peak memory is not read: v2's ``memory.peak`` resets only per open
-file). They are read on the event loop: an executor's round trip costs the loop as much
-(measured: ~7 µs per file opened, read and closed; ~85 µs of CPU for the hop and reads),
-and would hold back the reply that ends the episode.
+``usage_usec`` and ``memory.peak`` (Linux ≥ 6.12 restarts it for one open file
+description: the session's :class:`Cgroup` holds one open from its first episode's start
+to its end, writes to it at each episode's start and reads through it; on older kernels,
+whose ``memory.peak`` cannot be written, the peak is not read). They are read on the event
+loop: an executor's round trip costs the loop as much (measured: ~7 µs per file opened,
+read and closed; ~85 µs of CPU for the hop and reads), and would hold back the reply that
+ends the episode.
 """
 
 from __future__ import annotations
@@ -69,15 +72,18 @@ class Cgroup:
     session's cgroup folders, one per hierarchy in v1 — the hierarchy's name is the
     folder's grandparent's: ``cpuacct``, ``cpu,cpuacct``, ``memory`` — or one in v2)."""
 
-    __slots__ = ("cpu", "paths", "peak", "v2")
+    __slots__ = ("cpu", "paths", "peak", "peak_fd", "v2")
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
         self.v2 = len(paths) == 1
         self.cpu: str | None = None
         self.peak: str | None = None
+        self.peak_fd = -1
+        """v2: ``memory.peak`` held open (its peak restarts for this descriptor only)."""
         if self.v2:
             self.cpu = os.path.join(paths[0], "cpu.stat")
+            self.peak = os.path.join(paths[0], "memory.peak")
             return
         cpu = None
         for path in paths:
@@ -111,16 +117,26 @@ class Cgroup:
 
     def peak_bytes(self) -> int | None:
         """The most memory the cgroup was charged since :meth:`reset_peak` (v1: resident
-        pages, page cache and kernel memory)."""
-        data = None if self.peak is None else _read(self.peak)
+        pages, page cache and kernel memory; v2: the same, read through the descriptor
+        :meth:`reset_peak` wrote to)."""
+        if self.v2:
+            try:
+                data = None if self.peak_fd < 0 else os.pread(self.peak_fd, 64, 0)
+            except OSError:
+                data = None
+        else:
+            data = None if self.peak is None else _read(self.peak)
         try:
             return None if data is None else int(data)
         except ValueError:
             return None
 
     def reset_peak(self) -> None:
-        """Start the peak again from the current usage (v1: ``0`` written to it)."""
-        if self.peak is not None:
+        """Start the peak again from the current usage (v1: ``0`` written to it; v2: any
+        text written to ``memory.peak`` through the descriptor kept open, Linux ≥ 6.12)."""
+        if self.v2:
+            self._reset_v2()
+        elif self.peak is not None:
             try:
                 fd = os.open(self.peak, os.O_WRONLY)
                 try:
@@ -129,6 +145,26 @@ class Cgroup:
                     os.close(fd)
             except OSError:
                 pass
+
+    def _reset_v2(self) -> None:
+        if self.peak is None:
+            return
+        try:
+            if self.peak_fd < 0:
+                self.peak_fd = os.open(self.peak, os.O_RDWR | os.O_CLOEXEC)
+            os.write(self.peak_fd, b"reset\n")
+        except OSError:  # before Linux 6.12 memory.peak is read-only: not measured
+            self.close()
+            self.peak = None
+
+    def close(self) -> None:
+        """Let go of ``memory.peak``'s descriptor (v2)."""
+        if self.peak_fd >= 0:
+            fd, self.peak_fd = self.peak_fd, -1
+            os.close(fd)
+
+    def __del__(self) -> None:  # the session (its last episode) is gone
+        self.close()
 
 
 def _read(path: str) -> bytes | None:

@@ -8,7 +8,7 @@ Mount it in your own deployment::
 It speaks the same protocol as ``stadium serve`` (both pass one conformance
 suite, and the same resume, batch and fork tests): each ``/ws`` upgrade is decided
 by :func:`stadium._core.handshake.negotiate` and opened by
-:func:`stadium._server.connect.open_upgrade`, as picows does. ``stadium serve`` is
+:func:`stadium._server.http.upgrade.open_upgrade`, as picows does. ``stadium serve`` is
 faster (picows), this path is for fitting into an existing ASGI stack. One thing it
 cannot do: hand a resume to the process holding the session (``stadium serve``'s
 workers pass the socket to each other; an ASGI app is one process and cannot), so
@@ -36,10 +36,10 @@ from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
 from stadium._env.contract import Environment
 from stadium._server.config import ServerConfig
-from stadium._server.connect import open_upgrade
-from stadium._server.endpoints import TOO_LARGE, HttpResponse
+from stadium._server.http.endpoints import TOO_LARGE, HttpResponse
+from stadium._server.http.upgrade import open_upgrade
+from stadium._server.processes.worker import Worker
 from stadium._server.runtime import MAX_UNSENT_BYTES, NODE_NAME
-from stadium._server.worker import Worker
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

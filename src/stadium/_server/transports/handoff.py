@@ -7,7 +7,7 @@ session passes the connection's socket to it (``SCM_RIGHTS``), with the bytes of
 the request it has read so far, and forgets it. The owner then serves the
 connection as if it had accepted it.
 
-Who may take part (the trust model, README "Running it safely"):
+Who may take part (the trust model, docs/SECURITY.md, "Other users on the node"):
 
 * **Names nobody else can take.** Each worker listens on a Unix socket named by its
   pid in a directory private to the server (:func:`private_dir`: ``0700``, owned by

@@ -5,7 +5,7 @@ first bytes: a ``GET`` goes to picows (a WebSocket upgrade on ``/ws``, or one of
 the GET endpoints answered in picows' handshake hook); anything else (``POST
 /reset``, ``POST /step``) goes to a small h11-based HTTP/1.1 protocol. A
 WebSocket session is a :class:`_SessionListener` that feeds complete messages to
-a :class:`~stadium._server.session.Session` and is that session's channel.
+a :class:`~stadium._server.sessions.runner.Session` and is that session's channel.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ from stadium._core.access import AccessPolicy, Refusal, Tenant, header_values
 from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
-from stadium._server.batch import BatchServerConnection
-from stadium._server.connect import open_upgrade
-from stadium._server.endpoints import HttpEndpoints, HttpResponse
-from stadium._server.mcp_socket import McpSocket
+from stadium._server.http.batch_socket import BatchServerConnection
+from stadium._server.http.endpoints import HttpEndpoints, HttpResponse
+from stadium._server.http.mcp_socket import McpSocket
+from stadium._server.http.upgrade import open_upgrade
 from stadium._server.runtime import MAX_FRAGMENTS, MAX_UNSENT_BYTES, NODE_NAME, Runtime
-from stadium._server.session import Session
+from stadium._server.sessions.runner import Session
 from stadium._server.transports.h11 import HttpProtocol, encode_response, timeout_response
 from stadium._server.transports.handoff import Handoff
 from stadium._util.throttle import ThrottledLog

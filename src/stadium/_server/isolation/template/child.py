@@ -1,0 +1,639 @@
+"""The env side of isolated sessions: the template process and each session's process.
+
+:func:`template_main` (started by :mod:`.boot`, its settings read from a memfd, never from
+argv or the environment) is a worker's *template*:
+it imports the env's code once, then waits on its control socket (a
+``SOCK_SEQPACKET`` socket inherited as ``control_fd``). For each ``spawn`` it
+forks: the child (a session's process) gets one end of a new socket pair, the
+worker the other (attached to a ``spawned`` reply). The child's stdout and stderr are the
+pipe the worker sent with the ``spawn`` (its first descriptor; :mod:`.output`), or
+``/dev/null`` (``--sandbox-output drop``); stdin is ``/dev/null``. The template is a child
+subreaper: it reaps every session process (and the processes forked from them by
+``fork``) and reports each one's wait status as ``["exit", pid, status]``, so the
+worker can tell a segfault from an OOM kill from an exit.
+
+Sandboxed, each spawn is a *family* in a pid namespace of its own: the template
+forks the family's init (pid 1 of a new pid namespace; ``unshare(CLONE_NEWPID)``
+then ``fork``, then ``setns`` back), which sets the sandbox up
+(:func:`~stadium._server.isolation.template.confine.enter_sandbox`, the seccomp filter) and
+forks the session's process (pid 2), the only one that joins the session's cgroups.
+The init then reaps every process of the namespace (the session's, the copies
+``fork`` makes, orphans) and reports each wait status to the template, which passes
+it on: it executes the native init for that (``native/stadium-init``, a few lines of
+Rust, ~0.1 MiB), or runs the same loop itself when that is not built. The worker
+names a sandboxed process by a *key*, ``family << 22 | pid in its namespace``,
+unique per template (pids repeat across namespaces); unsandboxed, the key is the pid.
+The init stays outside the cgroups, so killing a session's cgroup never kills the one
+process that reports how it died; when its last process ends it exits, and the kernel
+ends a namespace whose pid 1 ends. It is not dumpable (the interpreter, having changed
+uid; the native init, by ``prctl``): the session's processes, of the same uid, can
+neither see it nor open its memory.
+
+With ``--untrusted-env-code`` (:mod:`.remote`) the template never imports the env's
+code: only Stadium's loader modules and the operator's ``--preload`` modules. Each
+session's process imports the target itself (:func:`~.remote.load_spec`), once it runs
+as the session's uid with no capabilities, ``no_new_privs`` and the seccomp filter loaded,
+so import-time code runs with exactly a session's privileges (the cost: one import per
+session, paid ahead in the warm pool); it answers ``describe`` (the env's
+:class:`~.remote.Description`) and decodes each action the worker passes through undecoded.
+
+A session's process (:func:`session_main`) builds the env (construction happens
+before the session asks: a warm process has paid it), then serves the requests
+of :mod:`~stadium._server.isolation.wire` one at a time, synchronously (an async
+env runs on an event loop of its own). It never returns: it ends with
+``os._exit``. Single-threaded on purpose: forking it (``fork``) is safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import gc
+import inspect
+import itertools
+import os
+import selectors
+import signal
+import socket
+import stat
+import sys
+from typing import Any
+
+import msgspec
+
+from stadium._env import workspace
+from stadium._env.codecs import enc_hook_default
+from stadium._env.contract import StepResult
+from stadium._env.snapshot import restore_env, snapshot_env
+from stadium._env.spec import EnvSpec
+from stadium._errors import StadiumError, ToolCallError
+from stadium._server.isolation import remote, wire
+from stadium._server.isolation.template import rootfs
+from stadium._server.isolation.template.confine import enter_sandbox, session_workdir
+from stadium._server.isolation.template.seccomp import Filter, build_filter
+from stadium._server.loader import load_target
+from stadium._util.libc import become_subreaper, die_with_parent, libc
+
+_CLONE_NEWPID = 0x20000000
+#: Bits of a sandboxed process's key holding its pid (pid_max is at most 2**22).
+KEY_SHIFT = wire.KEY_SHIFT
+
+
+class _Ctx:
+    """What every session process of a template shares (set once, inherited by fork)."""
+
+    spec: EnvSpec | None = None
+    untrusted: dict[str, Any] | None = None
+    """``--untrusted-env-code``: the template's settings; each session's process imports
+    the target (:func:`~.remote.load_spec`) once in its sandbox, the template never."""
+    env_kwargs: dict[str, Any]
+    sandbox: bool
+    disk_mib: int
+    ptys = 16
+    host_roots: list[str] = []
+    image_target = ""
+    """``--untrusted-env-code``: the target as an image-backed session's process sees it."""
+    """Sandboxed: the host folders an image-backed session sees under ``/.stadium/host``."""
+    seccomp: Filter | None = None
+    key_base = 0
+    """Added to a pid to make its key (sandboxed: the family's number << KEY_SHIFT)."""
+    libc: Any = None
+    pid_ns = -1
+    """The template's own pid namespace (sandboxed: it ``setns`` back after each spawn)."""
+    report: socket.socket | None = None
+    """Sandboxed: the families' inits report their processes' exits on it (the template's end)."""
+    families: Any = None
+    init: str | None = None
+    """Sandboxed: the native init a family's init executes once it has forked the session's
+    process (:func:`native_init`); ``None``: it stays a forked interpreter (~0.8 MiB more)."""
+    inits: dict[int, int] = {}
+    """Sandboxed: a family's init pid -> the key of its session's process."""
+    unreported: set[int] = set()
+    """Keys of sessions' processes whose exit their init has not reported yet."""
+    encoder = msgspec.msgpack.Encoder(enc_hook=enc_hook_default)
+    output = "log"
+    """``log``: each spawn's first descriptor is its family's stdout and stderr (a pipe the
+    worker reads, :mod:`.output`); ``drop``: they are ``/dev/null``."""
+
+
+def template_main(config: dict[str, Any]) -> None:
+    """Run a template (see the module docstring) until its control socket closes."""
+    if config.get("sys_path"):
+        sys.path[:] = config["sys_path"]
+    _Ctx.libc = libc()
+    become_subreaper()
+    die_with_parent(signal.SIGKILL)
+    control = socket.socket(fileno=config["control_fd"])
+    env_kwargs = config.get("env_kwargs") or {}
+    try:
+        if config.get("untrusted"):  # only operator-trusted modules here: never the env's
+            remote.preload(config.get("preload") or [])
+            _Ctx.untrusted = config
+            _Ctx.image_target = rootfs.image_target(config["target"])
+        else:
+            _Ctx.spec = EnvSpec.of(load_target(config["target"], env_kwargs=env_kwargs))
+    except Exception as exc:
+        control.send(wire.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
+        os._exit(3)
+    _Ctx.env_kwargs = env_kwargs
+    _Ctx.sandbox = bool(config.get("sandbox"))
+    _Ctx.output = "drop" if config.get("output") == "drop" else "log"
+    _Ctx.disk_mib = int(config.get("disk_mib", 256))
+    _Ctx.ptys = int(config.get("ptys", 16))
+    if config.get("seccomp"):  # built once here, loaded in each session's process
+        try:
+            _Ctx.seccomp = build_filter()
+        except Exception as exc:
+            control.send(wire.encode(wire.Failed(f"{type(exc).__name__}: {exc}")))
+            os._exit(3)
+    # The imported code's objects go to the permanent generation: the collector then never
+    # walks them in a session's process, so its pages stay shared with the template.
+    gc.collect()
+    gc.freeze()
+    report_w = -1
+    if _Ctx.sandbox:
+        _Ctx.host_roots = rootfs.host_roots()
+        rootfs.plan_rebase()
+        _Ctx.init = native_init()
+        _Ctx.pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+        _Ctx.report, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        _Ctx.report.setblocking(False)
+        report_w = theirs.detach()
+        # Unique per template, never reused: a fresh template starts elsewhere.
+        _Ctx.families = itertools.count(int.from_bytes(os.urandom(4)) << 8)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    described = _Ctx.seccomp.description if _Ctx.seccomp is not None else None
+    control.send(wire.encode(wire.Ready(os.getpid(), described, _Ctx.init)))
+    sel = selectors.DefaultSelector()
+    sel.register(control, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    if _Ctx.report is not None:
+        sel.register(_Ctx.report, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is _Ctx.report:
+                _relay(control, _Ctx.report)
+            elif key.fileobj is control:
+                try:
+                    packet, fds, _flags, _addr = socket.recv_fds(control, 65536, 2)
+                except OSError:  # the worker is gone
+                    packet, fds = b"", []
+                if not packet:
+                    os._exit(0)
+                msg = wire.decode_spawn(packet)  # from the worker: only ever a spawn
+                out = fds[0] if fds and _Ctx.output == "log" else -1
+                rest = fds[1:] if out >= 0 else fds
+                _spawn(
+                    control, sel, wake_r, wake_w, report_w, msg.cgroups, msg.uid, msg.hosts,
+                    netns_fd=rest[0] if rest else -1, out_fd=out, image=msg.image,
+                )  # fmt: skip
+                for fd in fds:
+                    os.close(fd)
+            else:
+                os.read(wake_r, 4096)
+                _reap(control)
+
+
+def _reap(control: socket.socket) -> None:
+    if _Ctx.report is not None:  # an init reports its last process before it exits itself
+        _relay(control, _Ctx.report)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        if pid in _Ctx.inits:  # a family's init: its session's exit, if it never said it
+            key = _Ctx.inits.pop(pid)
+            if key not in _Ctx.unreported:
+                continue
+            _Ctx.unreported.discard(key)
+            pid = key
+        try:
+            control.send(wire.encode(wire.Exit(pid, status)))
+        except OSError:  # the worker is gone
+            os._exit(0)
+
+
+def _relay(control: socket.socket, report: socket.socket) -> None:
+    """Pass the families' inits' exit reports (``["exit", key, status]``) on to the worker."""
+    while True:
+        try:
+            packet = report.recv(256)
+        except OSError:  # none left (non-blocking)
+            return
+        try:
+            _Ctx.unreported.discard(_EXIT.decode(packet).key)
+        except msgspec.DecodeError:  # no exit report: not passed on
+            continue
+        try:
+            control.send(packet)
+        except OSError:  # the worker is gone
+            os._exit(0)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+#: The native init (native/stadium-init, built by ``make sandbox-deps``), in ``isolation/``.
+NATIVE_INIT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stadium-init"
+)
+
+
+def native_init() -> str | None:
+    """:data:`NATIVE_INIT` when it can be run, else ``None``. It does what
+    :func:`_start_family`'s loop does, reporting in the same format, so either serves; the
+    native one costs a session ~0.8 MiB less (the pages a forked interpreter holds).
+
+    It must be execute-only for others (``make sandbox-deps`` installs it 0711): the kernel
+    then makes the process that executes it undumpable from its first instruction, so the
+    session's processes (same uid) never get a moment to open its memory. A copy others
+    may read is not used."""
+    try:
+        info = os.stat(NATIVE_INIT)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o044 or not info.st_mode & 0o001:
+        return None
+    return NATIVE_INIT
+
+
+def _fork_family() -> tuple[int, int]:
+    """Fork a family's init as pid 1 of a new pid namespace; ``(pid, key base)``."""
+    _check(_Ctx.libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    base = next(_Ctx.families) << KEY_SHIFT
+    try:
+        pid = os.fork()
+    finally:
+        if os.getpid() != 1:  # the template: its next children in its own namespace again
+            _check(_Ctx.libc.setns(_Ctx.pid_ns, _CLONE_NEWPID), "setns(pid)")
+    return pid, base
+
+
+def _start_family(
+    sock: socket.socket,
+    report_w: int,
+    cgroups: list[str],
+    uid: int,
+    *,
+    netns_fd: int = -1,
+    hosts: str | None = None,
+    image: wire.Image | None = None,
+    userns_fd: int = -1,
+) -> None:
+    """In a family's init: set the sandbox up, fork the session's process (which
+    returns, to serve), then reap the namespace until it is empty (never returns).
+    With an ``image``, the image is the family's root (:mod:`.rootfs`) and the session's
+    :class:`~stadium.Workspace` is its filesystem."""
+    die_with_parent(signal.SIGKILL)
+    procs = [os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY) for p in cgroups]
+    if image is not None and _Ctx.init is not None:  # where the init is, once in the image
+        _Ctx.init = rootfs.HOST + os.path.realpath(_Ctx.init)
+    # The init stays out of the session's cgroups; the family shares its namespaces.
+    enter_sandbox(
+        [], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys, image=image,
+        host_roots=_Ctx.host_roots, userns_fd=userns_fd,
+    )  # fmt: skip
+    if userns_fd >= 0:  # used by the mounts; never the session's
+        os.close(userns_fd)
+    if _Ctx.seccomp is not None:  # the last step: no env code has run yet
+        _Ctx.seccomp.load()
+    if os.fork() == 0:  # the session's process (pid 2)
+        os.close(report_w)
+        for fd in procs:
+            os.write(fd, b"0")
+            os.close(fd)
+        if image is not None:
+            workspace.bind_image(image.env, session_workdir(image))
+        return
+    for fd in procs:
+        os.close(fd)
+    sock.close()
+    if _Ctx.init is not None:  # the same loop, in ~0.1 MiB instead of a forked interpreter
+        with contextlib.suppress(OSError):  # could not run it: the loop below serves
+            os.set_inheritable(report_w, True)
+            os.execv(_Ctx.init, [_Ctx.init, str(report_w), str(_Ctx.key_base)])
+    report = socket.socket(fileno=report_w)
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:  # the namespace is empty: its end
+            os._exit(0)
+        try:
+            report.send(wire.encode(wire.Exit(_Ctx.key_base + pid, status)))
+        except OSError:  # the template is gone
+            os._exit(0)
+
+
+def _spawn(
+    control: socket.socket,
+    sel: selectors.BaseSelector,
+    wake_r: int,
+    wake_w: int,
+    report_w: int,
+    cgroups: list[str],
+    uid: int,
+    hosts: str | None = None,
+    *,
+    netns_fd: int = -1,
+    out_fd: int = -1,
+    image: wire.Image | None = None,
+) -> None:
+    mine, theirs = socket.socketpair()
+    sys.stdout.flush()  # nothing of the template's own output is printed twice
+    sys.stderr.flush()
+    userns = -1
+    if _Ctx.sandbox and image is not None:  # the idmapping of its layers (uid: theirs)
+        try:
+            userns = rootfs.user_namespace(uid)
+        except OSError:  # no user namespaces here: the image's files stay root's
+            userns = -1
+    if _Ctx.sandbox:
+        try:
+            pid, base = _fork_family()
+        except OSError as exc:
+            if userns >= 0:
+                os.close(userns)
+            _send(theirs, wire.Raised("SandboxError", f"no pid namespace: {exc}"))
+            theirs.close()
+            _spawned(control, 0, mine)
+            _tell(control, wire.Exit(0, 4 << 8))  # the worker forgets it
+            return
+    else:
+        pid, base = os.fork(), 0
+    if pid == 0:
+        try:
+            _own_output(out_fd)
+            sel.close()
+            control.close()
+            os.close(wake_r)
+            os.close(wake_w)
+            mine.close()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.setsid()
+            if _Ctx.sandbox:
+                assert _Ctx.report is not None
+                _Ctx.report.close()
+                os.close(_Ctx.pid_ns)
+                _Ctx.key_base = base
+                # returns in the session's process
+                _start_family(
+                    theirs, report_w, cgroups, uid, netns_fd=netns_fd, hosts=hosts, image=image,
+                    userns_fd=userns,
+                )  # fmt: skip
+        except BaseException as exc:  # the session's socket says why, then the process ends
+            _send(theirs, wire.Raised("SandboxError", f"setting up the sandbox failed: {exc}"))
+            os._exit(4)
+        session_main(theirs)
+    theirs.close()
+    if userns >= 0:
+        os.close(userns)
+    key = pid
+    if _Ctx.sandbox:  # the worker knows the session's process (pid 2) by its key
+        key = base | 2
+        _Ctx.inits[pid] = key
+        _Ctx.unreported.add(key)
+    _spawned(control, key, mine)
+
+
+def _own_output(out_fd: int) -> None:
+    """The family's stdout and stderr: its pipe to the worker (``out_fd``), or ``/dev/null``
+    (``drop``); never the template's (nor the server's). stdin stays ``/dev/null``."""
+    if out_fd < 0:
+        out_fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(out_fd, 1)
+    os.dup2(out_fd, 2)
+    os.close(out_fd)
+
+
+def _spawned(control: socket.socket, key: int, mine: socket.socket) -> None:
+    """Hand the worker its end of a new session's socket (``["spawned", key]``)."""
+    try:
+        socket.send_fds(control, [wire.encode(wire.Spawned(key))], [mine.fileno()])
+    except OSError:  # the worker is gone (it stopped): so is this template, quietly
+        os._exit(0)
+    finally:
+        mine.close()
+
+
+def _tell(control: socket.socket, msg: msgspec.Struct) -> None:
+    try:
+        control.send(wire.encode(msg))
+    except OSError:  # the worker is gone
+        os._exit(0)
+
+
+def _send(sock: socket.socket, msg: msgspec.Struct) -> None:
+    sock.sendall(wire.frame(_Ctx.encoder.encode(msg)))
+
+
+_EXIT = msgspec.msgpack.Decoder(wire.Exit)
+
+
+class _Session:
+    """One session's env, in its own process."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.env: Any = None
+        self.create_error: str | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.decode_action: Any = None
+        try:
+            if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
+                settings = _Ctx.untrusted
+                if workspace.current_image() is not None:  # the target, seen from the image
+                    settings = {**settings, "target": _Ctx.image_target}
+                _Ctx.spec = remote.load_spec(settings)
+            assert _Ctx.spec is not None
+            self.decode_action = (
+                _Ctx.spec.action.msgpack_decoder.decode
+                if _Ctx.untrusted is None
+                else remote.action_decoder(_Ctx.spec)  # the worker passes actions undecoded
+            )
+            self.env = _Ctx.spec.factory(**_Ctx.env_kwargs)
+        except Exception as exc:
+            self.create_error = f"creating the environment failed: {type(exc).__name__}: {exc}"
+
+    def run(self, value: Any) -> Any:
+        if inspect.isawaitable(value):
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            return self.loop.run_until_complete(value)
+        return value
+
+    def serve(self) -> None:
+        """Answer the worker's requests (:mod:`.wire`), each by its type's handler."""
+        _send(self.sock, wire.Hello())
+        handlers: dict[type[Any], Any] = {
+            wire.Step: self._step,
+            wire.Reset: self._reset,
+            wire.GetState: self._state,
+            wire.ListTools: self._tools,
+            wire.CallTool: self._call_tool,
+            wire.Restore: self._restore,
+            wire.Fork: self.fork,
+            wire.Close: self._close,
+            wire.Describe: self._describe,
+        }
+        encode = _Ctx.encoder.encode
+        while True:
+            body = wire.recv_frame(self.sock)
+            if body is None:
+                self.close()
+                os._exit(0)
+            msg = wire.decode_request(body)
+            # a describe is answered whenever the env's module loaded (the env may not build)
+            described = type(msg) is wire.Describe and _Ctx.spec is not None
+            if self.create_error is not None and type(msg) is not wire.Close and not described:
+                _send(self.sock, wire.Raised("FactoryError", self.create_error))
+                continue
+            try:
+                reply = handlers[type(msg)](msg)
+                if reply is None:  # answered already (fork)
+                    continue
+                out = encode(reply)
+            except Exception as exc:
+                out = encode(_raised(exc))
+            self.sock.sendall(wire.frame(out))
+
+    def _step(self, msg: wire.Step) -> wire.StepOk:
+        action = self.decode_action(msg.action)
+        return self._result(self.run(self.env.step(action, **msg.kwargs)), msg.snap)
+
+    def _reset(self, msg: wire.Reset) -> wire.StepOk:
+        return self._result(self.run(self.env.reset(**msg.kwargs)), msg.snap)
+
+    def _result(self, value: Any, snap: int) -> wire.StepOk:
+        if isinstance(value, StepResult):
+            out = wire.StepOk(value.observation, value.reward, value.done, value.truncated,
+                              value.info)  # fmt: skip
+        else:  # a reset giving its observation only
+            out = wire.StepOk(value, None, False, False, None)
+        if snap:  # --durable: the env's snapshot, taken after the call
+            snapshot = self.snapshot()
+            if isinstance(snapshot, str):
+                out.unsnapshotted = snapshot
+            elif len(snapshot) > snap:
+                out.unsnapshotted = (
+                    f"its snapshot is {len(snapshot)} bytes, over the {snap} a durable record "
+                    "may hold (a smaller state, or serve it without --durable)"
+                )
+            else:
+                out.snapshot = memoryview(snapshot)
+        return out
+
+    def _state(self, _msg: wire.GetState) -> wire.ValueOk:
+        value = self.run(self.env.state)  # a property, or one giving an awaitable
+        return wire.ValueOk(msgspec.to_builtins(value, enc_hook=enc_hook_default))
+
+    def _tools(self, _msg: wire.ListTools) -> wire.ToolsOk:
+        return wire.ToolsOk(self.run(self.env.mcp_list_tools()) if self.has_tools() else [])
+
+    def _call_tool(self, msg: wire.CallTool) -> wire.ValueOk:
+        if not self.has_tools():
+            raise ToolCallError(f"unknown tool {msg.name!r}: this environment has no tools")
+        return wire.ValueOk(self.run(self.env.mcp_call_tool(msg.name, msg.arguments)))
+
+    def _restore(self, msg: wire.Restore) -> wire.Done:
+        self.restore(msg.snapshot)
+        return wire.Done()
+
+    def _describe(self, _msg: wire.Describe) -> wire.DescribeOk:
+        assert _Ctx.spec is not None
+        return wire.DescribeOk(remote.describe(_Ctx.spec))
+
+    def _close(self, _msg: wire.Close) -> None:
+        self.close()
+        _send(self.sock, wire.Done())
+        os._exit(0)
+
+    def has_tools(self) -> bool:
+        return callable(getattr(self.env, "mcp_call_tool", None)) and callable(
+            getattr(self.env, "mcp_list_tools", None)
+        )
+
+    def snapshot(self) -> bytes | str:
+        """``--durable``: the env's snapshot (as in-process), taken here after the call; the
+        reason as text when it cannot be taken (the worker ends the session's durability)."""
+        try:
+            return snapshot_env(self.env)
+        except Exception as exc:
+            return str(exc) or type(exc).__name__
+
+    def restore(self, blob: bytes) -> None:
+        """A durable session restored: the snapshot applied to this process's fresh env."""
+        env = self.env
+        restored = restore_env(lambda: env, blob)  # in place (a whole-object pickle: a new one)
+        if restored is not env:
+            with contextlib.suppress(Exception):
+                self.run(env.close())
+        self.env = restored
+
+    def fork(self, _msg: wire.Fork) -> None:
+        """A copy of this process (the kernel copies the env), on a new socket sent back
+        attached to the reply. Forked twice, so that the copy is the template's (a
+        subreaper's) to reap, not this env's. The copy makes its socket itself: the
+        socket's peer credentials then name the copy, which is how the worker knows its
+        key (never from what a process says)."""
+        ours, handoff = socket.socketpair()
+        first = os.fork()
+        if first == 0:
+            try:
+                if os.fork() == 0:
+                    self.sock.close()
+                    ours.close()
+                    mine, theirs = socket.socketpair()
+                    socket.send_fds(handoff, [b"s"], [mine.fileno()])
+                    mine.close()
+                    handoff.close()
+                    os.setsid()
+                    self.sock = theirs
+                    self.serve()
+            finally:  # the copy never returns here; the first child ends either way
+                os._exit(0)
+        handoff.close()
+        os.waitpid(first, 0)
+        _data, fds, _flags, _addr = socket.recv_fds(ours, 1, 1)
+        ours.close()
+        if not fds:
+            raise OSError("the forked copy sent no socket")
+        try:
+            socket.send_fds(self.sock, [wire.frame(_Ctx.encoder.encode(wire.Done()))], fds)
+        finally:
+            os.close(fds[0])
+
+    def close(self) -> None:
+        if self.env is not None:
+            with contextlib.suppress(Exception):
+                self.run(self.env.close())
+
+
+def _raised(exc: Exception) -> wire.Raised:
+    """A ``Raised`` reply: the exception's type and message, and a Stadium error's wire
+    form (code and context), so the worker raises the same error."""
+    data = exc.to_wire() if isinstance(exc, StadiumError) else None
+    name = type(exc).__name__
+    if not name.isidentifier() or len(name) > 200:  # what the worker takes (wire.Raised)
+        name = "Exception"
+    return wire.Raised(name, str(exc), data)
+
+
+def session_main(sock: socket.socket) -> None:
+    """Serve one session's env on ``sock`` until the worker closes it; never returns."""
+    code = 0
+    try:
+        _Session(sock).serve()
+    except BaseException:
+        code = 5
+    os._exit(code)

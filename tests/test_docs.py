@@ -1,0 +1,169 @@
+"""The documents' links: every relative Markdown link in README.md, CHANGELOG.md,
+BENCHMARKS.md and docs/**/*.md names a file that exists, and every ``#anchor`` (in the same
+file or another Markdown file) names one of its headings, slugged as GitHub slugs them
+(lowercase; punctuation dropped; each space a ``-``; a repeated heading gets ``-1``,
+``-2``, ...). Links in code (fenced blocks, inline code) are not links and are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_HEADING = re.compile(r"^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+_INLINE_CODE = re.compile(r"(`+)(.+?)\1")
+_LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
+_HTML_ANCHOR = re.compile(r"<a\s+(?:name|id)=\"([^\"]+)\"")
+_SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    """The documents whose links are checked."""
+    named = [root / name for name in ("README.md", "CHANGELOG.md", "BENCHMARKS.md")]
+    return [p for p in named if p.exists()] + sorted((root / "docs").rglob("*.md"))
+
+
+def slug(heading: str) -> str:
+    """``heading``'s anchor as GitHub makes it (before duplicates are numbered)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link: its text
+    text = re.sub(r"<[^>]+>", "", text)  # HTML tags
+    text = text.replace("`", "").lower()
+    text = re.sub(r"[^\w\- ]", "", text)  # punctuation and symbols dropped
+    return text.replace(" ", "-")
+
+
+def _prose(text: str) -> list[str]:
+    """``text``'s lines with fenced code blocked out (as empty lines: numbering kept)."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            fenced = not fenced
+            out.append("")
+        else:
+            out.append("" if fenced else line)
+    return out
+
+
+def anchors(text: str) -> set[str]:
+    """Every anchor a Markdown text defines: its headings' slugs (duplicates numbered as
+    GitHub numbers them) and explicit ``<a name=...>`` / ``<a id=...>``."""
+    seen: dict[str, int] = {}
+    out: set[str] = set()
+    for line in _prose(text):
+        out.update(_HTML_ANCHOR.findall(line))
+        match = _HEADING.match(line)
+        if match is None:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def links(text: str) -> list[tuple[int, str]]:
+    """``(line number, target)`` of every Markdown link outside code (a link's text may
+    run over lines)."""
+    prose = "\n".join(_prose(text))
+    prose = _INLINE_CODE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), prose)
+    return [(prose.count("\n", 0, m.start()) + 1, m.group(1)) for m in _LINK.finditer(prose)]
+
+
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
+    """What is wrong with ``path``'s relative links: one line per broken link, saying which
+    and why (a missing file, a missing anchor); empty when every link holds."""
+    text = path.read_text(encoding="utf-8")
+    own = anchors(text)
+    cache: dict[Path, set[str]] = {}
+    problems = []
+    for number, target in links(text):
+        if not target or _SCHEME.match(target):  # http:, https:, mailto: ...
+            continue
+        file_part, _, anchor = target.partition("#")
+        where = f"{path.relative_to(root)}:{number}: {target}"
+        if file_part:
+            dest = (path.parent / file_part).resolve()
+            if not dest.exists():
+                problems.append(f"{where}: no such file {file_part}")
+                continue
+            if not anchor or dest.suffix != ".md" or dest.is_dir():
+                continue
+            if dest not in cache:
+                cache[dest] = anchors(dest.read_text(encoding="utf-8"))
+            names = cache[dest]
+        else:
+            names = own
+        if anchor and anchor not in names:
+            problems.append(f"{where}: no heading with the anchor #{anchor}")
+    return problems
+
+
+def test_every_link_of_the_documents_holds() -> None:
+    docs = documents()
+    assert len(docs) >= 10, docs
+    problems = [problem for path in docs for problem in broken_links(path)]
+    assert problems == [], "broken links:\n" + "\n".join(problems)
+
+
+def test_slugs_follow_githubs_rules() -> None:
+    assert slug("Isolated sessions") == "isolated-sessions"
+    assert slug("The seam: what the worker takes from a sandbox") == (
+        "the-seam-what-the-worker-takes-from-a-sandbox"
+    )
+    assert slug("`_core/`: the pure protocol core") == "_core-the-pure-protocol-core"
+    assert slug("Isolated sessions: in-process / process / sandbox") == (
+        "isolated-sessions-in-process--process--sandbox"
+    )
+    assert slug("Batched steps through `SessionPool` (issue 25, item 4)") == (
+        "batched-steps-through-sessionpool-issue-25-item-4"
+    )
+    assert slug("The study's run, reproduced") == "the-studys-run-reproduced"
+    assert slug("See [the docs](docs/X.md) here") == "see-the-docs-here"
+    text = "# Top\n\n## Part\n\n```\n# not a heading\n```\n\n## Part\n"
+    assert anchors(text) == {"top", "part", "part-1"}
+
+
+def test_the_checker_finds_a_missing_file_and_a_missing_anchor(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "OTHER.md").write_text("# Other\n\n## A part\n")
+    doc = tmp_path / "README.md"
+    doc.write_text(
+        "# Title\n\n## Here\n\n"
+        "[ok](docs/OTHER.md) [ok](docs/OTHER.md#a-part) [ok](#here) [ok](docs/)\n"
+        "[web](https://example.com/x#y) `[code](missing.md)`\n"
+        "```\n[fenced](missing.md)\n```\n"
+        "[gone](docs/MISSING.md)\n"
+        "[bad](docs/OTHER.md#no-such-part)\n"
+        "[bad here](#nowhere)\n"
+    )
+    problems = broken_links(doc, tmp_path)
+    assert [p.split(": ", 1)[0] for p in problems] == [
+        "README.md:10",
+        "README.md:11",
+        "README.md:12",
+    ]
+    assert "no such file docs/MISSING.md" in problems[0]
+    assert "#no-such-part" in problems[1]
+    assert "#nowhere" in problems[2]
+
+
+def test_a_broken_link_injected_into_a_copy_of_the_readme_is_found(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    for path in (ROOT / "docs").glob("*.md"):
+        (tmp_path / "docs" / path.name).write_text(path.read_text(encoding="utf-8"))
+    for name in ("README.md", "BENCHMARKS.md", "CHANGELOG.md"):
+        (tmp_path / name).write_text((ROOT / name).read_text(encoding="utf-8"))
+    readme = tmp_path / "README.md"
+    assert broken_links(readme, tmp_path) == []
+    text = readme.read_text(encoding="utf-8")
+    readme.write_text(
+        text.replace("(docs/SECURITY.md)", "(docs/SECURITY.md#no-such-heading)", 1)
+        + "\nSee [gone](docs/GONE.md).\n"
+    )
+    problems = broken_links(readme, tmp_path)
+    assert len(problems) == 2, problems
+    assert any("#no-such-heading" in p for p in problems)
+    assert any("no such file docs/GONE.md" in p for p in problems)
