@@ -627,8 +627,8 @@ class Session(ForkingSession, EpisodeAccounts):
                 self._ep_cpu += _clock() - t0
                 self._t0 = 0.0
             rt = self.runtime
-            if op is not _STEP and self.tenant is not None:  # a reset ends the episode's steps
-                rt.doors.steps(self.tenant, protocol.step_count, self._pass)
+            if op is not _STEP and self.tenant is not None and protocol.step_count:
+                rt.doors.steps(self.tenant, protocol.step_count, self._pass)  # a reset ends them
             frame = protocol.observation_reply(call, result)
             # Timed from the request's arrival (the session's last message) to its reply;
             # the step histogram's count is the step count (``Runtime.steps_total``).
