@@ -364,8 +364,12 @@ class AsyncClient(Generic[ObsT]):
 
     async def step(self, action: Any) -> StepResult[ObsT]:
         """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
-        reply = await self._request("step", self.action_encoder(action))
-        return _raised(step_result(reply, self.observation_type))
+        result = step_result(
+            await self._request("step", self.action_encoder(action)), self.observation_type
+        )
+        if isinstance(result, StadiumError):
+            raise result
+        return result
 
     async def state(self) -> Any:
         """The session's state (a dict, or ``state_type``)."""

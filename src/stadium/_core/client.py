@@ -213,9 +213,10 @@ class ClientProtocol:
         """The reply to request ``rid`` (None: not numbered), or the error to raise: the
         one an ``error`` frame carries, or a frame that cannot be read or answers another
         request (then :attr:`in_sync` turns false: drop the session)."""
-        reply = self.read(raw)
-        if isinstance(reply, StadiumError):
-            return reply
+        try:
+            reply: Reply = self._decode(raw)  # read(), inline: once per request
+        except _RAISED as exc:
+            return _unreadable("a frame", exc)
         if rid is not None and reply.id is not None and reply.id != rid:
             self.in_sync = False  # never another request's reply
             return SessionClosedError(
