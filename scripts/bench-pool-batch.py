@@ -124,7 +124,7 @@ async def _raw(url: str, server: int, size: int, rounds: int, warmup: int) -> tu
             results = await conn.batch(steps)
         s1, c1 = _cpu_s(server), time.process_time()
         assert len(results) == size
-        assert all(r["type"] == "observation" for r in results)
+        assert all(r.type == "observation" for r in results)
     finally:
         await conn.close()
     n = rounds * size

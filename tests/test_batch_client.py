@@ -25,18 +25,20 @@ from stadium._client.batch import (
     _BatchListener,
     call,
     checked,
-    step_result,
+    result_of,
 )
 from stadium._client.batch_pool import BatchSession
 from stadium._client.session import AsyncClient
+from stadium._core.client import BatchProtocol
+from stadium._core.frames import BatchCall, BatchReply, Reply
 from tests.conftest import UNIT, serve, wait_until
 from tests.relay import relay_to
 
 ENCODINGS = pytest.mark.parametrize("msgpack", [False, True], ids=["json", "msgpack"])
 
 
-def _kinds(entries: list[dict[str, Any]]) -> list[str]:
-    return [e["type"] for e in entries]
+def _kinds(entries: list[Reply]) -> list[str]:
+    return [e.type for e in entries]
 
 
 def _busy(server: Any) -> int:
@@ -44,47 +46,55 @@ def _busy(server: Any) -> int:
     return sum(1 for s in server.runtime.sessions if s.busy)
 
 
-def _code(entry: dict[str, Any]) -> str:
-    return str(entry["data"]["code"])
+def _code(entry: Reply) -> str:
+    return str(entry.data["code"])
 
 
 # -- the listener, with literal frames --------------------------------------------
 
 
-def _calls(n: int) -> list[dict[str, Any]]:
-    return [{"session": i, "type": "state"} for i in range(n)]
+def _calls(n: int) -> list[BatchCall[Any]]:
+    return [call(i, "state") for i in range(n)]
+
+
+def _frame(frame: dict[str, Any]) -> BatchReply[Reply]:
+    """A batch reply frame as the listener gets it (its protocol decoded it)."""
+    return msgspec.convert(frame, BatchReply[Reply])
+
+
+def _r(n: int) -> Reply:
+    return Reply("state", {"n": n})
 
 
 async def test_listener_routes_replies_by_id_in_call_order() -> None:
     loop = asyncio.get_running_loop()
-    listener = _BatchListener(msgspec.json.decode)
+    listener = _BatchListener(BatchProtocol())
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     a = _batch_client._Pending(loop, _calls(2), None)
     b = _batch_client._Pending(loop, _calls(3), queue)
     listener.pending.update({1: a, 2: b})
     # the first K ready of batch 2 arrive before batch 1's reply, out of call order
-    listener._route({"type": "batch", "id": 2, "results": [{"n": 2}], "index": [2], "done": False})
-    listener._route({"type": "batch", "id": 1, "results": [{"n": 0}, {"n": 1}]})
-    assert await a.future == [{"n": 0}, {"n": 1}]
+    listener._route(BatchReply(id=2, results=[_r(2)], index=[2], done=False))
+    listener._route(BatchReply(id=1, results=[_r(0), _r(1)]))
+    assert await a.future == [_r(0), _r(1)]
     assert not b.future.done()
-    listener._route(
-        {"type": "batch", "id": 2, "results": [{"n": 0}, {"n": 1}], "index": [0, 1], "done": True}
-    )
-    assert await b.future == [{"n": 0}, {"n": 1}, {"n": 2}]
+    listener._route(_frame({"type": "batch", "id": 2, "index": [0, 1], "done": True,
+                            "results": [{"type": "state", "data": {"n": 0}}, _r(1)]}))  # fmt: skip
+    assert await b.future == [_r(0), _r(1), _r(2)]
     assert [queue.get_nowait()[0] for _ in range(3)] == [2, 0, 1]
     assert listener.pending == {}
-    listener._route({"type": "batch", "id": 9, "results": []})  # unknown id: ignored
+    listener._route(BatchReply(id=9, results=[]))  # unknown id: ignored
 
 
 async def test_listener_fails_a_refused_frame_and_everything_on_disconnect() -> None:
     loop = asyncio.get_running_loop()
-    listener = _BatchListener(msgspec.json.decode)
+    listener = _BatchListener(BatchProtocol())
     refused = _batch_client._Pending(loop, _calls(1), None)
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
     lost = _batch_client._Pending(loop, _calls(2), queue)
     listener.pending.update({1: refused, 2: lost})
     listener._route(
-        {"type": "error", "id": 1, "data": {"code": "INVALID_JSON", "message": "no calls"}}
+        _frame({"type": "error", "id": 1, "data": {"code": "INVALID_JSON", "message": "no calls"}})
     )
     with pytest.raises(stadium.ProtocolError, match="no calls"):
         await refused.future
@@ -97,15 +107,17 @@ async def test_listener_fails_a_refused_frame_and_everything_on_disconnect() -> 
 
 
 def test_entries_become_results_or_the_errors_they_stand_for() -> None:
-    obs = {"type": "observation", "data": {"observation": {"x": 1}, "reward": 2.0, "done": True}}
-    result = step_result(checked(obs))
+    obs = Reply("observation", {"observation": {"x": 1}, "reward": 2.0, "done": True})
+    result = result_of(checked(obs))
     assert (result.observation, result.reward, result.done) == ({"x": 1}, 2.0, True)
     with pytest.raises(stadium.ValidationError, match="bad"):
-        checked({"type": "error", "data": {"code": "VALIDATION_ERROR", "message": "bad"}})
+        checked(Reply("error", {"code": "VALIDATION_ERROR", "message": "bad"}))
     with pytest.raises(stadium.SessionClosedError, match="1001") as info:
-        checked({"type": "closed", "data": {"code": 1001, "reason": "draining"}})
+        checked(Reply("closed", {"code": 1001, "reason": "draining"}))
     assert info.value.context["close_code"] == 1001
-    assert call(3, "step", {"a": 1}, timeout_s=2) == {
+    with pytest.raises(stadium.SessionError, match="'state' where 'observation'"):
+        result_of(Reply("state", {}))
+    assert msgspec.json.decode(msgspec.json.encode(call(3, "step", {"a": 1}, timeout_s=2))) == {
         "session": 3,
         "type": "step",
         "data": {"a": 1},
@@ -133,13 +145,13 @@ async def test_a_mixed_batch_fails_only_its_bad_entry(msgpack: bool) -> None:
             )
             assert _kinds(results) == ["observation", "error", "observation"]
             assert _code(results[1]) == "VALIDATION_ERROR"
-            assert [r["data"]["observation"]["step_count"] for r in (results[0], results[2])] == [
+            assert [r.data["observation"]["step_count"] for r in (results[0], results[2])] == [
                 1,
                 1,
             ]
             # the failed session goes on
             again = await conn.batch([call(1, "step", {"wait_seconds": 0})])
-            assert again[0]["data"]["observation"]["step_count"] == 1
+            assert again[0].data["observation"]["step_count"] == 1
         finally:
             await conn.close()
 
@@ -160,15 +172,15 @@ async def test_one_batch_over_sessions_in_different_states() -> None:
                 ]
             )
             assert _kinds(results) == ["observation", "error", "state", "error", "error"]
-            assert results[0]["data"]["observation"]["step_count"] == 2
+            assert results[0].data["observation"]["step_count"] == 2
             assert [_code(results[i]) for i in (1, 3, 4)] == ["SESSION_ERROR"] * 3
-            assert results[2]["data"]["step_count"] == 0
+            assert results[2].data["step_count"] == 0
             closing = await conn.batch([call(0, "close"), call(2, "step", {"wait_seconds": 0})])
             assert _kinds(closing) == ["closed", "observation"]
-            assert closing[0]["data"]["code"] == 1000
+            assert closing[0].data["code"] == 1000
             # a closed number is free again: a reset opens a new session there
             reopened = await conn.batch([call(3, "reset")])
-            assert reopened[0]["data"]["observation"]["step_count"] == 0
+            assert reopened[0].data["observation"]["step_count"] == 0
         finally:
             await conn.close()
 
@@ -187,7 +199,7 @@ async def test_first_k_stream_the_ready_results_first(msgpack: bool) -> None:
             # many batches in flight on one connection, each answered under its own id
             futures = [conn.submit([call(i, "state")]) for i in range(4)]
             states = [(await f)[0] for f in futures]
-            assert [s["data"]["step_count"] for s in states] == [1] * 4
+            assert [s.data["step_count"] for s in states] == [1] * 4
         finally:
             await conn.close()
 
@@ -357,10 +369,10 @@ async def test_drain_finishes_the_calls_in_flight_and_closes_the_rest() -> None:
             stopping = asyncio.ensure_future(server.stop())
             done = await in_flight
             assert _kinds(done) == ["observation", "state"]
-            assert done[0]["data"]["observation"]["step_count"] == 1
+            assert done[0].data["observation"]["step_count"] == 1
             rest = await behind
             assert _kinds(rest) == ["closed", "state"]
-            assert rest[0]["data"]["code"] == 1001
+            assert rest[0].data["code"] == 1001
             await stopping
             await wait_until(lambda: conn.closed, 5 * UNIT, "connection closed")
             with pytest.raises(stadium.SessionClosedError, match="not resumable"):

@@ -414,7 +414,7 @@ async def test_a_large_record_is_written_off_the_event_loop(tmp_path: Path) -> N
             await asyncio.wait_for(grow, 10 * UNIT)
             assert gated.threads
             assert all(t.startswith("stadium-store") for t in gated.threads)
-            book = big._book  # the session's resume book: its id and current token
+            book = big._protocol.book  # the session's resume book: its id and current token
             assert book is not None
             sid, token = book.session_id, book.token
             assert sid is not None

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.asyncio
 
 def _token(env: stadium.AsyncClient[Any]) -> str:
     """The session's current resume token (it rotates on every resume)."""
-    assert env._book is not None, "the server did not grant a resumable session"
-    return env._book.token
+    assert env._protocol.book is not None, "the server did not grant a resumable session"
+    return env._protocol.book.token
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

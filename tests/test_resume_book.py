@@ -9,23 +9,33 @@ import collections
 import dataclasses
 import ssl
 
+import msgspec
 import pytest
 
+import stadium
 from stadium._client.options import TOKEN_ENV, ConnectOptions, with_query
-from stadium._client.resume_book import (
-    GRACE_SLACK_S,
-    ResumeBook,
-    is_reply_to,
-    resumable_close,
-)
+from stadium._core.client import ClientProtocol
+from stadium._core.frames import Reply
 from stadium._core.resume import (
     ADDR_HEADER,
     GRACE_HEADER,
+    GRACE_SLACK_S,
     NODE_HEADER,
     SESSION_HEADER,
     TOKEN_HEADER,
+    AfterResume,
+    ResumeAsk,
+    ResumeBook,
+    ResumeCall,
+    ResumedData,
+    resumable_close,
 )
 from stadium._errors import ConfigError
+
+
+def _resumed(book: ResumeBook[str], data: dict[str, object]) -> AfterResume[str]:
+    """``book`` reads a ``resumed`` answer's data given as JSON would bring it."""
+    return book.resumed(msgspec.convert(data, ResumedData[Reply]))
 
 
 def _sent(book: ResumeBook[str], *requests: str) -> list[int]:
@@ -63,15 +73,18 @@ def test_a_resume_asks_with_the_replies_received_and_the_token() -> None:
     book: ResumeBook[str] = ResumeBook("s1", "t1", node="n1", address="10.0.0.1:8000")
     _sent(book, "a", "b")
     book.replied()
-    assert book.resume_query() == {
+    ask = book.ask()
+    assert ask.query() == {
         "stadium_resume": "s1",
         "stadium_received": "1",
         "stadium_node": "n1",
         "stadium_addr": "10.0.0.1:8000",
     }
-    assert book.resume_headers() == {TOKEN_HEADER: "t1"}
-    assert book.resume_call() == {"id": "s1", "token": "t1", "received": 1}
-    assert with_query("ws://h:1/ws?stadium_resume=1&x=y", book.resume_query()) == (
+    assert ask.headers() == {TOKEN_HEADER: "t1"}
+    assert ask.call() == ResumeCall("s1", "t1", 1)
+    assert ResumeAsk.from_call(ask.call()).sid == "s1"
+    assert ResumeAsk(None).query() == {"stadium_resume": "1"}  # a new resumable session
+    assert with_query("ws://h:1/ws?stadium_resume=1&x=y", ask.query()) == (
         "ws://h:1/ws?x=y&stadium_resume=s1&stadium_received=1&stadium_node=n1"
         "&stadium_addr=10.0.0.1%3A8000"
     )
@@ -81,7 +94,7 @@ def test_resumed_resends_what_the_server_never_got_and_rotates_the_token() -> No
     book: ResumeBook[str] = ResumeBook("s1", "t1", node="n1", address="a1")
     _sent(book, "a", "b", "c", "d")
     book.replied()  # "a" answered; the connection drops with b, c, d in flight
-    back = book.resumed({"session": "s1", "token": "t2", "requests": 2, "replayed": 1})
+    back = _resumed(book, {"session": "s1", "token": "t2", "requests": 2, "replayed": 1})
     assert back.resend == ["c", "d"]  # numbered above the server's 2: lost on the way in
     assert back.owed == [(2, "b")]  # got, its reply follows the `resumed` frame
     assert back.answered == []
@@ -93,9 +106,9 @@ def test_resumed_resends_what_the_server_never_got_and_rotates_the_token() -> No
 
 def test_a_session_restored_elsewhere_takes_its_new_id_node_and_address() -> None:
     book: ResumeBook[str] = ResumeBook("s1", "t1", node="n1", address="a1")
-    book.resumed({"session": "s9", "token": "t2", "node": "n2", "address": "a2", "requests": 0})
+    _resumed(book, {"session": "s9", "token": "t2", "node": "n2", "address": "a2", "requests": 0})
     assert (book.session_id, book.token, book.node, book.address) == ("s9", "t2", "n2", "a2")
-    book.resumed({"token": "t3", "requests": 0})  # absent: the session's as they were
+    _resumed(book, {"token": "t3", "requests": 0})  # absent: the session's as they were
     assert (book.session_id, book.token, book.node, book.address) == ("s9", "t3", "n2", "a2")
 
 
@@ -103,8 +116,11 @@ def test_a_batch_resume_answers_the_calls_with_the_replies_it_carries() -> None:
     book: ResumeBook[str] = ResumeBook("s1", "t1")
     _sent(book, "reset", "step", "step2")
     replies = [{"id": 1, "type": "observation"}, {"id": 2, "type": "observation"}]
-    back = book.resumed({"token": "t2", "requests": 2, "replies": replies})
-    assert back.answered == [("reset", replies[0]), ("step", replies[1])]
+    back = _resumed(book, {"token": "t2", "requests": 2, "replies": replies})
+    assert back.answered == [
+        ("reset", Reply("observation", id=1)),
+        ("step", Reply("observation", id=2)),
+    ]
     assert book.received == 2
     assert back.resend == ["step2"]
     assert back.owed == []
@@ -113,7 +129,7 @@ def test_a_batch_resume_answers_the_calls_with_the_replies_it_carries() -> None:
 def test_a_carried_reply_for_another_request_answers_nothing() -> None:
     book: ResumeBook[str] = ResumeBook("s1")
     _sent(book, "a", "b")
-    back = book.resumed({"token": "t", "requests": 2, "replies": [{"id": 2}, "junk"]})
+    back = _resumed(book, {"token": "t", "requests": 2, "replies": [{"id": 2, "type": "state"}]})
     assert back.answered == []
     assert book.received == 0
     assert back.owed == [(1, "a"), (2, "b")]  # the server got them: a batch lost their replies
@@ -161,9 +177,17 @@ def test_the_resumable_close_codes(code: int | None, resumed: bool) -> None:
 
 
 def test_reply_matching_by_id() -> None:
-    assert is_reply_to({"id": 3, "type": "observation"}, 3)
-    assert not is_reply_to({"id": 2, "type": "observation"}, 3)
-    assert is_reply_to({"type": "error"}, 3)  # no id: the reply to the request it follows
+    proto = ClientProtocol()
+    assert proto.reply(b'{"id": 3, "type": "observation", "data": {}}', 3) == Reply(
+        "observation", {}, 3
+    )
+    assert proto.in_sync
+    err = proto.reply(b'{"type": "error", "data": {"code": "SESSION_ERROR", "message": "x"}}', 3)
+    assert isinstance(err, stadium.SessionError)  # no id: the reply to the request it follows
+    assert proto.in_sync
+    other = proto.reply(b'{"id": 2, "type": "observation"}', 3)
+    assert isinstance(other, stadium.SessionClosedError)
+    assert not proto.in_sync  # another request's reply: the session is dropped
 
 
 def test_connect_options_resolve_the_token_into_the_authorization_header(
@@ -217,9 +241,9 @@ def test_carried_replies_without_ids_answer_the_oldest_requests_in_order() -> No
     book: ResumeBook[str] = ResumeBook("s1", "t1")
     _sent(book, "reset", "step", "step2")
     book.replied()  # the reset's reply came before the loss
-    replies = [{"type": "observation", "n": 2}]
-    back = book.resumed({"token": "t2", "requests": 3, "replies": replies})
-    assert back.answered == [("step", replies[0])]
+    replies = [{"type": "observation", "data": {"n": 2}}]
+    back = _resumed(book, {"token": "t2", "requests": 3, "replies": replies})
+    assert back.answered == [("step", Reply("observation", {"n": 2}))]
     assert book.received == 2
     assert back.resend == []
     assert back.owed == [(3, "step2")]

@@ -18,11 +18,25 @@ from typing import Any
 import httpx
 import pytest
 import websockets
+from multidict import CIMultiDict
 
 import stadium
-from stadium._core.access import Tenant, TenantTable
+from stadium._core.access import AccessPolicy, Refusal, Tenant, TenantBook, TenantTable
+from stadium._core.handshake import MSGPACK_SUBPROTOCOL, Terms, Upgrade, _negotiate, negotiate
+from stadium._core.protocol import Encoding
 from stadium._errors import ConfigError
-from stadium._server.admission.tenants import load_tenants
+from stadium._server.admission.fair import FairAdmission
+from stadium._server.admission.slots import LocalSlots
+from stadium._server.admission.tenants import (
+    HELD,
+    OPENED,
+    WAIT_BUCKETS,
+    WAIT_HIST,
+    WAIT_US,
+    SharedTenants,
+    TenantDirectory,
+    load_tenants,
+)
 from stadium._server.config import ServerConfig
 from stadium._server.server import Server
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
@@ -113,6 +127,48 @@ def test_the_table_finds_a_tenant_by_the_hash_of_its_token() -> None:
     table = TenantTable([(alpha, [hashlib.sha256(b"secret-token-0123456789").digest()])])
     assert table.identify(b"secret-token-0123456789") is alpha
     assert table.identify(b"secret-token-012345678") is None
+
+
+def test_an_upgrade_names_the_tenant_and_keeps_what_was_decided() -> None:
+    """negotiate() sets the Upgrade's tenant and nothing else (the msgpack, resumable
+    upgrade with its 101 headers), and a wrong token is still the 401."""
+    alpha = Tenant("alpha", 0)
+    token = "secret-token-0123456789"
+    book = TenantBook(TenantTable([(alpha, [hashlib.sha256(token.encode()).digest()])]))
+    terms = Terms(AccessPolicy(tenants=book), "node-a", 30.0, lambda: ("1f-0001", "tok"))
+    headers = {"Upgrade": "websocket", "Sec-WebSocket-Protocol": MSGPACK_SUBPROTOCOL}
+    target = "/ws?stadium_resume=1"
+
+    def ask(bearer: str) -> Upgrade | Refusal | None:
+        sent = CIMultiDict({**headers, "Authorization": f"Bearer {bearer}"})
+        return negotiate(terms, target, sent, address="127.0.0.1:1")
+
+    got = ask(token)
+    assert isinstance(got, Upgrade)
+    assert got.tenant is alpha
+    sent = CIMultiDict({**headers, "Authorization": f"Bearer {token}"})
+    assert got._replace(tenant=None) == _negotiate(terms, target, sent, address="127.0.0.1:1")
+    assert got.encoding is Encoding.MSGPACK
+    assert got.resumable
+    assert got.session == ("1f-0001", "tok")
+    refused = ask("secret-token-012345678")
+    assert isinstance(refused, Refusal)
+    assert refused.status == 401
+
+
+def test_a_seat_without_a_wait_counts_in_the_first_bucket() -> None:
+    """FairAdmission._seat: held, opened and the wait histogram's first bucket for a
+    session admitted at once; a waited one in its own bucket, with its wait summed."""
+    directory = TenantDirectory("unused.toml", SharedTenants(1))
+    fair = FairAdmission(LocalSlots(4), 1.0, directory, 0, 0)
+    fair._seat(3, 0.0)
+    fair._seat(3, 0.02)  # 0.01 < 0.02 <= 0.05: the 4th bucket
+    shared = directory.shared
+    assert shared.total(3, HELD) == 2
+    assert shared.total(3, OPENED) == 2
+    hist = [shared.total(3, WAIT_HIST + i) for i in range(len(WAIT_BUCKETS) + 1)]
+    assert hist == [1, 0, 0, 1] + [0] * (len(WAIT_BUCKETS) - 3)
+    assert shared.total(3, WAIT_US) == 20_000
 
 
 # -- in one process ------------------------------------------------------------------

@@ -114,3 +114,26 @@ class ToolShape(stadium.ToolEnvironment):
         """Add ``n`` to this session's total; returns it (and the process's pid)."""
         self.total += n
         return {"total": self.total, "pid": os.getpid()}
+
+
+class LoopSyncEnv(SyncEnv):
+    """A sync ``step`` that runs an event loop of its own (``asyncio.run``): it sees no
+    running loop in its env process, as on a worker's thread in-process."""
+
+    def step(self, action: Act) -> stadium.StepResult[Obs]:
+        async def add() -> int:
+            await asyncio.sleep(0)
+            return action.add
+
+        return SyncEnv.step(self, Act(asyncio.run(add())))
+
+
+class LoopAsyncEnv(AsyncEnv):
+    """An async ``step`` in a task of the env process's loop: ``asyncio.timeout`` and
+    ``current_task`` work, before and after it suspends."""
+
+    async def step(self, action: Act) -> stadium.StepResult[Obs]:  # type: ignore[override]
+        assert asyncio.current_task() is not None
+        async with asyncio.timeout(60):
+            await asyncio.sleep(0.001)
+        return SyncEnv.step(self, action)

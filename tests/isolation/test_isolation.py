@@ -347,3 +347,20 @@ async def test_no_template_starts_again_once_the_isolation_is_shut_down(
     assert iso.pools.all() == []
     assert iso._control is None
     assert not iso._tasks
+
+
+@pytest.mark.parametrize("shape", ["LoopSyncEnv", "LoopAsyncEnv"])
+async def test_env_calls_see_the_loop_they_would_in_process(shape: str) -> None:
+    """A sync step runs with no running loop (its own ``asyncio.run`` works); an async one
+    in a task (``asyncio.timeout`` works); a fork's copy goes on stepping alike."""
+    target = f"{Path(__file__).with_name('shapes.py')}:{shape}"
+    async with serve(target, isolation="process", resume_grace=30) as server:
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset()
+            assert (await env.step({"add": 2})).observation["total"] == 2
+            copy = await env.fork()
+            try:
+                assert (await copy.step({"add": 3})).observation["total"] == 5
+                assert (await env.step({"add": 1})).observation["total"] == 3
+            finally:
+                await copy.close()

@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -309,19 +310,34 @@ def _get(url: str) -> str:
         return str(r.read().decode())
 
 
+@pytest.fixture
+def echo_env_apart(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The ``echo_env`` package unimported, and tests/openenv_apps off ``sys.path``, for the
+    test; after it, every ``echo_env`` module it imported forgotten and the others' back (a
+    copy's modules left in ``sys.modules`` made a later test load the wrong echo_env)."""
+
+    def ours() -> list[str]:
+        return [m for m in sys.modules if m == "echo_env" or m.startswith("echo_env.")]
+
+    saved = {name: sys.modules.pop(name) for name in ours()}
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p).name != "openenv_apps"])
+    try:
+        yield
+    finally:
+        for name in ours():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
 @pytest.mark.slow
-async def test_an_openenv_env_directory_brings_its_episode_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("echo_env_apart")
+async def test_an_openenv_env_directory_brings_its_episode_time(tmp_path: Path) -> None:
     """``stadium serve ENV_DIR``: the directory's ``openenv.yaml`` (OpenEnv's layout, an
     app from ``create_app``) gives the episode's time; the resources ``process`` cannot
     enforce are warned of."""
     pytest.importorskip("openenv.core.env_server.http_server")
     # Another test may have imported tests/openenv_apps' echo_env (and put its folder on
     # sys.path): this one serves a copy of it, under the same package name.
-    for name in [m for m in sys.modules if m == "echo_env" or m.startswith("echo_env.")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if Path(p).name != "openenv_apps"])
     app = tmp_path / "echo_env"
     shutil.copytree(Path(__file__).parents[1] / "openenv_apps" / "echo_env", app)
     manifest = app / "openenv.yaml"

@@ -398,3 +398,17 @@ def test_an_env_s_error_names_a_class_and_its_message_is_bounded() -> None:
     assert len(str(err)) < wire.MESSAGE_CHARS + 64
     assert str(err).endswith(f"({3 * MIB - wire.MESSAGE_CHARS} characters cut)")
     assert foreign_error(wire.Raised("KeyError", "short")).args == ("short",)
+
+
+def test_a_frame_reader_reads_small_frames_whole_and_large_ones_in_pieces() -> None:
+    a, b = socket.socketpair()
+    small = wire.encode(wire.GetState())
+    large = msgspec.msgpack.encode({"action": "z" * 300_000})
+    stream = wire.frame(small) + wire.frame(large) + wire.frame(small) + wire.frame(b"")
+    sender = threading.Thread(target=lambda: (a.sendall(stream), a.close()))
+    sender.start()
+    reader = wire.FrameReader(b)
+    assert [bytes(reader.next() or b"-") for _ in range(4)] == [small, large, small, b"-"]
+    assert reader.next() is None
+    sender.join()
+    b.close()

@@ -5,7 +5,10 @@ A :class:`BatchConnection` offers the subprotocol ``stadium.batch`` (or
 the connection then carries batch frames (docs/PROTOCOL.md, "Batches"): one call
 per session each way, matched to its reply by the batch's ``id``, many batches in
 flight. A server that does not pick it (OpenEnv's) leaves :attr:`accepted` false,
-and the caller falls back to one connection per session.
+and the caller falls back to one connection per session. The frames are the core's
+(:class:`~stadium._core.client.BatchProtocol`): calls are
+:class:`~stadium._core.frames.BatchCall` Structs (:func:`call`), results
+:class:`~stadium._core.frames.Reply` Structs (:func:`checked`, :func:`result_of`).
 
 :class:`BatchGroup` is what :class:`~stadium.SessionPool` drives when batching: a
 few connections, the pool's sessions numbered by their index, and one
@@ -28,7 +31,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any, Protocol, TypeVar, Unpack, cast
 
-import msgspec
 from picows import WSCloseCode, WSFrame, WSHandshakeError, WSListener, WSMsgType, WSTransport
 
 from stadium._client.options import (
@@ -39,14 +41,16 @@ from stadium._client.options import (
     untrusted,
     with_query,
 )
-from stadium._client.replies import step_result
-from stadium._client.resume_book import resumable_close
+from stadium._core.client import NO_DATA, BatchProtocol, outcome, step_result
+from stadium._core.frames import BatchCall, BatchReply, Reply
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
-from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER
+from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER, resumable_close
 from stadium._core.urls import ws_url
+from stadium._env.contract import StepResult
 from stadium._errors import (
     ConnectError,
     SessionClosedError,
+    StadiumError,
     error_from_wire,
 )
 
@@ -79,7 +83,7 @@ class _Pending:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        calls: Sequence[dict[str, Any]],
+        calls: Sequence[BatchCall[Any]],
         queue: ResultSink | None,
     ) -> None:
         size = len(calls)
@@ -109,8 +113,8 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 class _BatchListener(WSListener):
     """Routes batch replies to their :class:`_Pending` by ``id``."""
 
-    def __init__(self, decode: Callable[[bytes], Any]) -> None:
-        self.decode = decode
+    def __init__(self, protocol: BatchProtocol) -> None:
+        self.protocol = protocol
         self.pending: dict[int, _Pending] = {}
         self.closed: SessionClosedError | None = None
         self.closing = False  # the client closes it
@@ -122,16 +126,12 @@ class _BatchListener(WSListener):
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
         if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
-            try:
-                reply = self.decode(frame.get_payload_as_bytes())
-            except (msgspec.DecodeError, UnicodeDecodeError):
-                self.closed = SessionClosedError(
-                    f"the server sent an unreadable batch frame; {NOT_RESUMABLE}"
-                )
+            reply = self.protocol.read(frame.get_payload_as_bytes())
+            if isinstance(reply, StadiumError):
+                self.closed = SessionClosedError(f"{reply}; {NOT_RESUMABLE}")
                 transport.disconnect()
                 return
-            if isinstance(reply, dict):
-                self._route(reply)
+            self._route(reply)
         elif mtype == WSMsgType.CLOSE:
             code = frame.get_close_code()
             reason = (frame.get_close_message() or b"").decode(errors="replace")
@@ -142,33 +142,33 @@ class _BatchListener(WSListener):
             transport.send_close(code)
             transport.disconnect()
 
-    def _route(self, reply: dict[str, Any]) -> None:
-        rid = reply.get("id")
-        pending = self.pending.get(rid) if isinstance(rid, int) else None
-        if pending is None:  # a batch given up (no reply in time), or a stray frame
+    def _route(self, reply: BatchReply[Reply]) -> None:
+        rid = reply.id
+        if not isinstance(rid, int) or (pending := self.pending.get(rid)) is None:
+            return  # a batch given up (no reply in time), or a stray frame
+        if reply.type == "error":  # the frame itself was refused
+            del self.pending[rid]
+            pending.fail(error_from_wire(reply.data))
             return
-        if reply.get("type") == "error":  # the frame itself was refused
-            del self.pending[rid]  # type: ignore[arg-type]
-            pending.fail(error_from_wire(reply.get("data")))
+        results = reply.results
+        if results is None:
             return
-        results = reply.get("results")
-        if not isinstance(results, list):
-            return
-        opened = reply.get("opened")
+        opened = reply.opened
         if opened and self.on_opened is not None:
             for at, sid, token in opened:
-                self.on_opened(pending.calls[at]["session"], sid, token)
-        index = reply.get("index")
-        positions: Sequence[Any] = index if isinstance(index, list) else range(len(results))
+                if 0 <= at < len(pending.calls):
+                    self.on_opened(pending.calls[at].session, sid, token)
+        index = reply.index
+        positions: Sequence[Any] = index if index is not None else range(len(results))
         queue = pending.queue
         for at, entry in zip(positions, results, strict=False):
-            if isinstance(at, int) and 0 <= at < len(pending.results):
+            if 0 <= at < len(pending.results):
                 pending.results[at] = entry
                 pending.left -= 1
                 if queue is not None:
                     queue.put_nowait((at, entry))
-        if (index is None or reply.get("done") is True) or pending.left <= 0:
-            del self.pending[rid]  # type: ignore[arg-type]
+        if (index is None or reply.done is True) or pending.left <= 0:
+            del self.pending[rid]
             if pending.timer is not None:
                 pending.timer.cancel()
             if not pending.future.done():
@@ -212,9 +212,7 @@ class BatchConnection:
         self.msgpack = msgpack
         self.request_timeout = request_timeout
         self._ids = itertools.count(1)
-        self._encode: Callable[[Any], bytes] = (
-            msgspec.msgpack.encode if msgpack else msgspec.json.encode
-        )
+        self._protocol = listener.protocol
         self._msg_type = WSMsgType.BINARY if msgpack else WSMsgType.TEXT
         offered = BATCH_MSGPACK_SUBPROTOCOL if msgpack else BATCH_SUBPROTOCOL
         picked = transport.response.headers.get("Sec-WebSocket-Protocol", "")
@@ -262,13 +260,13 @@ class BatchConnection:
         extra["Sec-WebSocket-Protocol"] = (
             BATCH_MSGPACK_SUBPROTOCOL if opts.msgpack else BATCH_SUBPROTOCOL
         )
-        decode = opts.codec()[1]
+        protocol = BatchProtocol(opts.msgpack)
         last: Exception | None = None
         for attempt in range(opts.max_retries + 1):
             try:
                 async with asyncio.timeout(opts.connect_timeout):
                     transport, listener = await opts.handshake(
-                        partial(_BatchListener, decode), url, extra
+                        partial(_BatchListener, protocol), url, extra
                     )
                 if transport.is_disconnected:
                     raise ConnectionResetError("the server closed the connection in the handshake")
@@ -302,7 +300,7 @@ class BatchConnection:
 
     def submit(
         self,
-        calls: Sequence[dict[str, Any]],
+        calls: Sequence[BatchCall[Any]],
         first: int | None = None,
         queue: ResultSink | None = None,
     ) -> asyncio.Future[list[Any]]:
@@ -325,13 +323,11 @@ class BatchConnection:
         loop = asyncio.get_running_loop()
         rid = next(self._ids)
         pending = _Pending(loop, calls, queue)
-        frame: dict[str, Any] = {"type": "batch", "id": rid, "calls": calls}
-        if first is not None:
-            frame["first"] = max(1, min(first, len(calls)))
+        payload = self._protocol.frame(rid, calls, first)
         listener.pending[rid] = pending
         if self.request_timeout is not None:
             pending.timer = loop.call_later(self.request_timeout, self._expire, rid)
-        self.transport.send(self._msg_type, self._encode(frame))
+        self.transport.send(self._msg_type, payload)
         return pending.future
 
     def _expire(self, rid: int) -> None:
@@ -345,17 +341,14 @@ class BatchConnection:
                 )
             )
 
-    async def batch(
-        self, calls: Sequence[dict[str, Any]], first: int | None = None
-    ) -> list[dict[str, Any]]:
-        """Send one batch and wait for all its results (entries, in call order; an error
-        entry is returned as it came: ``stadium._errors.error_from_wire`` turns it into
-        the exception)."""
+    async def batch(self, calls: Sequence[BatchCall[Any]], first: int | None = None) -> list[Reply]:
+        """Send one batch and wait for all its results (:class:`Reply` entries, in call
+        order; an error entry is returned as it came: :func:`checked` raises it)."""
         return await self.submit(calls, first)
 
     async def stream(
-        self, calls: Sequence[dict[str, Any]], first: int
-    ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        self, calls: Sequence[BatchCall[Any]], first: int
+    ) -> AsyncIterator[tuple[int, Reply]]:
         """Send one batch with ``first``; yield ``(index, entry)`` as results arrive, the
         first ready first, until every call is answered."""
         queue: asyncio.Queue[Streamed] = asyncio.Queue()
@@ -379,30 +372,28 @@ class BatchConnection:
             transport.disconnect(graceful=False)
 
 
-def call(session: int, kind: str, data: Any = None, **extra: Any) -> dict[str, Any]:
-    """One call of a batch frame: ``{"session", "type", "data"?, ...}``."""
-    entry: dict[str, Any] = {"session": session, "type": kind}
-    if data is not None:
-        entry["data"] = data
-    entry.update(extra)
-    return entry
+def call(session: int, kind: str, data: Any = None, **extra: Any) -> BatchCall[Any]:
+    """One call of a batch frame: session ``session``'s ``kind`` request (``data``;
+    ``timeout_s`` in ``extra``), a :class:`~stadium._core.frames.BatchCall`."""
+    return BatchCall(kind, NO_DATA if data is None else data, session=session, **extra)
 
 
-def checked(entry: Any) -> dict[str, Any]:
+def checked(entry: Reply) -> Reply:
     """A result entry, or the exception it stands for raised (``error``: the wire error;
     ``closed``: :class:`SessionClosedError` with the close code)."""
-    if not isinstance(entry, dict):
-        raise SessionClosedError(f"the server sent a result that is not an object: {entry!r:.200}")
-    kind = entry.get("type")
-    if kind == "error":
-        raise error_from_wire(entry.get("data"))
-    if kind == "closed":
-        data = entry.get("data") or {}
-        code = data.get("code")
-        raise SessionClosedError(
-            f"server closed the session ({code}: {data.get('reason', '')})", close_code=code
-        )
-    return entry
+    answer = outcome(entry)
+    if isinstance(answer, StadiumError):
+        raise answer
+    return answer
+
+
+def result_of(entry: Reply, observation_type: Any = None) -> StepResult[Any]:
+    """An ``observation`` result as a :class:`StepResult`, or the error it stands for
+    raised (:func:`stadium._core.client.step_result`)."""
+    result = step_result(entry, observation_type)
+    if isinstance(result, StadiumError):
+        raise result
+    return result
 
 
 __all__ = [
@@ -412,5 +403,5 @@ __all__ = [
     "ResultSink",
     "call",
     "checked",
-    "step_result",
+    "result_of",
 ]

@@ -8,7 +8,7 @@ over the sessions) are coalesced into one batch frame per connection.
 
 On a server with resume (``--resume-grace`` above 0) the sessions are resumable: each
 session's calls are numbered and kept until answered (its
-:class:`~stadium._client.resume_book.ResumeBook`, as an ``AsyncClient``'s), and when a
+:class:`~stadium._core.resume.ResumeBook`, as an ``AsyncClient``'s), and when a
 connection is lost
 its sessions are taken back on a new one (``resume`` calls), the replies they missed
 answering their calls and the calls the server never got sent again, with backoff,
@@ -25,19 +25,19 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Generic, TypeVar, Unpack
 
-import msgspec
-
 from stadium._client.batch import (
     MAX_CALLS,
     NOT_RESUMABLE,
     BatchConnection,
     call,
     checked,
-    step_result,
+    result_of,
 )
 from stadium._client.options import ConnectKeywords, ConnectOptions, backoff
-from stadium._client.resume_book import ResumeBook
-from stadium._client.session import _to_builtins
+from stadium._client.session import _raised, _to_builtins
+from stadium._core.client import reset_data, resume_call, resumed_data, state_result
+from stadium._core.frames import BatchCall, Reply
+from stadium._core.resume import ResumeBook
 from stadium._env.contract import StepResult
 from stadium._errors import (
     CapacityError,
@@ -45,13 +45,13 @@ from stadium._errors import (
     ResumeError,
     SessionClosedError,
     SessionError,
-    error_from_wire,
+    StadiumError,
 )
 
 ObsT = TypeVar("ObsT")
 
 #: What a batch session's book keeps of a call: the call, and the future of its result.
-_Call = tuple[dict[str, Any], "asyncio.Future[Any]"]
+_Call = tuple[BatchCall[Any], "asyncio.Future[Any]"]
 _Book = ResumeBook[_Call]
 
 
@@ -67,7 +67,7 @@ class _Coalescer:
         """How many times the connection was replaced (after a loss, by a ``reset``)."""
         self.replacing: asyncio.Future[None] | None = None
         self.resuming: asyncio.Future[None] | None = None
-        self.calls: list[dict[str, Any]] = []
+        self.calls: list[BatchCall[Any]] = []
         self.futures: list[asyncio.Future[Any]] = []
         self.sessions: set[int] = set()
         self.scheduled = False
@@ -82,15 +82,15 @@ class _Coalescer:
             conn.listener.on_opened = self._opened
             conn.listener.on_lost = self._lost
 
-    def call(self, entry: dict[str, Any]) -> asyncio.Future[Any]:
-        session = entry["session"]
+    def call(self, entry: BatchCall[Any]) -> asyncio.Future[Any]:
+        session = entry.session
         if session in self.sessions or len(self.calls) >= MAX_CALLS:
             self.flush()  # one call per session per batch: the next goes in the next frame
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         if self.conn.grace > 0:
             book = self.books.get(session)
-            if book is None and entry["type"] == "reset":
+            if book is None and entry.type == "reset":
                 book = self.books[session] = ResumeBook(grace=self.conn.grace)
             if book is not None:  # numbered in the book only: the server answers in order
                 book.keep(book.number(), (entry, fut))
@@ -102,10 +102,10 @@ class _Coalescer:
             loop.call_soon(self._tick)
         return fut
 
-    def call_all(self, entries: list[dict[str, Any]]) -> list[asyncio.Future[Any]]:
+    def call_all(self, entries: list[BatchCall[Any]]) -> list[asyncio.Future[Any]]:
         """:meth:`call` for each of ``entries`` (steps of distinct sessions, none of them
         gathered yet: :meth:`BatchGroup.step_all`), with the per-call lookups done once."""
-        numbers = [e["session"] for e in entries]
+        numbers = [e.session for e in entries]
         if self.calls and not self.sessions.isdisjoint(numbers):
             self.flush()
         if len(self.calls) + len(entries) > MAX_CALLS:
@@ -140,7 +140,7 @@ class _Coalescer:
         self.calls, self.futures, self.sessions = [], [], set()
         self._submit(calls, futures)
 
-    def _submit(self, calls: list[dict[str, Any]], futures: list[asyncio.Future[Any]]) -> None:
+    def _submit(self, calls: list[BatchCall[Any]], futures: list[asyncio.Future[Any]]) -> None:
         try:
             done = self.conn.submit(calls)
         except SessionClosedError as exc:
@@ -154,7 +154,7 @@ class _Coalescer:
 
     def _distribute(
         self,
-        calls: list[dict[str, Any]],
+        calls: list[BatchCall[Any]],
         futures: list[asyncio.Future[Any]],
         done: asyncio.Future[list[Any]],
     ) -> None:
@@ -162,11 +162,11 @@ class _Coalescer:
         results = done.result() if exc is None else [None] * len(futures)
         books = self.books if exc is None else None
         for entry, fut, result in zip(calls, futures, results, strict=True):
-            book = books.get(entry["session"]) if books else None
+            book = books.get(entry.session) if books else None
             if book is not None and book.replied_to(entry):
-                kind = result.get("type") if isinstance(result, dict) else None
-                if kind == "closed" or entry["type"] == "close" or book.session_id is None:
-                    del self.books[entry["session"]]  # ended, or refused before it opened
+                kind = result.type if isinstance(result, Reply) else None
+                if kind == "closed" or entry.type == "close" or book.session_id is None:
+                    del self.books[entry.session]  # ended, or refused before it opened
             if fut.done():
                 continue
             if exc is not None:
@@ -210,9 +210,7 @@ class _Coalescer:
             first = self.books[numbers[0]]
             try:
                 conn = await self.group.reopen(first.session_id, first.token)
-                results = await conn.batch(
-                    [call(n, "resume", self.books[n].resume_call()) for n in numbers]
-                )
+                results = await conn.batch([resume_call(n, self.books[n]) for n in numbers])
             except (ConnectError, SessionClosedError, OSError, TimeoutError) as exc:
                 last = exc
                 attempt += 1
@@ -232,12 +230,12 @@ class _Coalescer:
             self.resumes += 1
             again = self._take_back(numbers, results)
             while again:  # one call per session per frame, in each session's order
-                batch: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
-                later: list[tuple[dict[str, Any], asyncio.Future[Any]]] = []
+                batch: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
+                later: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
                 seen: set[int] = set()
                 for entry, fut in again:
-                    (later if entry["session"] in seen else batch).append((entry, fut))
-                    seen.add(entry["session"])
+                    (later if entry.session in seen else batch).append((entry, fut))
+                    seen.add(entry.session)
                 self._submit([e for e, _ in batch], [f for _, f in batch])
                 again = later
             return
@@ -248,12 +246,12 @@ class _Coalescer:
         again: list[_Call] = []
         for number, result in zip(numbers, results, strict=True):
             book = self.books[number]
-            if not isinstance(result, dict) or result.get("type") != "resumed":
+            data = resumed_data(result)
+            if isinstance(data, StadiumError):
                 del self.books[number]
-                err = error_from_wire(result.get("data")) if isinstance(result, dict) else None
-                _fail(book, err or ResumeError(f"session {book.session_id} was not resumed"))
+                _fail(book, data)
                 continue
-            back = book.resumed(result.get("data") or {})
+            back = book.resumed(data)
             for (_entry, fut), reply in back.answered:
                 if not fut.done():
                     fut.set_result(reply)
@@ -312,7 +310,7 @@ class BatchSession(Generic[ObsT]):
     def connected(self) -> bool:
         return not self.coalescer.conn.closed
 
-    async def _call(self, kind: str, data: Any = None, **extra: Any) -> dict[str, Any]:
+    async def _call(self, kind: str, data: Any = None, **extra: Any) -> Reply:
         coalescer = self.coalescer
         if coalescer.resuming is not None:  # the connection was lost: wait for the resume
             await asyncio.shield(coalescer.resuming)
@@ -337,11 +335,7 @@ class BatchSession(Generic[ObsT]):
     ) -> StepResult[ObsT]:
         """Start an episode (opening the session if it has none); options as
         :meth:`AsyncClient.reset`."""
-        data: dict[str, Any] = dict(options)
-        if seed is not None:
-            data["seed"] = seed
-        if episode_id is not None:
-            data["episode_id"] = episode_id
+        data = reset_data(seed, episode_id, options)
         retries = self.group.max_retries
         for attempt in range(retries + 1):
             try:
@@ -351,20 +345,17 @@ class BatchSession(Generic[ObsT]):
                     raise
                 await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
                 continue
-            return step_result(entry, self.group.observation_type)
+            return result_of(entry, self.group.observation_type)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def step(self, action: Any) -> StepResult[ObsT]:
         """Apply ``action`` (encoded as :class:`AsyncClient` encodes it)."""
         entry = await self._call("step", self.group.action_encoder(action))
-        return step_result(entry, self.group.observation_type)
+        return result_of(entry, self.group.observation_type)
 
     async def state(self) -> Any:
         """The session's state (a dict, or ``state_type``)."""
-        data = (await self._call("state")).get("data", {})
-        if self.group.state_type is not None:
-            return msgspec.convert(data, self.group.state_type, strict=False)
-        return data
+        return _raised(state_result(await self._call("state"), self.group.state_type))
 
     async def close(self) -> None:
         """End the session (its number is free again; a later ``reset`` opens a new one).
@@ -508,7 +499,7 @@ class BatchGroup(Generic[ObsT]):
         for i, c in enumerate(self.coalescers):  # a connection's sessions are consecutive
             futures += c.call_all(
                 [
-                    {"session": s.number, "type": "step", "data": encode(a)}
+                    BatchCall("step", encode(a), session=s.number)
                     for s, a in zip(
                         sessions[i * per : (i + 1) * per],
                         actions[i * per : (i + 1) * per],
@@ -540,9 +531,7 @@ class BatchGroup(Generic[ObsT]):
         for session, fut in zip(self.sessions, futures, strict=True):
             try:
                 entry = fut.result()
-                if type(entry) is not dict or entry.get("type") != "observation":
-                    entry = checked(entry)  # raises what an error entry stands for
-                out.append(step_result(entry, obs_type))
+                out.append(result_of(entry, obs_type))  # raises what an error stands for
             except Exception as exc:
                 if isinstance(exc, SessionClosedError):
                     session.lost = exc

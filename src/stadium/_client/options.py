@@ -27,6 +27,7 @@ from typing import Any, TypedDict
 import msgspec
 from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
 
+from stadium._core.client import codec
 from stadium._errors import ConfigError, ConnectError
 
 #: The environment variable a client reads its bearer token from when given none
@@ -139,10 +140,9 @@ class ConnectOptions:
         return cls.given(options, **given), rest
 
     def codec(self) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:
-        """The frames' encoder and decoder (MessagePack or JSON)."""
-        if self.msgpack:
-            return msgspec.msgpack.encode, msgspec.msgpack.decode
-        return msgspec.json.encode, msgspec.json.decode
+        """The frames' encoder and decoder (MessagePack or JSON); the clients' frames are
+        the core protocol's (:mod:`stadium._core.client`), which uses the same."""
+        return codec(self.msgpack)
 
     async def handshake(
         self,

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Generic, TypeVar
 
 from stadium._client.balance import EndpointSpec, balancer_for, is_plain, is_url
-from stadium._client.batch import call, checked, step_result
+from stadium._client.batch import call, result_of
 from stadium._client.batch_pool import BatchGroup, BatchSession
 from stadium._client.options import ConnectOptions
 from stadium._client.session import AsyncClient
@@ -474,7 +474,7 @@ class _Sink:
                 self.pool._arrive(i, entry)
             return
         try:
-            result: Any = step_result(checked(entry), self.observation_type)
+            result: Any = result_of(entry, self.observation_type)
         except StadiumError as exc:
             result = exc
         self.pool._arrive(self.ids[at], result)

@@ -1,7 +1,7 @@
 """The client's side of one connection: reply frames routed to the requests waiting
 for them, in order, and what happens when the connection is lost (see
 :class:`Listener`). :class:`~stadium._client.session.AsyncClient` owns one at a time.
-:func:`step_result` reads an observation reply, for it and the batch client alike.
+The frames themselves are read by the session's protocol (:mod:`stadium._core.client`).
 """
 
 from __future__ import annotations
@@ -9,15 +9,11 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
-from typing import Any
 
-import msgspec
 from picows import WSFrame, WSListener, WSMsgType, WSTransport
 
 from stadium._client.balance import Lease
-from stadium._client.resume_book import ResumeBook, resumable_close
-from stadium._env.contract import StepResult
-from stadium._env.cost import cost_from
+from stadium._core.resume import ResumeBook, resumable_close
 from stadium._errors import SessionClosedError
 
 
@@ -25,7 +21,7 @@ class Listener(WSListener):
     """Routes reply frames to the waiting futures, in order.
 
     On a resumable session each reply is counted in the session's
-    :class:`~stadium._client.resume_book.ResumeBook` (it answers the oldest request
+    :class:`~stadium._core.resume.ResumeBook` (it answers the oldest request
     kept); when the connection is lost without the client closing it, ``on_lost`` is
     called instead of failing the waiting requests, and the listener of the resumed
     connection (``predecessor``) takes them over, and the book with them.
@@ -102,24 +98,6 @@ class Listener(WSListener):
                 fut.set_exception(err)
 
 
-def step_result(entry: dict[str, Any], observation_type: Any = None) -> StepResult[Any]:
-    """An ``observation`` reply (or batch result entry) as a :class:`StepResult`, its
-    observation converted to ``observation_type`` when given, and the episode's cost
-    when the reply ended one (its top-level ``cost``)."""
-    data = entry.get("data") or {}
-    obs = data.get("observation", {})
-    if observation_type is not None:
-        obs = msgspec.convert(obs, observation_type, strict=False)
-    return StepResult(
-        obs,
-        data.get("reward"),
-        bool(data.get("done", False)),
-        truncated=bool(data.get("truncated", False)),
-        info=data.get("info") or data.get("metadata"),
-        cost=None if (cost := entry.get("cost")) is None else cost_from(cost),
-    )
-
-
 def answered_before_closing(listener: WSListener | None) -> bool:
     """Whether a session closed at once still said why (e.g. a capacity refusal and 1013:
     the frames are kept for the first request to read)."""
@@ -129,4 +107,4 @@ def answered_before_closing(listener: WSListener | None) -> bool:
     return bool(listener.early) or (closed is not None and "close_code" in closed.context)
 
 
-__all__ = ["Listener", "answered_before_closing", "step_result"]
+__all__ = ["Listener", "answered_before_closing"]

@@ -11,6 +11,10 @@ protocol, so they work against OpenEnv servers too::
         env.reset()
         env.step({"message": "hi"})
 
+The frames are the core's: each client drives a sans-I/O
+:class:`~stadium._core.client.ClientProtocol` (requests to frames, frames to results or
+errors, the resume book), and does the I/O around it.
+
 Requests may be issued concurrently on one session: they are sent at once
 (pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
 before it did any work is retried with backoff, honouring ``retry_after_s``.
@@ -63,10 +67,11 @@ from stadium._client.options import (
     untrusted,
     with_query,
 )
-from stadium._client.replies import Listener, answered_before_closing, step_result
-from stadium._client.resume_book import ResumeBook, is_reply_to
+from stadium._client.replies import Listener, answered_before_closing
+from stadium._core.client import NO_DATA, ClientProtocol, reset_data, state_result, step_result
+from stadium._core.frames import Reply
 from stadium._core.protocol import MSGPACK_SUBPROTOCOL
-from stadium._core.resume import RESUME_PARAM
+from stadium._core.resume import ResumeAsk, ResumeBook
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -76,7 +81,6 @@ from stadium._errors import (
     SessionClosedError,
     SessionError,
     StadiumError,
-    error_from_wire,
 )
 
 T = TypeVar("T")
@@ -165,12 +169,12 @@ class AsyncClient(Generic[ObsT]):
         """The handshake's headers (the options' and the MessagePack subprotocol)."""
         if self.options.msgpack:
             self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
-        self._encode, self._decode = self.options.codec()
+        self._protocol = ClientProtocol(self.options.msgpack)
+        """The session's protocol: its frames, and its resume book when resumable."""
         self._msg_type = WSMsgType.BINARY if self.options.msgpack else WSMsgType.TEXT
         self._transport: WSTransport | None = None
         self._listener: Listener | None = None
         self._answered = 0
-        self._book: ResumeBook[bytes] | None = None
         self.resumes = 0
         """How many times the session was resumed after losing its connection."""
         self._resuming: asyncio.Task[None] | None = None
@@ -180,7 +184,8 @@ class AsyncClient(Generic[ObsT]):
     @property
     def session_id(self) -> str | None:
         """The server's id of this session, when it is resumable."""
-        return None if self._book is None else self._book.session_id
+        book = self._protocol.book
+        return None if book is None else book.session_id
 
     # The connection options, read as attributes (as before ConnectOptions).
 
@@ -333,7 +338,7 @@ class AsyncClient(Generic[ObsT]):
         if self._listener is not None:
             self._listener.closing = True
         try:
-            transport.send(self._msg_type, self._encode({"type": "close"}))
+            transport.send(self._msg_type, self._protocol.request("close")[0])
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
         except (TimeoutError, OSError):
             transport.disconnect(graceful=False)
@@ -354,26 +359,21 @@ class AsyncClient(Generic[ObsT]):
         self, *, seed: int | None = None, episode_id: str | None = None, **options: Any
     ) -> StepResult[ObsT]:
         """Start an episode; extra keyword arguments are reset options."""
-        data: dict[str, Any] = dict(options)
-        if seed is not None:
-            data["seed"] = seed
-        if episode_id is not None:
-            data["episode_id"] = episode_id
-        reply = await self._request({"type": "reset", "data": data}, retry_capacity=True)
-        return step_result(reply, self.observation_type)
+        data = reset_data(seed, episode_id, options)
+        return _raised(step_result(await self._request("reset", data, True), self.observation_type))
 
     async def step(self, action: Any) -> StepResult[ObsT]:
         """Apply ``action`` (a dict, msgspec Struct, dataclass or pydantic model)."""
-        reply = await self._request({"type": "step", "data": self.action_encoder(action)})
-        return step_result(reply, self.observation_type)
+        result = step_result(
+            await self._request("step", self.action_encoder(action)), self.observation_type
+        )
+        if isinstance(result, StadiumError):
+            raise result
+        return result
 
     async def state(self) -> Any:
         """The session's state (a dict, or ``state_type``)."""
-        reply = await self._request({"type": "state"})
-        data = reply.get("data", {})
-        if self.state_type is not None:
-            return msgspec.convert(data, self.state_type, strict=False)
-        return data
+        return _raised(state_result(await self._request("state"), self.state_type))
 
     async def fork(self) -> AsyncClient[ObsT]:
         """A new session starting from this one's snapshot: the same env state, episode and
@@ -381,16 +381,15 @@ class AsyncClient(Generic[ObsT]):
         groups sharing a prefix). Needs a resumable session (a Stadium server). The new
         client is connected; close it as any other.
         """
-        if self._book is None:
+        if self._protocol.book is None:
             await self.connect()
-        book = self._book
+        book = self._protocol.book
         if book is None:
             raise SessionError(
                 "fork needs a resumable session: this server did not grant one (not a "
                 "Stadium server, or it runs with --resume-grace 0)"
             )
-        reply = await self._request({"type": "fork"})
-        data = reply.get("data") or {}
+        forked = _raised(self._protocol.forked(await self._request("fork")))
         child: AsyncClient[ObsT] = AsyncClient(
             self.url,
             observation_type=self.observation_type,
@@ -398,23 +397,23 @@ class AsyncClient(Generic[ObsT]):
             action_encoder=self.action_encoder,
             options=self.options,
         )
-        child._book = ResumeBook(
-            str(data.get("session", "")),
-            str(data.get("token", "")),
+        child._protocol.book = ResumeBook(
+            forked.session,
+            forked.token,
             node=book.node,
             address=book.address,
-            grace=float(data.get("grace", book.grace)),
+            grace=forked.grace or book.grace,
         )
         child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
         child.endpoint = self.endpoint
         detached = Listener(None, None)
-        detached.book = child._book
+        detached.book = child._protocol.book
         await child._resume_session(detached)  # attach to it as to a lost session
         if child._transport is None:
             raise detached.closed or SessionClosedError("the forked session could not be opened")
         return child
 
-    async def _request(self, message: dict[str, Any], retry_capacity: bool = False) -> Any:
+    async def _request(self, kind: str, data: Any = NO_DATA, retry_capacity: bool = False) -> Reply:
         if self._resuming is not None:  # the connection was lost: wait for the resume
             await asyncio.shield(self._resuming)
         listener = self._listener
@@ -427,7 +426,7 @@ class AsyncClient(Generic[ObsT]):
         for attempt in range(self.options.max_retries + 1):
             await self.connect()
             try:
-                reply = await self._roundtrip(message)
+                reply = await self._roundtrip(kind, data)
             except CapacityError as exc:
                 fresh = self._answered == 0
                 if not fresh:  # a request refused (a fork with no free slot): the session goes on
@@ -447,10 +446,11 @@ class AsyncClient(Generic[ObsT]):
             return reply
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _roundtrip(self, message: dict[str, Any]) -> Any:
+    async def _roundtrip(self, kind: str, data: Any) -> Reply:
         transport, listener = self._transport, self._listener
         assert transport is not None
         assert listener is not None
+        protocol = self._protocol
         rid = None
         if listener.early:
             raw = listener.early.popleft()
@@ -459,13 +459,7 @@ class AsyncClient(Generic[ObsT]):
                 raise listener.closed
             fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             listener.waiting.append(fut)
-            book = listener.book
-            if book is not None:  # resumable: numbered, kept until answered
-                rid = book.number()
-                payload = self._encode({**message, "id": rid})
-                book.keep(rid, payload)
-            else:
-                payload = self._encode(message)
+            payload, rid = protocol.request(kind, data)  # resumable: numbered, kept
             transport.send(self._msg_type, payload)
             try:
                 raw = await asyncio.wait_for(fut, self.options.request_timeout)
@@ -477,17 +471,11 @@ class AsyncClient(Generic[ObsT]):
                     f"no reply within {self.options.request_timeout:g}s; the session was dropped",
                     timeout_s=self.options.request_timeout,
                 ) from None
-        reply = self._decode(raw)
-        if not isinstance(reply, dict):
-            raise SessionClosedError(f"server sent a non-object frame: {reply!r}")
-        if rid is not None and not is_reply_to(reply, rid):  # never another request's reply
-            await self._drop()
-            raise SessionClosedError(
-                f"reply to request {reply.get('id')!r} arrived for request {rid}; "
-                "the session was dropped"
-            )
-        if reply.get("type") == "error":
-            raise error_from_wire(reply.get("data"))
+        reply = protocol.reply(raw, rid)
+        if isinstance(reply, StadiumError):
+            if not protocol.in_sync:
+                await self._drop()
+            raise reply
         return reply
 
     async def _drop(self) -> None:
@@ -503,19 +491,16 @@ class AsyncClient(Generic[ObsT]):
 
     def _asking(self, url: str) -> str:
         """The URL that opens a session: asking for a resumable one when ``resume``."""
-        return with_query(url, {RESUME_PARAM: "1"}) if self.options.resume else url
+        return with_query(url, ResumeAsk(None).query()) if self.options.resume else url
 
     def _opened(self, transport: WSTransport, listener: Listener, kwargs: dict[str, Any]) -> None:
         """A new session is open: note whether it is resumable (the server said so)."""
         self._transport, self._listener = transport, listener
         self._answered = 0
         self._connect_kwargs = kwargs
-        book = (
-            ResumeBook[bytes].granted(transport.response.headers.get)
-            if self.options.resume
-            else None
-        )
-        self._book = listener.book = book
+        protocol = self._protocol
+        book = protocol.granted(transport.response.headers.get) if self.options.resume else None
+        protocol.book = listener.book = book
         if book is not None:
             listener.on_lost = self._lost
 
@@ -564,8 +549,9 @@ class AsyncClient(Generic[ObsT]):
                         host_headers = {"Host": f"{ep.host}:{ep.url.rsplit(':', 1)[1]}"}
                         if ep.url.startswith("https"):
                             kwargs = {"server_hostname": ep.host}
-            url = with_query(base, book.resume_query())
-            headers = {**self.headers, **host_headers, **book.resume_headers()}
+            ask = book.ask()
+            url = with_query(base, ask.query())
+            headers = {**self.headers, **host_headers, **ask.headers()}
             try:
                 async with asyncio.timeout(
                     max(0.05, min(self.options.connect_timeout, deadline - loop.time()))
@@ -586,11 +572,10 @@ class AsyncClient(Generic[ObsT]):
             except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
                 last = exc
             else:
-                reply = self._decode(hello)
-                kind = reply.get("type") if isinstance(reply, dict) else None
-                if kind == "resumed":
+                self._protocol.book = book
+                back = self._protocol.resumed(hello)
+                if not isinstance(back, StadiumError):
                     # A durable session restored elsewhere has a new id, node and address.
-                    back = book.resumed(reply.get("data") or {})
                     if lease is not None:  # on another node from now on
                         if lost.lease is not None and lost.lease is not lease:
                             lost.lease.release()
@@ -605,9 +590,9 @@ class AsyncClient(Generic[ObsT]):
                     self.resumes += 1
                     return
                 transport.disconnect()
-                err = error_from_wire(reply.get("data")) if kind == "error" else None
-                if not isinstance(err, ResumeError):
-                    err = _resume_failed(book.session_id, f"the server answered {reply!r:.200}")
+                err = back if isinstance(back, ResumeError) else None
+                if err is None:
+                    err = _resume_failed(book.session_id, str(back))
                 if lease is None:  # the session's own node says it is gone: it is
                     self._fail_session(lost, err)
                     return
@@ -645,6 +630,13 @@ class AsyncClient(Generic[ObsT]):
 
 def _resume_failed(sid: str | None, why: str) -> ResumeError:
     return ResumeError(f"session {sid} could not be resumed: {why}", session=sid)
+
+
+def _raised(result: T | StadiumError) -> T:
+    """``result``, or the error the protocol returned in its place raised."""
+    if isinstance(result, StadiumError):
+        raise result
+    return result
 
 
 def _to_builtins(action: Any) -> Any:

@@ -141,6 +141,8 @@ class Upgrade(NamedTuple):
     """The tenant the request's token names (``--tenants``), its sessions charged to it."""
 
 
+assert Upgrade._fields[-1] == "tenant"  # negotiate() replaces the last field
+
 # The upgrades most connections get, built once (an Upgrade is immutable).
 PLAIN = Upgrade()
 """An OpenEnv client's session: JSON frames, no extension."""
@@ -173,7 +175,10 @@ def negotiate(
         websocket=websocket,
     )  # fmt: skip
     if terms.access.tenants is not None and isinstance(decided, Upgrade):
-        return decided._replace(tenant=terms.access.tenant_of(headers.get("authorization")))
+        tenant = terms.access.tenant_of(headers.get("authorization"))  # known: check()'s
+        # decided._replace(tenant=tenant) without its Python frames (once per upgrade):
+        # ``tenant`` is the last field.
+        return tuple.__new__(Upgrade, (*decided[:-1], tenant))
     return decided
 
 

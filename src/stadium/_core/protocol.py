@@ -22,16 +22,31 @@ of an error reply. Once the call is done the transport asks for the reply frame
 (:meth:`~SessionProtocol.observation_reply`, :meth:`~SessionProtocol.state_reply`,
 :meth:`~SessionProtocol.error_reply`). The protocol tracks the episode id and
 step count, and the session lifecycle (:class:`SessionState`).
+
+This is the server's side; the client's is :mod:`stadium._core.client`. Both read and
+write the frames of :mod:`stadium._core.frames` (``Request``, ``BatchCall``,
+``BatchFrame``, ``Reply``, ``BatchReply``), and resume's payloads of
+:mod:`stadium._core.resume`.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator, Mapping
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
+from stadium._core.frames import (
+    BatchCall,
+    BatchFrame,
+    BatchReply,
+    ClosedData,
+    Reply,
+    Request,
+    RequestId,
+)
+from stadium._core.resume import ForkedData, ResumedData
 from stadium._env.codecs import enc_hook_default, validation_error
 from stadium._env.contract import StepResult
 from stadium._env.spec import EnvSpec
@@ -52,8 +67,6 @@ BATCH_SUBPROTOCOL = "stadium.batch"
 BATCH_MSGPACK_SUBPROTOCOL = "stadium.batch.msgpack"
 #: Version of the wire protocol (OpenEnv's frames plus Stadium's extensions).
 PROTOCOL_VERSION = "1.0"
-
-RequestId = int | str | None
 
 
 class Encoding(enum.Enum):
@@ -97,36 +110,8 @@ _OPS = {
 }
 
 
-#: ``timeout_s`` of a step frame: seconds, over 0 (under a billion: a finite timer).
-_TimeoutS = Annotated[float, msgspec.Meta(gt=0, lt=1e9)]
-
-
-class _Envelope(msgspec.Struct):
-    type: str = ""
-    data: msgspec.Raw = msgspec.Raw(b"")
-    id: int | str | None = None
-    timeout_s: _TimeoutS | None = None
-
-
-class BatchCall(_Envelope):
-    """One call of a batch frame (``batch``): a session's request with its ``session``
-    number; a session takes it as it takes a decoded frame (:meth:`SessionProtocol.receive`)."""
-
-    session: int = -1
-
-    def __len__(self) -> int:
-        """Its weight in a session's queue (``Session.feed`` bounds queued bytes)."""
-        return len(self.data) + 64
-
-
-class BatchFrame(msgspec.Struct):
-    """A batch frame: calls on many sessions of one connection (docs/PROTOCOL.md)."""
-
-    type: str = ""
-    id: int | str | None = None
-    calls: list[BatchCall] = msgspec.field(default_factory=list)
-    first: int | None = None
-
+RawCall = BatchCall[msgspec.Raw]
+"""A batch call as the server decodes it: its ``data`` still bytes."""
 
 _RESET_KEYS = frozenset({"seed", "episode_id", "options"})
 
@@ -286,7 +271,7 @@ class SessionProtocol:
 
     # -- input ---------------------------------------------------------------
 
-    def receive(self, message: bytes | str | BatchCall) -> Call | bytes:
+    def receive(self, message: bytes | str | RawCall) -> Call | bytes:
         """Decode one message: a :class:`Call` to carry out, or an error reply's bytes.
 
         Never raises for what the peer sent: any message that cannot be read
@@ -298,7 +283,7 @@ class SessionProtocol:
         if self.state is SessionState.CLOSED:
             return self.error_reply(None, SessionClosedError("the session is closed"))
         if message.__class__ is BatchCall:  # decoded already, with its batch frame
-            envelope: _Envelope = message
+            envelope: Request[msgspec.Raw] = message
         else:
             try:
                 envelope = self._envelope_decoder.decode(message)
@@ -345,7 +330,7 @@ class SessionProtocol:
         except Exception as exc:
             return self.error_reply(rid, self._unreadable(exc))
 
-    def request_id(self, message: bytes | str | BatchCall) -> RequestId:
+    def request_id(self, message: bytes | str | RawCall) -> RequestId:
         """The ``id`` of a request not carried out (e.g. refused by a rate limit), if readable."""
         if message.__class__ is BatchCall:
             return message.id
@@ -355,7 +340,7 @@ class SessionProtocol:
             return None
         return rid
 
-    def is_close(self, message: bytes | str | BatchCall) -> bool:
+    def is_close(self, message: bytes | str | RawCall) -> bool:
         """Whether ``message`` asks to close the session (read only when it matters: a
         request over the rate limit; a close is let through so a client held back by
         ``--rate-limit`` can still end its session)."""
@@ -390,7 +375,7 @@ class SessionProtocol:
             return validation_error(exc, "timeout_s")
         return InvalidMessageError(f"Invalid message: a frame must be an object ({text})")
 
-    def step_call(self, envelope: BatchCall) -> Call | None:
+    def step_call(self, envelope: RawCall) -> Call | None:
         """The step :class:`Call` of a batch's call, the short way (``batch``): ``None``
         unless an episode runs and the call is a plain step with a valid action (then
         :meth:`receive` answers it, errors included)."""
@@ -474,17 +459,44 @@ class SessionProtocol:
         """The reply to an ``mcp`` request: ``{"type": "mcp", "data": <JSON-RPC response>}``."""
         return self._frame("mcp", response, call.id)
 
-    def forked_reply(self, call: Call, data: dict[str, Any]) -> bytes:
+    def forked_reply(self, call: Call, data: ForkedData) -> bytes:
         """The reply to ``fork``: the new session's id and resume token (``resume``)."""
         return self._frame("forked", data, call.id)
 
     def closed_reply(self, code: int, reason: str) -> bytes:
         """A batch's result for a call on a session that is closed (``batch``)."""
-        return self._frame("closed", {"code": code, "reason": reason}, None)
+        return self._frame("closed", ClosedData(code, reason), None)
 
-    def resumed_reply(self, data: dict[str, Any]) -> bytes:
-        """The first frame on a resumed session's new connection (``resume``)."""
+    def resumed_reply(self, data: ResumedData[msgspec.Raw]) -> bytes:
+        """The first frame on a resumed session's new connection (``resume``), or a batch
+        session's ``resume`` result (its ``replies``: the encoded replies it missed)."""
         return self._frame("resumed", data, None)
+
+    def batch_reply(
+        self,
+        rid: RequestId,
+        results: list[bytes],
+        opened: list[tuple[int, str, str]] | None,
+        index: list[int] | None = None,
+        done: bool | None = None,
+    ) -> bytes:
+        """A batch's reply frame (``batch``): ``results``, each an encoded reply, in call
+        order; with ``first``, the ``index`` of each in the batch and whether it is
+        ``done``; ``opened``: the resumable sessions the batch opened."""
+        if self.encoding is Encoding.JSON:  # the results spliced in as they are
+            enc = msgspec.json.encode
+            parts = [b'{"type":"batch","id":', enc(rid), b',"results":[', b",".join(results)]
+            parts.append(b"]" if index is None else b'],"index":' + enc(index))
+            if opened:
+                parts.append(b',"opened":' + enc(opened))
+            if done is not None:
+                parts.append(b',"done":true' if done else b',"done":false')
+            parts.append(b"}")
+            return b"".join(parts)
+        return _MSGPACK.encode(
+            BatchReply("batch", rid, results=[msgspec.Raw(r) for r in results], index=index,
+                       opened=opened or None, done=done)
+        )  # fmt: skip
 
     def error_reply(self, rid: RequestId | Call, error: StadiumError) -> bytes:
         """An error frame carrying ``error``'s code, message and context."""
@@ -498,11 +510,31 @@ class SessionProtocol:
         self.state = SessionState.CLOSED
 
     def _frame(self, kind: str, data: Any, rid: RequestId) -> bytes:
-        frame: dict[str, Any] = {"type": kind, "data": data}
-        if rid is not None:
-            frame["id"] = rid
-        return self._encode(frame)
+        return self._encode(Reply(kind, data, rid))
 
 
-_JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)
-_MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_MSGPACK = msgspec.msgpack.Encoder()
+_JSON_ENVELOPE = msgspec.json.Decoder(Request[msgspec.Raw])
+_MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(Request[msgspec.Raw])
+#: The server's decoders of batch frames (``batch``).
+JSON_BATCH_FRAME = msgspec.json.Decoder(BatchFrame[msgspec.Raw])
+MSGPACK_BATCH_FRAME = msgspec.msgpack.Decoder(BatchFrame[msgspec.Raw])
+
+__all__ = [
+    "BATCH_MSGPACK_SUBPROTOCOL",
+    "BATCH_SUBPROTOCOL",
+    "JSON_BATCH_FRAME",
+    "MSGPACK_BATCH_FRAME",
+    "MSGPACK_SUBPROTOCOL",
+    "PROTOCOL_VERSION",
+    "BatchCall",
+    "BatchFrame",
+    "Call",
+    "Encoding",
+    "Op",
+    "RawCall",
+    "RequestId",
+    "SessionProtocol",
+    "SessionState",
+    "reset_call",
+]

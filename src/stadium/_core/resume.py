@@ -29,6 +29,19 @@ header (never in a URL a proxy logs), and are compared in constant time.
 The session id starts with the worker's pid in hex, so a worker that receives a
 resume for another worker's session hands the connection to it
 (:mod:`stadium._server.transports.handoff`).
+
+One vocabulary, both sides (each concept once, here):
+
+=====================  ===============================================================
+:class:`ResumeAsk`     a resume request: the client writes it (:meth:`ResumeAsk.query`,
+                       :meth:`~ResumeAsk.headers`, or a batch call's :class:`ResumeCall`),
+                       the server reads it (:func:`resume_ask`, or the call)
+:class:`ResumedData`   the ``resumed`` answer's data: the server encodes it, the client's
+                       :meth:`ResumeBook.resumed` reads it
+:class:`ForkedData`    the ``forked`` answer's data (a fork is a session to resume)
+:class:`ResumeChannel` the server's replies of a resumable session, kept for replay
+:class:`ResumeBook`    the client's requests of a resumable session, kept until answered
+=====================  ===============================================================
 """
 
 from __future__ import annotations
@@ -37,10 +50,17 @@ import collections
 import hmac
 import secrets
 import urllib.parse
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
 
+import msgspec
+
+from stadium._core.frames import Reply
 from stadium._errors import ResumeError
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 RESUME_PARAM = "stadium_resume"
 """Query parameter: ``1`` asks for a resumable session; a session id resumes it."""
@@ -91,19 +111,91 @@ NOWHERE: Target = _Nowhere()
 
 
 class ResumeAsk:
-    """What a ``/ws`` request asked for: a new resumable session (``sid`` None) or a
-    resume of session ``sid`` with ``token``, the client having got ``received`` replies;
-    ``batched``: a ``resume`` call of a batch (``batch``)."""
+    """A resume request, as both sides see it: a new resumable session (``sid`` None) or
+    a resume of session ``sid`` with ``token``, the client having got ``received``
+    replies; ``node`` and ``address``: where the session was (routers route on them);
+    ``batched``: a ``resume`` call of a batch (``batch``). The client writes it
+    (:meth:`query` and :meth:`headers`, or :meth:`call`), the server reads it
+    (:func:`resume_ask`, :meth:`from_call`)."""
 
-    __slots__ = ("batched", "received", "sid", "token")
+    __slots__ = ("address", "batched", "node", "received", "sid", "token")
 
     def __init__(
-        self, sid: str | None, token: str = "", received: int = 0, *, batched: bool = False
+        self,
+        sid: str | None,
+        token: str = "",
+        received: int = 0,
+        *,
+        batched: bool = False,
+        node: str = "",
+        address: str = "",
     ) -> None:
         self.sid = sid
         self.token = token
         self.received = received
         self.batched = batched
+        self.node = node
+        self.address = address
+
+    def query(self) -> dict[str, str]:
+        """The query parameters of the ``/ws`` request that makes this ask."""
+        if self.sid is None:
+            return {RESUME_PARAM: "1"}
+        return {
+            RESUME_PARAM: self.sid,
+            RECEIVED_PARAM: str(self.received),
+            NODE_PARAM: self.node,
+            ADDR_PARAM: self.address,
+        }
+
+    def headers(self) -> dict[str, str]:
+        """The headers that prove the client holds the session (its token)."""
+        return {} if self.sid is None else {TOKEN_HEADER: self.token}
+
+    def call(self) -> ResumeCall:
+        """This ask as the data of a batch ``resume`` call."""
+        return ResumeCall(self.sid or "", self.token, self.received)
+
+    @classmethod
+    def from_call(cls, data: ResumeCall) -> ResumeAsk:
+        """The ask a batch ``resume`` call makes."""
+        return cls(data.id, data.token, data.received, batched=True)
+
+
+class ResumeCall(msgspec.Struct):
+    """The ``data`` of a batch's ``resume`` call: ``{"id", "token", "received"}``."""
+
+    id: str
+    token: str
+    received: int = 0
+
+
+class ResumedData(msgspec.Struct, Generic[R]):
+    """The ``data`` of a ``resumed`` answer: the session's id (a durable session restored
+    elsewhere has a new one), its new token, how many requests the server got, how many
+    replies it replays, where the session is now; a batch session's ``replies`` (the ones
+    its client missed, carried in the answer: the server encodes them as
+    ``msgspec.Raw``, the client reads them as :class:`~stadium._core.frames.Reply`; unset,
+    not encoded, on a one-session connection, which gets them replayed after it). Read
+    leniently: a field absent keeps the session's as it was."""
+
+    session: str = ""
+    token: str = ""
+    requests: int = 0
+    replayed: int = 0
+    node: str = ""
+    address: str = ""
+    replies: list[R] | msgspec.UnsetType = msgspec.UNSET
+
+
+class ForkedData(msgspec.Struct):
+    """The ``data`` of a ``forked`` answer: the new session, to resume (its id, token,
+    node and the server's grace period)."""
+
+    session: str
+    token: str
+    node: str = ""
+    grace: float = 0.0
 
 
 def resume_ask(query: str, token: str | None) -> ResumeAsk | str | None:
@@ -277,23 +369,205 @@ class ResumeChannel:
         self.target = target
 
 
+#: Close codes (None: no close frame) after which a resumable session is resumed: the
+#: connection broke (1006) or the server restarts (1012); the session lives on there.
+RESUMABLE_CLOSES: tuple[int | None, ...] = (None, 1006, 1012)
+
+#: Seconds a client keeps trying past the server's grace period (the server's clock
+#: started when it noticed the loss, which may be after the client did).
+GRACE_SLACK_S = 1.0
+
+
+def resumable_close(code: int | None) -> bool:
+    """Whether a connection closed with ``code`` (None: no close frame) is resumed."""
+    return code in RESUMABLE_CLOSES
+
+
+@dataclass(slots=True)
+class AfterResume(Generic[T]):
+    """What a ``resumed`` answer means for the session's requests."""
+
+    #: Requests answered by the replies the ``resumed`` result carried (a batch
+    #: session's), with those replies, in order.
+    answered: list[tuple[T, Any]] = field(default_factory=list)
+    #: Requests the server never got: send them again, in order.
+    resend: list[T] = field(default_factory=list)
+    #: Requests the server got and still owes a reply: a one-session connection gets
+    #: them replayed after ``resumed``; a batch session would have had them in
+    #: ``replies`` (so they are lost).
+    owed: list[tuple[int, T]] = field(default_factory=list)
+
+
+class ResumeBook(Generic[T]):
+    """One resumable session: its credentials, its numbered requests until answered,
+    and the count of replies received. ``T`` is what the client keeps of a request
+    (the encoded frame, or a batch call and its future)."""
+
+    __slots__ = (
+        "_unanswered",
+        "address",
+        "grace",
+        "node",
+        "received",
+        "sent",
+        "session_id",
+        "token",
+    )
+
+    def __init__(
+        self,
+        session_id: str | None = None,
+        token: str = "",
+        *,
+        node: str = "",
+        address: str = "",
+        grace: float = 0.0,
+    ) -> None:
+        self.session_id = session_id
+        """The server's id of the session (None: a batch session not open yet)."""
+        self.token = token
+        self.node = node
+        self.address = address
+        self.grace = grace
+        """Seconds the server keeps the session after losing its connection."""
+        self.sent = 0
+        """The number of the last request numbered."""
+        self.received = 0
+        """Replies received on the session (told to the server on a resume)."""
+        self._unanswered: collections.deque[tuple[int, T]] = collections.deque()
+
+    @classmethod
+    def granted(cls, headers: Callable[[str], str | None]) -> ResumeBook[T] | None:
+        """The book of a session whose ``101`` granted resume (``headers``: the 101's
+        header lookup, e.g. ``response.headers.get``); None when it did not."""
+        sid = headers(SESSION_HEADER)
+        if sid is None:
+            return None
+        try:
+            grace = float(headers(GRACE_HEADER) or "0")
+        except ValueError:
+            grace = 0.0
+        return cls(
+            sid,
+            headers(TOKEN_HEADER) or "",
+            node=headers(NODE_HEADER) or "",
+            address=headers(ADDR_HEADER) or "",
+            grace=grace,
+        )
+
+    # -- requests and replies -----------------------------------------------------------
+
+    def number(self) -> int:
+        """The next request's number (its ``id``); :meth:`keep` the request under it."""
+        self.sent += 1
+        return self.sent
+
+    def keep(self, rid: int, request: T) -> None:
+        """Keep request ``rid`` until its reply comes (to send it again after a resume)."""
+        self._unanswered.append((rid, request))
+
+    def keep_next(self, request: T) -> None:
+        """:meth:`keep` ``request`` under the next number (:meth:`number`), in one call."""
+        self.sent += 1
+        self._unanswered.append((self.sent, request))
+
+    @property
+    def unanswered(self) -> Sequence[tuple[int, T]]:
+        """The requests kept, oldest first, with their numbers."""
+        return self._unanswered
+
+    def replied(self, rid: int | None = None) -> T | None:
+        """A reply came on the session: count it; it answers the oldest request kept
+        (when ``rid`` is given, only if that request is number ``rid``). The request
+        answered, or None."""
+        self.received += 1
+        unanswered = self._unanswered
+        if unanswered and (rid is None or unanswered[0][0] == rid):
+            return unanswered.popleft()[1]
+        return None
+
+    def replied_to(self, call: Any) -> bool:
+        """A batch session's result for ``call`` came: when the oldest request kept is
+        ``call`` (kept as ``(call, ...)``), count the reply and forget the request (the
+        server answers a session's calls in order, so no id is needed); whether it was."""
+        unanswered = self._unanswered
+        if unanswered and unanswered[0][1][0] is call:  # type: ignore[index]
+            self.received += 1
+            unanswered.popleft()
+            return True
+        return False
+
+    def drain(self) -> list[T]:
+        """Every request kept, oldest first, forgotten (the session is over)."""
+        requests = [request for _, request in self._unanswered]
+        self._unanswered.clear()
+        return requests
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def deadline(self, now: float) -> float:
+        """When a client that lost the connection at ``now`` stops trying to resume."""
+        return now + self.grace + GRACE_SLACK_S
+
+    def ask(self) -> ResumeAsk:
+        """The resume request for this session (:class:`ResumeAsk`: its query and headers,
+        or a batch's ``resume`` call)."""
+        return ResumeAsk(
+            self.session_id or "",
+            self.token,
+            self.received,
+            node=self.node,
+            address=self.address,
+        )
+
+    def resumed(self, data: ResumedData[Reply]) -> AfterResume[T]:
+        """The server took the session back (``data``: its ``resumed`` answer): take its
+        new token (and a restored session's new id, node and address); match the
+        replies it carried to the oldest requests; say which requests to send again."""
+        self.token = data.token
+        self.session_id = data.session or self.session_id
+        self.node = data.node or self.node
+        self.address = data.address or self.address
+        out: AfterResume[T] = AfterResume()
+        unanswered = self._unanswered
+        for reply in data.replies or ():  # oldest first; one without an id: in order
+            if unanswered and reply.id in (None, unanswered[0][0]):
+                out.answered.append((unanswered.popleft()[1], reply))
+                self.received += 1
+        requests = data.requests
+        for rid, request in unanswered:
+            if rid > requests:
+                out.resend.append(request)
+            else:
+                out.owed.append((rid, request))
+        return out
+
+
 __all__ = [
     "ADDR_HEADER",
     "ADDR_PARAM",
     "GRACE_HEADER",
+    "GRACE_SLACK_S",
     "NODE_HEADER",
     "NODE_PARAM",
     "NOWHERE",
     "RECEIVED_PARAM",
     "REPLAY_FRAMES",
+    "RESUMABLE_CLOSES",
     "RESUME_PARAM",
     "SESSION_HEADER",
     "TOKEN_HEADER",
+    "AfterResume",
+    "ForkedData",
     "ResumeAsk",
+    "ResumeBook",
+    "ResumeCall",
     "ResumeChannel",
+    "ResumedData",
     "new_session_id",
     "new_token",
     "owner_pid",
+    "resumable_close",
     "resume_ask",
     "resume_target_sid",
     "token_matches",

@@ -52,7 +52,7 @@ from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission.client_counts import Keys
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import Admission, Verdict, Waiter
-from stadium._server.admission.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
+from stadium._server.admission.tenants import CHARGED, NFIELDS, REFUSED, STEPS, TenantDirectory
 from stadium._server.metrics import DOORS
 
 
@@ -209,10 +209,13 @@ class Doorway:
     ) -> Pass:
         if charged.record is None:  # a shared free pass: this one is the session's own
             charged = Pass(charged.door, None, charged.counted)
-        tenant = directory.current(tenant)
-        shared, row = directory.shared, tenant.row
+        row = tenant.row
+        now_is = directory.rows[row]  # directory.current(tenant), inlined (per session)
+        if now_is is not None and now_is.name == tenant.name:
+            tenant = now_is
+        shared = directory.shared
         if charged.counted:
-            shared.add(row, CHARGED)
+            shared.counts[(row * NFIELDS + CHARGED) * shared.width + shared.column] += 1  # add()
             if tenant.max_sessions:
                 shared.fence()  # the increment is visible before the sum is read
                 if shared.total(row, CHARGED) > tenant.max_sessions:
@@ -239,7 +242,8 @@ class Doorway:
             charged.tenant = None
             charged.bucket = None
             if charged.counted and self.tenants is not None:
-                self.tenants.shared.add(tenant.row, CHARGED, -1)
+                t = self.tenants.shared
+                t.counts[(tenant.row * NFIELDS + CHARGED) * t.width + t.column] -= 1
         record = charged.record
         if record is None:
             return
@@ -283,8 +287,9 @@ class Doorway:
         if charged is not None and charged.inherited:
             n -= charged.inherited
             charged.inherited = 0
-        if tenant is not None and n > 0 and self.tenants is not None:
-            self.tenants.shared.add(tenant.row, STEPS, n)
+        if n > 0 and tenant is not None and self.tenants is not None:
+            shared = self.tenants.shared
+            shared.counts[(tenant.row * NFIELDS + STEPS) * shared.width + shared.column] += n
 
     def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
@@ -308,10 +313,14 @@ class Doorway:
         :meth:`~stadium._server.admission.slots.Admission.queue_error` says which).
         Raises :class:`~stadium.CapacityError` over the client's or tenant's quota
         (nothing taken)."""
-        if self.limits is None and tenant is None:
-            charged = self._free[door]
-        else:
+        if self.limits is not None:
             charged = self.enter(door, client, now, tenant=tenant)
+        elif tenant is None:
+            charged = self._free[door]
+        elif self.tenants is not None:  # enter() without a client to charge, inlined
+            charged = self._enter_tenant(self._free[door], self.tenants, tenant, now)
+        else:
+            charged = self._free[door]
         return charged, self.admission.admit(waiter, group, client, tenant)
 
     def admit_now(

@@ -151,8 +151,10 @@ class FairAdmission(Admission):
         at = row * NFIELDS * width + shared.column  # SharedTenants.at, inlined (per session)
         counts[at + HELD * width] += 1
         counts[at + OPENED * width] += 1
-        if waited:
-            counts[at + WAIT_US * width] += int(waited * 1e6)
+        if not waited:  # admitted at once (most sessions): the first bucket
+            counts[at + WAIT_HIST * width] += 1
+            return
+        counts[at + WAIT_US * width] += int(waited * 1e6)
         counts[at + (WAIT_HIST + bisect_left(WAIT_BUCKETS, waited)) * width] += 1
 
     def _take(self, row: int) -> tuple[Waiter, float]:
@@ -195,7 +197,8 @@ class FairAdmission(Admission):
         """Give ``tenant``'s slot back: straight to a local waiter if its tenant is the
         neediest waiting anywhere, else to the shared pool."""
         shared = self.directory.shared
-        shared.add(ANON if tenant is None else tenant.row, HELD, -1)
+        row = ANON if tenant is None else tenant.row
+        shared.counts[(row * NFIELDS + HELD) * shared.width + shared.column] -= 1  # add()
         if self._queue:
             best = self.neediest()
             if best in self._by_tenant:

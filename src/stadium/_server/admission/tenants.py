@@ -246,7 +246,7 @@ class SharedTenants:
         return int(sum(self.counts[start : start + self.width]))
 
     def add(self, row: int, field: int, n: int = 1) -> None:
-        self.counts[self.at(row, field) + self.column] += n
+        self.counts[(row * NFIELDS + field) * self.width + self.column] += n  # at(), inlined
 
     def episode(self, row: int, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``row`` (once per episode, at its end)."""

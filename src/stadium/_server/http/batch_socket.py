@@ -26,8 +26,15 @@ from typing import Any
 import msgspec
 
 from stadium._core.access import Tenant
-from stadium._core.protocol import BatchCall, BatchFrame, Encoding, SessionProtocol
-from stadium._core.resume import ResumeAsk
+from stadium._core.protocol import (
+    JSON_BATCH_FRAME,
+    MSGPACK_BATCH_FRAME,
+    BatchCall,
+    Encoding,
+    RawCall,
+    SessionProtocol,
+)
+from stadium._core.resume import ResumeAsk, ResumeCall
 from stadium._errors import InvalidMessageError, SessionError, StadiumError
 from stadium._errors import ValidationError as StadiumValidationError
 from stadium._server.admission.doorway import Door
@@ -42,21 +49,8 @@ log = logging.getLogger("stadium.session")
 MAX_CALLS = 4096
 _MAX_SESSION = 2**31
 
-_JSON_FRAME = msgspec.json.Decoder(BatchFrame)
-_MSGPACK_FRAME = msgspec.msgpack.Decoder(BatchFrame)
-_MSGPACK = msgspec.msgpack.Encoder()
-
-
-class _ResumeData(msgspec.Struct):
-    """The ``data`` of a batch's ``resume`` call."""
-
-    id: str
-    token: str
-    received: int = 0
-
-
-_JSON_RESUME = msgspec.json.Decoder(_ResumeData)
-_MSGPACK_RESUME = msgspec.msgpack.Decoder(_ResumeData)
+_JSON_RESUME = msgspec.json.Decoder(ResumeCall)
+_MSGPACK_RESUME = msgspec.msgpack.Decoder(ResumeCall)
 
 
 class _Batch:
@@ -168,7 +162,7 @@ class BatchServerConnection:
         self.sessions: dict[int, Session] = {}
         self.members: dict[int, _Member] = {}
         self.outcome = "completed"
-        self.decoder: Any = _JSON_FRAME if encoding is Encoding.JSON else _MSGPACK_FRAME
+        self.decoder: Any = JSON_BATCH_FRAME if encoding is Encoding.JSON else MSGPACK_BATCH_FRAME
         # Replies about the connection itself (a bad frame) and ``closed`` results.
         self.protocol = SessionProtocol(runtime.spec, encoding, str)
 
@@ -257,46 +251,20 @@ class BatchServerConnection:
     def reply(self, batch: _Batch) -> None:
         """Every result of ``batch`` is in: one frame, the results in call order."""
         results: list[bytes] = batch.results  # type: ignore[assignment]  # all filled
-        if self.encoding is Encoding.JSON:
-            head = b'{"type":"batch","id":' + msgspec.json.encode(batch.id) + b',"results":['
-            tail = b"]}"
-            if batch.opened:
-                tail = b'],"opened":' + msgspec.json.encode(batch.opened) + b"}"
-            self.channel.send(head + b",".join(results) + tail)
-        else:
-            raws = [msgspec.Raw(r) for r in results]
-            frame: dict[str, Any] = {"type": "batch", "id": batch.id, "results": raws}
-            if batch.opened:
-                frame["opened"] = batch.opened
-            self.channel.send(_MSGPACK.encode(frame))
+        self.channel.send(self.protocol.batch_reply(batch.id, results, batch.opened))
 
     def reply_ready(self, batch: _Batch) -> None:
         """``first`` results (or the last ones) of ``batch`` are ready: send those."""
         ready = batch.ready
         assert ready is not None
         batch.ready = []
-        results = [batch.results[i] for i in ready]
-        done = not batch.left
+        results: list[bytes] = [batch.results[i] for i in ready]  # type: ignore[misc]
         opened, batch.opened = batch.opened, None  # with the first frame
-        if self.encoding is Encoding.JSON:
-            enc = msgspec.json.encode
-            self.channel.send(
-                b'{"type":"batch","id":' + enc(batch.id) + b',"results":['
-                + b",".join(results)  # type: ignore[arg-type]
-                + b'],"index":' + enc(ready)
-                + (b',"opened":' + enc(opened) if opened else b"")
-                + (b',"done":true}' if done else b',"done":false}')
-            )  # fmt: skip
-        else:
-            raws = [msgspec.Raw(r) for r in results]  # type: ignore[arg-type]
-            frame: dict[str, Any] = {
-                "type": "batch", "id": batch.id, "results": raws, "index": ready, "done": done
-            }  # fmt: skip
-            if opened:
-                frame["opened"] = opened
-            self.channel.send(_MSGPACK.encode(frame))
+        self.channel.send(
+            self.protocol.batch_reply(batch.id, results, opened, ready, not batch.left)
+        )
 
-    def _resume(self, batch: _Batch, index: int, number: int, call: BatchCall) -> None:
+    def _resume(self, batch: _Batch, index: int, number: int, call: RawCall) -> None:
         """A ``resume`` call: session ``data.id`` (lost with another connection) becomes
         number ``number`` of this one; its result carries the replies the client missed."""
         member = _Member(self, number)
@@ -325,7 +293,7 @@ class BatchServerConnection:
             )
             member.send(self.protocol.error_reply(None, err))
             return
-        ask = ResumeAsk(data.id, data.token, data.received, batched=True)
+        ask = ResumeAsk.from_call(data)
         result = resume_session(
             self.runtime, ask, member, self.encoding, self.where, self.client, self.tenant
         )

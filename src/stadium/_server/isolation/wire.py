@@ -50,6 +50,8 @@ HEADER = struct.Struct("<I")
 MIB = 1024 * 1024
 #: A request's largest frame (worker → env process; an action, a snapshot to restore).
 MAX_REQUEST = 256 * MIB
+#: Bytes an env process reads of the worker's requests at a time (:class:`FrameReader`).
+CHUNK_BYTES = 64 * 1024
 #: Replies this size or smaller are decoded without a scan (see the module docstring).
 DIRECT_BYTES = 64 * 1024
 #: The most of an env's exception message the worker keeps (:attr:`Raised.said`).
@@ -242,7 +244,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(body: bytes) -> Any:
+def decode_request(body: bytes | bytearray) -> Any:
     """A request (the env process's side); raises :class:`msgspec.DecodeError` for
     anything else (only a worker bug sends that)."""
     return _request_decoder.decode(body)
@@ -280,6 +282,45 @@ def recv_frame(sock: socket.socket) -> bytes | None:
     if size > MAX_REQUEST:
         raise ValueError(f"frame of {size} bytes is over the {MAX_REQUEST} byte limit")
     return _recv_exact(sock, size) if size else b""
+
+
+class FrameReader:
+    """The frames of a blocking socket (the env process's side, reading the worker's
+    requests), read up to :data:`CHUNK_BYTES` at a time: a small request's header and body
+    take one ``recv``, not two; a larger one's rest goes straight into a buffer of its size."""
+
+    __slots__ = ("_buf", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buf = b""
+
+    def next(self) -> bytes | bytearray | None:
+        """The next frame's body; ``None`` at end of stream."""
+        buf = self._buf
+        while len(buf) < HEADER.size:
+            chunk = self.sock.recv(CHUNK_BYTES)
+            if not chunk:
+                return None
+            buf += chunk
+        (size,) = HEADER.unpack_from(buf)
+        if size > MAX_REQUEST:
+            raise ValueError(f"frame of {size} bytes is over the {MAX_REQUEST} byte limit")
+        end = HEADER.size + size
+        if len(buf) >= end:
+            self._buf = buf[end:]
+            return buf[HEADER.size : end]
+        self._buf = b""
+        body = bytearray(size)
+        have = len(buf) - HEADER.size
+        body[:have] = buf[HEADER.size :]
+        view = memoryview(body)
+        while have < size:
+            n = self.sock.recv_into(view[have:])
+            if n == 0:
+                return None
+            have += n
+        return body
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes | None:

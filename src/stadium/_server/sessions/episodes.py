@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stadium._core.access import Tenant
-from stadium._core.protocol import BatchCall, Call, Encoding, Op
+from stadium._core.protocol import Call, Encoding, Op, RawCall
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
@@ -125,7 +125,7 @@ class EpisodeAccounts(ResumableSession):
                 json=self.protocol.encoding is Encoding.JSON,
             )  # fmt: skip
 
-    def _batch_request(self, call: BatchCall) -> bytes:
+    def _batch_request(self, call: RawCall) -> bytes:
         """A batch's step request as a frame of its own (``{"data": ...}``), to record:
         its action's bytes copied (a batch frame is not kept for one of its calls)."""
         data = bytes(call.data)

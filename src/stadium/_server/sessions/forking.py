@@ -15,7 +15,7 @@ import asyncio
 from typing import Any
 
 from stadium._core.protocol import Call, SessionProtocol
-from stadium._core.resume import NOWHERE, ResumeChannel
+from stadium._core.resume import NOWHERE, ForkedData, ResumeChannel
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import CallMode
 from stadium._errors import CapacityError, SessionError
@@ -63,16 +63,16 @@ class ForkingSession:
         )
         return later
 
-    async def _fork_later(self: Any, prepare: Any, charged: Pass) -> dict[str, Any]:
+    async def _fork_later(self: Any, prepare: Any, charged: Pass) -> ForkedData:
         try:  # the env's process forks, off the loop
             await prepare()
         except BaseException:
             self.runtime.doors.release(charged, self.loop.time())
             raise
-        reply: dict[str, Any] = self._forked(charged)
+        reply: ForkedData = self._forked(charged)
         return reply
 
-    def _forked(self: Any, charged: Pass) -> dict[str, Any]:
+    def _forked(self: Any, charged: Pass) -> ForkedData:
         """The fork: a new session holding a copy of this one's env; the reply's data."""
         rt = self.runtime
         try:
@@ -91,7 +91,7 @@ class ForkingSession:
             tenant=self.tenant,
         )
         child._adopt(env, self.protocol, charged)
-        return {"session": sid, "token": token, "node": NODE_NAME, "grace": rt.resume_grace}
+        return ForkedData(sid, token, NODE_NAME, rt.resume_grace)
 
     def _adopt(self: Any, env: Any, parent: SessionProtocol, charged: Pass) -> None:
         """Become a fork holding ``env`` (its slot and charge: ``charged``), with

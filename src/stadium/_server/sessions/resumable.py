@@ -20,6 +20,7 @@ from stadium._core.resume import (
     REPLAY_FRAMES,
     ResumeAsk,
     ResumeChannel,
+    ResumedData,
     Target,
     token_matches,
     unknown_session,
@@ -161,16 +162,11 @@ class ResumableSession:
         if channel.persist is not None:  # the store must know the new token
             self._persist(None)
         requests = channel.count + (self._call is not None) + len(self._pending or ())
-        data: dict[str, Any] = {
-            "session": self.resume_id,
-            "token": self._token,
-            "requests": requests,
-            "replayed": len(frames),
-            "node": where[0],
-            "address": where[1],
-        }
+        data = ResumedData[msgspec.Raw](
+            self.resume_id or "", self._token, requests, len(frames), where[0], where[1]
+        )
         if batched:
-            data["replies"] = [msgspec.Raw(frame) for frame in frames]
+            data.replies = [msgspec.Raw(frame) for frame in frames]
             target.send(self.protocol.resumed_reply(data))
         else:
             target.send(self.protocol.resumed_reply(data))

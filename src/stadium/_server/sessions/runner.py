@@ -30,7 +30,7 @@ from typing import Any
 from stadium._core import mcp as _mcp
 from stadium._core.access import Tenant
 from stadium._core.limits import Bucket
-from stadium._core.protocol import BatchCall, Call, Encoding, Op, SessionProtocol
+from stadium._core.protocol import BatchCall, Call, Encoding, Op, RawCall, SessionProtocol
 from stadium._core.resume import ResumeAsk, ResumeChannel, Target
 from stadium._env.snapshot import restore_env
 from stadium._env.spec import CallMode
@@ -68,7 +68,7 @@ from stadium._util.throttle import ThrottledLog
 
 log = logging.getLogger("stadium.session")
 
-Message = bytes | str | BatchCall
+Message = bytes | str | RawCall
 """What a session is fed: a frame, or a call of a batch frame decoded already (``batch``)."""
 
 
@@ -219,7 +219,7 @@ class Session(ForkingSession, EpisodeAccounts):
             return
         self._handle(message)
 
-    def step_now(self, message: BatchCall, now: float) -> bytes | bool:
+    def step_now(self, message: RawCall, now: float) -> bytes | bool:
         """A batch's step on an open, idle session, without the queue's checks and the
         envelope's reading (``batch``); ``now``: the batch's arrival.
 
@@ -627,8 +627,8 @@ class Session(ForkingSession, EpisodeAccounts):
                 self._ep_cpu += _clock() - t0
                 self._t0 = 0.0
             rt = self.runtime
-            if op is not _STEP and self.tenant is not None:  # a reset ends the episode's steps
-                rt.doors.steps(self.tenant, protocol.step_count, self._pass)
+            if op is not _STEP and self.tenant is not None and protocol.step_count:
+                rt.doors.steps(self.tenant, protocol.step_count, self._pass)  # a reset ends them
             frame = protocol.observation_reply(call, result)
             # Timed from the request's arrival (the session's last message) to its reply;
             # the step histogram's count is the step count (``Runtime.steps_total``).

@@ -286,10 +286,18 @@ class EnvProcess:
             raise Gone()
         self.decoder = decoder
         waiter = self.waiter = self.loop.create_future()
-        try:
-            await self.loop.sock_sendall(self.sock, wire.frame(body))
+        data = wire.frame(body)
+        try:  # the usual: the whole frame fits the socket's buffer (no loop's send coroutine)
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
         except OSError:
             raise Gone() from None
+        if sent < len(data):
+            try:
+                await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
+            except OSError:
+                raise Gone() from None
         return await waiter
 
     async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""CPU per step of in-process / ``process`` / ``sandbox`` sessions, side by side, one run.
+
+For each arm, a ``stadium serve TARGET --isolation LEVEL`` subprocess on 127.0.0.1,
+pinned to one core (``--server-cpu``; its template and env processes inherit the pin),
+driven from another core (``--client-cpu``) by the bench's own WebSocket client
+(:mod:`stadium.bench.sessions`, picows, JSON frames): ``--sessions`` sessions are opened and
+reset, step ``--warmup`` times each, then ``--steps`` times each, all at once, as fast as
+the server answers. Counted over the timed steps only, from ``/proc``:
+
+* **CPU µs per step**: the run time of every thread of every process under the server
+  (the worker, the template and bubblewrap, each family's init, each env process;
+  ``/proc/PID/task/TID/schedstat``, nanoseconds), divided by the steps; also split into
+  the server process's own share (``worker``) and its descendants' (``env side``);
+* **steps/s**: the steps over the wall time they took.
+
+The arms of one round run one after the other, each on a fresh server; ``--rounds``
+rounds, and the table gives each figure's median and its spread (min–max) over the
+rounds, and each arm's ratio to the first arm (the median of the per-round ratios).
+An arm is ``LEVEL`` or ``LEVEL --serve-option ...`` (``--arm 'sandbox
+--sandbox-seccomp off'``).
+
+Run (as root for ``sandbox``; take the machine's bench lock)::
+
+    flock /tmp/bench.lock .venv/bin/python scripts/bench-step-cpu.py
+
+Every load is bounded in count and time; each server is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stadium._core.urls import ws_url
+from stadium._util.health import healthy
+from stadium.bench.procstat import process_trees, run_time_s, terminate
+from stadium.bench.sessions import connection_class
+
+#: Seconds a server has to start, and one request to be answered, before the run fails.
+START_S = 60.0
+CALL_S = 60.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """``stadium serve`` pinned to one core, on a free loopback port."""
+
+    def __init__(self, args: argparse.Namespace, arm: str) -> None:
+        level, *extra = shlex.split(arm)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        argv = [
+            "taskset", "-c", str(args.server_cpu),
+            sys.executable, "-m", "stadium", "serve", args.target, "--host", "127.0.0.1",
+            "--port", str(port), "--isolation", level, "--warm-pool", "0",
+            "--max-sessions", str(args.sessions + 16), "--idle-timeout", "0",
+            "--log-level", "warning", *extra,
+        ]  # fmt: skip
+        env = dict(os.environ)
+        for pair in args.env:
+            key, _, value = pair.partition("=")
+            env[key] = value
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + START_S
+        while not healthy(self.url, 1.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"stadium serve ({arm}) did not start")
+            time.sleep(0.1)
+
+    def times(self) -> tuple[float, float]:
+        """CPU seconds of (the server process, everything under it), now."""
+        root = self.proc.pid
+        everything = run_time_s([root])
+        own = run_time_s_one(root)
+        return own, everything - own
+
+    def stop(self) -> None:
+        terminate(self.proc)
+
+
+def run_time_s_one(pid: int) -> float:
+    """CPU seconds of one process's live threads (schedstat)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total / 1e9
+
+
+async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    server = await asyncio.to_thread(Server, args, arm)
+    conns: list[Any] = []
+    try:
+        cls = connection_class("ws")
+        url = ws_url(server.url)
+        step = json.dumps({"type": "step", "data": json.loads(args.action)}).encode()
+        for _ in range(args.sessions):
+            conn = cls(url, None)
+            conns.append(conn)
+            await conn.connect(CALL_S)
+            await conn.request("reset", b'{"type":"reset","data":{}}', CALL_S)
+
+        async def run(conn: Any, n: int) -> None:
+            for _ in range(n):
+                await conn.request("step", step, CALL_S)
+
+        await asyncio.gather(*(run(c, args.warmup) for c in conns))
+        procs = len(process_trees([server.proc.pid]))
+        own0, rest0 = server.times()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(run(c, args.steps) for c in conns))
+        wall = time.perf_counter() - t0
+        own1, rest1 = server.times()
+        if len(process_trees([server.proc.pid])) != procs:
+            print(f"# {arm}: processes came or went while timed: CPU under-counted")
+    finally:
+        for conn in conns:
+            conn.abort()
+        await asyncio.to_thread(server.stop)
+    n = args.sessions * args.steps
+    worker, env_side = (own1 - own0) / n * 1e6, (rest1 - rest0) / n * 1e6
+    return {
+        "arm": arm, "cpu_us": worker + env_side, "worker_us": worker, "env_us": env_side,
+        "steps_s": n / wall, "processes": procs,
+    }  # fmt: skip
+
+
+def spread(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{format(med, fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="benchmark")
+    p.add_argument("--arm", action="append", default=[],
+                   help="an isolation level and serve options (repeat; default: none, "
+                   "process, sandbox)")  # fmt: skip
+    p.add_argument("--sessions", type=int, default=64)
+    p.add_argument("--steps", type=int, default=500, help="timed steps per session")
+    p.add_argument("--warmup", type=int, default=100, help="untimed steps per session first")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--action", default='{"wait_seconds": 0}', help="each step's data (JSON)")
+    p.add_argument("--server-cpu", default="0", help="the server's cores (taskset -c)")
+    p.add_argument("--client-cpu", type=int, default=1)
+    p.add_argument("--env", action="append", default=[], help="VAR=VALUE for the servers")
+    p.add_argument("--json", help="also write every round's figures to this file")
+    args = p.parse_args()
+    arms = args.arm or ["none", "process", "sandbox"]
+    os.sched_setaffinity(0, {args.client_cpu})
+    rounds: list[list[dict[str, Any]]] = []
+    for r in range(args.rounds):
+        rows = []
+        for arm in arms:
+            row = await measure(args, arm)
+            print(
+                f"# round {r + 1} {arm}: {row['cpu_us']:.1f} µs/step "
+                f"(worker {row['worker_us']:.1f}, env side {row['env_us']:.1f}), "
+                f"{row['steps_s']:.0f} steps/s",
+                flush=True,
+            )
+            rows.append(row)
+        rounds.append(rows)
+    load = os.getloadavg()
+    print(f"# {platform.node()} {os.cpu_count()} cores, Python {platform.python_version()}, "
+          f"load {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} at the end")  # fmt: skip
+    print(f"# {' '.join(sys.argv)}")
+    print(
+        f"# {args.target}, {args.sessions} sessions x {args.steps} steps, server on cpu "
+        f"{args.server_cpu}, client on cpu {args.client_cpu}, {args.rounds} rounds: "
+        "median (min–max)"
+    )
+    print()
+    print("| arm | CPU µs per step (whole tree) | worker | env side | × first arm | steps/s |")
+    print("|---|---|---|---|---|---|")
+    for i, arm in enumerate(arms):
+        col = [rows[i] for rows in rounds]
+        ratios = [rows[i]["cpu_us"] / rows[0]["cpu_us"] for rows in rounds]
+        print(
+            f"| {arm} | {spread([c['cpu_us'] for c in col], '.1f')} "
+            f"| {spread([c['worker_us'] for c in col], '.1f')} "
+            f"| {spread([c['env_us'] for c in col], '.1f')} "
+            f"| {spread(ratios, '.2f')} | {spread([c['steps_s'] for c in col], '.0f')} |"
+        )
+    if args.json:
+        text = json.dumps({"argv": sys.argv, "rounds": rounds}, indent=1)
+        await asyncio.to_thread(Path(args.json).write_text, text)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
