@@ -41,7 +41,7 @@ def test_start_times_each_level_and_pattern(tmp_path: Path) -> None:
 
 
 def test_an_unknown_isolation_level_is_a_usage_error(tmp_path: Path) -> None:
-    result = CliRunner().invoke(bench, ["start", "--isolation", "vm", "--output-dir",
+    result = CliRunner().invoke(bench, ["start", "--isolation", "gvisor", "--output-dir",
                                         str(tmp_path)])  # fmt: skip
     assert result.exit_code == 2
     assert "use none, process or sandbox" in result.output
