@@ -1,6 +1,6 @@
 """Every message between a worker and its env processes: names, shapes, limits, frames.
 
-The one module both sides use (the worker's :mod:`.host`, :mod:`.proc`, :mod:`.proxy`;
+The one module both sides use (the worker's :mod:`.worker.isolation`, :mod:`.proc`, :mod:`.proxy`;
 the template's and sessions' :mod:`.child`). Each message is a tagged, array-like
 :class:`msgspec.Struct` (MessagePack ``[tag, field, ...]``); each side decodes what it
 reads into the type it expects, and dispatches on that type.

@@ -1,6 +1,6 @@
 """``--isolation vm``: each session's env in a microVM of its own (QEMU ``microvm``, KVM).
 
-A :class:`VmIsolation` is the worker's :class:`~.host.Isolation` with a VM where the
+A :class:`VmIsolation` is the worker's :class:`~.isolation.Isolation` with a VM where the
 others fork a process: the same warm pool, proxy env (:mod:`.proxy`), limits, errors and
 metrics; the same wire (:mod:`.wire`), unchanged. Per session the worker starts one QEMU
 process (``-M microvm``, KVM, no network device, no disk: :func:`qemu_argv`) whose guest
