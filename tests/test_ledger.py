@@ -499,9 +499,13 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
         try:
             await wait_until(lambda: any(shards_of(p) for p in workers), 30 * UNIT, "shards")
             victim = max(workers, key=lambda p: len(shards_of(p)))
+            writers = [p for p in proc_children(victim) if b"ledger.writer" in _cmdline(p)]
+            assert len(writers) == 1, "the recording worker has its writer process"
             os.kill(victim, signal.SIGKILL)
             killed_at = time.time()
             await wait_until(lambda: not proc_alive(victim), 5 * UNIT, "the worker died")
+            # Its writer writes what it has, then exits: it dies with its worker.
+            await wait_until(lambda: not proc_alive(writers[0]), 10 * UNIT, "the writer ended")
             await asyncio.sleep(0.5)
         finally:
             stop.set()
@@ -517,6 +521,14 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
     assert killed_at - max(r["started_at"] for r in lost) < 5 * UNIT
     leftovers = glob.glob(str(record / "*.tmp"))
     assert all(f"-{victim}-" in name for name in leftovers), leftovers
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 class Hog(Burner):
