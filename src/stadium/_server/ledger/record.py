@@ -237,6 +237,8 @@ IDLE_S = 0.5
 #: The pipe's size asked for (``F_SETPIPE_SZ``; Linux's default bound is 1 MiB).
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031
+#: At the close, the writer is given this long to end on the pipe's EOF before a SIGTERM.
+CLOSE_GRACE_S = 2.0
 
 
 class Recorder:
@@ -477,14 +479,19 @@ class Recorder:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)  # (a forked child may hold the pipe open)
+        if proc is not None:  # the pipe's EOF ends it; a SIGTERM if a forked child holds
+            # the pipe open (not at once: before its handler is set, SIGTERM kills it)
+            deadline = time.monotonic() + timeout
             try:
-                proc.wait(timeout)
+                proc.wait(min(CLOSE_GRACE_S, timeout))
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         self._read_counts()
         self.counts[RECORDING] = 0
 
