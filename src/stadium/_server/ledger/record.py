@@ -421,8 +421,15 @@ class Recorder:
             os.close(self._fd)
             self._fd = -1
 
+    def start(self) -> None:
+        """Start the writer process now (the worker's start, on its loop), not at the first
+        recorded episode: its start-up (an interpreter importing pyarrow) is then no
+        episode's."""
+        if self.state is RecorderState.IDLE:
+            self._start()
+
     def _start(self) -> None:
-        """Start the writer process (on the loop, at the first recorded episode)."""
+        """Start the writer process (on the loop)."""
         with contextlib.suppress(RuntimeError):
             self._loop = asyncio.get_running_loop()
         pid = os.getpid()

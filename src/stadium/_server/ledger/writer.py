@@ -1,5 +1,6 @@
 """The ``--record`` writer process: one per recording worker, started by the worker's
-:class:`~stadium._server.ledger.record.Recorder` at its first recorded episode
+:class:`~stadium._server.ledger.record.Recorder` when the worker starts (or at its first
+recorded episode)
 (``python -m stadium._server.ledger.writer``), fed through a pipe (:mod:`.wire`).
 
 A reader thread drains the pipe into a queue bounded in bytes (past
@@ -312,6 +313,8 @@ def main(argv: list[str]) -> None:
         settings["stem"],
         counts,
     )
+    import pyarrow.parquet  # noqa: F401 (imported now, not at the first shard)
+
     reader = Reader(fd, config.queue_bytes)
     if os.getppid() != settings["worker"]:  # the worker died before die_with_parent
         reader.closing = True
