@@ -15,9 +15,10 @@ not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), 
 **The writer process** (``python -m stadium._server.ledger.writer``) is started when the
 worker starts (:meth:`Recorder.start`; else at the first recorded episode), and dies
 with the worker (``PR_SET_PDEATHSIG``): on the worker's end, a SIGKILL included, it reads
-what is left in the pipe, writes its last shard and exits. It runs the ``--record-redact`` hook (the operator's code: in that process, not the
-worker). Its counts reach the worker's metrics row through a few bytes of shared memory the
-loop reads every :data:`IDLE_S` at most.
+what is left in the pipe, writes its last shard and exits. It runs the
+``--record-redact`` hook (the operator's code: in that process, not the worker). Its
+counts reach the worker's metrics row through a few bytes of shared memory the loop reads
+every :data:`IDLE_S` at most.
 
 **Shards.** Each worker's writer writes its own files (no cross-process lock), named
 ``episodes-<env>-<worker pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
