@@ -5,7 +5,8 @@ round-robin, each reset every EPISODE steps (so episodes end and are recorded), 
 driver handing the loop back (``asyncio.sleep(0)``) after every 64 requests, as a busy
 server's loop turns between reads. A probe task sleeps 1 ms in a loop and measures how
 late it wakes: the loop's lag. The driver's own 64 requests are in every lag alike; what
-``--record`` adds is the writer thread holding the GIL when the loop wants it. Reported per
+``--record`` adds is its work left on the loop (the copy into the buffer, the pipe writes;
+before #33's writer process: the writer thread holding the GIL when the loop wants it). Reported per
 variant (each in its own interpreter, alternated ROUNDS times): the lag's p99 and max, and
 how many wake-ups were over 5 ms late. Usage (BENCHMARKS.md, "Episode ledger cost"):
 ``flock /tmp/bench.lock .venv/bin/python scripts/bench-record-lag.py``

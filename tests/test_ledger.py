@@ -499,9 +499,13 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
         try:
             await wait_until(lambda: any(shards_of(p) for p in workers), 30 * UNIT, "shards")
             victim = max(workers, key=lambda p: len(shards_of(p)))
+            writers = [p for p in proc_children(victim) if b"ledger.writer" in _cmdline(p)]
+            assert len(writers) == 1, "the recording worker has its writer process"
             os.kill(victim, signal.SIGKILL)
             killed_at = time.time()
             await wait_until(lambda: not proc_alive(victim), 5 * UNIT, "the worker died")
+            # Its writer writes what it has, then exits: it dies with its worker.
+            await wait_until(lambda: not proc_alive(writers[0]), 10 * UNIT, "the writer ended")
             await asyncio.sleep(0.5)
         finally:
             stop.set()
@@ -517,6 +521,48 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
     assert killed_at - max(r["started_at"] for r in lost) < 5 * UNIT
     leftovers = glob.glob(str(record / "*.tmp"))
     assert all(f"-{victim}-" in name for name in leftovers), leftovers
+
+
+@pytest.mark.slow
+def test_an_episode_past_the_buffer_is_dropped_and_counted_not_waited_for(tmp_path: Path) -> None:
+    """The loop's buffer full (the writer process behind): the step that does not fit drops
+    its episode (counted by the writer when its end arrives); the episodes that fit are
+    written by the writer process, which the close lets finish."""
+    from stadium._env.cost import EpisodeCost
+    from stadium._server.ledger import RecordConfig, Recorder
+    from stadium._server.ledger.episode import EndReason
+
+    counts = [0.0] * 4
+    config = RecordConfig(str(tmp_path / "rec"), queue_bytes=4096)
+    recorder = Recorder(config, ("walker", "1"), "info", counts)
+    reply = b'{"type":"observation","data":{"observation":{"x":"' + b"y" * 200 + b'"},'
+    reply += b'"reward":1.0,"done":false}}'
+    try:
+        kept = recorder.begin("kept", 1, {"o": 1}, reply, True)
+        assert kept is not None
+        recorder.step(kept, b'{"type":"step","data":{"n":1}}', reply, 0.001)
+        recorder.end(kept, EndReason.DONE, EpisodeCost(steps=1), False)
+        big = recorder.begin("big", 2, None, reply, True)
+        assert big is not None
+        for _ in range(50):  # ~12 KiB: past the 4 KiB buffer, never flushed (no loop)
+            recorder.step(big, b'{"type":"step","data":{"n":1}}', reply, 0.001)
+        recorder.end(big, EndReason.DONE, EpisodeCost(steps=50), False)
+    finally:
+        recorder.close(timeout=30 * UNIT)
+    rows = [r for p in recorder.written for r in pq.read_table(p).to_pylist()]
+    assert [(r["episode_id"], r["seed"], r["steps"]) for r in rows] == [("kept", 1, 1)]
+    assert json.loads(rows[0]["options"]) == {"o": 1}
+    assert rows[0]["worker"] == os.getpid()
+    assert counts[0] == 1  # recorded
+    assert counts[1] == 1  # dropped: "big"
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 class Hog(Burner):

@@ -1,73 +1,87 @@
 """``stadium serve --record DIR``: every episode (or a sample, or those a filter keeps) written
-as Parquet shards, off the event loop.
+as Parquet shards by a writer process of the worker's own (:mod:`.writer`).
 
-**Path of an episode.** The session keeps its episode's reset reply, and per step the
-request frame as it came, the reply frame (or the error's text) and the step's time, by
-reference (no encoding on the event loop, nothing the cyclic collector tracks), up to
-:attr:`RecordConfig.episode_bytes`. When the episode ends, :meth:`Recorder.submit` puts
-it on a deque bounded in bytes (:attr:`RecordConfig.queue_bytes`; no lock: the loop
-appends, the writer pops, each byte counter written by one thread): when the queue is
-full the episode is dropped and counted (``stadium_record_dropped_episodes_total``),
-never waited for. The writer thread takes the queue every :data:`WAKE_S`, in chunks of
-:data:`CHUNK_STEPS` steps, each turned into columns (:mod:`.rows`: the redaction hook,
-the filter) then a pause of :data:`YIELD_S` with the GIL let go; every
-:data:`SEAL_STEPS` steps the columns become an Arrow record batch.
+**Path of an episode.** On the event loop, a recorded episode's reset reply, then per step
+its request frame as it came, its reply frame (or the error's text) and its time, then its
+end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied into one buffer as
+small messages (:mod:`.wire`: a fixed header and the raw bytes; no Python object kept per
+step, nothing for the cyclic collector). The buffer is written to a pipe (non-blocking,
+one ``os.write`` of everything buffered, :data:`FLUSH_S` after its first unsent byte or at
+once past :data:`FLUSH_BYTES`) read by the worker's writer process, which decodes the
+frames, builds the columns and writes the shards: none of that work, nor its garbage, is
+the worker's. The buffer holds at most :attr:`RecordConfig.queue_bytes`: a step that does
+not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), never waits.
 
-**Shards.** Each worker writes its own files (no cross-process lock), named
-``episodes-<env>-<pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
+**The writer process** (``python -m stadium._server.ledger.writer``) is started when the
+worker starts (:meth:`Recorder.start`; else at the first recorded episode), and dies
+with the worker (``PR_SET_PDEATHSIG``): on the worker's end, a SIGKILL included, it reads
+what is left in the pipe, writes its last shard and exits. It runs the
+``--record-redact`` hook (the operator's code: in that process, not the worker). Its
+counts reach the worker's metrics row through a few bytes of shared memory the loop reads
+every :data:`IDLE_S` at most.
+
+**Shards.** Each worker's writer writes its own files (no cross-process lock), named
+``episodes-<env>-<worker pid>-<start ms>-<n>.parquet``. A shard is written whole, to a
 ``.tmp`` name, then renamed: a file with the final name is always a complete Parquet file
 (its footer written). Parquet cannot be appended to (the footer is at the end), so to
 lose at most ~:attr:`RecordConfig.flush_s` (+ :data:`WAKE_S`) of episodes when a worker is
 killed (SIGKILL), the writer closes a shard as soon as its first row is that old, or once its
 rows reach :attr:`RecordConfig.shard_bytes`: a busy worker writes one shard a second. What a
-SIGKILL loses: the rows gathered for the open shard (≤ ``flush_s``), the episodes on the
-queue, and the episodes still running. No ``fsync``: a killed process's written pages are
-in the kernel's cache; a machine crash may lose more.
+SIGKILL loses: the episodes still running (their ends never come), and what the writer
+could not read or write before it was killed itself. No ``fsync``: a killed process's
+written pages are in the kernel's cache; a machine crash may lose more.
 
 **Failures.** A shard write that fails (a full disk, a read-only directory) is logged (at
 most every :data:`PAUSE_S`), counted (``stadium_record_write_errors_total``), its rows
 dropped and counted, and recording pauses for :data:`PAUSE_S` (episodes ended meanwhile
-are dropped and counted, ``stadium_recording`` reads 0); then it tries again. A step
-never fails or waits because of the recording. docs/RECORDING.md has the schema.
+are dropped and counted, ``stadium_recording`` reads 0); then it tries again. A writer
+process that cannot start or dies stops the recording (logged; episodes dropped and
+counted). A step never fails or waits because of the recording. docs/RECORDING.md has the
+schema.
 """
 
 from __future__ import annotations
 
-import collections
+import asyncio
 import contextlib
 import dataclasses
 import enum
+import fcntl
+import glob
 import importlib
+import json as json_module
 import logging
+import mmap
 import operator
 import os
 import random
 import re
-import threading
+import select
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
-from stadium._server.ledger.episode import Episode
-from stadium._server.ledger.rows import Rows, Shard, Summary, write_shard
+from stadium._server.ledger import wire
+from stadium._server.ledger.episode import EndReason
+from stadium._server.ledger.rows import Summary, write_shard
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
 
 #: Seconds recording pauses after a failed shard write (then it tries again).
 PAUSE_S = 10.0
-#: The writer thread takes what is queued this often (not at each episode: a wake-up and the
-#: GIL passed back and forth per episode cost the loop more than the writing itself).
+#: The writer process takes what it read this often at most (it wakes on data sooner).
 WAKE_S = 0.2
-#: The writer reads the queue in chunks of about this many steps (a few ms of work at
-#: most, the GIL held), then sleeps :data:`YIELD_S`: a loop waiting for the GIL takes it
-#: then, not after the interpreter's 5 ms switch interval.
+#: The writer turns ended episodes into columns this many at a time.
 CHUNK_STEPS = 256
-YIELD_S = 0.0005
-#: The gathered steps become an Arrow record batch every this many (a few ms of work, in
-#: C calls the interpreter can switch between), and at the shard's end: few batches a
-#: shard (each one a few objects the cyclic collector tracks until the shard is written).
+#: The gathered steps become an Arrow record batch every this many, and at the shard's end.
 SEAL_STEPS = 4096
 #: Fields of the ``counts`` row the recorder writes: recorded, dropped, write errors, on.
 RECORDED, DROPPED, WRITE_ERRORS, RECORDING = range(4)
@@ -83,11 +97,12 @@ class RecordConfig:
         filter: an expression an episode must match to be written
             (:func:`parse_filter`), e.g. ``reward>0.9`` or ``error``; empty: all.
         redact: ``module:function`` called with each episode's record (a dict, in the
-            writer thread) before it is stored; it returns the record to store (changed
-            as it likes) or ``None`` to store nothing.
+            writer process: the operator's code runs there) before it is stored; it
+            returns the record to store (changed as it likes) or ``None`` to store nothing.
         flush_s: the oldest row an open shard holds before it is written and closed.
         shard_bytes: a shard is closed once its episodes' frames reach this size.
-        queue_bytes: episodes waiting for the writer, at most (more are dropped).
+        queue_bytes: bytes waiting for the writer in the worker's buffer, at most (more
+            are dropped; the writer process reads ahead as much again).
         episode_bytes: one episode's frames kept, at most (later steps are not kept:
             the row says ``clipped``).
     """
@@ -196,18 +211,40 @@ def load_redactor(spec: str) -> Callable[[dict[str, Any]], dict[str, Any] | None
 
 
 class RecorderState(enum.Enum):
-    """The recorder's lifecycle."""
+    """The recorder's lifecycle (the worker's side; ``PAUSED`` is its writer process's)."""
 
     IDLE = "idle"
-    """No episode submitted yet: no thread, no file."""
+    """No episode recorded yet: no writer process, no file."""
     RECORDING = "recording"
     PAUSED = "paused"
-    """A shard write failed: episodes are dropped (and counted) until :data:`PAUSE_S` passed."""
+    """A shard write failed: episodes are dropped (and counted) until :data:`PAUSE_S` passed
+    (the writer process's state)."""
+    LOST = "lost"
+    """The writer process could not be started or died: episodes are dropped and counted."""
     CLOSED = "closed"
 
 
+_META = msgspec.msgpack.Encoder()
+_END_FLAGS = {reason: i for i, reason in enumerate(wire.END_REASONS)}
+_HEAD = wire.HEAD
+_HEAD_SIZE = wire.HEAD.size
+_STEP = wire.STEP
+#: The loop writes its buffer to the pipe this long after its first unsent byte (a timer),
+#: or at once past :data:`FLUSH_BYTES`; with nothing to send, it looks at the writer's
+#: counts every :data:`IDLE_S`.
+FLUSH_S = 0.01
+FLUSH_BYTES = 256 << 10
+IDLE_S = 0.5
+#: The pipe's size asked for (``F_SETPIPE_SZ``; Linux's default bound is 1 MiB).
+PIPE_BYTES = 1 << 20
+_F_SETPIPE_SZ = 1031
+#: At the close, the writer is given this long to end on the pipe's EOF before a SIGTERM.
+CLOSE_GRACE_S = 2.0
+
+
 class Recorder:
-    """One worker's recording: the queue, the writer thread, the shards (module doc).
+    """One worker's recording, the loop's side (module doc): the buffer, the pipe, the
+    writer process (:mod:`stadium._server.ledger.writer`).
 
     Args:
         config: what ``--record`` asked for.
@@ -228,157 +265,243 @@ class Recorder:
         self.env_name, self.env_version = env
         self.info_key = info_key
         self.counts = counts
-        self._rows = Rows(env, info_key, parse_filter(config.filter), load_redactor(config.redact))
         self.state = RecorderState.IDLE
-        self._lock = threading.Lock()  # the lifecycle's changes
-        self._wake = threading.Event()
-        # The queue: appended on the loop, taken by the writer (a deque's append and
-        # popleft are atomic); its bytes are what the loop put minus what the writer took,
-        # each counter written by one thread only: no lock per episode.
-        self._queue: collections.deque[tuple[Episode, int]] = collections.deque()
-        self._put = 0
-        self._taken = 0
-        self._thread: threading.Thread | None = None
-        self._paused_until = 0.0
-        self._log = Throttle(PAUSE_S)
+        self._buf = bytearray()
+        self._limit = config.queue_bytes
+        self._fd = -1
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shared: Any = None  # the writer's four counts (shared memory)
+        self._dropped = 0  # episodes the loop could not hand over
+        self._broken: set[int] = set()  # recorded episodes a step of which was dropped
+        self._next = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._sample = config.sample
         self._random = random.random
-        self._shards = 0
         self._stem = ""
-        self.written: list[str] = []
-        """Paths of the shards written (the last few hundred), for tests and logs."""
+        self._log = Throttle(PAUSE_S)
+
+    @property
+    def written(self) -> list[str]:
+        """Paths of the shards this worker's writer wrote (read from the directory: for
+        tests and benchmarks)."""
+        if not self._stem:
+            return []
+        return sorted(
+            glob.glob(os.path.join(glob.escape(self.config.directory), self._stem + "-*.parquet"))
+        )
 
     def wants(self) -> bool:
         """Whether to keep the episode a reset begins (``--record-sample``), on the loop."""
         return self._sample >= 1.0 or self._random() < self._sample
 
-    def submit(self, episode: Episode, size: int) -> None:
-        """Hand an ended episode (its frames ``size`` bytes) to the writer, on the loop;
-        never blocks: dropped and counted when the queue is full, recording is paused or
-        closed."""
-        state = self.state
-        if state is not RecorderState.RECORDING:
-            if state is RecorderState.IDLE:
+    # -- on the loop: an episode's messages -------------------------------------------------
+
+    def begin(
+        self,
+        episode_id: str | None,
+        seed: int | None,
+        options: dict[str, Any] | None,
+        frame: bytes,
+        json: bool,
+    ) -> int | None:
+        """A recorded episode begins (its reset's reply ``frame``): its recording id, or
+        ``None`` when it cannot be recorded (counted dropped)."""
+        if self.state is not RecorderState.RECORDING:
+            if self.state is RecorderState.IDLE:
                 self._start()
-            elif not self._resume():
-                self.counts[DROPPED] += 1
-                return
-        queued = self._put - self._taken
-        limit = self.config.queue_bytes
-        if queued + size > limit and queued:
-            self.counts[DROPPED] += 1
+            if self.state is not RecorderState.RECORDING:  # type: ignore[comparison-overlap]
+                self._drop()
+                return None
+        self._next = rid = (self._next + 1) % wire.ID_LIMIT
+        try:
+            meta = _META.encode((episode_id, seed, options))
+        except (TypeError, ValueError, OverflowError):
+            self._drop()
+            return None
+        buf = self._buf
+        if len(buf) + _HEAD_SIZE + len(meta) + len(frame) > self._limit:
+            self._drop()
+            return None
+        buf += _HEAD.pack(wire.BEGIN, rid, json, time.time(), len(meta), len(frame))
+        buf += meta
+        buf += frame
+        self._due()
+        return rid
+
+    def step(self, rid: int, request: bytes | str, reply: bytes | str, took: float) -> None:
+        """A step of recorded episode ``rid``: its request frame as it came, its reply frame
+        (or the error's text), its seconds; copied into the buffer (or, when it is full, the
+        episode dropped)."""
+        if self._broken and rid in self._broken:
             return
-        self._queue.append((episode, size))
-        self._put += size
-        if queued + size > limit // 2:  # else it wakes on its own
-            self._wake.set()
+        failed = isinstance(reply, str)
+        body = reply.encode() if isinstance(reply, str) else reply
+        if isinstance(request, str):
+            request = request.encode()
+        buf = self._buf
+        size = len(buf) + _HEAD_SIZE + len(request) + len(body)
+        if size > self._limit:
+            self._broken.add(rid)
+            return
+        buf += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
+        buf += request
+        buf += body
+        if size >= FLUSH_BYTES:
+            self._flush()
+        elif self._timer is None:
+            self._due()
+
+    def end(self, rid: int, end: EndReason, cost: EpisodeCost | None, clipped: bool) -> None:
+        """Recorded episode ``rid`` ended (a small message, sent even past the bound);
+        ``cost`` ``None``: it is not to be recorded after all (counted dropped)."""
+        flag = _END_FLAGS[end] | (wire.CLIPPED if clipped else 0)
+        if cost is None or (self._broken and rid in self._broken):
+            self._broken.discard(rid)
+            flag |= wire.DROPPED
+            body = b""
+        else:
+            body = _META.encode(cost)
+        self._buf += _HEAD.pack(wire.END, rid, flag, 0.0, len(body), 0)
+        self._buf += body
+        self._due()
+
+    def _drop(self) -> None:
+        self._dropped += 1
+        self.counts[DROPPED] += 1
+
+    # -- on the loop: the pipe --------------------------------------------------------------
+
+    def _due(self) -> None:
+        if self._timer is None and self._loop is not None:
+            self._timer = self._loop.call_later(FLUSH_S, self._tick)
+        elif self._loop is None and len(self._buf) >= FLUSH_BYTES:
+            self._flush()
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._flush()
+        self._read_counts()
+        if self.state is RecorderState.RECORDING and self._loop is not None:
+            self._timer = self._loop.call_later(FLUSH_S if self._buf else IDLE_S, self._tick)
+
+    def _flush(self) -> None:
+        """Write what the buffer holds to the pipe, as much as it takes (never waits)."""
+        buf = self._buf
+        if not buf or self._fd < 0:
+            return
+        try:
+            n = os.write(self._fd, buf)
+        except BlockingIOError:
+            return
+        except OSError as exc:  # the writer process is gone
+            self._lose(f"its pipe failed ({exc.strerror or exc})")
+            return
+        del buf[:n]
+
+    def _read_counts(self) -> None:
+        shared = self._shared
+        if shared is None:
+            return
+        counts = self.counts
+        counts[RECORDED] = shared[RECORDED]
+        counts[DROPPED] = shared[DROPPED] + self._dropped
+        counts[WRITE_ERRORS] = shared[WRITE_ERRORS]
+        counts[RECORDING] = shared[RECORDING] if self.state is RecorderState.RECORDING else 0
+        proc = self._proc
+        if proc is not None and self.state is RecorderState.RECORDING and proc.poll() is not None:
+            self._lose(f"it exited with status {proc.returncode}")
+
+    def _lose(self, why: str) -> None:
+        if self.state is RecorderState.RECORDING:
+            self.state = RecorderState.LOST
+            self.counts[RECORDING] = 0
+            log.error("--record: the writer process is lost (%s): not recording", why)
+        self._buf.clear()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def start(self) -> None:
+        """Start the writer process now (the worker's start, on its loop), not at the first
+        recorded episode: its start-up (an interpreter importing pyarrow) is then no
+        episode's."""
+        if self.state is RecorderState.IDLE:
+            self._start()
+
+    def _start(self) -> None:
+        """Start the writer process (on the loop)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+        pid = os.getpid()
+        self._stem = f"episodes-{_safe(self.env_name)}-{pid}-{int(time.time() * 1000)}"
+        read_fd = memfd = -1
+        try:
+            read_fd, self._fd = os.pipe()
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(self._fd, _F_SETPIPE_SZ, PIPE_BYTES)
+            os.set_blocking(self._fd, False)
+            memfd = os.memfd_create("stadium-record-counts")
+            os.ftruncate(memfd, 4 * 8)
+            self._shared = memoryview(mmap.mmap(memfd, 4 * 8)).cast("d")
+            settings = {
+                "config": dataclasses.asdict(self.config),
+                "env": self.env_name, "version": self.env_version, "info_key": self.info_key,
+                "worker": pid, "stem": self._stem,
+            }  # fmt: skip
+            paths = [p or os.getcwd() for p in sys.path]
+            environ = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "stadium._server.ledger.writer", str(read_fd),
+                 str(memfd), json_module.dumps(settings)],
+                pass_fds=(read_fd, memfd), stdin=subprocess.DEVNULL, env=environ,
+            )  # fmt: skip
+        except OSError as exc:
+            self.state = RecorderState.LOST
+            log.error("--record: cannot start the writer process (%s): not recording", exc)
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+            return
+        finally:
+            for fd in (read_fd, memfd):
+                if fd >= 0:
+                    os.close(fd)
+        self.state = RecorderState.RECORDING
+        self.counts[RECORDING] = 1
 
     def close(self, timeout: float = 5.0) -> None:
-        """Write what is queued and gathered, then stop the thread (waits up to ``timeout``)."""
-        with self._lock:
-            thread = self._thread
-            self.state = RecorderState.CLOSED
-        self._wake.set()
-        if thread is not None:
-            thread.join(timeout)
+        """Hand the writer what is buffered, let it write its last shard and exit (waits up
+        to ``timeout``)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        proc = self._proc
+        if self.state is RecorderState.RECORDING and self._fd >= 0:
+            deadline = time.monotonic() + timeout
+            while self._buf and self._fd >= 0 and time.monotonic() < deadline:
+                self._flush()
+                if self._buf and self._fd >= 0:
+                    select.select([], [self._fd], [], 0.05)
+        self.state = RecorderState.CLOSED
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if proc is not None:  # the pipe's EOF ends it; a SIGTERM if a forked child holds
+            # the pipe open (not at once: before its handler is set, SIGTERM kills it)
+            deadline = time.monotonic() + timeout
+            try:
+                proc.wait(min(CLOSE_GRACE_S, timeout))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        self._read_counts()
         self.counts[RECORDING] = 0
-
-    def _resume(self) -> bool:
-        with self._lock:
-            if self.state is RecorderState.PAUSED and time.monotonic() >= self._paused_until:
-                self.state = RecorderState.RECORDING
-                self.counts[RECORDING] = 1
-                return True
-        return False
-
-    def _start(self) -> None:  # in the worker (after any fork)
-        with self._lock:
-            if self.state is not RecorderState.IDLE:
-                return
-            self._stem = f"episodes-{_safe(self.env_name)}-{os.getpid()}-{int(time.time() * 1000)}"
-            self.state = RecorderState.RECORDING
-            self.counts[RECORDING] = 1
-            self._thread = threading.Thread(target=self._run, name="stadium-record", daemon=True)
-            self._thread.start()
-
-    # -- the writer thread ----------------------------------------------------------
-
-    def _run(self) -> None:
-        shard = Shard()
-        size = 0
-        first = 0.0
-        flush_s = self.config.flush_s
-        queue = self._queue
-        while True:  # woken by a close or a half-full queue, else every WAKE_S
-            if self.state is not RecorderState.CLOSED:
-                self._wake.wait(WAKE_S)
-            self._wake.clear()
-            closing = self.state is RecorderState.CLOSED
-            batch: list[Episode] = []
-            steps = taken = 0
-            while queue:
-                episode, weight = queue.popleft()
-                batch.append(episode)
-                taken += weight
-                steps += len(episode.steps)
-                if steps >= CHUNK_STEPS * 3 or not queue:  # a chunk: then the loop's turn
-                    if not shard:
-                        first = time.monotonic()
-                    self._gather(batch, shard)
-                    self._taken += taken
-                    size += taken
-                    batch, steps, taken = [], 0, 0
-                    time.sleep(YIELD_S)
-            if shard and (closing or size >= self.config.shard_bytes
-                          or time.monotonic() - first >= flush_s):  # fmt: skip
-                self._write(shard)
-                shard, size = Shard(), 0
-            if closing:
-                return
-
-    def _gather(self, batch: list[Episode], shard: Shard) -> None:
-        """Add a chunk of the queue to ``shard``, as an Arrow batch of its own."""
-        try:
-            _added, failed = self._rows.add(batch, shard)
-            if len(shard.step_s) >= SEAL_STEPS:
-                shard.seal(YIELD_S)
-        except Exception as exc:  # a bug: the chunk is lost, the recording goes on
-            failed = [f"{len(batch)} episode(s): {exc!r}"]
-            shard._open()
-        if failed:
-            self.counts[DROPPED] += len(failed)
-            self._warn("--record: %d episode(s) could not be recorded: %s", len(failed), failed[0])
-
-    def _write(self, shard: Shard) -> None:
-        """One shard: written to a ``.tmp`` name, renamed when complete."""
-        directory = self.config.directory
-        self._shards += 1
-        path = os.path.join(directory, f"{self._stem}-{self._shards:06d}.parquet")
-        tmp = path + ".tmp"
-        try:
-            os.makedirs(directory, exist_ok=True)
-            write_shard(shard, tmp)
-            os.replace(tmp, path)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            counts = self.counts
-            counts[WRITE_ERRORS] += 1
-            counts[DROPPED] += len(shard)
-            counts[RECORDING] = 0
-            with self._lock:
-                self._paused_until = time.monotonic() + PAUSE_S
-                if self.state is RecorderState.RECORDING:
-                    self.state = RecorderState.PAUSED
-            self._warn(
-                "--record: writing %s failed (%s): %d episode(s) dropped; not recording for "
-                "%gs, then trying again",
-                path, exc.strerror or exc, len(shard), PAUSE_S,
-            )  # fmt: skip
-            return
-        self.counts[RECORDED] += len(shard)
-        self.written.append(path)
-        del self.written[:-256]
 
     def _warn(self, msg: str, *args: object) -> None:
         held = self._log.report(time.monotonic())

@@ -1,5 +1,5 @@
 """Ended episodes gathered as the columns of a ``--record`` shard, and a shard written (the
-writer thread's work; docs/RECORDING.md has the schema).
+writer process's work; docs/RECORDING.md has the schema).
 
 The writer takes the episodes that ended since it last woke as one batch, and the usual
 path handles the batch column by column, with no Python code per step: each reply frame
@@ -182,6 +182,7 @@ class Rows:
         info_key: str,
         keep: Callable[[Summary], bool] | None,
         redact: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
+        worker: int | None = None,
     ) -> None:
         self.env_name, self.env_version = env
         self.info_key = info_key
@@ -209,7 +210,8 @@ class Rows:
             False: msgspec.msgpack.Decoder(request).decode,
         }
         self._info = attrgetter(info_key)
-        self._pid = os.getpid()
+        self._pid = os.getpid() if worker is None else worker
+        """The ``worker`` column: the worker's pid (this process's when not given)."""
 
     def add(self, episodes: list[Episode], shard: Shard) -> tuple[int, list[str]]:
         """Add ``episodes`` (a batch) to ``shard``. Returns how many were added (the hook

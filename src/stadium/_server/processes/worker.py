@@ -385,6 +385,8 @@ class Worker:
             # once older than any live session's could be (idle sessions are reaped).
             idle = self.config.connected_idle_timeout or 86400.0
             durable.start_sweeping(idle + self.config.resume_grace + 60.0)
+        if self.runtime.ledger.recorder is not None:  # --record's writer process, ready
+            self.runtime.ledger.recorder.start()
 
     def watch(self, on_recycle: Callable[[str], None]) -> Watchdog:
         """Start the worker's :class:`~stadium._server.processes.watchdog.Watchdog` on the

@@ -4,11 +4,11 @@
 The per-step accounting stays inline in the session's step path (a few additions into
 its slots: the request's and the reply's bytes, the env call's time); what runs once per
 episode is here: a reset begins an episode (ending the running one), its reply starts the
-recording when ``--record`` keeps it, each step is kept by reference (three items added
-to the session's one reused list: the request frame as it came, the reply frame, the
-time: nothing the cyclic collector tracks), and the end counts
-the cost into the worker's :class:`~stadium._server.ledger.Ledger`, hands the episode to
-the recorder and splices the cost into the reply that ended it. docs/PROTOCOL.md
+recording when ``--record`` keeps it, each step's request frame as it came, reply frame
+and time are copied into the recorder's buffer (bytes for its writer process: nothing
+kept per step), and the end counts the cost into the worker's
+:class:`~stadium._server.ledger.Ledger`, tells the recorder and splices the cost into the
+reply that ended it. docs/PROTOCOL.md
 ("Episode cost") defines each figure.
 """
 
@@ -25,7 +25,7 @@ from stadium._core.protocol import Call, Encoding, Op, RawCall
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
-from stadium._server.ledger import EndReason, Episode, ThreadTimed, usage, with_cost
+from stadium._server.ledger import EndReason, ThreadTimed, usage, with_cost
 from stadium._server.sessions.resumable import ResumableSession
 
 _clock = time.perf_counter
@@ -38,7 +38,6 @@ class EpisodeAccounts(ResumableSession):
 
     # The session's state this part writes (see _no_episode).
     __slots__ = (
-        "_ep_buf",
         "_ep_clipped",
         "_ep_cpu",
         "_ep_in",
@@ -46,7 +45,6 @@ class EpisodeAccounts(ResumableSession):
         "_ep_out",
         "_ep_proc",
         "_ep_req",
-        "_ep_reset",
         "_ep_start",
         "_t0",
     )
@@ -56,9 +54,7 @@ class EpisodeAccounts(ResumableSession):
     _ep_in: int
     _ep_out: int
     _t0: float
-    _ep_log: list[Any] | None
-    _ep_buf: list[Any] | None
-    _ep_reset: Episode | None
+    _ep_log: int | None
     _ep_proc: usage.Started | None
     _ep_req: bytes | str
     _ep_clipped: bool
@@ -74,9 +70,7 @@ class EpisodeAccounts(ResumableSession):
         self._ep_in = 0  # request bytes
         self._ep_out = 0  # reply bytes
         self._t0 = 0.0  # the clock read before an env call on the loop (0: none running)
-        self._ep_log = None  # the recorded steps (``--record`` keeps this episode)
-        self._ep_buf = None  # the list the recorded steps go to, reused episode after episode
-        self._ep_reset = None  # the recorded episode (its reset, until it ends)
+        self._ep_log = None  # the episode's recording id (``--record`` keeps this episode)
         self._ep_proc = None  # an isolated env process's pid or cgroup, CPU s at the reset
         self._ep_req = b""  # a recorded episode's last step request (its frame, as it came)
         self._ep_clipped = False
@@ -90,8 +84,11 @@ class EpisodeAccounts(ResumableSession):
         self._ep_cpu = 0.0
         self._ep_in = size
         self._ep_out = 0
+        if self._ep_log is not None:  # (a recorded reset that never began its episode)
+            recorder = self.runtime.ledger.recorder
+            if recorder is not None:
+                recorder.end(self._ep_log, EndReason.CLOSED, None, False)
         self._ep_log = None
-        self._ep_reset = None
         self._ep_clipped = False
         rt = self.runtime
         reset: Callable[[], Any] = functools.partial(self.env.reset, **call.reset_kwargs)
@@ -115,14 +112,9 @@ class EpisodeAccounts(ResumableSession):
             self._ep_proc = usage.episode_start(self.env, self._ep_proc)
         recorder = self.runtime.ledger.recorder
         if recorder is not None and self._ep_start and recorder.wants():
-            log = self._ep_buf
-            if log is None:
-                log = self._ep_buf = []
-            log.clear()  # (steps of a reset that failed, never handed over)
-            self._ep_log = log
-            self._ep_reset = Episode(
-                call.episode_id, time.time(), call.seed, call.options, frame,
-                json=self.protocol.encoding is Encoding.JSON,
+            self._ep_log = recorder.begin(
+                call.episode_id, call.seed, call.options, frame,
+                self.protocol.encoding is Encoding.JSON,
             )  # fmt: skip
 
     def _batch_request(self, call: RawCall) -> bytes:
@@ -150,10 +142,11 @@ class EpisodeAccounts(ResumableSession):
     ) -> bytes:
         """A step's reply (``frame``, ``took`` seconds after its request, at ``end``) in a
         recorded episode or ending one: kept, and the cost added when it ended."""
-        log = self._ep_log
-        if log is not None:  # kept by reference, while within the per-episode bound
-            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
-                log += (self._ep_req, frame, took)
+        rid = self._ep_log
+        if rid is not None:  # copied to the recorder, while within the per-episode bound
+            ledger = self.runtime.ledger
+            if self._ep_in + self._ep_out <= ledger.episode_bytes:
+                ledger.recorder.step(rid, self._ep_req, frame, took)  # type: ignore[union-attr]
             else:
                 self._ep_clipped = True
         if self.protocol.ended and self._ep_start:
@@ -163,10 +156,12 @@ class EpisodeAccounts(ResumableSession):
     def _episode_error(self, call: Call, frame: bytes, err: StadiumError) -> None:
         """An error reply (``frame``) to ``call`` in the running episode."""
         self._ep_out += len(frame)
-        log = self._ep_log
-        if log is not None and call.op is Op.STEP:
-            if self._ep_in + self._ep_out <= self.runtime.ledger.episode_bytes:
-                log += (self._ep_req, f"{err.code}: {err}", self.loop.time() - self.last_active)
+        rid = self._ep_log
+        if rid is not None and call.op is Op.STEP:
+            ledger = self.runtime.ledger
+            if self._ep_in + self._ep_out <= ledger.episode_bytes:
+                took = self.loop.time() - self.last_active
+                ledger.recorder.step(rid, self._ep_req, f"{err.code}: {err}", took)  # type: ignore[union-attr]
             else:
                 self._ep_clipped = True
 
@@ -213,15 +208,10 @@ class EpisodeAccounts(ResumableSession):
         if self.tenant is not None:  # --tenants: the tenant's episode cost too
             self.runtime.doors.episode(self.tenant, cost)
         json = protocol.encoding is Encoding.JSON
-        log, episode = self._ep_log, self._ep_reset
-        self._ep_log = self._ep_reset = None
-        if log is not None and episode is not None and ledger.recorder is not None:
-            episode.steps = tuple(log)
-            log.clear()
-            episode.end, episode.cost, episode.clipped = end, cost, self._ep_clipped
-            ledger.recorder.submit(episode, cost.bytes_in + cost.bytes_out)
-        elif log is not None:
-            log.clear()
+        rid = self._ep_log
+        self._ep_log = None
+        if rid is not None and ledger.recorder is not None:
+            ledger.recorder.end(rid, end, cost, self._ep_clipped)
         if frame is None:
             return b""
         return with_cost(frame, cost, json)
