@@ -188,11 +188,9 @@ class Isolation:
     def counts(self) -> tuple[int, ...]:
         """Processes alive, started, crashed, stopped at a limit; bytes they sent, replies
         refused, bytes of reply buffers held, bytes spilled (``/metrics``)."""
-        wire_stats = self.wire_stats
-        return (
-            len(self.live), self.starts, self.crashes, self.limit_kills, wire_stats.received,
-            wire_stats.refused, wire_stats.held, self.spilled,
-        )  # fmt: skip
+        w = self.wire_stats
+        return (len(self.live), self.starts, self.crashes, self.limit_kills, w.received,
+                w.refused, w.held, self.spilled)  # fmt: skip
 
     # -- the template ---------------------------------------------------------------
 
@@ -593,9 +591,8 @@ class Isolation:
         return key
 
     def spill_path(self, spill_id: int) -> str:
-        """The spill file of a session's proxy (its ``spill_id``, from :attr:`spill_ids`): in
-        a directory of the worker's, ``0700``, made at the first spill, removed at
-        :meth:`shutdown`."""
+        """The spill file of a session's proxy (its ``spill_id``): in a ``0700`` directory
+        of the worker's, made at the first spill, removed at :meth:`shutdown`."""
         if self._spill_dir is None:
             self._spill_dir = tempfile.mkdtemp(prefix="stadium-spill-")
         return os.path.join(self._spill_dir, str(spill_id))
@@ -606,9 +603,8 @@ class Isolation:
             os.unlink(self.spill_path(spill_id))
 
     def _track(self, proc: EnvProcess) -> None:
-        """Count ``proc`` alive; in ``process`` mode hold a pidfd on it, so that a kill
-        never reaches a process that took its pid over (its exit may go unreported when
-        the template died)."""
+        """Count ``proc`` alive; in ``process`` mode hold a pidfd on it: a kill never reaches
+        a process that took its pid over (its exit may go unreported if the template died)."""
         self.live[proc.pid] = proc
         if self.uids is not None:
             self.uids.hold(proc.uid)
@@ -691,19 +687,8 @@ class Isolation:
             counters = self.cgroups.counters(proc.cgroups) if self.cgroups and proc.cgroups else {}
         base = proc.baseline
         limits = self.limits
-        if proc.episode_over:  # counted when it was killed
-            return LimitExceededError(
-                f"the episode ran longer than its {limits.episode_timeout:g} s limit; the "
-                "env's process was killed: reset to start a new episode in a fresh one",
-                operation=op, limit="episode_time", value=limits.episode_timeout,
-            )  # fmt: skip
-        if proc.expired:
-            self.limit_kills += 1
-            return LimitExceededError(
-                f"{op} ran longer than the {limits.call_timeout:g} s limit per call; the "
-                "env's process was killed: reset to start a fresh one",
-                operation=op, limit="wall_time", value=limits.call_timeout,
-            )  # fmt: skip
+        if (late := self.time_limit_error(proc, op)) is not None:
+            return late
         if counters.get("oom_kill", 0) > base.get("oom_kill", 0):
             self.limit_kills += 1
             return LimitExceededError(
@@ -755,6 +740,25 @@ class Isolation:
             f"{op} raised {reply.exception}: {reply.said}", exception=reply.exception,
             operation=op,
         )  # fmt: skip
+
+    def time_limit_error(
+        self, proc: EnvProcess, op: str, what: str = "process"
+    ) -> LimitExceededError | None:
+        """The episode's or the call's time limit (counted) that ended ``proc``, or ``None``."""
+        lim, then = self.limits, f"the env's {what} was killed: reset to start a"
+        if proc.episode_over:  # counted when it was killed
+            return LimitExceededError(
+                f"the episode ran longer than its {lim.episode_timeout:g} s limit; {then} new "
+                "episode in a fresh one", operation=op, limit="episode_time",
+                value=lim.episode_timeout,
+            )  # fmt: skip
+        if proc.expired:
+            self.limit_kills += 1
+            return LimitExceededError(
+                f"{op} ran longer than the {lim.call_timeout:g} s limit per call; {then} fresh "
+                "one", operation=op, limit="wall_time", value=lim.call_timeout,
+            )  # fmt: skip
+        return None
 
     def shutdown(self) -> None:
         """End every env process and the template; a fill on its way starts none again."""

@@ -47,7 +47,6 @@ from stadium._errors import (
     ConfigError,
     EnvCrashedError,
     ExecutionError,
-    LimitExceededError,
     SnapshotError,
     StadiumError,
 )
@@ -383,20 +382,8 @@ class VmIsolation(Isolation):
         if not proc.expired:
             self.kill(proc)
         status = await self.exit_status(proc.pid)
-        limits = self.limits
-        if proc.episode_over:
-            return LimitExceededError(
-                f"the episode ran longer than its {limits.episode_timeout:g} s limit; the "
-                "env's VM was stopped: reset to start a new episode in a fresh one",
-                operation=op, limit="episode_time", value=limits.episode_timeout,
-            )  # fmt: skip
-        if proc.expired:
-            self.limit_kills += 1
-            return LimitExceededError(
-                f"{op} ran longer than the {limits.call_timeout:g} s limit per call; the "
-                "env's VM was stopped: reset to start a fresh one",
-                operation=op, limit="wall_time", value=limits.call_timeout,
-            )  # fmt: skip
+        if (late := self.time_limit_error(proc, op, "VM")) is not None:
+            return late
         self.crashes += 1
         how = "unknown"
         if status is not None and os.WIFEXITED(status):
