@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,8 @@ import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._server.isolation.worker.vm import vm_unavailable
 from stadium._server.processes.worker import isolation_config
-from tests.conftest import UNIT, serve, wait_until
+from stadium.bench.arms import spawn_server
+from tests.conftest import UNIT, wait_until
 
 TARGET = f"{Path(__file__).with_name('vm_env.py')}:VmHostile"
 WHY_NO_VM = vm_unavailable()
@@ -54,10 +56,16 @@ def test_vm_is_a_mode_and_says_why_it_cannot_run() -> None:
 async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_own() -> None:
     host_kernel = os.uname().release
     marker = f"/tmp/stadium-vm-test-{os.getpid()}"
-    async with serve(TARGET, isolation="vm", step_timeout=60 * UNIT) as server:
+    # The server in a process of its own, as users run it: the guest image holds the
+    # modules its worker imported (this test session's would be every earlier test's).
+    serving = spawn_server(
+        TARGET, "--isolation", "vm", "--step-timeout", str(60 * UNIT), "--drain-timeout", "0",
+        timeout=240 * UNIT,
+    )  # fmt: skip
+    with serving as (_, url):
         async with (
-            stadium.AsyncClient(server.url, request_timeout=120 * UNIT) as a,
-            stadium.AsyncClient(server.url, request_timeout=120 * UNIT) as b,
+            stadium.AsyncClient(url, request_timeout=120 * UNIT) as a,
+            stadium.AsyncClient(url, request_timeout=120 * UNIT) as b,
         ):
             ra, rb = await asyncio.gather(a.reset(), b.reset())
             # the env's process is the guest's pid 1, as root of a kernel of its own
@@ -89,6 +97,15 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
                 await _step(a, "segfault")
             assert segfault.value.code == ErrorCode.ENV_CRASHED
             assert await _step(b, "echo", "still") == "still"
-        isolation = server.runtime.isolation
-        await wait_until(lambda: not isolation.live, 30 * UNIT, "VMs ended")
-        assert isolation.crashes == 2
+        await wait_until(lambda: _metric(url, "stadium_isolated_processes") == 0, 30 * UNIT,
+                         "VMs ended")  # fmt: skip
+        assert _metric(url, "stadium_isolated_crashes_total") == 2
+
+
+def _metric(url: str, name: str) -> float:
+    """One unlabelled series of the server's ``/metrics``."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10 * UNIT) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.split(" ")[0] == name:
+                return float(line.split(" ")[1])
+    raise AssertionError(f"{name} not in /metrics")
