@@ -404,6 +404,80 @@ print("ok")
     assert out.stdout.strip() == "ok"
 
 
+def test_the_writer_reads_the_pipe_in_bulk_and_no_pandas(tmp_path: Path) -> None:
+    """The writer's usual path (ledger/bulk.py) over the loop's own stream: interleaved
+    episodes of two encodings across blocks, a failed step, an episode the loop dropped,
+    the filter leaving some out; written without importing pandas."""
+    script = """
+import os, sys, time, msgspec
+from stadium._env.cost import EpisodeCost
+from stadium._server.ledger import record
+from stadium._server.ledger.episode import EndReason
+from stadium._server.ledger.writer import Writer
+import pyarrow.parquet as pq
+
+def frame(obs, reward, done, json):
+    data = {"type": "observation", "data": {"observation": obs, "reward": reward,
+            "done": done}, "id": 1}
+    return msgspec.json.encode(data) if json else msgspec.msgpack.encode(data)
+
+def request(a, json):
+    data = {"type": "step", "data": {"a": a}}
+    return msgspec.json.encode(data) if json else msgspec.msgpack.encode(data)
+
+config = record.RecordConfig(sys.argv[1], filter="reward>=1 or error")
+counts = [0.0] * 4
+rec = record.Recorder(config, ("walker", "1"), "info", counts)
+rec.state = record.RecorderState.RECORDING  # no pipe: the blocks are taken from its buffer
+blocks = []
+def cut():
+    rec._flush()
+    blocks.append(bytes(rec._buf))
+    rec._buf.clear()
+json = {i: i % 2 == 0 for i in range(7)}
+rewards = {0: [1.0, 0.5], 1: [0.1], 2: [2, None], 3: [0.2], 4: [0.0], 5: [3.0], 6: [5.0]}
+rid = {i: rec.begin(f"e{i}", i, None, frame({"i": i}, None, False, json[i]), json[i])
+       for i in range(7)}
+for t in range(2):  # the episodes' steps interleaved, in two blocks
+    for i in range(7):
+        if t < len(rewards[i]):
+            reply = frame({"i": i, "t": t}, rewards[i][t], False, json[i])
+            rec.step(rid[i], request(i, json[i]), reply, 0.001)
+    cut()
+rec.step(rid[4], request(-1, json[4]), "E: boom", 0.002)
+cost = EpisodeCost(wall_s=0.1, cpu_s=0.01, steps=2, bytes_in=10, bytes_out=20)
+for i in range(7):
+    rec.end(rid[i], EndReason.DONE, None if i == 6 else cost, False)  # 6: dropped
+cut()
+
+class Blocks:
+    def take(self, timeout):
+        return (blocks.pop(0) if blocks else b""), not blocks
+
+Writer(config, ("walker", "1"), "info", os.getpid(), "episodes-t", counts).run(Blocks())
+assert "pandas" not in sys.modules
+assert counts[record.RECORDED] == 4 and counts[record.DROPPED] == 1, counts
+t = pq.read_table(sys.argv[1]).to_pylist()
+assert sorted(r["seed"] for r in t) == [0, 2, 4, 5], [r["seed"] for r in t]
+by = {r["seed"]: r for r in t}
+assert by[0]["rewards"] == [1.0, 0.5] and by[0]["total_reward"] == 1.5
+assert by[0]["observations"] == ['{"i":0,"t":0}', '{"i":0,"t":1}'], by[0]
+assert by[2]["rewards"] == [2.0, None] and by[2]["total_reward"] == 2.0
+assert by[2]["observations"] == ['{"i":2,"t":0}', '{"i":2,"t":1}'], by[2]
+assert by[4]["step_errors"] == [None, "E: boom"] and by[4]["observations"][1] is None
+assert by[4]["error"] == "E: boom" and by[4]["actions"] == ['{"a":4}', '{"a":-1}'], by[4]
+assert by[5]["actions"] == ['{"a":5}'] and by[5]["step_errors"] == [None]
+assert by[5]["reset_observation"] == '{"i":5}' and by[5]["options"] is None
+print("ok")
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True, text=True, timeout=60 * UNIT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
 def test_a_bad_filter_or_hook_is_refused_before_serving() -> None:
     from stadium._errors import ConfigError
     from stadium._server.ledger import RecordConfig
