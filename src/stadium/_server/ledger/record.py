@@ -229,6 +229,7 @@ _META = msgspec.msgpack.Encoder()
 _END_FLAGS = {reason: i for i, reason in enumerate(wire.END_REASONS)}
 _HEAD = wire.HEAD
 _BLOCK = wire.BLOCK
+_PACK = _HEAD.pack
 _STEP = wire.STEP
 #: The loop writes its buffer to the pipe this long after its first unsent byte (a timer),
 #: or at once past :data:`FLUSH_BYTES`; with nothing to send, it looks at the writer's
@@ -336,6 +337,21 @@ class Recorder:
         """A step of recorded episode ``rid``: its request frame as it came, its reply frame
         (or the error's text), its seconds; copied into the buffer (or, when it is full, the
         episode dropped)."""
+        body = self._body
+        if type(reply) is bytes and type(request) is bytes and not self._broken:  # the usual
+            size = len(self._buf) + len(body) + len(request) + len(reply)
+            if size <= self._limit:
+                self._heads += _PACK(_STEP, rid, False, took, len(request), len(reply))
+                body += request
+                body += reply
+                if size >= FLUSH_BYTES:
+                    self._flush()
+                elif self._timer is None:
+                    self._due()
+                return
+        self._step(rid, request, reply, took)
+
+    def _step(self, rid: int, request: bytes | str, reply: bytes | str, took: float) -> None:
         if self._broken and rid in self._broken:
             return
         failed = isinstance(reply, str)

@@ -6,9 +6,11 @@ recorded episode)
 A reader thread drains the pipe into a queue bounded in bytes (past
 :attr:`~.record.RecordConfig.queue_bytes` it stops reading: the pipe fills, then the
 worker's own buffer, then the worker drops episodes and counts them); the main thread
-parses the messages, puts each episode's steps together, and when it ends turns it into
-columns (:mod:`.rows`: the ``--record-redact`` hook, which is the operator's code and runs
-here, and the filter) then writes the shards as the worker's thread did before (same
+takes the stream's blocks in bulk (:mod:`.bulk`: the steps decoded as columns and held
+until their episodes end; no Python code per step). With a ``--record-redact`` hook (the
+operator's code, run here) it parses the messages one by one instead, puts each episode's
+steps together and, when it ends, turns it into columns (:mod:`.rows`: the hook, then the
+filter). It writes the shards as the worker's thread did before (same
 names, the worker's pid in them and in the ``worker`` column; written to ``.tmp`` and
 renamed; closed once their first row is :attr:`~.record.RecordConfig.flush_s` old).
 
