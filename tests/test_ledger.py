@@ -443,8 +443,9 @@ for t in range(2):  # the episodes' steps interleaved, in two blocks
         if t < len(rewards[i]):
             reply = frame({"i": i, "t": t}, rewards[i][t], False, json[i])
             rec.step(rid[i], request(i, json[i]), reply, 0.001)
+        if i == 4 and t == 0:  # a failed step after a good one, in the same block
+            rec.step(rid[4], request(-1, json[4]), "E: boom", 0.002)
     cut()
-rec.step(rid[4], request(-1, json[4]), "E: boom", 0.002)
 cost = EpisodeCost(wall_s=0.1, cpu_s=0.01, steps=2, bytes_in=10, bytes_out=20)
 for i in range(7):
     rec.end(rid[i], EndReason.DONE, None if i == 6 else cost, False)  # 6: dropped

@@ -218,8 +218,6 @@ class Writer:
     def _steps(self, index: list[int], rids: Sequence[int], flags: Sequence[int],
                numbers: Sequence[float], at: list[int], body: bytes) -> None:  # fmt: skip
         """A block's steps, in bulk: grouped by encoding (and failure), decoded by group."""
-        bulk = self._bulk
-        assert bulk is not None
         opened = self._open
         ids = list(map(rids.__getitem__, index))
         if not opened.keys() >= set(ids):  # steps of episodes not recorded (dropped)
@@ -233,14 +231,23 @@ class Writer:
         else:  # per step (MessagePack sessions open, or a failed step in the block)
             for i, rid in zip(index, ids, strict=True):
                 json = opened[rid][0].json
-                if flags[i]:
+                if flags[i]:  # the steps before it first: each episode's in their order
+                    self._decode(groups, rids, numbers, at, body)
                     error = body[at[2 * i + 1] : at[2 * i + 2]].decode("utf-8", "replace")
                     self._errors.setdefault(rid, error)
                     self._failed(json, rid, body[at[2 * i] : at[2 * i + 1]], error, numbers[i])
                 else:
                     groups[json].append(i)
+        self._decode(groups, rids, numbers, at, body)
+
+    def _decode(self, groups: dict[bool, list[int]], rids: Sequence[int],
+                numbers: Sequence[float], at: list[int], body: bytes) -> None:  # fmt: skip
+        """Steps grouped by encoding (message indexes), each group decoded in bulk; the
+        groups emptied."""
+        bulk = self._bulk
+        assert bulk is not None
         starts, middles, ends = at[0::2], at[1::2], at[2::2]
-        for json, group in groups.items():
+        for encoding, group in groups.items():
             if not group:
                 continue
             group_ids = list(map(rids.__getitem__, group))
@@ -249,11 +256,12 @@ class Writer:
             requests = list(map(cut, map(slice, map(starts.__getitem__, group), middle)))
             replies = list(map(cut, map(slice, middle, map(ends.__getitem__, group))))
             took = list(map(numbers.__getitem__, group))
+            groups[encoding] = []
             try:
-                bulk.add(json, group_ids, requests, replies, took)
+                bulk.add(encoding, group_ids, requests, replies, took)
             except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
                 for one in zip(group_ids, requests, replies, took, strict=True):
-                    self._one(json, *one)
+                    self._one(encoding, *one)
 
     def _one(self, json: bool, rid: int, request: bytes, reply: bytes, took: float) -> None:
         """A step the group's decoding failed on, on its own (its episode lost if it fails)."""
