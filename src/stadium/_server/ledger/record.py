@@ -344,7 +344,7 @@ class Recorder:
                 self._heads += _PACK(_STEP, rid, False, took, len(request), len(reply))
                 body += request
                 body += reply
-                if size >= FLUSH_BYTES:
+                if len(body) >= FLUSH_BYTES:  # (not the unsent blocks: a block stays big)
                     self._flush()
                 elif self._timer is None:
                     self._due()
@@ -366,7 +366,7 @@ class Recorder:
         self._heads += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
         out += request
         out += body
-        if size >= FLUSH_BYTES:
+        if len(out) >= FLUSH_BYTES:
             self._flush()
         elif self._timer is None:
             self._due()
@@ -394,7 +394,7 @@ class Recorder:
     def _due(self) -> None:
         if self._timer is None and self._loop is not None:
             self._timer = self._loop.call_later(FLUSH_S, self._tick)
-        elif self._loop is None and len(self._buf) + len(self._body) >= FLUSH_BYTES:
+        elif self._loop is None and len(self._body) >= FLUSH_BYTES:
             self._flush()
 
     def _tick(self) -> None:

@@ -250,12 +250,17 @@ class Writer:
         for encoding, group in groups.items():
             if not group:
                 continue
-            group_ids = list(map(rids.__getitem__, group))
-            middle = list(map(middles.__getitem__, group))
             cut = body.__getitem__
-            requests = list(map(cut, map(slice, map(starts.__getitem__, group), middle)))
-            replies = list(map(cut, map(slice, middle, map(ends.__getitem__, group))))
-            took = list(map(numbers.__getitem__, group))
+            if len(group) == len(rids):  # every message of the block (the usual block)
+                group_ids, took = rids, numbers
+                requests = list(map(cut, map(slice, starts, middles)))
+                replies = list(map(cut, map(slice, middles, ends)))
+            else:
+                group_ids = list(map(rids.__getitem__, group))
+                middle = list(map(middles.__getitem__, group))
+                requests = list(map(cut, map(slice, map(starts.__getitem__, group), middle)))
+                replies = list(map(cut, map(slice, middle, map(ends.__getitem__, group))))
+                took = list(map(numbers.__getitem__, group))
             groups[encoding] = []
             try:
                 bulk.add(encoding, group_ids, requests, replies, took)
