@@ -6,8 +6,9 @@ format), then fed to its own ``Writer`` in process (as its pipe would: 256 KiB r
 writer's ``process_time`` (every thread: pyarrow's too) over the whole stream, shards
 written, is divided by the steps. Each tree (``SRC`` directories, e.g. a ``lead`` checkout
 and this one) runs in its own interpreter, alternated ``REPS`` times; medians and ranges.
-The loop's side: ``Recorder.step`` alone, best of 7 × 100,000 calls. A block (this tree's
-wire format) is cut every 400 steps, as a loop flushing every 10 ms at 40,000 steps/s.
+The loop's side: ``Recorder.step`` alone, best of 7 × 100,000 calls. (``_flush`` every 400
+steps: a no-op without a pipe here; a tree whose stream is cut at flushes cuts it there, as a
+loop flushing every 10 ms at 40,000 steps/s.)
 Usage (BENCHMARKS.md, "Episode ledger cost"):
 ``flock /tmp/bench.lock .venv/bin/python scripts/bench-record-writer.py SRC... [--sessions 64]``
 ``[--episode 300] [--rounds 4] [--reps 5]``
@@ -48,7 +49,7 @@ for r in range(rounds):
         for rid in rids:
             rec.step(rid, req, reply(i), 0.0001)
             steps += 1
-            if steps % 400 == 0:  # a block every 10 ms at 40,000 steps/s (old trees: no-op)
+            if steps % 400 == 0:  # (module doc)
                 rec._flush()
     for rid in rids:
         rec.end(rid, EndReason.DONE, cost, False)

@@ -404,10 +404,11 @@ print("ok")
     assert out.stdout.strip() == "ok"
 
 
-def test_the_writer_reads_the_pipe_in_bulk_and_no_pandas(tmp_path: Path) -> None:
-    """The writer's usual path (ledger/bulk.py) over the loop's own stream: interleaved
-    episodes of two encodings across blocks, a failed step, an episode the loop dropped,
-    the filter leaving some out; written without importing pandas."""
+def test_the_writer_reads_the_loops_stream_and_no_pandas(tmp_path: Path) -> None:
+    """The writer process's work over the loop's own stream (``Recorder`` to ``Writer``):
+    interleaved episodes of two encodings cut into several reads, a failed step after a
+    good one, an episode the loop dropped, the filter leaving some out; written without
+    importing pandas."""
     script = """
 import os, sys, time, msgspec
 from stadium._env.cost import EpisodeCost
@@ -428,7 +429,7 @@ def request(a, json):
 config = record.RecordConfig(sys.argv[1], filter="reward>=1 or error")
 counts = [0.0] * 4
 rec = record.Recorder(config, ("walker", "1"), "info", counts)
-rec.state = record.RecorderState.RECORDING  # no pipe: the blocks are taken from its buffer
+rec.state = record.RecorderState.RECORDING  # no pipe: the stream is taken from its buffer
 blocks = []
 def cut():
     rec._flush()
@@ -438,12 +439,12 @@ json = {i: i % 2 == 0 for i in range(7)}
 rewards = {0: [1.0, 0.5], 1: [0.1], 2: [2, None], 3: [0.2], 4: [0.0], 5: [3.0], 6: [5.0]}
 rid = {i: rec.begin(f"e{i}", i, None, frame({"i": i}, None, False, json[i]), json[i])
        for i in range(7)}
-for t in range(2):  # the episodes' steps interleaved, in two blocks
+for t in range(2):  # the episodes' steps interleaved, in two reads
     for i in range(7):
         if t < len(rewards[i]):
             reply = frame({"i": i, "t": t}, rewards[i][t], False, json[i])
             rec.step(rid[i], request(i, json[i]), reply, 0.001)
-        if i == 4 and t == 0:  # a failed step after a good one, in the same block
+        if i == 4 and t == 0:  # a failed step after a good one, in the same read
             rec.step(rid[4], request(-1, json[4]), "E: boom", 0.002)
     cut()
 cost = EpisodeCost(wall_s=0.1, cpu_s=0.01, steps=2, bytes_in=10, bytes_out=20)

@@ -3,15 +3,14 @@ as Parquet shards by a writer process of the worker's own (:mod:`.writer`).
 
 **Path of an episode.** On the event loop, a recorded episode's reset reply, then per step
 its request frame as it came, its reply frame (or the error's text) and its time, then its
-end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied as small messages
-(:mod:`.wire`: a fixed header appended to one buffer, the raw bytes to another; no Python
-object kept per step, nothing for the cyclic collector). At a flush the two become a block
-of the stream written to a pipe (non-blocking, one ``os.write`` of everything unsent,
-:data:`FLUSH_S` after its first unsent byte or at once past :data:`FLUSH_BYTES`) read by
-the worker's writer process, which decodes the frames, builds the columns and writes the
-shards: none of that work, nor its garbage, is the worker's. The buffers hold at most
-:attr:`RecordConfig.queue_bytes`: a step that does not fit drops its episode (counted,
-``stadium_record_dropped_episodes_total``), never waits.
+end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied into one buffer as
+small messages (:mod:`.wire`: a fixed header and the raw bytes; no Python object kept per
+step, nothing for the cyclic collector). The buffer is written to a pipe (non-blocking,
+one ``os.write`` of everything buffered, :data:`FLUSH_S` after its first unsent byte or at
+once past :data:`FLUSH_BYTES`) read by the worker's writer process, which decodes the
+frames, builds the columns and writes the shards: none of that work, nor its garbage, is
+the worker's. The buffer holds at most :attr:`RecordConfig.queue_bytes`: a step that does
+not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), never waits.
 
 **The writer process** (``python -m stadium._server.ledger.writer``) is started when the
 worker starts (:meth:`Recorder.start`; else at the first recorded episode), and dies
@@ -228,7 +227,7 @@ class RecorderState(enum.Enum):
 _META = msgspec.msgpack.Encoder()
 _END_FLAGS = {reason: i for i, reason in enumerate(wire.END_REASONS)}
 _HEAD = wire.HEAD
-_BLOCK = wire.BLOCK
+_HEAD_SIZE = wire.HEAD.size
 _PACK = _HEAD.pack
 _STEP = wire.STEP
 #: The loop writes its buffer to the pipe this long after its first unsent byte (a timer),
@@ -268,9 +267,7 @@ class Recorder:
         self.info_key = info_key
         self.counts = counts
         self.state = RecorderState.IDLE
-        self._heads = bytearray()  # the unsent block: its headers, its bytes (wire.BLOCK)
-        self._body = bytearray()
-        self._buf = bytearray()  # blocks not yet written to the pipe
+        self._buf = bytearray()
         self._limit = config.queue_bytes
         self._fd = -1
         self._proc: subprocess.Popen[bytes] | None = None
@@ -323,13 +320,13 @@ class Recorder:
         except (TypeError, ValueError, OverflowError):
             self._drop()
             return None
-        body = self._body
-        if len(self._buf) + len(body) + len(meta) + len(frame) > self._limit:
+        buf = self._buf
+        if len(buf) + _HEAD_SIZE + len(meta) + len(frame) > self._limit:
             self._drop()
             return None
-        self._heads += _HEAD.pack(wire.BEGIN, rid, json, time.time(), len(meta), len(frame))
-        body += meta
-        body += frame
+        buf += _HEAD.pack(wire.BEGIN, rid, json, time.time(), len(meta), len(frame))
+        buf += meta
+        buf += frame
         self._due()
         return rid
 
@@ -337,14 +334,14 @@ class Recorder:
         """A step of recorded episode ``rid``: its request frame as it came, its reply frame
         (or the error's text), its seconds; copied into the buffer (or, when it is full, the
         episode dropped)."""
-        body = self._body
+        buf = self._buf
         if type(reply) is bytes and type(request) is bytes and not self._broken:  # the usual
-            size = len(self._buf) + len(body) + len(request) + len(reply)
+            size = len(buf) + _HEAD_SIZE + len(request) + len(reply)
             if size <= self._limit:
-                self._heads += _PACK(_STEP, rid, False, took, len(request), len(reply))
-                body += request
-                body += reply
-                if len(body) >= FLUSH_BYTES:  # (not the unsent blocks: a block stays big)
+                buf += _PACK(_STEP, rid, False, took, len(request), len(reply))
+                buf += request
+                buf += reply
+                if size >= FLUSH_BYTES:
                     self._flush()
                 elif self._timer is None:
                     self._due()
@@ -358,15 +355,15 @@ class Recorder:
         body = reply.encode() if isinstance(reply, str) else reply
         if isinstance(request, str):
             request = request.encode()
-        out = self._body
-        size = len(self._buf) + len(out) + len(request) + len(body)
+        buf = self._buf
+        size = len(buf) + _HEAD_SIZE + len(request) + len(body)
         if size > self._limit:
             self._broken.add(rid)
             return
-        self._heads += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
-        out += request
-        out += body
-        if len(out) >= FLUSH_BYTES:
+        buf += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
+        buf += request
+        buf += body
+        if size >= FLUSH_BYTES:
             self._flush()
         elif self._timer is None:
             self._due()
@@ -381,8 +378,8 @@ class Recorder:
             body = b""
         else:
             body = _META.encode(cost)
-        self._heads += _HEAD.pack(wire.END, rid, flag, 0.0, len(body), 0)
-        self._body += body
+        self._buf += _HEAD.pack(wire.END, rid, flag, 0.0, len(body), 0)
+        self._buf += body
         self._due()
 
     def _drop(self) -> None:
@@ -394,7 +391,7 @@ class Recorder:
     def _due(self) -> None:
         if self._timer is None and self._loop is not None:
             self._timer = self._loop.call_later(FLUSH_S, self._tick)
-        elif self._loop is None and len(self._body) >= FLUSH_BYTES:
+        elif self._loop is None and len(self._buf) >= FLUSH_BYTES:
             self._flush()
 
     def _tick(self) -> None:
@@ -402,20 +399,11 @@ class Recorder:
         self._flush()
         self._read_counts()
         if self.state is RecorderState.RECORDING and self._loop is not None:
-            busy = self._buf or self._heads
-            self._timer = self._loop.call_later(FLUSH_S if busy else IDLE_S, self._tick)
+            self._timer = self._loop.call_later(FLUSH_S if self._buf else IDLE_S, self._tick)
 
     def _flush(self) -> None:
-        """Close the open block; write what the buffer holds to the pipe, as much as it
-        takes (never waits)."""
+        """Write what the buffer holds to the pipe, as much as it takes (never waits)."""
         buf = self._buf
-        heads = self._heads
-        if heads:
-            buf += _BLOCK.pack(len(heads), len(self._body))
-            buf += heads
-            buf += self._body
-            heads.clear()
-            self._body.clear()
         if not buf or self._fd < 0:
             return
         try:
@@ -446,8 +434,6 @@ class Recorder:
             self.counts[RECORDING] = 0
             log.error("--record: the writer process is lost (%s): not recording", why)
         self._buf.clear()
-        self._heads.clear()
-        self._body.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -509,7 +495,7 @@ class Recorder:
         proc = self._proc
         if self.state is RecorderState.RECORDING and self._fd >= 0:
             deadline = time.monotonic() + timeout
-            while (self._buf or self._heads) and self._fd >= 0 and time.monotonic() < deadline:
+            while self._buf and self._fd >= 0 and time.monotonic() < deadline:
                 self._flush()
                 if self._buf and self._fd >= 0:
                     select.select([], [self._fd], [], 0.05)

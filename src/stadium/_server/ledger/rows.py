@@ -124,7 +124,13 @@ class Shard:
             return
         import pyarrow as pa  # only a recording server loads it
 
-        out = _scalar_arrays(pa, self.episodes)
+        columns = list(zip(*self.episodes, strict=True))
+        out: list[Any] = []
+        for (_name, kind), values in zip(_SCALARS, columns, strict=True):
+            if kind == "json":
+                out.append(arrow.strings(pa, list(map(len, values)), b"".join(values)))
+            else:
+                out.append(_BUILD[kind](pa, values))
         counts = self.counts
         children: list[Callable[[], Any]] = [
             lambda: self.actions.array(pa, nullable=False),
@@ -143,17 +149,6 @@ class Shard:
         self.batches.append(pa.RecordBatch.from_arrays(out, schema=schema(pa)))
         self.sealed += len(self.episodes)
         self._open()
-
-    def add_batch(self, rows: list[tuple[Any, ...]], counts: list[int], steps: list[Any]) -> None:
-        """Episodes gathered in bulk (:mod:`.bulk`): their scalar columns (``rows``), their
-        steps' counts, and one Arrow array per :data:`LIST_COLUMNS` (their steps in order),
-        as one record batch."""
-        import pyarrow as pa
-
-        self.seal()
-        out = _scalar_arrays(pa, rows) + [arrow.lists(pa, counts, child) for child in steps]
-        self.batches.append(pa.RecordBatch.from_arrays(out, schema=schema(pa)))
-        self.sealed += len(rows)
 
     def table(self) -> Any:
         """The shard as a ``pyarrow.Table`` of :func:`schema`'s columns (its batches, not
@@ -175,16 +170,6 @@ _SCALARS = (
 _BUILD: dict[str, Callable[[Any, Any], Any]] = {
     "text": arrow.texts, "int": arrow.ints, "float": arrow.floats, "bool": arrow.bools,
 }  # fmt: skip
-
-
-def _scalar_arrays(pa: Any, episodes: list[tuple[Any, ...]]) -> list[Any]:
-    out: list[Any] = []
-    for (_name, kind), values in zip(_SCALARS, zip(*episodes, strict=True), strict=True):
-        if kind == "json":
-            out.append(arrow.strings(pa, list(map(len, values)), b"".join(values)))
-        else:
-            out.append(_BUILD[kind](pa, values))
-    return out
 
 
 class Rows:
@@ -223,14 +208,6 @@ class Rows:
         self._request = {
             True: msgspec.json.Decoder(request).decode,
             False: msgspec.msgpack.Decoder(request).decode,
-        }
-        self.replies = {  # many frames at once (:mod:`.bulk`): a list of them
-            True: msgspec.json.Decoder(list[reply]).decode,  # type: ignore[valid-type]
-            False: msgspec.msgpack.Decoder(list[reply]).decode,  # type: ignore[valid-type]
-        }
-        self.requests = {
-            True: msgspec.json.Decoder(list[request]).decode,  # type: ignore[valid-type]
-            False: msgspec.msgpack.Decoder(list[request]).decode,  # type: ignore[valid-type]
         }
         self._info = attrgetter(info_key)
         self._pid = os.getpid() if worker is None else worker
@@ -307,7 +284,7 @@ class Rows:
                 total = sum(filter(_isfinite, seg), 0.0)
             else:
                 total = sum((r for r in seg if r is not None and _isfinite(r)), 0.0)
-            row = self.scalars(ep, total, None, reset_obs[i], reset_infos[i])
+            row = self._scalars(ep, total, None, reset_obs[i], reset_infos[i])
             if self._kept(ep, row):
                 rows.append(row)
                 kept.append(i)
@@ -325,14 +302,7 @@ class Rows:
                     truncateds[a:b], infos[a:b], None, times[a:b])  # fmt: skip
         return len(rows)
 
-    def reset_texts(self, ep: Episode) -> tuple[bytes, bytes]:
-        """The reset's observation and info as stored (JSON text, ``b""``: a null)."""
-        data = self._decode[ep.json](ep.reset_frame).data  # type: ignore[attr-defined]
-        if ep.json:
-            return bytes(_OBS(data)), bytes(self._info(data))
-        return _msgpack_text(_OBS(data)), _msgpack_text(self._info(data))
-
-    def scalars(
+    def _scalars(
         self, ep: Episode, total: float, error: str | None, reset_obs: Any, reset_info: Any
     ) -> tuple[Any, ...]:
         """The episode's values of the per-episode columns (:data:`_SCALARS`' order)."""
@@ -345,12 +315,6 @@ class Rows:
         )  # fmt: skip
 
     def _kept(self, ep: Episode, row: tuple[Any, ...]) -> bool:
-        if self.keep is None:
-            return True
-        return self.kept(ep, row)
-
-    def kept(self, ep: Episode, row: tuple[Any, ...]) -> bool:
-        """Whether the filter keeps ``ep`` (its scalar columns ``row``)."""
         if self.keep is None:
             return True
         cost = ep.cost
@@ -379,7 +343,7 @@ class Rows:
             total = sum((r for r in rewards if r is not None and _isfinite(r)), 0.0)
             errors = [s.get("error") for s in steps]
             error = next((e for e in errors if e), None)
-            row = self.scalars(
+            row = self._scalars(
                 ep, total, error, _text(record["reset_observation"]), _text(record["reset_info"])
             )
             row = (*row[:6], _text(record["options"]), *row[7:])
@@ -497,9 +461,4 @@ def schema(pa: Any) -> Any:
     ])  # fmt: skip
 
 
-__all__ = [
-    "LIST_COLUMNS", "Rows", "Shard", "Summary", "Texts", "msgpack_text", "reward", "schema",
-    "write_shard",
-]  # fmt: skip
-
-msgpack_text, reward = _msgpack_text, _reward
+__all__ = ["LIST_COLUMNS", "Rows", "Shard", "Summary", "Texts", "schema", "write_shard"]

@@ -2,11 +2,8 @@
 each recorded step as a small fixed header and its raw bytes, each episode's beginning
 and end as a small message of the same shape.
 
-The stream is blocks (one per flush): :data:`BLOCK` (the two lengths that follow), the
-block's message headers end to end, then their bytes end to end (so the writer reads the
-headers as one array, and the bytes as items at the offsets the lengths give, in bulk).
 Every message is :data:`HEAD` (22 bytes, little-endian: kind, the episode's recording id,
-a flag byte, a float, two lengths) and the two byte strings those lengths give:
+a flag byte, a float, two lengths) followed by the two byte strings those lengths give:
 
 ========= ============================ ============== ====================== ==============
 kind      flag                         float          first bytes            second bytes
@@ -30,8 +27,6 @@ import struct
 
 from stadium._server.ledger.episode import EndReason
 
-BLOCK = struct.Struct("<II")
-"""A block's headers' length, its bytes' length."""
 HEAD = struct.Struct("<BIBdII")
 """kind, recording id, flag, float, length of the first bytes, of the second."""
 BEGIN, STEP, END = 1, 2, 3
@@ -41,4 +36,4 @@ CLIPPED, DROPPED = 8, 16
 #: The ids wrap at this (an id is live only while its episode runs).
 ID_LIMIT = 1 << 32
 
-__all__ = ["BEGIN", "BLOCK", "CLIPPED", "DROPPED", "END", "END_REASONS", "HEAD", "ID_LIMIT", "STEP"]
+__all__ = ["BEGIN", "CLIPPED", "DROPPED", "END", "END_REASONS", "HEAD", "ID_LIMIT", "STEP"]

@@ -6,11 +6,9 @@ recorded episode)
 A reader thread drains the pipe into a queue bounded in bytes (past
 :attr:`~.record.RecordConfig.queue_bytes` it stops reading: the pipe fills, then the
 worker's own buffer, then the worker drops episodes and counts them); the main thread
-takes the stream's blocks in bulk (:mod:`.bulk`: the steps decoded as columns and held
-until their episodes end; no Python code per step). With a ``--record-redact`` hook (the
-operator's code, run here) it parses the messages one by one instead, puts each episode's
-steps together and, when it ends, turns it into columns (:mod:`.rows`: the hook, then the
-filter). It writes the shards as the worker's thread did before (same
+parses the messages, puts each episode's steps together, and when it ends turns it into
+columns (:mod:`.rows`: the ``--record-redact`` hook, which is the operator's code and runs
+here, and the filter) then writes the shards as the worker's thread did before (same
 names, the worker's pid in them and in the ``worker`` column; written to ``.tmp`` and
 renamed; closed once their first row is :attr:`~.record.RecordConfig.flush_s` old).
 
@@ -40,15 +38,12 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from itertools import compress
 from typing import Any
 
 import msgspec
 
 from stadium._env.cost import EpisodeCost
 from stadium._server.ledger import wire
-from stadium._server.ledger.bulk import Pending, offsets
 from stadium._server.ledger.episode import Episode
 from stadium._server.ledger.record import (
     CHUNK_STEPS,
@@ -71,10 +66,7 @@ from stadium._util.throttle import Throttle
 log = logging.getLogger("stadium.record")
 
 _HEAD = wire.HEAD
-_BLOCK = wire.BLOCK
-_BLOCK_SIZE = _BLOCK.size
-_IS_STEP = wire.STEP.__eq__
-_NOT_STEP = wire.STEP.__ne__
+_HEAD_SIZE = _HEAD.size
 _META = msgspec.msgpack.Decoder(tuple[str | None, int | None, dict[str, Any] | None])
 _COST = msgspec.msgpack.Decoder(EpisodeCost)
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -166,157 +158,25 @@ class Writer:
         self._ready: list[Episode] = []
         self._ready_steps = 0
         self._ready_bytes = 0
-        # the bulk path (no redaction hook: module .bulk): steps held as columns
-        self._bulk = None if config.redact else Pending(self._rows)
-        self._errors: dict[int, str] = {}  # an open episode's first failed step's error
-        self._gone: list[int] = []  # ended (or dropped) since the last gathering
-        self._ended: list[tuple[int, Episode, str | None]] = []  # of those, to record
-        self._gathered = 0.0
         counts[RECORDING] = 1
 
     def feed(self, data: bytes) -> None:
-        """Parse ``data`` (the stream's next bytes), keeping a block cut at its end."""
+        """Parse ``data`` (the stream's next bytes), keeping a message cut at its end."""
         if self._rest:
             data = self._rest + data
         end = len(data)
         pos = 0
-        while end - pos >= _BLOCK_SIZE:
-            heads, size = _BLOCK.unpack_from(data, pos)
-            start = pos + _BLOCK_SIZE
-            stop = start + heads + size
+        unpack = _HEAD.unpack_from
+        opened = self._open
+        while end - pos >= _HEAD_SIZE:
+            kind, rid, flag, number, a, b = unpack(data, pos)
+            start = pos + _HEAD_SIZE
+            stop = start + a + b
             if stop > end:
                 break
-            self._block(data[start : start + heads], data[start + heads : stop])
+            first = data[start : start + a]
+            second = data[start + a : stop]
             pos = stop
-        self._rest = data[pos:]
-
-    def _block(self, heads: bytes, body: bytes) -> None:
-        """One block of the stream (:mod:`.wire`)."""
-        if not heads:
-            return
-        kinds, rids, flags, numbers, firsts, seconds = zip(*_HEAD.iter_unpack(heads), strict=True)
-        at = offsets(firsts, seconds)
-        if at[-1] != len(body):
-            raise ValueError("--record: the stream is corrupt (a block's lengths)")
-        if self._bulk is None:
-            self._classic(kinds, rids, flags, numbers, at, body)
-            return
-        n = len(kinds)
-        steps = kinds.count(wire.STEP)
-        control = [] if steps == n else list(compress(range(n), map(_NOT_STEP, kinds)))
-        for i in control:  # an episode's steps come after its BEGIN, before its END
-            if kinds[i] == wire.BEGIN:
-                self._begin(rids[i], flags[i], numbers[i], body[at[2 * i] : at[2 * i + 1]],
-                            body[at[2 * i + 1] : at[2 * i + 2]])  # fmt: skip
-        if steps:
-            index = range(n) if steps == n else compress(range(n), map(_IS_STEP, kinds))
-            self._steps(list(index), rids, flags, numbers, at, body)
-        for i in control:
-            if kinds[i] == wire.END:
-                self._end_bulk(rids[i], flags[i], body[at[2 * i] : at[2 * i + 1]])
-
-    def _steps(self, index: list[int], rids: Sequence[int], flags: Sequence[int],
-               numbers: Sequence[float], at: list[int], body: bytes) -> None:  # fmt: skip
-        """A block's steps, in bulk: grouped by encoding (and failure), decoded by group."""
-        opened = self._open
-        ids = list(map(rids.__getitem__, index))
-        if not opened.keys() >= set(ids):  # steps of episodes not recorded (dropped)
-            known = list(map(opened.__contains__, ids))
-            index, ids = list(compress(index, known)), list(compress(ids, known))
-        failed = 1 in map(flags.__getitem__, index)
-        mixed = any(not opened[rid][0].json for rid in set(ids))
-        groups: dict[bool, list[int]] = {True: [], False: []}
-        if not failed and not mixed:
-            groups[True] = index
-        else:  # per step (MessagePack sessions open, or a failed step in the block)
-            for i, rid in zip(index, ids, strict=True):
-                json = opened[rid][0].json
-                if flags[i]:  # the steps before it first: each episode's in their order
-                    self._decode(groups, rids, numbers, at, body)
-                    error = body[at[2 * i + 1] : at[2 * i + 2]].decode("utf-8", "replace")
-                    self._errors.setdefault(rid, error)
-                    self._failed(json, rid, body[at[2 * i] : at[2 * i + 1]], error, numbers[i])
-                else:
-                    groups[json].append(i)
-        self._decode(groups, rids, numbers, at, body)
-
-    def _decode(self, groups: dict[bool, list[int]], rids: Sequence[int],
-                numbers: Sequence[float], at: list[int], body: bytes) -> None:  # fmt: skip
-        """Steps grouped by encoding (message indexes), each group decoded in bulk; the
-        groups emptied."""
-        bulk = self._bulk
-        assert bulk is not None
-        starts, middles, ends = at[0::2], at[1::2], at[2::2]
-        for encoding, group in groups.items():
-            if not group:
-                continue
-            cut = body.__getitem__
-            if len(group) == len(rids):  # every message of the block (the usual block)
-                group_ids, took = rids, numbers
-                requests = list(map(cut, map(slice, starts, middles)))
-                replies = list(map(cut, map(slice, middles, ends)))
-            else:
-                group_ids = list(map(rids.__getitem__, group))
-                middle = list(map(middles.__getitem__, group))
-                requests = list(map(cut, map(slice, map(starts.__getitem__, group), middle)))
-                replies = list(map(cut, map(slice, middle, map(ends.__getitem__, group))))
-                took = list(map(numbers.__getitem__, group))
-            groups[encoding] = []
-            try:
-                bulk.add(encoding, group_ids, requests, replies, took)
-            except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
-                for one in zip(group_ids, requests, replies, took, strict=True):
-                    self._one(encoding, *one)
-
-    def _one(self, json: bool, rid: int, request: bytes, reply: bytes, took: float) -> None:
-        """A step the group's decoding failed on, on its own (its episode lost if it fails)."""
-        assert self._bulk is not None
-        try:
-            self._bulk.add(json, [rid], [request], [reply], [took])
-        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
-            if self._open.pop(rid, None) is not None:
-                self._gone.append(rid)
-                self.counts[DROPPED] += 1
-                self._warn("--record: an episode could not be recorded: %r", exc)
-
-    def _failed(self, json: bool, rid: int, request: bytes, error: str, took: float) -> None:
-        assert self._bulk is not None
-        try:
-            self._bulk.add_failed(json, rid, request, error, took)
-        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
-            if self._open.pop(rid, None) is not None:
-                self._gone.append(rid)
-                self.counts[DROPPED] += 1
-                self._warn("--record: an episode could not be recorded: %r", exc)
-
-    def _begin(self, rid: int, flag: int, number: float, meta: bytes, frame: bytes) -> None:
-        episode_id, seed, options = _META.decode(meta)
-        self._open[rid] = (Episode(episode_id, number, seed, options, frame, json=bool(flag)), [])
-
-    def _end_bulk(self, rid: int, flag: int, cost: bytes) -> None:
-        held = self._open.pop(rid, None)
-        error = self._errors.pop(rid, None)
-        if held is None:
-            return
-        self._gone.append(rid)
-        if flag & wire.DROPPED or not self._recording():
-            self.counts[DROPPED] += 1
-            return
-        episode = held[0]
-        episode.end = wire.END_REASONS[flag & 7]
-        episode.cost = _COST.decode(cost)
-        episode.clipped = bool(flag & wire.CLIPPED)
-        self._ended.append((rid, episode, error))
-        self._ready_bytes += episode.cost.bytes_in + episode.cost.bytes_out
-
-    def _classic(self, kinds: Sequence[int], rids: Sequence[int], flags: Sequence[int],
-                 numbers: Sequence[float], at: list[int], body: bytes) -> None:  # fmt: skip
-        """A block, message by message (with a redaction hook: it reads whole episodes)."""
-        opened = self._open
-        messages = zip(kinds, rids, flags, numbers, strict=True)
-        for i, (kind, rid, flag, number) in enumerate(messages):
-            first = body[at[2 * i] : at[2 * i + 1]]
-            second = body[at[2 * i + 1] : at[2 * i + 2]]
             if kind == wire.STEP:
                 held = opened.get(rid)
                 if held is not None:
@@ -324,11 +184,16 @@ class Writer:
                         (first, second.decode("utf-8", "replace") if flag else second, number)
                     )
             elif kind == wire.BEGIN:
-                self._begin(rid, flag, number, first, second)
+                episode_id, seed, options = _META.decode(first)
+                opened[rid] = (
+                    Episode(episode_id, number, seed, options, second, json=bool(flag)),
+                    [],
+                )
             elif kind == wire.END:
-                self._end(opened.pop(rid, None), flag, first)
+                self._ended(opened.pop(rid, None), flag, first)
+        self._rest = data[pos:]
 
-    def _end(self, held: tuple[Episode, list[Any]] | None, flag: int, cost: bytes) -> None:
+    def _ended(self, held: tuple[Episode, list[Any]] | None, flag: int, cost: bytes) -> None:
         if held is None:
             return
         if flag & wire.DROPPED or not self._recording():
@@ -359,12 +224,6 @@ class Writer:
             data, done = reader.take(WAKE_S)
             if data:
                 self.feed(data)
-            if self._gone and (done or time.monotonic() - self._gathered >= WAKE_S):
-                if self._ended and not shard:
-                    first = time.monotonic()
-                self._take(shard)
-                size += self._ready_bytes
-                self._ready_bytes = 0
             if self._ready:
                 if not shard:
                     first = time.monotonic()
@@ -380,21 +239,6 @@ class Writer:
             if done:
                 self.counts[RECORDING] = 0
                 return
-
-    def _take(self, shard: Shard) -> None:
-        """The bulk path's ended episodes into ``shard`` (:meth:`.bulk.Pending.take`)."""
-        assert self._bulk is not None
-        gone, ended = self._gone, self._ended
-        self._gone, self._ended = [], []
-        self._gathered = time.monotonic()
-        if ended and not self._recording():  # a write failed meanwhile
-            self.counts[DROPPED] += len(ended)
-            ended = []
-        try:
-            self._bulk.take(gone, ended, shard)
-        except Exception as exc:  # a bug: those episodes are lost, the recording goes on
-            self.counts[DROPPED] += len(ended)
-            self._warn("--record: %d episode(s) could not be recorded: %r", len(ended), exc)
 
     def _gather(self, batch: list[Episode], shard: Shard) -> None:
         try:
