@@ -19,8 +19,8 @@ each ``summary:`` line of the callgrind output.
 
 import os
 import shutil
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from stadium._env.cost import EpisodeCost
 from stadium._server.ledger import record
