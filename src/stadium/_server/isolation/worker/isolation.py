@@ -338,13 +338,12 @@ class Isolation:
                 "sandboxed sessions' seccomp filter: %s%s", self.seccomp,
                 "" if msg.seccomp else " (--sandbox-seccomp off: no filter)",
             )  # fmt: skip
-            if not msg.init:
-                log.warning(
-                    "the sandbox's native init is not built, or others may read it (make "
-                    "sandbox-deps builds native/stadium-init with cargo and installs it "
-                    "execute-only): each sandboxed session's pid 1 is a forked interpreter, "
-                    "~0.8 MiB more"
-                )
+            log.log(
+                logging.INFO if msg.init else logging.WARNING, "sandboxed sessions' init: %s",
+                f"native, {msg.init}" if msg.init else "a forked interpreter, ~0.8 MiB more (the "
+                "native init is missing, others may write it, or this kernel runs no memfd: "
+                "make sandbox-deps builds native/stadium-init; a wheel built with cargo has it)",
+            )  # fmt: skip
         ready.set_result(None)
 
     def _template_gone(self) -> None:
