@@ -21,7 +21,9 @@ An arm is ``LEVEL`` or ``LEVEL --serve-option ...`` (``--arm 'sandbox
 --sandbox-seccomp off'``), or ``floor``: no Stadium, the machine's floor for the same exchange
 (:data:`FLOOR`: a parent and one child per session on socketpairs, pinned as the server is,
 the parent sending every session's small request, then collecting the replies through epoll;
-CPU of the parent and of the children, as worker and env side). Each row also gives the
+CPU of the parent and of the children, as worker and env side), or ``floor-py``: the same,
+each child doing a step's least Python work (the request and the action decoded by msgspec,
+a coroutine's step building the observation, the reply encoded). Each row also gives the
 wake-ups per step (times scheduled in, schedstat) of the worker and of the env side.
 
 Run (as root for ``sandbox``; take the machine's bench lock)::
@@ -71,7 +73,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = [
-            "taskset", "-c", str(args.server_cpu),
+            "taskset", "-c", str(args.server_cpu), *shlex.split(args.server_prefix),
             sys.executable, "-m", "stadium", "serve", args.target, "--host", "127.0.0.1",
             "--port", str(port), "--isolation", level, "--warm-pool", "0",
             "--max-sessions", str(args.sessions + 16), "--idle-timeout", "0",
@@ -167,17 +169,52 @@ async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
 #: then collects the replies as epoll reports them (as the worker does when 64 requests come).
 FLOOR = r"""
 import json, os, selectors, socket, sys, time
-sessions, warmup, steps = map(int, sys.argv[1:4])
+import msgspec
+sessions, warmup, steps, work = map(int, sys.argv[1:5])
 request, reply = b"\x93\xa4step\x81\xacwait_seconds\x00" + bytes(8), bytes(96)
+class Step(msgspec.Struct, array_like=True, tag="step"):
+    action: bytes
+    kwargs: dict
+class Obs(msgspec.Struct):
+    waited_seconds: float
+    pid: int
+    session_hash: str
+    host: str
+    step_count: int
+    host_url: str
+class Ok(msgspec.Struct, array_like=True, tag=0):
+    observation: Obs
+    reward: float
+    done: bool
+    truncated: bool
+    info: dict | None
+class Action(msgspec.Struct):
+    wait_seconds: float = 0.0
+async def step(action, n):
+    return Ok(Obs(action.wait_seconds, 1, "0b2f7b49d74b", "vm", n, "http://vm:1"), 1.0, False,
+              False, None)
+if work:  # a step's least Python: decode the request and the action, a coroutine, encode
+    request = msgspec.msgpack.encode(Step(msgspec.msgpack.encode(Action()), {}))
 kids, socks = [], []
 for _ in range(sessions):
     mine, theirs = socket.socketpair()
     pid = os.fork()
     if pid == 0:
         mine.close()
-        recv, send = theirs.recv, theirs.send
-        while recv(65536):
-            send(reply)
+        recv, send, encode = theirs.recv, theirs.send, msgspec.msgpack.encode
+        decode = msgspec.msgpack.Decoder(Step).decode
+        action = msgspec.msgpack.Decoder(Action).decode
+        n = 0
+        while data := recv(65536):
+            if work:
+                coro = step(action(decode(data).action), n)
+                n += 1
+                try:
+                    coro.send(None)
+                except StopIteration as done:
+                    send(encode(done.value))
+            else:
+                send(reply)
         os._exit(0)
     theirs.close()
     kids.append(pid)
@@ -218,15 +255,16 @@ print(json.dumps({"worker_us": (me1[0] - me0[0]) / n / 1e3, "env_us": (kid1[0] -
 """
 
 
-def measure_floor(args: argparse.Namespace) -> dict[str, Any]:
-    """The floor arm: :data:`FLOOR` pinned as the server is."""
+def measure_floor(args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    """The floor arms: :data:`FLOOR` pinned as the server is (``floor-py``: each child does
+    a step's least Python work, msgspec decoding and encoding and a coroutine's step)."""
     argv = [
         "taskset", "-c", str(args.server_cpu), sys.executable, "-c", FLOOR,
-        str(args.sessions), str(args.warmup), str(args.steps),
+        str(args.sessions), str(args.warmup), str(args.steps), str(int(arm == "floor-py")),
     ]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, timeout=START_S * 10, check=True)
     row: dict[str, Any] = json.loads(out.stdout)
-    row.update(arm="floor", cpu_us=row["worker_us"] + row["env_us"], processes=args.sessions + 1)
+    row.update(arm=arm, cpu_us=row["worker_us"] + row["env_us"], processes=args.sessions + 1)
     return row
 
 
@@ -241,8 +279,8 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="benchmark")
     p.add_argument("--arm", action="append", default=[],
-                   help="an isolation level and serve options, or floor (repeat; default: "
-                   "none, process, sandbox, floor)")  # fmt: skip
+                   help="an isolation level and serve options, or floor, floor-py (repeat; "
+                   "default: all five)")  # fmt: skip
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--steps", type=int, default=500, help="timed steps per session")
     p.add_argument("--warmup", type=int, default=100, help="untimed steps per session first")
@@ -250,17 +288,19 @@ async def main() -> None:
     p.add_argument("--action", default='{"wait_seconds": 0}', help="each step's data (JSON)")
     p.add_argument("--server-cpu", default="0", help="the server's cores (taskset -c)")
     p.add_argument("--client-cpu", type=int, default=1)
+    p.add_argument("--server-prefix", default="", help="a command the server runs under "
+                   "(e.g. 'chrt -b 0')")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="VAR=VALUE for the servers")
     p.add_argument("--json", help="also write every round's figures to this file")
     args = p.parse_args()
-    arms = args.arm or ["none", "process", "sandbox", "floor"]
+    arms = args.arm or ["none", "process", "sandbox", "floor", "floor-py"]
     os.sched_setaffinity(0, {args.client_cpu})
     rounds: list[list[dict[str, Any]]] = []
     for r in range(args.rounds):
         rows = []
         for arm in arms:
-            if arm == "floor":
-                row = await asyncio.to_thread(measure_floor, args)
+            if arm in ("floor", "floor-py"):
+                row = await asyncio.to_thread(measure_floor, args, arm)
             else:
                 row = await measure(args, arm)
             print(
