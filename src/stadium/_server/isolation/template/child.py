@@ -64,6 +64,7 @@ import signal
 import socket
 import stat
 import sys
+import types
 from typing import Any
 
 import msgspec
@@ -539,7 +540,7 @@ class _Session:
             value = method(*args, **kwargs)
         finally:
             asyncio._set_running_loop(loop)
-        if inspect.isawaitable(value):
+        if type(value) is types.CoroutineType or inspect.isawaitable(value):  # the usual first
             return await value
         return value
 

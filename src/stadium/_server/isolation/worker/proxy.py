@@ -28,6 +28,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._env.contract import StepResult
 from stadium._env.snapshot import snapshot_env
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
@@ -369,8 +370,6 @@ _DURABLE = b"D:"
 
 
 def _step_result(out: wire.StepOk) -> Any:
-    from stadium._env.contract import StepResult
-
     return StepResult(out.observation, out.reward, out.done, truncated=out.truncated, info=out.info)
 
 
