@@ -198,7 +198,8 @@ class Ready(msgspec.Struct, array_like=True, tag="ready"):
     seccomp: str | None = None
     """The seccomp filter's description (``None``: no filter)."""
     init: str | None = None
-    """The native init it runs (``None``: not built, or readable by others)."""
+    """The native init it runs, from a sealed memfd copy (``None``: not built, or others may
+    write it, or no executable memfd here)."""
 
 
 class Failed(msgspec.Struct, array_like=True, tag="failed"):
