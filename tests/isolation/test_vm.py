@@ -26,6 +26,7 @@ from stadium.bench.arms import spawn_server
 from tests.conftest import UNIT, wait_until
 
 TARGET = f"{Path(__file__).with_name('vm_env.py')}:VmHostile"
+DIES = f"{Path(__file__).with_name('vm_dies.py')}:DiesAtBoot"
 WHY_NO_VM = vm_unavailable()
 
 pytestmark = pytest.mark.slow
@@ -100,6 +101,24 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
         await wait_until(lambda: _metric(url, "stadium_isolated_processes") == 0, 30 * UNIT,
                          "VMs ended")  # fmt: skip
         assert _metric(url, "stadium_isolated_crashes_total") == 2
+
+
+@pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}")
+async def test_a_vm_that_ends_while_it_boots_says_why() -> None:
+    # its env's import ends the guest's init: the guest kernel panics, QEMU exits; the
+    # error names QEMU's exit status and carries the end of the guest's console
+    serving = spawn_server(DIES, "--isolation", "vm", "--drain-timeout", "0", timeout=240 * UNIT)
+    with serving as (_, url):
+        async with stadium.AsyncClient(url, request_timeout=120 * UNIT) as env:
+            with pytest.raises(stadium.StadiumError) as failed:
+                await env.reset()
+    assert failed.value.code == ErrorCode.EXECUTION_ERROR
+    said = failed.value.message
+    assert "an isolated env's VM ended while it booted" in said
+    assert "QEMU exited with code 0" in said  # the guest's panic: -no-reboot, panic=-1
+    assert "stadium vm guest: SystemExit: the env's import ends the guest's init" in said
+    assert "Kernel panic" in said
+    assert "Attempted to kill init! exitcode=0x00000100" in said
 
 
 def _metric(url: str, name: str) -> float:

@@ -131,6 +131,21 @@ def _output() -> None:
         os.close(fd)
 
 
+def _last_words(text: str) -> None:
+    """Say why the init ends where the worker reads it (:mod:`.vmconsole`): the kernel's
+    log at its highest level, printed on the console before the panic that follows (what
+    is written to the console's tty may be lost then), else stderr."""
+    line = text.encode("utf-8", "backslashreplace")[:900].replace(b"\n", b" ")
+    try:
+        fd = os.open("/dev/kmsg", os.O_WRONLY)
+        try:
+            os.write(fd, b"<0>" + line + b"\n")
+        finally:
+            os.close(fd)
+    except OSError:
+        print(line.decode(), file=sys.stderr, flush=True)
+
+
 def main() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     _mounts(libc)
@@ -153,5 +168,5 @@ if __name__ == "__main__":
     try:
         main()
     except BaseException as exc:  # pid 1 ends: the kernel panics, the VM exits
-        print(f"stadium vm guest: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        _last_words(f"stadium vm guest: {type(exc).__name__}: {exc}")
     os._exit(1)

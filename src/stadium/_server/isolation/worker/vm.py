@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -53,13 +52,14 @@ from stadium._errors import (
 from stadium._server.isolation import wire
 from stadium._server.isolation.worker import vmimage, vmsnap
 from stadium._server.isolation.worker.isolation import (
+    EXIT_REPORT_S,
     TEMPLATE_START_S,
     Isolation,
     IsolationConfig,
     _ShutDown,
 )
-from stadium._server.isolation.worker.output import OutputReader
 from stadium._server.isolation.worker.proc import EnvProcess, Gone
+from stadium._server.isolation.worker.vmconsole import Console, exit_text, why
 
 log = logging.getLogger("stadium.isolation")
 
@@ -120,8 +120,8 @@ def qemu_argv(
 ) -> list[str]:
     """The QEMU command of one VM: ``microvm``, no network, no disk, no devices but the
     virtio-serial port (``chan_fd``, the session's channel) and the console (``out_fd``,
-    its output; -1: none). ``kvm``: no legacy timers (kvmclock); ``tcg``: the PIT, and the
-    TSC's rate given (the emulator cannot calibrate it)."""
+    its output, :mod:`.vmconsole`; -1: none). ``kvm``: no legacy timers (kvmclock);
+    ``tcg``: the PIT, and the TSC's rate given (the emulator cannot calibrate it)."""
     console = (
         ["-chardev", f"socket,id=out,fd={out_fd}", "-device", "virtconsole,chardev=out"]
         if out_fd >= 0
@@ -166,6 +166,9 @@ class VmIsolation(Isolation):
         self._built: asyncio.Future[None] | None = None
         self._qemu: dict[int, subprocess.Popen[bytes]] = {}
         """Each VM's QEMU process, by its key (its pid), until reaped."""
+        self.consoles: dict[int, Console] = {}
+        """Each VM's output's tail (:mod:`.vmconsole`), by its key, until it is released
+        or its death is told."""
 
     def start(self) -> None:
         """Build (or find) the guest image and the template's snapshot, then fill the
@@ -194,7 +197,10 @@ class VmIsolation(Isolation):
     async def _prepare(self, built: asyncio.Future[None]) -> None:
         try:
             loop = asyncio.get_running_loop()
-            self.image = await loop.run_in_executor(None, vmimage.build_image, self._sys_path)
+            self.image = await loop.run_in_executor(
+                None, vmimage.build_image, self._sys_path, self.config.target,
+                self.config.env_kwargs,
+            )  # fmt: skip
             if self.snapshots and self.snapshot is None:
                 self.snapshot = await self._make_template()
         except BaseException as exc:
@@ -241,33 +247,30 @@ class VmIsolation(Isolation):
         assert image is not None
         assert loop is not None
         ours, theirs = socket.socketpair()
-        out_r, out_w = socket.socketpair() if self.config.output == "log" else (None, None)
+        out_r, out_w = socket.socketpair()  # its output: always read, its tail kept
         memory = self._memory()
         argv = qemu_argv(
-            image, memory, self.limits.cpus, theirs.fileno(),
-            out_w.fileno() if out_w is not None else -1, self.accel, ram_file=bool(extra),
+            image, memory, self.limits.cpus, theirs.fileno(), out_w.fileno(), self.accel,
+            ram_file=bool(extra),
         ) + extra  # fmt: skip
-        fds = [theirs.fileno(), *fds] + ([out_w.fileno()] if out_w is not None else [])
         try:
-            qemu = _popen(argv, fds, out_w.fileno() if out_w is not None else -1)
+            qemu = _popen(argv, [theirs.fileno(), *fds, out_w.fileno()], out_w.fileno())
         except OSError as exc:
             ours.close()
-            if out_r is not None:
-                out_r.close()
+            out_r.close()
             raise ExecutionError(f"could not start {QEMU}: {exc}") from None
         finally:
             theirs.close()
-            if out_w is not None:
-                out_w.close()
+            out_w.close()
         key = qemu.pid
         self._qemu[key] = qemu
         proc = self._process(ours)
         proc.pid = key
-        if out_r is not None:
-            tag = f"vm {key}" if track else "template vm"
-            self.outputs[key] = OutputReader(
-                loop, out_r.detach(), tag, on_close=lambda: self.outputs.pop(key, None)
-            )
+        console = Console(
+            loop, out_r.detach(), f"vm {key}" if track else "template vm",
+            forward=self.config.output == "log", on_close=lambda: self.outputs.pop(key, None),
+        )  # fmt: skip
+        self.outputs[key] = self.consoles[key] = console
         if track:
             self._track(proc)
             if proc.pidfd >= 0:
@@ -277,6 +280,7 @@ class VmIsolation(Isolation):
     def _end(self, proc: EnvProcess) -> None:
         """Kill and reap an untracked VM (the template)."""
         proc.close()
+        self.consoles.pop(proc.pid, None)
         qemu = self._qemu.pop(proc.pid, None)
         if qemu is not None:
             qemu.kill()
@@ -298,8 +302,7 @@ class VmIsolation(Isolation):
             await loop.sock_sendall(proc.sock, wire.frame(json.dumps(settings).encode()))
             said = await asyncio.wait_for(ready, VM_BOOT_S)
         except (Gone, TimeoutError, OSError) as exc:
-            why = "did not boot in time" if isinstance(exc, TimeoutError) else "ended while booting"
-            raise ExecutionError(f"an isolated env's VM {why}") from None
+            raise await self._failed(proc, "boot", exc) from None
         if isinstance(said, wire.Failed):
             raise ConfigError(f"the isolated env's VM failed to start: {said.reason}")
         self.boot_seconds = loop.time() - started
@@ -331,14 +334,8 @@ class VmIsolation(Isolation):
             hello = proc.expect(wire.HELLO_REPLY)
             await loop.sock_sendall(proc.sock, wire.frame(_GO.encode(wire.Go(os.urandom(32)))))
             reply = await asyncio.wait_for(hello, VM_BOOT_S)
-        except (Gone, TimeoutError, OSError) as exc:
-            self.kill(proc)
-            proc.close()
-            why = (
-                "did not start in time" if isinstance(exc, TimeoutError) else "ended while starting"
-            )
-            log.debug("a VM %s: %r", why, exc)
-            raise ExecutionError(f"an isolated env's VM {why}") from None
+        except (Gone, TimeoutError, OSError, ExecutionError) as exc:
+            raise await self._failed(proc, "start", exc) from None
         except BaseException:
             self.kill(proc)
             proc.close()
@@ -358,6 +355,36 @@ class VmIsolation(Isolation):
         del self.start_seconds[:-1024]
         return proc
 
+    async def _failed(self, proc: EnvProcess, stage: str, exc: BaseException) -> ExecutionError:
+        """The error of a VM that did not ``boot`` (to ``Ready``) or ``start`` (restored, to
+        its env's hello): a slow one (killed at :data:`VM_BOOT_S`) told apart from one that
+        ended, each with QEMU's exit status and its last output (:mod:`.vmconsole`)."""
+        qemu = self._qemu.get(proc.pid)
+        tracked = proc.pid in self.live
+        if isinstance(exc, Gone | OSError):  # its channel closed: QEMU is ending
+            what = f"ended while it {'booted' if stage == 'boot' else 'started'}"
+        else:  # alive: ended here
+            what = (
+                f"did not {stage} within {VM_BOOT_S:g} s (killed then: the host is slow)"
+                if isinstance(exc, TimeoutError)
+                else f"could not {stage} (killed then): {exc}"  # QMP's answer
+            )
+            self.kill(proc)
+            if qemu is not None and not tracked:
+                qemu.kill()
+        proc.close()
+        if tracked:  # the pidfd's reader reaps it (_reap), the status comes through _on_exit
+            status = await self.exit_status(proc.pid)
+        else:
+            status = await _wait_status(qemu)
+        self.kill(proc)
+        console = self.consoles.pop(proc.pid, None)
+        if console is not None:
+            await console.drained()
+        err = ExecutionError(f"an isolated env's VM {what}; {why(status, console)}")
+        log.warning("%s", err.message)
+        return err
+
     def _reap(self, key: int) -> None:
         """A VM's QEMU process ended: its wait status, then the base's exit handling."""
         qemu = self._qemu.pop(key, None)
@@ -374,26 +401,36 @@ class VmIsolation(Isolation):
     def _cleanup(self, proc: EnvProcess) -> None:
         if proc.pidfd >= 0 and self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(proc.pidfd)
+        if proc.released:  # no death to tell
+            self.consoles.pop(proc.pid, None)
         super()._cleanup(proc)
+
+    def release(self, proc: EnvProcess) -> None:
+        self.consoles.pop(proc.pid, None)
+        super().release(proc)
 
     async def death(self, proc: EnvProcess, op: str) -> StadiumError:
         """Why ``proc``'s VM ended during ``op`` (and count it)."""
-        proc.close()
-        if not proc.expired:
-            self.kill(proc)
+        proc.close()  # its channel closed: QEMU is ending (a limit's kill, or its own end)
         status = await self.exit_status(proc.pid)
+        if status is None:  # still alive after all
+            self.kill(proc)
+        console = self.consoles.pop(proc.pid, None)
         if (late := self.time_limit_error(proc, op, "VM")) is not None:
             return late
         self.crashes += 1
-        how = "unknown"
-        if status is not None and os.WIFEXITED(status):
-            how = f"exit code {os.WEXITSTATUS(status)}"
-        elif status is not None and os.WIFSIGNALED(status):
-            how = signal.Signals(os.WTERMSIG(status)).name
+        if console is not None:  # the guest's last words: the log (they may be the env's)
+            await console.drained()
+        session = console.session if console is not None else None
+        log.warning(
+            "the VM of session %s ended during %s: %s", session or "-", op, why(status, console),
+            extra={"session": session} if session else {},
+        )  # fmt: skip
         return EnvCrashedError(
             f"the env's VM ended during {op} (its guest kernel stopped: a panic, or the "
-            f"env's process, the guest's init, ended; QEMU: {how}); no other session was "
-            "affected: reset to start a fresh one",
+            f"env's process, the guest's init, ended; {exit_text(status)}); no other "
+            "session was affected: reset to start a fresh one (the server's log has the "
+            "guest's last output)",
             operation=op, reason="vm",
         )  # fmt: skip
 
@@ -417,6 +454,20 @@ class VmIsolation(Isolation):
         if self.snapshot is not None:
             self.snapshot.remove()
             self.snapshot = None
+
+
+async def _wait_status(qemu: subprocess.Popen[bytes] | None) -> int | None:
+    """An untracked QEMU's wait status, once it exits (at most ``EXIT_REPORT_S`` later)."""
+    if qemu is None:
+        return None
+    for _ in range(int(EXIT_REPORT_S / 0.01)):
+        if qemu.poll() is not None:
+            break
+        await asyncio.sleep(0.01)
+    code = qemu.returncode
+    if code is None:
+        return None
+    return -code if code < 0 else code << 8  # as waitpid's status
 
 
 def _popen(argv: list[str], fds: list[int], out: int) -> subprocess.Popen[bytes]:

@@ -7,9 +7,13 @@ filesystem to download. The initramfs holds, at their host paths (so the worker'
 
 - the interpreter the worker runs (its binary, the standard library without its tests,
   the shared libraries the worker has mapped, the dynamic loader);
-- every folder on the worker's ``sys.path`` the worker imported a module from, narrowed
-  to the top-level packages it imported (a ``site-packages`` of 1 GiB gives the guest
-  only what the env and Stadium use);
+- from every folder on the worker's ``sys.path``, the top-level packages the env's code
+  and the guest's session loop import: listed by a clean interpreter of its own that
+  imports them as the guest will (:func:`imported_files`: ``-P -S``, the worker's
+  ``sys.path``, the target loaded), never from what the worker itself happens to have
+  imported (a ``site-packages`` of 1 GiB gives the guest only what the env and Stadium
+  use; a server embedded in a bigger program packs no more). A package the env imports
+  only later, in a call, is not packed: its ``import`` fails in the guest;
 - the four kernel modules the guest loads (``virtio``, ``virtio_ring``, ``virtio_mmio``,
   ``virtio_console``: the channel to the worker) and the guest's init
   (:mod:`.vmguest`).
@@ -62,6 +66,21 @@ _GUEST = os.path.join(
 KEEP_IMAGES = 4
 #: The largest image built (MiB): past it, the env imports too much to pack.
 MAX_IMAGE_MIB = 768
+#: Seconds the clean interpreter listing the env's imports may take (:func:`imported_files`).
+LIST_S = 120.0
+#: The most bytes of its answer (a JSON list of files) or of its errors read.
+LIST_MAX = 16 << 20
+#: What that interpreter runs: the guest's own imports (:mod:`.vmguest`, :mod:`.vmchild`),
+#: then the env's class loaded as :mod:`.vmchild` loads it; it prints every module's file.
+_LIST_IMPORTS = """
+import json, sys
+settings = json.loads(sys.stdin.read())
+sys.path[:] = settings["sys_path"]
+from stadium._server.isolation.template import vmchild
+vmchild.EnvSpec.of(vmchild.load_target(settings["target"], env_kwargs=settings["env_kwargs"]))
+files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
+sys.stdout.write(json.dumps(sorted({f for f in files if isinstance(f, str)})))
+"""
 
 
 def guest_kernel() -> tuple[str, str] | None:
@@ -151,16 +170,46 @@ def _needed(objects: list[str]) -> set[str]:
     return found
 
 
-def _package_roots(sys_path: list[str]) -> list[str]:
-    """The files and folders to pack from ``sys_path``: for each module this process
-    imported from one of its folders, that module's top-level package (or file)."""
+def imported_files(
+    sys_path: list[str], target: str, env_kwargs: dict[str, Any] | None
+) -> list[str]:
+    """The files of every module the guest imports before its session: those a clean
+    interpreter (the worker's, ``-P -S``, ``sys.path`` set to ``sys_path`` as the guest
+    sets it) has imported once it has loaded ``target`` as :mod:`.vmchild` loads it.
+
+    Raises:
+        ConfigError: the target does not load that way (the end of its error said).
+    """
+    settings = json.dumps({"sys_path": sys_path, "target": target, "env_kwargs": env_kwargs})
+    argv = [sys.executable, "-P", "-S", "-c", _LIST_IMPORTS]
+    try:
+        done = subprocess.run(
+            argv, input=settings.encode(), capture_output=True, timeout=LIST_S, check=False,
+            cwd="/",
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"loading the env's code to list its imports took over {LIST_S:g} s"
+        ) from None
+    if done.returncode != 0 or len(done.stdout) > LIST_MAX:
+        said = done.stderr[-2048:].decode("utf-8", "backslashreplace").strip()
+        raise ConfigError(
+            f"the env's code does not load as an --isolation vm guest loads it (a clean "
+            f"interpreter, the worker's sys.path; exit {done.returncode}): {said}"
+        )
+    files = json.loads(done.stdout)
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        raise ConfigError("the list of the env's imports is not a list of paths")
+    return files
+
+
+def _package_roots(sys_path: list[str], modules: list[str]) -> list[str]:
+    """The files and folders to pack from ``sys_path``: for each of ``modules`` (files)
+    in one of its folders, that module's top-level package (or file)."""
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
     folders = sorted({os.path.realpath(p) for p in sys_path if os.path.isdir(p)}, key=len)
     roots: set[str] = set()
-    for module in list(sys.modules.values()):
-        file = getattr(module, "__file__", None)
-        if not isinstance(file, str):
-            continue
+    for file in modules:
         real = os.path.realpath(file)
         for folder in reversed(folders):  # the deepest folder holding it
             if real.startswith(folder + os.sep):
@@ -184,14 +233,15 @@ def _walk(root: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
                 yield os.path.join(dirpath, name)
 
 
-def image_files(sys_path: list[str]) -> list[str]:
-    """Every host file the guest's initramfs holds (see the module docstring)."""
+def image_files(sys_path: list[str], modules: list[str]) -> list[str]:
+    """Every host file the guest's initramfs holds (see the module docstring); ``modules``:
+    the files of the modules the guest imports (:func:`imported_files`)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files: set[str] = set(_walk(stdlib, _STDLIB_SKIP))
     files.update(f for f in _walk(stdlib) if "/config-" in f and f.endswith("Makefile"))
     dynload = os.path.join(stdlib, "lib-dynload")
     files.update(_walk(dynload))
-    for root in _package_roots(sys_path):
+    for root in _package_roots(sys_path, modules):
         files.update(_walk(root))
     files.update(_shared_libraries())
     files.update(_needed([f for f in files if ".so" in os.path.basename(f)]))
@@ -264,12 +314,18 @@ def _inputs_key(files: Iterable[str], kernel: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def build_image(sys_path: list[str], cache_dir: str = CACHE_DIR) -> GuestImage:
-    """The guest image for this process's interpreter and imported code (built now, or
-    found in ``cache_dir``).
+def build_image(
+    sys_path: list[str],
+    target: str,
+    env_kwargs: dict[str, Any] | None = None,
+    cache_dir: str = CACHE_DIR,
+) -> GuestImage:
+    """The guest image for this process's interpreter and the code ``target`` imports
+    (built now, or found in ``cache_dir``).
 
     Raises:
-        ConfigError: no guest kernel installed, or the image would be too large.
+        ConfigError: no guest kernel installed, the target does not load in a clean
+            interpreter, or the image would be too large.
     """
     found = guest_kernel()
     if found is None:
@@ -278,7 +334,7 @@ def build_image(sys_path: list[str], cache_dir: str = CACHE_DIR) -> GuestImage:
             "linux-image-cloud-amd64)"
         )
     kernel, modules = found
-    files = image_files(sys_path)
+    files = image_files(sys_path, imported_files(sys_path, target, env_kwargs))
     key = _inputs_key(files, kernel)
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     os.chmod(cache_dir, 0o700)
