@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +55,25 @@ def test_vm_is_a_mode_and_says_why_it_cannot_run() -> None:
         isolation_config(ServerConfig(target=TARGET, isolation="vm", image="x"), None)
 
 
+@pytest.fixture
+def in_tmp() -> Iterator[str]:
+    """The hostile env served from a file under ``/tmp``, as a checkout there (a CI's clean
+    clone) has all its code: the guest's own ``/tmp`` must hide none of it (it did)."""
+    with tempfile.TemporaryDirectory(prefix="stadium-vm-target-", dir="/tmp") as here:
+        Path(here, "vm_here.py").write_text(
+            "from tests.isolation.vm_env import VmHostile\n\n\nclass InTmp(VmHostile):\n    pass\n"
+        )
+        yield f"{here}/vm_here.py:InTmp"
+
+
 @pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}")
-async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_own() -> None:
+async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_own(
+    in_tmp: str,
+) -> None:
     host_kernel = os.uname().release
     marker = f"/tmp/stadium-vm-test-{os.getpid()}"
-    # The server in a process of its own, as users run it: the guest image holds the
-    # modules its worker imported (this test session's would be every earlier test's).
     serving = spawn_server(
-        TARGET, "--isolation", "vm", "--step-timeout", str(60 * UNIT), "--drain-timeout", "0",
+        in_tmp, "--isolation", "vm", "--step-timeout", str(60 * UNIT), "--drain-timeout", "0",
         timeout=240 * UNIT,
     )  # fmt: skip
     with serving as (_, url):

@@ -3,7 +3,9 @@
 Runs inside the VM the worker started (:mod:`.vm`), from the initramfs :mod:`.vmimage`
 built. Standard library only until the worker's settings set ``sys.path``. It:
 
-1. mounts ``/proc``, ``/sys``, ``/dev`` (devtmpfs) and a ``/tmp`` tmpfs;
+1. mounts ``/proc``, ``/sys``, ``/dev`` (devtmpfs) and a ``/tmp`` tmpfs, in which what
+   the image holds under ``/tmp`` (code the worker runs from there: a checkout in
+   ``/tmp``, a target in a temporary folder) stays visible, read-only (:func:`_tmp`);
 2. loads the kernel modules of its channel to the worker (virtio-mmio, virtio-console);
 3. opens the virtio-serial port named ``stadium`` (the worker's end is a socket of its
    own: the same framed messages as a sandboxed process's socket, :mod:`.wire`);
@@ -34,7 +36,13 @@ _SETTINGS_MAX = 64 * 1024 * 1024
 _GUEST_DIR = os.path.dirname(os.path.abspath(__file__))
 _MODULES = ("virtio_ring.ko", "virtio.ko", "virtio_mmio.ko", "virtio_console.ko")
 _SYS_FINIT_MODULE = 313
+_MS_RDONLY = 1
 _MS_REMOUNT = 32
+_MS_BIND = 4096
+_MS_MOVE = 8192
+_MS_REC = 16384
+#: Where the guest's ``/tmp`` is made before it is moved onto ``/tmp``.
+_NEW_TMP = _GUEST_DIR + "/tmp"
 #: Seconds the guest waits for its port to appear.
 _PORT_WAIT_S = 10.0
 
@@ -61,15 +69,39 @@ class Port:
         os.close(self.fd)
 
 
+def _mount(
+    libc: ctypes.CDLL, source: str, target: str, fstype: str | None, flags: int, data: str | None
+) -> None:
+    how = [x.encode() if x is not None else None for x in (source, target, fstype, data)]
+    if libc.mount(how[0], how[1], how[2], flags, how[3]) != 0:
+        raise OSError(ctypes.get_errno(), f"mount {target}")
+
+
 def _mounts(libc: ctypes.CDLL) -> None:
-    for source, target, fstype, data in (
-        (b"proc", b"/proc", b"proc", None),
-        (b"sysfs", b"/sys", b"sysfs", None),
-        (b"devtmpfs", b"/dev", b"devtmpfs", None),
-        (b"tmpfs", b"/tmp", b"tmpfs", b"mode=1777"),
-    ):
-        if libc.mount(source, target, fstype, 0, data) != 0:
-            raise OSError(ctypes.get_errno(), f"mount {target.decode()}")
+    _mount(libc, "proc", "/proc", "proc", 0, None)
+    _mount(libc, "sysfs", "/sys", "sysfs", 0, None)
+    _mount(libc, "devtmpfs", "/dev", "devtmpfs", 0, None)
+    _tmp(libc)
+
+
+def _tmp(libc: ctypes.CDLL) -> None:
+    """The guest's ``/tmp``: a tmpfs of its own (sized later: ``--sandbox-disk``), in which
+    each entry the image holds under ``/tmp`` (host paths: the worker's code may live
+    there) is bound read-only, so that mounting it hides none of the image's files."""
+    os.makedirs(_NEW_TMP, exist_ok=True)
+    _mount(libc, "tmpfs", _NEW_TMP, "tmpfs", 0, "mode=1777")
+    for name in sorted(os.listdir("/tmp")):
+        held, there = os.path.join("/tmp", name), os.path.join(_NEW_TMP, name)
+        if os.path.islink(held):
+            os.symlink(os.readlink(held), there)
+            continue
+        if os.path.isdir(held):
+            os.mkdir(there)
+        else:
+            open(there, "wb").close()  # a mount point
+        _mount(libc, held, there, None, _MS_BIND | _MS_REC, None)
+        _mount(libc, "", there, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None)
+    _mount(libc, _NEW_TMP, "/tmp", None, _MS_MOVE, None)
 
 
 def _modules(libc: ctypes.CDLL) -> None:

@@ -38,7 +38,7 @@ import sys
 import sysconfig
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from stadium._errors import ConfigError
 
@@ -79,7 +79,8 @@ sys.path[:] = settings["sys_path"]
 from stadium._server.isolation.template import vmchild
 vmchild.EnvSpec.of(vmchild.load_target(settings["target"], env_kwargs=settings["env_kwargs"]))
 files = (getattr(m, "__file__", None) for m in list(sys.modules.values()))
-sys.stdout.write(json.dumps(sorted({f for f in files if isinstance(f, str)})))
+files = sorted({f for f in files if isinstance(f, str)})
+sys.stdout.write(json.dumps({"files": files, "path": sys.path}))
 """
 
 
@@ -172,10 +173,11 @@ def _needed(objects: list[str]) -> set[str]:
 
 def imported_files(
     sys_path: list[str], target: str, env_kwargs: dict[str, Any] | None
-) -> list[str]:
+) -> tuple[list[str], list[str]]:
     """The files of every module the guest imports before its session: those a clean
     interpreter (the worker's, ``-P -S``, ``sys.path`` set to ``sys_path`` as the guest
-    sets it) has imported once it has loaded ``target`` as :mod:`.vmchild` loads it.
+    sets it) has imported once it has loaded ``target`` as :mod:`.vmchild` loads it; and
+    its ``sys.path`` then (a file target's folder added to it, as the guest's will be).
 
     Raises:
         ConfigError: the target does not load that way (the end of its error said).
@@ -197,10 +199,12 @@ def imported_files(
             f"the env's code does not load as an --isolation vm guest loads it (a clean "
             f"interpreter, the worker's sys.path; exit {done.returncode}): {said}"
         )
-    files = json.loads(done.stdout)
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
-        raise ConfigError("the list of the env's imports is not a list of paths")
-    return files
+    said = json.loads(done.stdout)
+    lists = [said.get(k) if isinstance(said, dict) else None for k in ("files", "path")]
+    if not all(isinstance(x, list) and all(isinstance(f, str) for f in x) for x in lists):
+        raise ConfigError("the list of the env's imports is not two lists of paths")
+    files, path = cast(list[list[str]], lists)
+    return files, [os.path.abspath(p) for p in path if p]
 
 
 def _package_roots(sys_path: list[str], modules: list[str]) -> list[str]:
@@ -235,7 +239,8 @@ def _walk(root: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
 
 def image_files(sys_path: list[str], modules: list[str]) -> list[str]:
     """Every host file the guest's initramfs holds (see the module docstring); ``modules``:
-    the files of the modules the guest imports (:func:`imported_files`)."""
+    the files of the modules the guest imports, ``sys_path`` its path once it has
+    (:func:`imported_files`)."""
     stdlib = sysconfig.get_paths()["stdlib"]
     files: set[str] = set(_walk(stdlib, _STDLIB_SKIP))
     files.update(f for f in _walk(stdlib) if "/config-" in f and f.endswith("Makefile"))
@@ -334,7 +339,8 @@ def build_image(
             "linux-image-cloud-amd64)"
         )
     kernel, modules = found
-    files = image_files(sys_path, imported_files(sys_path, target, env_kwargs))
+    imported, guest_path = imported_files(sys_path, target, env_kwargs)
+    files = image_files(guest_path, imported)
     key = _inputs_key(files, kernel)
     os.makedirs(cache_dir, mode=0o700, exist_ok=True)
     os.chmod(cache_dir, 0o700)
