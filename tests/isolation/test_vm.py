@@ -2,10 +2,11 @@
 
 One server, two VM sessions side by side (each VM boots in seconds under QEMU's emulator
 on a host whose KVM cannot run a stock kernel; with hardware KVM, faster): each sees a
-kernel and a ``/proc`` of its own, the hostile battery's basics stay inside its guest, and
-a crash of one guest's kernel ends only that session (``ENV_CRASHED``) while the other
-keeps stepping; VMs restored from one snapshot get random state of their own.
-``make test`` installs QEMU and the guest kernel as root (``make vm-deps``).
+kernel and a ``/proc`` of its own, the hostile battery's basics stay inside its guest, a
+fork of one is a VM of its own with its parent's state, and a crash of one guest's
+kernel ends only that session (``ENV_CRASHED``) while the other keeps stepping; VMs
+restored from one snapshot get random state of their own; a VM that ends while it boots
+says why. ``make test`` installs QEMU and the guest kernel as root (``make vm-deps``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,21 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
             with pytest.raises(stadium.StadiumError) as refused:
                 await _step(a, "connect", "127.0.0.1:22")
             assert refused.value.code == ErrorCode.EXECUTION_ERROR
+            # fork: a copy of a's VM sees a's state at the fork, then each goes its own way
+            assert await _step(a, "write", "/tmp/before") == "/tmp/before"
+            c = await a.fork()
+            try:
+                assert await _step(c, "read", "/tmp/before") == "secret"
+                assert await _step(c, "uname") == kernel
+                await _step(a, "write", "/tmp/parent")
+                await _step(c, "write", "/tmp/child")
+                assert await _step(c, "read", "/tmp/child") == "secret"
+                for env, other in ((a, "/tmp/child"), (c, "/tmp/parent")):
+                    with pytest.raises(stadium.StadiumError) as unseen:
+                        await _step(env, "read", other)
+                    assert unseen.value.code == ErrorCode.EXECUTION_ERROR
+            finally:
+                await c.close()
             # a crash of a's guest kernel: a's session only
             with pytest.raises(stadium.StadiumError) as crashed:
                 await _step(a, "panic")

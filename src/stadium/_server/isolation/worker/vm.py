@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -53,6 +54,7 @@ from stadium._server.isolation import wire
 from stadium._server.isolation.worker import vmimage, vmsnap
 from stadium._server.isolation.worker.isolation import (
     EXIT_REPORT_S,
+    FORK_S,
     TEMPLATE_START_S,
     Isolation,
     IsolationConfig,
@@ -166,6 +168,9 @@ class VmIsolation(Isolation):
         self._built: asyncio.Future[None] | None = None
         self._qemu: dict[int, subprocess.Popen[bytes]] = {}
         """Each VM's QEMU process, by its key (its pid), until reaped."""
+        self._qmps: dict[int, vmsnap.Qmp] = {}
+        """Each restored VM's QMP connection (kept for ``fork``), by its key."""
+        self._copies = itertools.count(1)
         self.consoles: dict[int, Console] = {}
         """Each VM's output's tail (:mod:`.vmconsole`), by its key, until it is released
         or its death is told."""
@@ -311,49 +316,74 @@ class VmIsolation(Isolation):
         started = time.perf_counter()
         await self._ensure_template()
         snapshot = self.snapshot
-        state, qmp_ours, qmp_theirs = -1, None, None
+        qmp: vmsnap.Qmp | None = None
         if snapshot is not None:
-            state = os.open(snapshot.state, os.O_RDONLY | os.O_CLOEXEC)
-            qmp_ours, qmp_theirs = socket.socketpair()
-        try:
-            if snapshot is not None and qmp_theirs is not None:
-                fds = [state, qmp_theirs.fileno()]
-                proc = self._launch(snapshot.restore_argv(qmp_theirs.fileno()), fds)
-            else:
-                proc = self._launch([], [])
-        finally:
-            if qmp_theirs is not None:
-                qmp_theirs.close()
+            proc, qmp = await self._restored(snapshot, snapshot.state, VM_BOOT_S)
+            log.debug("VM %d restored in %.3f s", proc.pid, time.perf_counter() - started)
+        else:
+            proc = self._launch([], [])
         loop = asyncio.get_running_loop()
         try:
-            if qmp_ours is not None:
-                await asyncio.wait_for(vmsnap.restore(vmsnap.Qmp(qmp_ours), state), VM_BOOT_S)
-                log.debug("VM %d restored in %.3f s", proc.pid, time.perf_counter() - started)
-            else:
+            if qmp is None:
                 await self._boot(proc)
             hello = proc.expect(wire.HELLO_REPLY)
             await loop.sock_sendall(proc.sock, wire.frame(_GO.encode(wire.Go(os.urandom(32)))))
             reply = await asyncio.wait_for(hello, VM_BOOT_S)
         except (Gone, TimeoutError, OSError, ExecutionError) as exc:
+            if qmp is not None:
+                qmp.sock.close()
             raise await self._failed(proc, "start", exc) from None
         except BaseException:
+            if qmp is not None:
+                qmp.sock.close()
             self.kill(proc)
             proc.close()
             raise
-        finally:
-            if state >= 0:
-                os.close(state)
-            if qmp_ours is not None:
-                qmp_ours.close()
         if isinstance(reply, wire.Raised):
+            if qmp is not None:
+                qmp.sock.close()
             self.kill(proc)
             proc.close()
             raise ExecutionError(reply.message, exception=reply.exception, operation="create")
+        if qmp is not None:
+            self._qmps[proc.pid] = qmp
         self.starts += 1
         self.pools.starts[ref] += 1
         self.start_seconds.append(time.perf_counter() - started)
         del self.start_seconds[:-1024]
         return proc
+
+    async def _restored(
+        self, snapshot: vmsnap.Snapshot, state_path: str, within: float
+    ) -> tuple[EnvProcess, vmsnap.Qmp]:
+        """A VM restored from ``state_path`` (the template's saved state, or a fork's copy),
+        running, and its QMP connection."""
+        state = os.open(state_path, os.O_RDONLY | os.O_CLOEXEC)
+        qmp_ours, qmp_theirs = socket.socketpair()
+        try:
+            proc = self._launch(
+                snapshot.restore_argv(qmp_theirs.fileno()), [state, qmp_theirs.fileno()]
+            )
+        except BaseException:
+            os.close(state)
+            qmp_ours.close()
+            raise
+        finally:
+            qmp_theirs.close()
+        qmp = vmsnap.Qmp(qmp_ours)
+        try:
+            await asyncio.wait_for(vmsnap.restore(qmp, state), within)
+        except (Gone, TimeoutError, OSError, ExecutionError) as exc:
+            qmp_ours.close()
+            raise await self._failed(proc, "start", exc) from None
+        except BaseException:
+            qmp_ours.close()
+            self.kill(proc)
+            proc.close()
+            raise
+        finally:
+            os.close(state)
+        return proc, qmp
 
     async def _failed(self, proc: EnvProcess, stage: str, exc: BaseException) -> ExecutionError:
         """The error of a VM that did not ``boot`` (to ``Ready``) or ``start`` (restored, to
@@ -403,6 +433,9 @@ class VmIsolation(Isolation):
             self._loop.remove_reader(proc.pidfd)
         if proc.released:  # no death to tell
             self.consoles.pop(proc.pid, None)
+        qmp = self._qmps.pop(proc.pid, None)
+        if qmp is not None:
+            qmp.sock.close()
         super()._cleanup(proc)
 
     def release(self, proc: EnvProcess) -> None:
@@ -435,10 +468,41 @@ class VmIsolation(Isolation):
         )  # fmt: skip
 
     async def adopt_fork(self, parent: EnvProcess) -> EnvProcess:
-        raise SnapshotError(
-            "fork is not supported under --isolation vm yet (use process or sandbox)",
-            reason="fork",
+        """The copy of ``parent``'s VM made by ``fork``: its whole state saved (paused
+        meanwhile: :func:`.vmsnap.copy`) into the template's folder and restored into a new
+        VM, which continues where ``parent`` was (the same guest kernel, env and session
+        state); the file is removed once it is loaded.
+
+        Raises:
+            SnapshotError: no snapshots (``STADIUM_VM_SNAPSHOT=off``), or the copy failed.
+        """
+        qmp, snapshot = self._qmps.get(parent.pid), self.snapshot
+        if qmp is None or snapshot is None:
+            raise SnapshotError(
+                "fork under --isolation vm needs VMs restored from the template's snapshot "
+                "(STADIUM_VM_SNAPSHOT=off boots each one)", reason="fork",
+            )  # fmt: skip
+        started = time.perf_counter()
+        within = min(FORK_S, self.limits.call_timeout)
+        path = os.path.join(snapshot.folder, f"fork-{parent.pid}-{next(self._copies)}")
+        try:
+            try:
+                await vmsnap.copy(qmp, path, within)
+            except (ExecutionError, OSError) as exc:
+                raise SnapshotError(f"copying the env's VM failed: {exc}", reason="fork") from None
+            try:
+                proc, copy_qmp = await self._restored(snapshot, path, within)
+            except ExecutionError as exc:
+                raise SnapshotError(f"the env's VM's copy {exc.message}", reason="fork") from None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._qmps[proc.pid] = copy_qmp
+        self.starts += 1
+        log.debug(
+            "VM %d forked to %d in %.3f s", parent.pid, proc.pid, time.perf_counter() - started
         )
+        return proc
 
     def shutdown(self) -> None:
         """End every VM (SIGKILL) and reap their QEMU processes."""
@@ -451,6 +515,9 @@ class VmIsolation(Isolation):
             with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
                 qemu.wait(max(0.0, deadline - time.monotonic()))
         self._qemu.clear()
+        for qmp in self._qmps.values():
+            qmp.sock.close()
+        self._qmps.clear()
         if self.snapshot is not None:
             self.snapshot.remove()
             self.snapshot = None

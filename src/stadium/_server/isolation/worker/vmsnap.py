@@ -10,6 +10,11 @@ mapped *private* (``share=off``): restored VMs share the template's pages copy-o
 and copy only the pages they write. Every restored guest waits for the worker's ``go``
 (fresh entropy: :mod:`.vmchild`) before it builds its env.
 
+``fork`` (:func:`copy`) saves a running session's VM whole, its RAM included (a restored
+VM's RAM is its own: private pages over the template's), paused meanwhile, into a file
+of the template's folder, then runs it on; the copy is a VM restored from that file as
+any session's is, continuing where its parent was.
+
 QMP here is a socket pair (``-chardev socket,fd=``), read without blocking the loop, each
 reply bounded (:data:`QMP_MAX`) and decoded as JSON.
 """
@@ -32,6 +37,9 @@ from stadium._errors import ExecutionError
 QMP_MAX = 1 << 20
 #: Seconds a template's state may take to save.
 SAVE_S = 60.0
+#: The bytes per second a fork's copy is written at (QEMU's default, 32 MiB/s, would take
+#: seconds for a guest's RAM): as fast as it goes.
+COPY_BANDWIDTH = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -153,6 +161,37 @@ async def restore(qmp: Qmp, state_fd: int) -> None:
             raise ExecutionError(f"restoring a VM {status}")
         await asyncio.sleep(0.002)
     raise ExecutionError(f"restoring a VM took over {SAVE_S:g} s")
+
+
+async def copy(qmp: Qmp, path: str, within: float) -> None:
+    """Save the whole state of a running VM (its QMP: ``qmp``, greeted) into ``path`` (a
+    new file); the VM is paused meanwhile and runs on after, whatever happened.
+
+    Raises:
+        ExecutionError: QEMU refused, the copy failed, or took over ``within`` seconds.
+    """
+    await qmp.command("migrate-set-parameters", **{"max-bandwidth": COPY_BANDWIDTH})
+    await qmp.command("stop")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            await qmp.command("getfd", fd=fd, fdname="fork")
+        finally:
+            os.close(fd)
+        await qmp.command("migrate", uri="fd:fork")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while loop.time() < deadline:
+            status = (await qmp.command("query-migrate")).get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise ExecutionError(f"copying the VM's state {status}")
+            await asyncio.sleep(0.002)
+        await qmp.command("migrate_cancel")
+        raise ExecutionError(f"copying the VM's state took over {within:g} s")
+    finally:
+        await qmp.command("cont")
 
 
 async def save(qmp: Qmp, folder: str, memory_mib: int) -> Snapshot:
