@@ -1,13 +1,16 @@
 """Measure ``--isolation vm`` against ``sandbox`` on this machine (BENCHMARKS.md, "vm").
 
     flock /tmp/bench.lock python scripts/bench-vm.py [--modes vm,sandbox] [--sessions 20]
+        [--forks 20] [--only-forks]
 
 For each mode it starts ``stadium serve`` (the hostile test env, echo steps) as a process
 of its own and measures, from a client process: session start (connect + ``reset``) p50/p99
 from a warm pool (``--warm-pool 4``, a pause between sessions so the pool refills) and
-cold (``--warm-pool 0``); the server's CPU per step (its own process, from /proc) and its
-VMs' (the QEMU processes, apart); the host memory (PSS) per idle session; and how many
-sessions open at once before one fails or ``--max-concurrent`` is reached.
+cold (``--warm-pool 0``); ``fork`` of a session that has stepped (the copy's client
+connected, p50/p99; each copy closed before the next); the server's CPU per step (its
+own process, from /proc) and its VMs' (the QEMU processes, apart); the host memory (PSS)
+per idle session; and how many sessions open at once before one fails or
+``--max-concurrent`` is reached.
 """
 
 from __future__ import annotations
@@ -107,6 +110,28 @@ async def starts(mode: str, warm: int, n: int, pause: float) -> dict[str, float]
         server.wait(30)
 
 
+async def forks(mode: str, n: int) -> dict[str, float]:
+    port = _port()
+    server = _serve(mode, 4, port)
+    url = f"ws://127.0.0.1:{port}"
+    try:
+        await _wait_up(url, 300)
+        times = []
+        async with stadium.AsyncClient(url, request_timeout=300) as env:
+            await env.reset()
+            await env.step({"do": "echo", "arg": "x"})
+            for _ in range(n):
+                t = time.perf_counter()
+                copy = await env.fork()
+                times.append(time.perf_counter() - t)
+                await copy.step({"do": "echo", "arg": "y"})
+                await copy.close()
+        return {"p50_ms": _pct(times, 0.5), "p99_ms": _pct(times, 0.99), "n": n}
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 async def steady(mode: str, steps: int, idle: int, max_concurrent: int) -> dict[str, float]:
     port = _port()
     server = _serve(mode, 0, port)
@@ -183,9 +208,16 @@ async def main() -> None:
     parser.add_argument("--idle", type=int, default=10)
     parser.add_argument("--max-concurrent", type=int, default=64)
     parser.add_argument("--skip-starts", action="store_true", help="only the steady part")
+    parser.add_argument("--forks", type=int, default=20)
+    parser.add_argument("--only-forks", action="store_true", help="only the forks")
     args = parser.parse_args()
     for mode in args.modes.split(","):
         row: dict[str, object] = {"mode": mode}
+        if args.forks:
+            row["fork"] = await forks(mode, args.forks)
+        if args.only_forks:
+            print(json.dumps(row), flush=True)
+            continue
         if not args.skip_starts:
             row["warm"] = await starts(mode, 4, args.sessions, 1.0)
             row["cold"] = await starts(mode, 0, args.sessions, 0.2)

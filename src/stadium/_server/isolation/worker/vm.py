@@ -19,7 +19,13 @@ The VM's key is its QEMU process's pid; the worker holds a pidfd on it, reaps it
 exits (its reader on the loop), and kills it (SIGKILL) at a limit or at release. A guest
 that dies (a kernel panic, the env's process ending: pid 1) ends its QEMU process
 (``panic=-1``, ``-no-reboot``): its socket closes and the session gets ``ENV_CRASHED``;
-no other VM is touched.
+no other VM is touched. Each VM's output (QEMU's errors, the guest's console) is read on
+the loop and its tail kept (:mod:`.vmconsole`): a VM that ends while it boots or starts
+says why in its error (QEMU's exit status, its last output), one that ends during a
+session in the log; a VM that is only slow (past :data:`VM_BOOT_S`) is told apart.
+
+``fork`` copies a session's VM whole through the QMP connection kept to each restored VM
+(:func:`.vmsnap.copy`) and restores the copy as a new VM (:meth:`VmIsolation.adopt_fork`).
 
 Limits: ``--sandbox-memory`` is the guest's RAM (plus the initramfs it unpacks),
 ``--sandbox-cpus`` its vCPUs (rounded up), ``--sandbox-disk`` its ``/tmp``, the call and
