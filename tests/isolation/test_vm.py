@@ -127,6 +127,11 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
                 await _step(a, "segfault")
             assert segfault.value.code == ErrorCode.ENV_CRASHED
             assert await _step(b, "echo", "still") == "still"
+            # b's guest out of memory: its kernel panics (the env is its init), and says so
+            with pytest.raises(stadium.StadiumError) as oom:
+                await _step(b, "memory")
+            assert oom.value.code == ErrorCode.LIMIT_EXCEEDED
+            assert oom.value.context["limit"] == "memory"
         await wait_until(lambda: _metric(url, "stadium_isolated_processes") == 0, 30 * UNIT,
                          "VMs ended")  # fmt: skip
         assert _metric(url, "stadium_isolated_crashes_total") == 2

@@ -29,7 +29,9 @@ session in the log; a VM that is only slow (past :data:`VM_BOOT_S`) is told apar
 
 Limits: ``--sandbox-memory`` is the guest's RAM (plus the initramfs it unpacks),
 ``--sandbox-cpus`` its vCPUs (rounded up), ``--sandbox-disk`` its ``/tmp``, the call and
-episode timeouts kill the VM. The guest has no network device at all.
+episode timeouts kill the VM. The guest has no network device at all. A guest out of
+memory panics (its env is its init, which its OOM killer spares): ``LIMIT_EXCEEDED``
+(``memory``), told by the panic's line in its console.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from stadium._errors import (
     ConfigError,
     EnvCrashedError,
     ExecutionError,
+    LimitExceededError,
     SnapshotError,
     StadiumError,
 )
@@ -80,6 +83,9 @@ VM_BOOT_S = 3 * TEMPLATE_START_S
 HARDENING = (
     "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny", "-runas", "nobody",
 )  # fmt: skip
+#: What a guest kernel says when its memory is gone: the env, its init, cannot be killed by
+#: its OOM killer, so the kernel panics with it (``LIMIT_EXCEEDED memory``, not a crash).
+OUT_OF_MEMORY = b"Kernel panic - not syncing: System is deadlocked on memory"
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
 _READY: msgspec.msgpack.Decoder[wire.Ready | wire.Failed] = msgspec.msgpack.Decoder(
@@ -457,9 +463,16 @@ class VmIsolation(Isolation):
         console = self.consoles.pop(proc.pid, None)
         if (late := self.time_limit_error(proc, op, "VM")) is not None:
             return late
-        self.crashes += 1
         if console is not None:  # the guest's last words: the log (they may be the env's)
             await console.drained()
+        if console is not None and OUT_OF_MEMORY in console.tail:
+            self.limit_kills += 1
+            return LimitExceededError(
+                f"{op} used more than the {self.limits.memory_mib} MiB memory limit: the "
+                "env's VM ran out of memory (its guest kernel stopped); reset to start a "
+                "fresh one", operation=op, limit="memory", value=self.limits.memory_mib,
+            )  # fmt: skip
+        self.crashes += 1
         session = console.session if console is not None else None
         log.warning(
             "the VM of session %s ended during %s: %s", session or "-", op, why(status, console),
