@@ -32,7 +32,7 @@ TARGET = f"{Path(__file__).with_name('vm_env.py')}:VmHostile"
 DIES = f"{Path(__file__).with_name('vm_dies.py')}:DiesAtBoot"
 WHY_NO_VM = vm_unavailable()
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900 * UNIT)]
 
 
 async def _step(env: stadium.AsyncClient[Any], do: str, arg: str = "") -> str:
@@ -57,6 +57,13 @@ def test_vm_is_a_mode_and_says_why_it_cannot_run() -> None:
 
 
 @pytest.fixture
+def slow_boots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers' bound on a VM's boot, scaled as every timeout here: an emulated guest
+    boots in 15-100 s on a loaded 2-core host (the template's, once per server)."""
+    monkeypatch.setenv("STADIUM_VM_BOOT_S", str(180 * UNIT))
+
+
+@pytest.fixture
 def in_tmp() -> Iterator[str]:
     """The hostile env served from a file under ``/tmp``, as a checkout there (a CI's clean
     clone) has all its code: the guest's own ``/tmp`` must hide none of it (it did)."""
@@ -69,7 +76,7 @@ def in_tmp() -> Iterator[str]:
 
 @pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}")
 async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_own(
-    in_tmp: str,
+    in_tmp: str, slow_boots: None
 ) -> None:
     host_kernel = os.uname().release
     marker = f"/tmp/stadium-vm-test-{os.getpid()}"
@@ -79,8 +86,8 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
     )  # fmt: skip
     with serving as (_, url):
         async with (
-            stadium.AsyncClient(url, request_timeout=120 * UNIT) as a,
-            stadium.AsyncClient(url, request_timeout=120 * UNIT) as b,
+            stadium.AsyncClient(url, request_timeout=300 * UNIT) as a,
+            stadium.AsyncClient(url, request_timeout=300 * UNIT) as b,
         ):
             ra, rb = await asyncio.gather(a.reset(), b.reset())
             # the env's process is the guest's pid 1, as root of a kernel of its own
@@ -138,12 +145,12 @@ async def test_each_session_has_its_own_kernel_and_a_guest_crash_ends_only_its_o
 
 
 @pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}")
-async def test_a_vm_that_ends_while_it_boots_says_why() -> None:
+async def test_a_vm_that_ends_while_it_boots_says_why(slow_boots: None) -> None:
     # its env's import ends the guest's init: the guest kernel panics, QEMU exits; the
     # error names QEMU's exit status and carries the end of the guest's console
     serving = spawn_server(DIES, "--isolation", "vm", "--drain-timeout", "0", timeout=240 * UNIT)
     with serving as (_, url):
-        async with stadium.AsyncClient(url, request_timeout=120 * UNIT) as env:
+        async with stadium.AsyncClient(url, request_timeout=300 * UNIT) as env:
             with pytest.raises(stadium.StadiumError) as failed:
                 await env.reset()
     assert failed.value.code == ErrorCode.EXECUTION_ERROR
