@@ -162,6 +162,21 @@ async def test_a_vm_that_ends_while_it_boots_says_why(slow_boots: None) -> None:
     assert "Attempted to kill init! exitcode=0x00000100" in said
 
 
+@pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}")
+async def test_a_vm_slower_than_its_boot_bound_is_told_slow_not_crashed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STADIUM_VM_BOOT_S", "0.01")  # no guest boots in 10 ms
+    serving = spawn_server(TARGET, "--isolation", "vm", "--drain-timeout", "0", timeout=240 * UNIT)
+    with serving as (_, url):
+        async with stadium.AsyncClient(url, request_timeout=300 * UNIT) as env:
+            with pytest.raises(stadium.StadiumError) as slow:
+                await env.reset()
+    assert slow.value.code == ErrorCode.EXECUTION_ERROR
+    assert "did not boot within 0.01 s (killed then: the host is slow)" in slow.value.message
+    assert "ended" not in slow.value.message
+
+
 def _metric(url: str, name: str) -> float:
     """One unlabelled series of the server's ``/metrics``."""
     with urllib.request.urlopen(url + "/metrics", timeout=10 * UNIT) as reply:

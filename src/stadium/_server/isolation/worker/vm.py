@@ -411,7 +411,8 @@ class VmIsolation(Isolation):
         ended, each with QEMU's exit status and its last output (:mod:`.vmconsole`)."""
         qemu = self._qemu.get(proc.pid)
         tracked = proc.pid in self.live
-        if isinstance(exc, Gone | OSError):  # its channel closed: QEMU is ending
+        # its channel closed: QEMU is ending (a TimeoutError is an OSError too: slow, not that)
+        if isinstance(exc, Gone | OSError) and not isinstance(exc, TimeoutError):
             what = f"ended while it {'booted' if stage == 'boot' else 'started'}"
         else:  # alive: ended here
             what = (
