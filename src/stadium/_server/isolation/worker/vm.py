@@ -162,7 +162,8 @@ def qemu_argv(
         "-smp", str(max(1, math.ceil(cpus))), "-nodefaults", "-no-user-config",
         "-display", "none", "-no-reboot", *HARDENING,
         "-kernel", image.kernel, "-initrd", image.initrd,
-        "-append", image.cmdline(extra), "-chardev", f"socket,id=chan,fd={chan_fd}",
+        "-append", image.cmdline(f"{extra} stadium.boot_s={VM_BOOT_S:g}"),
+        "-chardev", f"socket,id=chan,fd={chan_fd}",
         "-device", "virtio-serial-device,max_ports=2",
         "-device", "virtserialport,chardev=chan,name=stadium", *console,
     ]  # fmt: skip
