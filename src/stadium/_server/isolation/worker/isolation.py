@@ -63,7 +63,7 @@ from stadium._util.throttle import ThrottledLog
 log = logging.getLogger("stadium.isolation")
 _CONTROL_REFUSED = ThrottledLog(log, logging.WARNING)
 
-MODES = ("none", "process", "sandbox")
+MODES = ("none", "process", "sandbox", "vm")
 #: The script a template process starts with (:mod:`.boot`).
 BOOT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "template", "boot.py"

@@ -134,7 +134,8 @@ class ProcessEnv:
         fork: bool = False,
     ) -> Any:
         iso = self.isolation
-        limit = min(iso.limits.call_timeout, FORK_S) if fork else iso.limits.call_timeout
+        fork_s: float = getattr(iso, "fork_s", FORK_S)  # a VM's copy: longer (vm.VM_FORK_S)
+        limit = min(iso.limits.call_timeout, fork_s) if fork else iso.limits.call_timeout
         timer = proc.loop.call_later(limit, self._expire, proc)
         try:
             if fork:
