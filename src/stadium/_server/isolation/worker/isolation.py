@@ -121,6 +121,8 @@ class _ShutDown(ExecutionError):
 class Isolation:
     """One worker's template process, warm pool and isolated-session counters."""
 
+    fork_s = FORK_S  #: the bound on a fork's copy (a VM's, ``vm.VM_FORK_S``, is longer)
+
     def __init__(self, config: IsolationConfig) -> None:
         self.config = config
         self.sandbox = config.mode == "sandbox"
@@ -532,8 +534,7 @@ class Isolation:
 
         Raises:
             Gone: ``parent`` died. EnvProtocolError: it answered with what is refused.
-            SnapshotError: the fork failed or its copy cannot be told apart.
-        """
+            SnapshotError: the fork failed or its copy cannot be told apart."""
         reply = await parent.request_fds(wire.encode(wire.Fork()), wire.DONE_REPLY)
         fd = parent.take_fd()
         if isinstance(reply, wire.Raised) or fd < 0:

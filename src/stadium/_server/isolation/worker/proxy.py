@@ -34,7 +34,7 @@ from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
 from stadium._server.durability.records import INLINE_BYTES, MAX_RECORD_BYTES
 from stadium._server.isolation import wire
-from stadium._server.isolation.worker.isolation import FORK_S, Isolation
+from stadium._server.isolation.worker.isolation import Isolation
 from stadium._server.isolation.worker.proc import EnvProcess, Gone, foreign_error
 
 #: A durable snapshot larger than this is spilled to a file (see the module docstring).
@@ -134,8 +134,7 @@ class ProcessEnv:
         fork: bool = False,
     ) -> Any:
         iso = self.isolation
-        fork_s: float = getattr(iso, "fork_s", FORK_S)  # a VM's copy: longer (vm.VM_FORK_S)
-        limit = min(iso.limits.call_timeout, fork_s) if fork else iso.limits.call_timeout
+        limit = min(iso.limits.call_timeout, iso.fork_s) if fork else iso.limits.call_timeout
         timer = proc.loop.call_later(limit, self._expire, proc)
         try:
             if fork:
