@@ -386,8 +386,10 @@ _BY_HAND = {
 def dict_built_frames(source: str) -> list[str]:
     """Where ``source`` builds a frame by hand: a dict display or ``dict()`` call whose
     ``"type"`` is a frame's (:data:`_FRAME_TYPES`) or that has a ``"data"`` beside its
-    ``"type"`` (the envelope), or a string or bytes literal that reads as a frame. Dicts
-    with a ``"type"`` of another kind (an ASGI event, a JSON schema, a manifest) pass."""
+    ``"type"`` (the envelope), or a string or bytes literal that reads as a frame; or the
+    body of OpenEnv's HTTP ``/reset`` and ``/step`` answers (``ObservationBody``) as a
+    dict. Dicts with a ``"type"`` of another kind (an ASGI event, a JSON schema, a
+    manifest) pass."""
     found: list[str] = []
     for node in ast.walk(ast.parse(source)):
         fields: dict[str, ast.expr] = {}
@@ -404,6 +406,8 @@ def dict_built_frames(source: str) -> list[str]:
             "data" in fields or (isinstance(kind, ast.Constant) and kind.value in _FRAME_TYPES)
         ):
             found.append(f"line {node.lineno}: a dict-built frame")
+        if set(fields) == {"observation", "reward", "done"}:
+            found.append(f"line {node.lineno}: a dict-built ObservationBody")
         if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
             text = node.value if isinstance(node.value, str) else node.value.decode("latin-1")
             if _FRAME_TEXT.match(text):
@@ -420,6 +424,7 @@ def test_the_frame_check_catches_a_frame_and_passes_other_dicts() -> None:
     assert dict_built_frames('send(b\'{"type":"close"}\')')
     assert dict_built_frames('_PREFIX = b\'{"type":"mcp","data":\'')
     assert dict_built_frames('return json.dumps({"type": "session_started", "data": d})')
+    assert dict_built_frames('body = {"observation": obs, "reward": None, "done": False}')
     assert not dict_built_frames('send({"type": "websocket.send", "bytes": payload})')
     assert not dict_built_frames('schema = {"type": "object", "properties": {}}')
     assert not dict_built_frames('split = {"name": name, "type": kind}')
@@ -439,3 +444,14 @@ def test_nothing_outside_the_core_builds_a_frame_by_hand() -> None:
     }
     assert found == {}, f"encode stadium._core.frames' Structs, not dicts: {found}"
     assert all((SRC / name).exists() for name in _BY_HAND), "a stale exception"
+
+
+def test_the_http_observation_body_is_openenvs_shape_byte_for_byte() -> None:
+    """OpenEnv's HTTP ``/reset`` and ``/step`` body, as the endpoints wrote it as a dict."""
+    from stadium._core.frames import ObservationBody
+
+    for obs, reward, done in [({"x": 1}, None, False), ({"y": [1.5]}, 0.25, True), ("s", 1, False)]:
+        old = {"observation": obs, "reward": reward, "done": done}
+        assert msgspec.json.encode(ObservationBody(obs, reward, done)) == msgspec.json.encode(old)
+    empty = b'{"observation":{},"reward":null,"done":false}'
+    assert msgspec.json.encode(ObservationBody({})) == empty
