@@ -58,6 +58,7 @@ from stadium._core.resume import (
     ResumedData,
 )
 from stadium._env.contract import State, StepResult
+from stadium._env.cost import EpisodeCost
 from stadium._env.spec import EnvSpec
 from stadium._errors import CapacityError, SessionError
 from stadium.envs.echo import EchoAction, EchoEnv, EchoObservation
@@ -179,9 +180,13 @@ def test_every_reply_the_server_encodes_the_client_reads(encoding: Encoding) -> 
     step = server.receive(payload)
     assert isinstance(step, Call)
     result = StepResult(EchoObservation("hi", 2), 0.2, True, truncated=True, info={"k": 1})
-    reply = answer("observation", server.observation_reply(step, result), rid)
+    cost = EpisodeCost(wall_s=0.5, cpu_s=0.25, steps=1, bytes_in=10, bytes_out=20)
+    ended = server.with_cost(server.observation_reply(step, result), cost)
+    reply = answer("observation", ended, rid)
     typed = step_result(reply, EchoObservation)
-    assert typed == StepResult(EchoObservation("hi", 2), 0.2, True, truncated=True, info={"k": 1})
+    obs = EchoObservation("hi", 2)
+    assert typed == StepResult(obs, 0.2, True, truncated=True, info={"k": 1}, cost=cost)
+    assert reply.id == rid
 
     payload, rid = client.request("state")
     state = server.receive(payload)
