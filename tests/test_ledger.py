@@ -211,7 +211,7 @@ def _rows(directory: Path) -> list[dict[str, Any]]:
 
 
 async def _recorded(directory: Path, n: int) -> list[dict[str, Any]]:
-    await wait_until(lambda: len(_rows(directory)) >= n, 10 * UNIT, f"{n} episodes recorded")
+    await wait_until(lambda: len(_rows(directory)) >= n, 30 * UNIT, f"{n} episodes recorded")
     return _rows(directory)
 
 
@@ -581,7 +581,7 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
             killed_at = time.time()
             await wait_until(lambda: not proc_alive(victim), 5 * UNIT, "the worker died")
             # Its writer writes what it has, then exits: it dies with its worker.
-            await wait_until(lambda: not proc_alive(writers[0]), 10 * UNIT, "the writer ended")
+            await wait_until(lambda: not proc_alive(writers[0]), 30 * UNIT, "the writer ended")
             await asyncio.sleep(0.5)
         finally:
             stop.set()
