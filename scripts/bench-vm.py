@@ -257,6 +257,11 @@ class Container:
         self.proc.stdin.write(arg.encode() + b"\n")
         await self.proc.stdin.drain()
         line = await asyncio.wait_for(self.proc.stdout.readline(), limit)
+        if not line:
+            raise RuntimeError(
+                f"the container of {self.image} ended before answering: is the image in the "
+                "local store (`podman images`) with python3 in it? (--podman-image)"
+            )
         if line != arg.encode() + b"\n":
             raise RuntimeError(f"the container answered {line[:80]!r} to {arg!r}")
 
@@ -423,6 +428,14 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
             lambda r: (
                 _num(r["pss_kib_per_idle_session"] / 1024, ".1f")
                 if "pss_kib_per_idle_session" in r
+                else "—"
+            ),
+        ),
+        (
+            "podman only: the attached `podman run` client's PSS per session (MiB)",
+            lambda r: (
+                _num(r["podman_client_pss_kib_per_session"] / 1024, ".1f")
+                if "podman_client_pss_kib_per_session" in r
                 else "—"
             ),
         ),
