@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import subprocess
 import tempfile
 import threading
 import time
@@ -195,16 +196,24 @@ def test_store_errors_name_the_key_not_the_directory(tmp_path: Path) -> None:
 
 
 def test_a_read_only_directory_is_a_config_error(tmp_path: Path) -> None:
-    if os.geteuid() == 0:
-        pytest.skip("root writes into read-only directories; the file-as-parent case covers it")
+    """Mode 0500 for a user; for root (who writes through modes) a read-only mount."""
     locked = tmp_path / "locked"
     locked.mkdir()
-    os.chmod(locked, 0o500)
+    as_root = os.geteuid() == 0
+    if as_root:
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "stadium-ro", str(locked)], check=True
+        )
+    else:
+        os.chmod(locked, 0o500)
     try:
         with pytest.raises(ConfigError, match="not usable"):
             DirectoryStore(locked)
     finally:
-        os.chmod(locked, 0o700)
+        if as_root:
+            subprocess.run(["umount", str(locked)], check=True)
+        else:
+            os.chmod(locked, 0o700)
 
 
 def test_writes_are_atomic_under_a_concurrent_reader(store: DirectoryStore) -> None:
