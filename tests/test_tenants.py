@@ -29,7 +29,6 @@ from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import LocalSlots
 from stadium._server.admission.tenants import (
     HELD,
-    OPENED,
     WAIT_BUCKETS,
     WAIT_HIST,
     WAIT_US,
@@ -165,7 +164,7 @@ def test_a_seat_without_a_wait_counts_in_the_first_bucket() -> None:
     fair._seat(3, 0.02)  # 0.01 < 0.02 <= 0.05: the 4th bucket
     shared = directory.shared
     assert shared.total(3, HELD) == 2
-    assert shared.total(3, OPENED) == 2
+    assert shared.opened(3) == 2
     hist = [shared.total(3, WAIT_HIST + i) for i in range(len(WAIT_BUCKETS) + 1)]
     assert hist == [1, 0, 0, 1] + [0] * (len(WAIT_BUCKETS) - 3)
     assert shared.total(3, WAIT_US) == 20_000

@@ -52,7 +52,7 @@ from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission.client_counts import Keys
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import Admission, Verdict, Waiter
-from stadium._server.admission.tenants import CHARGED, NFIELDS, REFUSED, STEPS, TenantDirectory
+from stadium._server.admission.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
 from stadium._server.metrics import DOORS
 
 
@@ -215,7 +215,7 @@ class Doorway:
             tenant = now_is
         shared = directory.shared
         if charged.counted:
-            shared.counts[(row * NFIELDS + CHARGED) * shared.width + shared.column] += 1  # add()
+            shared.mine[row][CHARGED] += 1
             if tenant.max_sessions:
                 shared.fence()  # the increment is visible before the sum is read
                 if shared.total(row, CHARGED) > tenant.max_sessions:
@@ -242,8 +242,7 @@ class Doorway:
             charged.tenant = None
             charged.bucket = None
             if charged.counted and self.tenants is not None:
-                t = self.tenants.shared
-                t.counts[(tenant.row * NFIELDS + CHARGED) * t.width + t.column] -= 1
+                self.tenants.shared.mine[tenant.row][CHARGED] -= 1
         record = charged.record
         if record is None:
             return
@@ -288,8 +287,33 @@ class Doorway:
             n -= charged.inherited
             charged.inherited = 0
         if n > 0 and tenant is not None and self.tenants is not None:
-            shared = self.tenants.shared
-            shared.counts[(tenant.row * NFIELDS + STEPS) * shared.width + shared.column] += n
+            self.tenants.shared.mine[tenant.row][STEPS] += n
+
+    def closed(self, charged: Pass | None, tenant: Tenant, steps: int, now: float) -> None:
+        """A session of ``tenant`` ended: its running episode's ``steps`` counted
+        (:meth:`steps`) and ``charged`` given back (:meth:`leave`), in one call."""
+        directory = self.tenants
+        if directory is None:
+            if charged is not None:
+                self.leave(charged, now)
+            return
+        mine = directory.shared.mine[tenant.row]
+        if charged is None:
+            if steps > 0:
+                mine[STEPS] += steps
+            return
+        steps -= charged.inherited
+        charged.inherited = 0
+        if steps > 0:
+            mine[STEPS] += steps
+        held = charged.tenant
+        if held is not None:
+            charged.tenant = None
+            charged.bucket = None
+            if charged.counted:
+                directory.shared.mine[held.row][CHARGED] -= 1
+        if charged.record is not None:
+            self.leave(charged, now)
 
     def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
