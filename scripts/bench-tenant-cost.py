@@ -7,9 +7,11 @@ own WebSocket client (:mod:`stadium.bench.sessions`): ``none`` (no tenants, no t
 and ``tenants`` (``--tenants`` with two tenants, weights 1 and 3; the clients send
 tenant ``t0``'s token, and the same header to ``none``). A *block* is ``--sessions``
 session lifecycles (connect, reset, ``--steps`` steps, close), ``--concurrency`` at a
-time. Blocks alternate between the arms, ABBA BAAB ... (each pair's order flipped, so
+time. Blocks alternate between the arms, ABBA ... (each pair's order flipped, so
 that a drift of the machine within a pair falls on both arms alike), ``--pairs``
-pairs after a warm-up pair; for each block:
+pairs after a warm-up pair; with ``--together`` a pair's two blocks run at the same
+time instead (both servers share the one core: whatever else loads the machine at
+that moment loads both alike; the steadiest ratio on a busy machine). For each block:
 
 * **CPU µs per session**: the run time of every thread of the server's tree
   (``/proc/PID/task/TID/schedstat``, nanoseconds) over the block, divided by its
@@ -196,6 +198,9 @@ async def main() -> None:
     p.add_argument("--client-cpu", type=int, default=1)
     p.add_argument("--src", help="serve from this tree's src (PYTHONPATH)")
     p.add_argument("--count", action="store_true", help="count bytecodes, not CPU")
+    p.add_argument("--together", action="store_true",
+                   help="drive both arms' blocks at once (same core, same moment), "
+                   "not one after the other")  # fmt: skip
     p.add_argument("--by-function", type=int, default=0, metavar="N",
                    help="with --count: the N functions that differ most")  # fmt: skip
     args = p.parse_args()
@@ -260,8 +265,12 @@ async def pairs(servers: list[Server], args: argparse.Namespace) -> None:
     a: list[float] = []
     b: list[float] = []
     for i in range(args.pairs):
-        order = (none, tenants) if i % 2 == 0 else (tenants, none)
-        got = {s.arm: await timed(s, args) for s in order}
+        if args.together:
+            both = await asyncio.gather(timed(none, args), timed(tenants, args))
+            got = {"none": both[0], "tenants": both[1]}
+        else:
+            order = (none, tenants) if i % 2 == 0 else (tenants, none)
+            got = {s.arm: await timed(s, args) for s in order}
         a.append(got["none"])
         b.append(got["tenants"])
         print(f"# pair {i + 1}: none {got['none']:.1f} µs, tenants {got['tenants']:.1f} µs, "

@@ -302,8 +302,9 @@ class Doorway:
             if steps > 0:
                 mine[STEPS] += steps
             return
-        steps -= charged.inherited
-        charged.inherited = 0
+        if charged.inherited:
+            steps -= charged.inherited
+            charged.inherited = 0
         if steps > 0:
             mine[STEPS] += steps
         held = charged.tenant
