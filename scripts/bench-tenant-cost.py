@@ -105,6 +105,10 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.count_file = os.path.join(args.tmp, f"bytecodes-{arm}")
         python = [sys.executable, "-c", COUNTER, "-m"] if args.count else [sys.executable, "-m"]
+        self.callgrind = os.path.join(args.tmp, f"callgrind-{arm}.out")
+        if args.callgrind:
+            python = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={self.callgrind}",
+                      "--dump-line=no", "--compress-strings=no", *python]  # fmt: skip
         argv = [
             "taskset", "-c", str(args.server_cpu), *python, "stadium", "serve", "benchmark",
             "--host", "127.0.0.1", "--port", str(port), "--max-sessions", "10000",
@@ -117,7 +121,7 @@ class Server:
         if args.src:
             env["PYTHONPATH"] = args.src
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + START_S
+        deadline = time.monotonic() + START_S * (10 if args.callgrind else 1)
         while not healthy(self.url, 1.0):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -141,6 +145,19 @@ class Server:
             k, _, name = line.partition(" ")
             per[name] = per.get(name, 0) + int(k)
         return int(first), per
+
+    def machine_instructions(self) -> int:
+        """Instructions (callgrind's ``Ir``) since the last call (once the server is idle)."""
+        time.sleep(1.0)
+        before = set(os.listdir(os.path.dirname(self.callgrind)))
+        subprocess.run(["callgrind_control", "-d", str(self.proc.pid)], check=True,
+                       stdout=subprocess.DEVNULL, timeout=CALL_S)  # fmt: skip
+        new = set(os.listdir(os.path.dirname(self.callgrind))) - before
+        (dump,) = (n for n in new if n.startswith(os.path.basename(self.callgrind)))
+        for line in Path(os.path.dirname(self.callgrind), dump).read_text().splitlines():
+            if line.startswith(("summary:", "totals:")):
+                return int(line.split()[1])
+        raise RuntimeError(f"no totals in callgrind's dump {dump}")
 
     def stop(self) -> None:
         terminate(self.proc)
@@ -198,6 +215,11 @@ async def main() -> None:
     p.add_argument("--client-cpu", type=int, default=1)
     p.add_argument("--src", help="serve from this tree's src (PYTHONPATH)")
     p.add_argument("--count", action="store_true", help="count bytecodes, not CPU")
+    p.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="count machine instructions (valgrind's callgrind), not CPU",
+    )
     p.add_argument("--together", action="store_true",
                    help="drive both arms' blocks at once (same core, same moment), "
                    "not one after the other")  # fmt: skip
@@ -218,6 +240,8 @@ async def main() -> None:
         try:
             if args.count:
                 await count(servers, args)
+            elif args.callgrind:
+                await instructions(servers, args)
             else:
                 await pairs(servers, args)
         finally:
@@ -256,6 +280,26 @@ async def count(servers: list[Server], args: argparse.Namespace) -> None:
         for f in sorted(names, key=lambda f: -abs(delta[f]))[: args.by_function]:
             print(f"| {f} | {funcs['none'].get(f, 0) / n:.1f} "
                   f"| {funcs['tenants'].get(f, 0) / n:.1f} | {delta[f]:+.1f} |")  # fmt: skip
+
+
+async def instructions(servers: list[Server], args: argparse.Namespace) -> None:
+    per: dict[str, list[float]] = {"none": [], "tenants": []}
+    for server in servers:
+        await block(server, args)  # warm-up: imports, first-use caches
+        await asyncio.to_thread(server.machine_instructions)
+    for _ in range(args.pairs):
+        for server in servers:
+            await block(server, args)
+            ir = await asyncio.to_thread(server.machine_instructions)
+            per[server.arm].append(ir / args.sessions)
+    header(args, "machine instructions per session (callgrind Ir, the server process)")
+    print("| arm | instructions / session: median (min–max) |")
+    print("|---|---|")
+    for arm, xs in per.items():
+        print(f"| {arm} | {statistics.median(xs):.0f} ({min(xs):.0f}–{max(xs):.0f}) |")
+    ratios = [b / a for a, b in zip(per["none"], per["tenants"], strict=True)]
+    print(f"\ntenants / none: median {statistics.median(ratios):.3f} "
+          f"(min–max {min(ratios):.3f}–{max(ratios):.3f})")  # fmt: skip
 
 
 async def pairs(servers: list[Server], args: argparse.Namespace) -> None:

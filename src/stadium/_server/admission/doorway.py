@@ -211,8 +211,8 @@ class Doorway:
             charged = Pass(charged.door, None, charged.counted)
         row = tenant.row
         now_is = directory.rows[row]  # directory.current(tenant), inlined (per session)
-        if now_is is not None and now_is.name == tenant.name:
-            tenant = now_is
+        if now_is is not tenant and now_is is not None and now_is.name == tenant.name:
+            tenant = now_is  # (the upgrade's is the table's own: the same object, mostly)
         shared = directory.shared
         if charged.counted:
             shared.mine[row][CHARGED] += 1
