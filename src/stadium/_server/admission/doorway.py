@@ -52,7 +52,18 @@ from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission.client_counts import Keys
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import Admission, Verdict, Waiter
-from stadium._server.admission.tenants import CHARGED, REFUSED, STEPS, TenantDirectory
+from stadium._server.admission.tenants import (
+    CHARGED,
+    EP_CPU_US,
+    EP_IN,
+    EP_OUT,
+    EP_STEPS,
+    EP_WALL_US,
+    EPISODES,
+    REFUSED,
+    STEPS,
+    TenantDirectory,
+)
 from stadium._server.metrics import DOORS
 
 
@@ -318,8 +329,14 @@ class Doorway:
 
     def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
-        if self.tenants is not None:
-            self.tenants.shared.episode(tenant.row, cost)
+        if self.tenants is not None:  # once per episode, at its end
+            mine = self.tenants.shared.mine[tenant.row]
+            mine[EPISODES] += 1
+            mine[EP_WALL_US] += int(cost.wall_s * 1e6)
+            mine[EP_CPU_US] += int(cost.cpu_s * 1e6)
+            mine[EP_STEPS] += cost.steps
+            mine[EP_IN] += cost.bytes_in
+            mine[EP_OUT] += cost.bytes_out
 
     # -- the slot --------------------------------------------------------------------
 

@@ -45,7 +45,6 @@ from prometheus_client.core import (
 )
 
 from stadium._core.access import Tenant, TenantBook, TenantTable
-from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
 from stadium._util.fence import full_fence
 
@@ -258,16 +257,6 @@ class SharedTenants:
 
     def add(self, row: int, field: int, n: int = 1) -> None:
         self.mine[row][field] += n
-
-    def episode(self, row: int, cost: EpisodeCost) -> None:
-        """Count an ended episode's ``cost`` to ``row`` (once per episode, at its end)."""
-        mine = self.mine[row]
-        mine[EPISODES] += 1
-        mine[EP_WALL_US] += int(cost.wall_s * 1e6)
-        mine[EP_CPU_US] += int(cost.cpu_s * 1e6)
-        mine[EP_STEPS] += cost.steps
-        mine[EP_IN] += cost.bytes_in
-        mine[EP_OUT] += cost.bytes_out
 
     def forget_worker(self, column: int) -> None:
         """The dead, reaped worker of ``column``: its gauges zeroed, its counts retired."""
