@@ -121,7 +121,7 @@ class Server:
         if args.src:
             env["PYTHONPATH"] = args.src
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + START_S * (10 if args.callgrind else 1)
+        deadline = time.monotonic() + START_S * (10 if args.callgrind else 5 if args.count else 1)
         while not healthy(self.url, 1.0):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
