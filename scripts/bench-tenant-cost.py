@@ -131,15 +131,28 @@ class Server:
     def cpu_s(self) -> float:
         return run_time_s([self.proc.pid])
 
+    def busy_s(self) -> float:
+        """Seconds the server's threads ran or waited on a run queue (schedstat)."""
+        total = 0
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except (OSError, ValueError):
+                continue
+            total += int(ran) + int(waited)
+        return total / 1e9
+
     def bytecodes(self) -> tuple[int, dict[str, int]]:
         """The count so far, in all and per function (once the server is idle)."""
-        last = -(1 << 62)
-        for _ in range(100):  # until the count grows by < 100 in 0.2 s (timers only)
-            time.sleep(0.2)
-            first, *rest = Path(self.count_file).read_text().split("\n")
-            if int(first) - last < 100:
+        last, busy = -(1 << 62), self.busy_s()
+        for _ in range(100):  # until idle: the count grows by < 100 in 0.3 s (timers
+            time.sleep(0.3)  # only) and the server neither ran nor waited to run for
+            first, *rest = Path(self.count_file).read_text().split("\n")  # 5 ms of it
+            now = self.busy_s()  # (a server starved of the core is not idle)
+            if int(first) - last < 100 and now - busy < 0.005:
                 break
-            last = int(first)
+            last, busy = int(first), now
         per = {}
         for line in rest:
             k, _, name = line.partition(" ")
