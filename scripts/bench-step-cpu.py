@@ -18,7 +18,13 @@ The arms of one round run one after the other, each on a fresh server; ``--round
 rounds, and the table gives each figure's median and its spread (min–max) over the
 rounds, and each arm's ratio to the first arm (the median of the per-round ratios).
 An arm is ``LEVEL`` or ``LEVEL --serve-option ...`` (``--arm 'sandbox
---sandbox-seccomp off'``).
+--sandbox-seccomp off'``), or ``floor``: no Stadium, the machine's floor for the same exchange
+(:data:`FLOOR`: a parent and one child per session on socketpairs, pinned as the server is,
+the parent sending every session's small request, then collecting the replies through epoll;
+CPU of the parent and of the children, as worker and env side), or ``floor-py``: the same,
+each child doing a step's least Python work (the request and the action decoded by msgspec,
+a coroutine's step building the observation, the reply encoded). Each row also gives the
+wake-ups per step (times scheduled in, schedstat) of the worker and of the env side.
 
 Run (as root for ``sandbox``; take the machine's bench lock)::
 
@@ -45,7 +51,7 @@ from typing import Any
 
 from stadium._core.urls import ws_url
 from stadium._util.health import healthy
-from stadium.bench.procstat import process_trees, run_time_s, terminate
+from stadium.bench.procstat import process_trees, terminate
 from stadium.bench.sessions import connection_class
 
 #: Seconds a server has to start, and one request to be answered, before the run fails.
@@ -67,7 +73,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         argv = [
-            "taskset", "-c", str(args.server_cpu),
+            "taskset", "-c", str(args.server_cpu), *shlex.split(args.server_prefix),
             sys.executable, "-m", "stadium", "serve", args.target, "--host", "127.0.0.1",
             "--port", str(port), "--isolation", level, "--warm-pool", "0",
             "--max-sessions", str(args.sessions + 16), "--idle-timeout", "0",
@@ -85,31 +91,37 @@ class Server:
                 raise RuntimeError(f"stadium serve ({arm}) did not start")
             time.sleep(0.1)
 
-    def times(self) -> tuple[float, float]:
-        """CPU seconds of (the server process, everything under it), now."""
-        root = self.proc.pid
-        everything = run_time_s([root])
-        own = run_time_s_one(root)
-        return own, everything - own
+    def times(self) -> tuple[float, float, int, int]:
+        """CPU seconds of (the server process, everything under it), and how many times each
+        was scheduled in (wake-ups), now."""
+        own, own_runs = sched_one(self.proc.pid)
+        rest, rest_runs = 0.0, 0
+        for pid in process_trees([self.proc.pid])[1:]:
+            t, n = sched_one(pid)
+            rest, rest_runs = rest + t, rest_runs + n
+        return own, rest, own_runs, rest_runs
 
     def stop(self) -> None:
         terminate(self.proc)
 
 
-def run_time_s_one(pid: int) -> float:
-    """CPU seconds of one process's live threads (schedstat)."""
-    total = 0
+def sched_one(pid: int) -> tuple[float, int]:
+    """CPU seconds of one process's live threads, and their times scheduled in (schedstat:
+    run time in ns, wait time, timeslices run)."""
+    total = runs = 0
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0
+        return 0.0, 0
     for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
+            total += int(fields[0])
+            runs += int(fields[2])
         except (OSError, IndexError, ValueError):
             continue
-    return total / 1e9
+    return total / 1e9, runs
 
 
 async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
@@ -131,11 +143,11 @@ async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
 
         await asyncio.gather(*(run(c, args.warmup) for c in conns))
         procs = len(process_trees([server.proc.pid]))
-        own0, rest0 = server.times()
+        own0, rest0, own_runs0, rest_runs0 = server.times()
         t0 = time.perf_counter()
         await asyncio.gather(*(run(c, args.steps) for c in conns))
         wall = time.perf_counter() - t0
-        own1, rest1 = server.times()
+        own1, rest1, own_runs1, rest_runs1 = server.times()
         if len(process_trees([server.proc.pid])) != procs:
             print(f"# {arm}: processes came or went while timed: CPU under-counted")
     finally:
@@ -146,8 +158,114 @@ async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     worker, env_side = (own1 - own0) / n * 1e6, (rest1 - rest0) / n * 1e6
     return {
         "arm": arm, "cpu_us": worker + env_side, "worker_us": worker, "env_us": env_side,
-        "steps_s": n / wall, "processes": procs,
+        "steps_s": n / wall, "processes": procs, "worker_runs": (own_runs1 - own_runs0) / n,
+        "env_runs": (rest_runs1 - rest_runs0) / n,
     }  # fmt: skip
+
+
+#: The floor arm's two sides (``--arm floor``): no Stadium, one parent process (the worker's
+#: part) and one child per session, each pair a socketpair (AF_UNIX, SOCK_STREAM, as a
+#: session's), one small message each way per step; the parent sends every session's request,
+#: then collects the replies as epoll reports them (as the worker does when 64 requests come).
+FLOOR = r"""
+import json, os, selectors, socket, sys, time
+import msgspec
+sessions, warmup, steps, work = map(int, sys.argv[1:5])
+request, reply = b"\x93\xa4step\x81\xacwait_seconds\x00" + bytes(8), bytes(96)
+class Step(msgspec.Struct, array_like=True, tag="step"):
+    action: bytes
+    kwargs: dict
+class Obs(msgspec.Struct):
+    waited_seconds: float
+    pid: int
+    session_hash: str
+    host: str
+    step_count: int
+    host_url: str
+class Ok(msgspec.Struct, array_like=True, tag=0):
+    observation: Obs
+    reward: float
+    done: bool
+    truncated: bool
+    info: dict | None
+class Action(msgspec.Struct):
+    wait_seconds: float = 0.0
+async def step(action, n):
+    return Ok(Obs(action.wait_seconds, 1, "0b2f7b49d74b", "vm", n, "http://vm:1"), 1.0, False,
+              False, None)
+if work:  # a step's least Python: decode the request and the action, a coroutine, encode
+    request = msgspec.msgpack.encode(Step(msgspec.msgpack.encode(Action()), {}))
+kids, socks = [], []
+for _ in range(sessions):
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        mine.close()
+        recv, send, encode = theirs.recv, theirs.send, msgspec.msgpack.encode
+        decode = msgspec.msgpack.Decoder(Step).decode
+        action = msgspec.msgpack.Decoder(Action).decode
+        n = 0
+        while data := recv(65536):
+            if work:
+                coro = step(action(decode(data).action), n)
+                n += 1
+                try:
+                    coro.send(None)
+                except StopIteration as done:
+                    send(encode(done.value))
+            else:
+                send(reply)
+        os._exit(0)
+    theirs.close()
+    kids.append(pid)
+    socks.append(mine)
+sel = selectors.EpollSelector()
+for sock in socks:
+    sel.register(sock, selectors.EVENT_READ)
+def rounds(n):
+    for _ in range(n):
+        for sock in socks:
+            sock.send(request)
+        left = sessions
+        while left:
+            for key, _ in sel.select():
+                key.fileobj.recv(65536)
+                left -= 1
+def sched(pids):
+    t = r = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/schedstat") as f:
+            a, _, c = f.read().split()
+        t, r = t + int(a), r + int(c)
+    return t, r
+rounds(warmup)
+me0, kid0 = sched([os.getpid()]), sched(kids)
+t0 = time.perf_counter()
+rounds(steps)
+wall = time.perf_counter() - t0
+me1, kid1 = sched([os.getpid()]), sched(kids)
+for sock in socks:
+    sock.close()
+for pid in kids:
+    os.waitpid(pid, 0)
+n = sessions * steps
+print(json.dumps({"worker_us": (me1[0] - me0[0]) / n / 1e3, "env_us": (kid1[0] - kid0[0]) / n / 1e3,
+                  "worker_runs": (me1[1] - me0[1]) / n, "env_runs": (kid1[1] - kid0[1]) / n,
+                  "steps_s": n / wall}))
+"""
+
+
+def measure_floor(args: argparse.Namespace, arm: str) -> dict[str, Any]:
+    """The floor arms: :data:`FLOOR` pinned as the server is (``floor-py``: each child does
+    a step's least Python work, msgspec decoding and encoding and a coroutine's step)."""
+    argv = [
+        "taskset", "-c", str(args.server_cpu), sys.executable, "-c", FLOOR,
+        str(args.sessions), str(args.warmup), str(args.steps), str(int(arm == "floor-py")),
+    ]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=START_S * 10, check=True)
+    row: dict[str, Any] = json.loads(out.stdout)
+    row.update(arm=arm, cpu_us=row["worker_us"] + row["env_us"], processes=args.sessions + 1)
+    return row
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -161,8 +279,8 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="benchmark")
     p.add_argument("--arm", action="append", default=[],
-                   help="an isolation level and serve options (repeat; default: none, "
-                   "process, sandbox)")  # fmt: skip
+                   help="an isolation level and serve options, or floor, floor-py (repeat; "
+                   "default: all five)")  # fmt: skip
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--steps", type=int, default=500, help="timed steps per session")
     p.add_argument("--warmup", type=int, default=100, help="untimed steps per session first")
@@ -170,20 +288,26 @@ async def main() -> None:
     p.add_argument("--action", default='{"wait_seconds": 0}', help="each step's data (JSON)")
     p.add_argument("--server-cpu", default="0", help="the server's cores (taskset -c)")
     p.add_argument("--client-cpu", type=int, default=1)
+    p.add_argument("--server-prefix", default="", help="a command the server runs under "
+                   "(e.g. 'chrt -b 0')")  # fmt: skip
     p.add_argument("--env", action="append", default=[], help="VAR=VALUE for the servers")
     p.add_argument("--json", help="also write every round's figures to this file")
     args = p.parse_args()
-    arms = args.arm or ["none", "process", "sandbox"]
+    arms = args.arm or ["none", "process", "sandbox", "floor", "floor-py"]
     os.sched_setaffinity(0, {args.client_cpu})
     rounds: list[list[dict[str, Any]]] = []
     for r in range(args.rounds):
         rows = []
         for arm in arms:
-            row = await measure(args, arm)
+            if arm in ("floor", "floor-py"):
+                row = await asyncio.to_thread(measure_floor, args, arm)
+            else:
+                row = await measure(args, arm)
             print(
                 f"# round {r + 1} {arm}: {row['cpu_us']:.1f} µs/step "
                 f"(worker {row['worker_us']:.1f}, env side {row['env_us']:.1f}), "
-                f"{row['steps_s']:.0f} steps/s",
+                f"{row['steps_s']:.0f} steps/s, runs/step {row['worker_runs']:.2f} + "
+                f"{row['env_runs']:.2f}",
                 flush=True,
             )
             rows.append(row)
@@ -198,8 +322,11 @@ async def main() -> None:
         "median (min–max)"
     )
     print()
-    print("| arm | CPU µs per step (whole tree) | worker | env side | × first arm | steps/s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| arm | CPU µs per step (whole tree) | worker | env side | × first arm | steps/s "
+        "| wake-ups per step (worker + env side) |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for i, arm in enumerate(arms):
         col = [rows[i] for rows in rounds]
         ratios = [rows[i]["cpu_us"] / rows[0]["cpu_us"] for rows in rounds]
@@ -207,7 +334,9 @@ async def main() -> None:
             f"| {arm} | {spread([c['cpu_us'] for c in col], '.1f')} "
             f"| {spread([c['worker_us'] for c in col], '.1f')} "
             f"| {spread([c['env_us'] for c in col], '.1f')} "
-            f"| {spread(ratios, '.2f')} | {spread([c['steps_s'] for c in col], '.0f')} |"
+            f"| {spread(ratios, '.2f')} | {spread([c['steps_s'] for c in col], '.0f')} "
+            f"| {spread([c['worker_runs'] for c in col], '.2f')} + "
+            f"{spread([c['env_runs'] for c in col], '.2f')} |"
         )
     if args.json:
         text = json.dumps({"argv": sys.argv, "rounds": rounds}, indent=1)

@@ -24,6 +24,24 @@ def test_no_module_is_over_the_size_limit() -> None:
     assert too_big == {}, f"split these modules by job (limit {MAX_LINES} lines): {too_big}"
 
 
+#: File names that may repeat in ``src/``: a package's own dunder modules, and parallel
+#: implementations of one interface (as websockets' ``asyncio/client.py`` and
+#: ``sync/client.py``). None of the latter today: a name added here says which interface
+#: its copies implement.
+SHARED_NAMES = frozenset({"__init__.py", "__main__.py"})
+
+
+def test_no_two_modules_share_a_file_name() -> None:
+    """A file's name says what lives in it, so a name found twice hides which one is meant."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        where.setdefault(path.name, []).append(str(path.relative_to(SRC)))
+    assert len(where) > 100, "no modules found"
+    repeated = {name: paths for name, paths in where.items() if len(paths) > 1}
+    repeated = {name: paths for name, paths in repeated.items() if name not in SHARED_NAMES}
+    assert repeated == {}, f"rename these by what lives in each: {repeated}"
+
+
 def test_the_core_imports_no_integration_at_run_time() -> None:
     """Compiling a native env loads neither integration (the codecs' registry stays empty)."""
     import subprocess

@@ -5,15 +5,19 @@ encodes is decoded by the server's (:class:`SessionProtocol`, the batch connecti
 frame decoder), each reply the server's protocol encodes is read by the client's, in
 both encodings; a test fails when a reply kind is added to the server without a
 round trip here. The client reads anything without raising (a bad frame becomes an
-error result). And a structural check: the client side (``_client/``) builds no wire
+error result). And structural checks: the client side (``_client/``) builds no wire
 message by hand (no dict display or ``dict()`` call with a ``"type"`` key, no call of
-msgspec's encoders): every frame's bytes come from ``_core``.
+msgspec's encoders): every frame's bytes come from ``_core``; and nowhere in
+``src/stadium`` outside ``_core/`` (the server, the integrations, the bench's load
+generators) is a frame built from a dict or written out as a literal: they encode the
+core's Structs (:mod:`stadium._core.frames`).
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +58,15 @@ from stadium._core.resume import (
     ResumedData,
 )
 from stadium._env.contract import State, StepResult
+from stadium._env.cost import EpisodeCost
 from stadium._env.spec import EnvSpec
 from stadium._errors import CapacityError, SessionError
 from stadium.envs.echo import EchoAction, EchoEnv, EchoObservation
 
 SPEC = EnvSpec.of(EchoEnv)
 ENCODINGS = pytest.mark.parametrize("encoding", list(Encoding), ids=lambda e: e.value)
-CLIENT = Path(stadium.__file__).parent / "_client"
+SRC = Path(stadium.__file__).parent
+CLIENT = SRC / "_client"
 
 
 def _sides(encoding: Encoding) -> tuple[ClientProtocol, SessionProtocol]:
@@ -174,9 +180,13 @@ def test_every_reply_the_server_encodes_the_client_reads(encoding: Encoding) -> 
     step = server.receive(payload)
     assert isinstance(step, Call)
     result = StepResult(EchoObservation("hi", 2), 0.2, True, truncated=True, info={"k": 1})
-    reply = answer("observation", server.observation_reply(step, result), rid)
+    cost = EpisodeCost(wall_s=0.5, cpu_s=0.25, steps=1, bytes_in=10, bytes_out=20)
+    ended = server.with_cost(server.observation_reply(step, result), cost)
+    reply = answer("observation", ended, rid)
     typed = step_result(reply, EchoObservation)
-    assert typed == StepResult(EchoObservation("hi", 2), 0.2, True, truncated=True, info={"k": 1})
+    obs = EchoObservation("hi", 2)
+    assert typed == StepResult(obs, 0.2, True, truncated=True, info={"k": 1}, cost=cost)
+    assert reply.id == rid
 
     payload, rid = client.request("state")
     state = server.receive(payload)
@@ -358,3 +368,95 @@ def test_the_client_builds_no_wire_message_by_hand() -> None:
         if (where := hand_built(path.read_text()))
     }
     assert found == {}, f"build frames with stadium._core.client, not by hand: {found}"
+
+
+#: The ``type`` of every frame: the session protocol's requests (``_OPS``, checked below)
+#: and replies, the batch connection's, and OpenEnv's ``/harness`` socket's.
+_FRAME_TYPES = frozenset({
+    "reset", "step", "state", "close", "mcp", "fork", "resume", "batch",
+    "observation", "error", "forked", "resumed", "closed",
+    "message", "session_started", "protocol_error",
+})  # fmt: skip
+#: A frame written out as a literal (``b'{"type":"close"}'``), or its beginning.
+_FRAME_TEXT = re.compile(r'^\s*\{\s*"type"\s*:')
+
+#: Modules outside ``_core/`` that write frames without it, and why.
+_BY_HAND = {
+    # The floor arm is a bare server the bench runs as a plain script, with no Stadium on
+    # its path (contract ``arms-standalone``): it cannot import the core.
+    "bench/floor.py",
+}
+
+
+def dict_built_frames(source: str) -> list[str]:
+    """Where ``source`` builds a frame by hand: a dict display or ``dict()`` call whose
+    ``"type"`` is a frame's (:data:`_FRAME_TYPES`) or that has a ``"data"`` beside its
+    ``"type"`` (the envelope), or a string or bytes literal that reads as a frame; or the
+    body of OpenEnv's HTTP ``/reset`` and ``/step`` answers (``ObservationBody``) as a
+    dict. Dicts with a ``"type"`` of another kind (an ASGI event, a JSON schema, a
+    manifest) pass."""
+    found: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        fields: dict[str, ast.expr] = {}
+        if isinstance(node, ast.Dict):
+            fields = {
+                k.value: v
+                for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
+            }
+        elif isinstance(node, ast.Call) and _dotted(node.func) == "dict":
+            fields = {k.arg: k.value for k in node.keywords if k.arg is not None}
+        kind = fields.get("type")
+        if kind is not None and (
+            "data" in fields or (isinstance(kind, ast.Constant) and kind.value in _FRAME_TYPES)
+        ):
+            found.append(f"line {node.lineno}: a dict-built frame")
+        if set(fields) == {"observation", "reward", "done"}:
+            found.append(f"line {node.lineno}: a dict-built ObservationBody")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+            text = node.value if isinstance(node.value, str) else node.value.decode("latin-1")
+            if _FRAME_TEXT.match(text):
+                found.append(f"line {node.lineno}: a frame written out ({node.value!r:.40})")
+    return found
+
+
+def test_the_frame_check_catches_a_frame_and_passes_other_dicts() -> None:
+    assert set(_OPS) <= _FRAME_TYPES
+    assert dict_built_frames('frame = msgspec.json.encode({"type": "step", "data": action})')
+    assert dict_built_frames('calls = [{"session": s, "type": "reset"} for s in sessions]')
+    assert dict_built_frames('frame = {"type": kind, "data": data}')
+    assert dict_built_frames("frame = dict(type='close')")
+    assert dict_built_frames('send(b\'{"type":"close"}\')')
+    assert dict_built_frames('_PREFIX = b\'{"type":"mcp","data":\'')
+    assert dict_built_frames('return json.dumps({"type": "session_started", "data": d})')
+    assert dict_built_frames('body = {"observation": obs, "reward": None, "done": False}')
+    assert not dict_built_frames('send({"type": "websocket.send", "bytes": payload})')
+    assert not dict_built_frames('schema = {"type": "object", "properties": {}}')
+    assert not dict_built_frames('split = {"name": name, "type": kind}')
+    assert not dict_built_frames('content = [{"type": "text", "text": text}]')
+    assert not dict_built_frames('"""Sends ``{"type": "reset"}`` first."""')
+    assert not dict_built_frames('frame = msgspec.json.encode(Request("step", action))')
+
+
+def test_nothing_outside_the_core_builds_a_frame_by_hand() -> None:
+    modules = sorted(p for p in SRC.rglob("*.py") if p.relative_to(SRC).parts[0] != "_core")
+    assert len(modules) > 100
+    found = {
+        name: where
+        for path in modules
+        if (name := path.relative_to(SRC).as_posix()) not in _BY_HAND
+        and (where := dict_built_frames(path.read_text()))
+    }
+    assert found == {}, f"encode stadium._core.frames' Structs, not dicts: {found}"
+    assert all((SRC / name).exists() for name in _BY_HAND), "a stale exception"
+
+
+def test_the_http_observation_body_is_openenvs_shape_byte_for_byte() -> None:
+    """OpenEnv's HTTP ``/reset`` and ``/step`` body, as the endpoints wrote it as a dict."""
+    from stadium._core.frames import ObservationBody
+
+    for obs, reward, done in [({"x": 1}, None, False), ({"y": [1.5]}, 0.25, True), ("s", 1, False)]:
+        old = {"observation": obs, "reward": reward, "done": done}
+        assert msgspec.json.encode(ObservationBody(obs, reward, done)) == msgspec.json.encode(old)
+    empty = b'{"observation":{},"reward":null,"done":false}'
+    assert msgspec.json.encode(ObservationBody({})) == empty

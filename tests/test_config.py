@@ -122,7 +122,7 @@ def test_env_vars_feed_their_options(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         ("log_level", "--log-level must be debug, info, warning or error"),
         ("log_format", "--log-format must be text or json"),
-        ("isolation", "--isolation must be none, process or sandbox"),
+        ("isolation", "--isolation must be none, process, sandbox or vm"),
         ("sandbox_network", "--sandbox-network must be none, allowlist or public"),
         ("sandbox_seccomp", "--sandbox-seccomp must be on or off"),
         ("sandbox_output", "--sandbox-output must be log or drop"),

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 from stadium._cli.scaffold import create_project
+from stadium._server.isolation import sandbox_unavailable
 from tests.conftest import UNIT
+from tests.isolation.test_hardening import MEMFD, _descendants, _exe
 
 #: Process-level: servers, tools or interpreters in subprocesses (`make check` skips it).
 pytestmark = pytest.mark.slow
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DIST = "stadium-rl"
 UV = shutil.which("uv", path=str(Path(sys.executable).parent)) or shutil.which("uv")
+SANDBOX_WHY_NOT = sandbox_unavailable()
 
 
 def test_the_distribution_name_is_ours_everywhere() -> None:
@@ -137,3 +140,56 @@ def test_a_generated_env_installs_from_a_local_wheel_into_a_fresh_venv_and_serve
         )
         out = _run([str(python), "-c", script, f"http://127.0.0.1:{port}"], limit=60)
         assert out.strip() == "6"
+
+
+@pytest.mark.skipif(UV is None, reason="needs uv")
+@pytest.mark.skipif(SANDBOX_WHY_NOT is not None, reason=f"--isolation sandbox: {SANDBOX_WHY_NOT}")
+def test_an_installed_wheel_s_sandbox_runs_the_native_init(tmp_path: Path) -> None:
+    """The wheel carries the sandbox's native init (built by its hook): installed into a fresh
+    venv (pip installs it 0755), a sandboxed session's pid 1 is that init, run from the
+    template's execute-only memfd copy; before, an installed Stadium had none."""
+    assert UV is not None
+    wheels = tmp_path / "wheels"
+    _run([UV, "build", "--wheel", "--out-dir", str(wheels), str(ROOT)])
+    (wheel,) = wheels.glob("*.whl")
+    venv = tmp_path / "venv"
+    _run([UV, "venv", "--quiet", "--python", sys.executable, str(venv)])
+    _run([UV, "pip", "install", "--python", str(venv / "bin" / "python"), str(wheel)])
+    installed = list(venv.glob("lib/python*/site-packages/stadium/_server/isolation/stadium-init"))
+    assert len(installed) == 1, installed
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    cmd = [
+        str(venv / "bin" / "stadium"), "serve", "benchmark", "--port", str(port),
+        "--isolation", "sandbox", "--log-level", "info",
+    ]  # fmt: skip
+    with _serving(cmd, tmp_path, log):
+        try:
+            _get(f"http://127.0.0.1:{port}/health", 30 * UNIT)
+        except OSError:
+            pytest.fail(f"the server did not answer /health:\n{log.read_text()[-3000:]}")
+        script = (
+            "import stadium, sys, time\n"
+            "with stadium.Client(sys.argv[1]) as env:\n"
+            "    env.reset()\n"
+            "    env.step({'wait_seconds': 0})\n"
+            "    print('stepped', flush=True)\n"
+            "    sys.stdin.readline()\n"  # the session lives until the test has looked
+        )
+        with subprocess.Popen(
+            [str(venv / "bin" / "python"), "-c", script, f"http://127.0.0.1:{port}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        ) as client:  # fmt: skip
+            assert client.stdout is not None
+            assert client.stdin is not None
+            try:
+                assert client.stdout.readline().strip() == "stepped", log.read_text()[-3000:]
+                inits = [p for p in _descendants(os.getpid()) if _exe(p).startswith(MEMFD)]
+                assert len(inits) == 1, (inits, log.read_text()[-3000:])
+                client.stdin.write("\n")
+                client.stdin.flush()
+                assert client.wait(30 * UNIT) == 0
+            finally:
+                if client.poll() is None:
+                    client.kill()
+    assert "sandboxed sessions' init: native" in log.read_text(), log.read_text()[-3000:]

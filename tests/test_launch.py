@@ -130,8 +130,8 @@ def test_targets_are_strings_or_importable_env_classes() -> None:
 def test_importing_stadium_loads_no_engine() -> None:
     code = (
         "import sys, stadium\n"
-        "mods = ('ray', 'stadium.deploy.local', 'stadium.deploy.ray', 'stadium.deploy.slurm',"
-        " 'stadium.deploy.podman', 'stadium.ray')\n"
+        "mods = ('ray', 'stadium.deploy.local', 'stadium.deploy.ray_cluster',"
+        " 'stadium.deploy.slurm', 'stadium.deploy.podman', 'stadium.ray')\n"
         "print([m for m in mods if m in sys.modules])\n"
     )
     out = subprocess.run(

@@ -228,3 +228,19 @@ async def test_the_same_conversation_on_openenv_and_stadium() -> None:
     assert _comparable(ours) == _comparable(theirs)
     assert our_close == their_close == 1000
     assert [f["type"] for f in ours][-1] == "error"
+
+
+def test_the_frames_stadium_writes_are_openenvs_bytes() -> None:
+    """``error`` and ``protocol_error`` byte for byte as OpenEnv's models dump them;
+    ``session_started`` (which OpenEnv writes with ``json.dumps``) as the same value."""
+    from openenv.core.env_server.types import WSErrorResponse
+
+    from stadium.integrations import openenv_harness as harness
+
+    data = {"message": "harness session failed", "code": "SESSION_ERROR"}
+    assert harness.error_frame(**data) == WSErrorResponse(data=data).model_dump_json().encode()
+    data = {"message": "Invalid JSON: ü", "code": "INVALID_JSON"}
+    expected = HarnessProtocolError(data=data).model_dump_json().encode()
+    assert harness.protocol_error(**data) == expected
+    started = {"type": "session_started", "data": {"session_id": "s1", "harness": "echo"}}
+    assert json.loads(harness.session_frame("s1", "echo")) == started

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from stadium._cli.main import AUTH_TOKEN_ON_COMMAND_LINE, cli
 from stadium._errors import ConfigError
-from stadium.deploy import local, podman, ray
+from stadium.deploy import local, podman, ray_cluster
 from stadium.deploy.deployment import TOKEN_IN_ARGV
 from stadium.deploy.slurm import SlurmOptions
 from tests.conftest import UNIT
@@ -62,7 +62,7 @@ def test_the_launchers_refuse_the_token_among_a_servers_arguments(arg: str) -> N
     with pytest.raises(ConfigError, match="STADIUM_AUTH_TOKEN"):  # before Podman is looked for
         podman.start("echo", serve_args=args, podman="/nonexistent/podman")
     with pytest.raises(ConfigError, match="STADIUM_AUTH_TOKEN"):  # before Ray is imported
-        ray.start("echo", serve_args=args)
+        ray_cluster.start("echo", serve_args=args)
     # A file's path is no secret.
     cmd = local.serve_command("echo", host="127.0.0.1", serve_args=["--auth-token-file", "/t"])
     assert cmd[-2:] == ["--auth-token-file", "/t"]

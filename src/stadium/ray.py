@@ -10,12 +10,12 @@
 
 Needs Ray (``pip install 'stadium-rl[ray]'``); Ray is imported only when :func:`start`
 runs. The same as ``stadium.launch(target, replicas=N, on="ray", ...)``; see
-:mod:`stadium.deploy.ray` for placement (one server per node, or per N CPUs), how it
+:mod:`stadium.deploy.ray_cluster` for placement (one server per node, or per N CPUs), how it
 connects to Ray (it never starts a cluster unless told ``address="local"``) and stopping.
 """
 
 from __future__ import annotations
 
-from stadium.deploy.ray import RayDeployment, RayServer, start
+from stadium.deploy.ray_cluster import RayDeployment, RayServer, start
 
 __all__ = ["RayDeployment", "RayServer", "start"]

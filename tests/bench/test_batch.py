@@ -17,9 +17,9 @@ from click.testing import CliRunner
 
 from stadium._errors import ConfigError
 from stadium.bench import report, run_ramp
-from stadium.bench._cli import bench, ramp
 from stadium.bench.arms import FLOOR_SCRIPT, Arm, free_port, spawn_server, wait_healthy
 from stadium.bench.batched import _BatchResult, _check_reply, _entry_failure, batch_body
+from stadium.bench.bench_commands import bench, ramp
 from stadium.bench.bench_options import GridOptions, RampOptions
 from stadium.bench.goals import GOALS, Ramp, run_goals
 from stadium.bench.loadgen import load

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from stadium._core.urls import ws_url
 from stadium._errors import ConfigError
 from stadium.bench import report
-from stadium.bench._cli import bench
 from stadium.bench.arms import Arm, CpuCap, endpoint_weights, spawn_server
+from stadium.bench.bench_commands import bench
 from stadium.bench.grid import BenchConfig, run
 from stadium.bench.loadspec import LoadSpec, spread, ws_urls
 from stadium.bench.results import PointKey, PointSettings, SessionResult, summarize

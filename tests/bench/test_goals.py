@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from stadium.bench._cli import bench
+from stadium.bench.bench_commands import bench
 from stadium.bench.goals import GOALS, RAMPS, Ramp, run_goals
 from stadium.bench.results import columns
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from stadium._env.contract import StepResult
-from stadium.bench._cli import bench
+from stadium.bench.bench_commands import bench
 from stadium.bench.opcount import OpCount, count_ops
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv, BenchmarkObservation
 

@@ -190,7 +190,7 @@ def test_compare_two_result_sets(tmp_path: Path) -> None:
 
 
 def test_cli(tmp_path: Path) -> None:
-    from stadium.bench._cli import bench
+    from stadium.bench.bench_commands import bench
 
     runner = CliRunner()
     result = runner.invoke(bench, ["--help"])
@@ -213,7 +213,7 @@ def test_cli(tmp_path: Path) -> None:
 
 def test_compare_against_a_git_ref(tmp_path: Path) -> None:
     """``compare --git-ref``: Stadium from a temporary worktree of HEAD against the tree."""
-    from stadium.bench._cli import bench
+    from stadium.bench.bench_commands import bench
 
     out = tmp_path / "ref"
     result = CliRunner().invoke(

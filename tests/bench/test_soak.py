@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from stadium.bench._cli import bench
+from stadium.bench.bench_commands import bench
 from stadium.bench.procstat import count_fds, tree_figures
 from stadium.bench.results import SessionResult
 from stadium.bench.sessions import SoakTally

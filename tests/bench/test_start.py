@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from stadium.bench._cli import bench
+from stadium.bench.bench_commands import bench
 from stadium.bench.start import PATTERNS
 
 #: Process-level: servers in subprocesses (`make check` skips it).

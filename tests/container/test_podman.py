@@ -193,6 +193,9 @@ def test_arguments_choose_the_target_and_reach_stadium_serve(
     code = "from stadium.deploy.podman import containerfile as c; print(c().read_text())"
     shipped = _podman(podman, "exec", name, "python3", "-c", code).stdout
     assert shipped.strip() == (ROOT / "Containerfile").read_text().strip()
+    # and the sandbox's native init, which the template can load (its sealed memfd copy)
+    code = "from stadium._server.isolation.template.child import native_init; print(native_init())"
+    assert _podman(podman, "exec", name, "python3", "-c", code).stdout.strip().isdigit()
 
 
 # ------------------------------------------------------------------ the launcher

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._server.isolation import sandbox_unavailable
 from stadium._server.isolation.template import child as child_module
 from stadium._server.isolation.template import seccomp as seccomp_module
-from stadium._server.isolation.template.child import NATIVE_INIT, native_init
+from stadium._server.isolation.template.child import NATIVE_INIT
 from tests.conftest import UNIT, serve, wait_until
 from tests.isolation.neighbours import stepping
 
@@ -245,11 +246,15 @@ async def test_each_session_family_has_its_own_pid_namespace() -> None:
         await wait_until(lambda: not _ours_in_families(), 10 * UNIT, "families ended")
 
 
+@pytest.mark.skipif(
+    not Path(NATIVE_INIT).exists(),
+    reason="the native init is not built (no cargo): make sandbox-deps builds it",
+)
 async def test_each_family_s_init_is_the_native_one_and_not_dumpable() -> None:
     """pid 1 of each session's namespace is ``native/stadium-init`` (built by ``make
-    sandbox-deps``), not a forked interpreter, and as undumpable as one that changed uid."""
-    if native_init() is None:
-        pytest.skip("the native init is not built (no cargo): make sandbox-deps builds it")
+    sandbox-deps``, or shipped in the wheel), run from the template's sealed, execute-only
+    memfd copy, not a forked interpreter, and as undumpable as one that changed uid; the
+    session's process holds no descriptor of that copy."""
     async with serve(TARGET, isolation="sandbox", warm_pool=0) as server:
         async with stadium.AsyncClient(server.url) as env:
             await env.reset()
@@ -261,33 +266,79 @@ async def test_each_family_s_init_is_the_native_one_and_not_dumpable() -> None:
             assert int(status["Uid"].split()[0]) >= 1_000_000  # the session's uid, not root
             # Not dumpable: its /proc files belong to root, not to the session's uid.
             assert os.stat(f"/proc/{pid}/mem").st_uid == 0
+            exe = os.stat(f"/proc/{pid}/exe")  # the memfd: root's, execute-only
+            assert (exe.st_uid, stat.S_IMODE(exe.st_mode)) == (0, 0o111)
+            sessions = _descendants(pid)  # the session's process, under its init
+            assert [_nspid(p) for p in sessions] == ["2"]
+            for p in sessions:
+                fds = [_link(f"/proc/{p}/fd/{fd}") for fd in os.listdir(f"/proc/{p}/fd")]
+                assert not any(MEMFD in link for link in fds), fds
         assert server.runtime.isolation.crashes == 0
 
 
-def test_only_an_execute_only_native_init_is_used(
+def test_the_native_init_runs_from_a_sealed_execute_only_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A copy others may read would be dumpable for a moment after ``execve`` (until its
-    ``prctl``), time enough for a session to open its memory: such a copy is not used."""
+    """pip installs the init 0755: the template executes a memfd copy of it, 0111 (a file it
+    cannot read makes the process undumpable from ``execve`` on, before its ``prctl``) and
+    sealed. A file others may write is not used; nor a copy others could read."""
     copy = tmp_path / "stadium-init"
-    copy.write_bytes(b"\x7fELF")
+    data = b"\x7fELF" + os.urandom(64)
+    copy.write_bytes(data)
     monkeypatch.setattr(child_module, "NATIVE_INIT", str(copy))
-    for mode, used in ((0o711, True), (0o755, False), (0o744, False), (0o700, False)):
+    for mode, used in ((0o755, True), (0o711, True), (0o644, True), (0o775, False), (0o757, False)):
         copy.chmod(mode)
-        assert (child_module.native_init() == str(copy)) is used, oct(mode)
+        fd = child_module.native_init()
+        assert (fd is not None) is used, oct(mode)
+        if fd is None:
+            continue
+        try:
+            info = os.fstat(fd)
+            assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (os.geteuid(), 0o111)
+            assert os.pread(fd, 128, 0) == data
+            with pytest.raises(PermissionError):  # sealed: no byte of it changes
+                os.pwrite(fd, b"x", 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 1)
+        finally:
+            os.close(fd)
+    copy.chmod(0o755)
+    # A copy others may read (were fchmod to leave it so) is refused, not executed.
+    monkeypatch.setattr(child_module.os, "fchmod", lambda fd, mode: os.chmod(fd, 0o755))
+    assert child_module.native_init() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(child_module, "NATIVE_INIT", str(copy))
     copy.unlink()
     assert child_module.native_init() is None
 
 
+#: What ``/proc/PID/exe`` of a process running the native init's memfd copy reads.
+MEMFD = "/memfd:stadium-init"
+
+
 def _native_inits() -> list[tuple[int, dict[str, str]]]:
     """This process's descendants running the native init, with their /proc status."""
-    exe = str(Path(NATIVE_INIT).resolve())
     found = []
     for pid in _descendants(os.getpid()):
-        if _exe(pid) == exe:
+        if _exe(pid).startswith(MEMFD):
             lines = Path(f"/proc/{pid}/status").read_text().splitlines()
             found.append((pid, dict(line.split(":\t", 1) for line in lines)))
     return found
+
+
+def _nspid(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return line.split()[-1]
+    return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def _descendants(pid: int) -> list[int]:

@@ -37,7 +37,7 @@ async def _error(env: stadium.AsyncClient[Any], do: str, arg: str = "") -> stadi
 
 def test_config_checks_the_isolation_settings() -> None:
     with pytest.raises(ConfigError, match="--isolation must be"):
-        ServerConfig(target="echo", isolation="vm")
+        ServerConfig(target="echo", isolation="kvm")
     ServerConfig(target="echo", isolation="process", durable=True)  # they go together
     with pytest.raises(ConfigError, match="--warm-pool"):
         ServerConfig(target="echo", isolation="process", warm_pool=-1)

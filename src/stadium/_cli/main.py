@@ -22,8 +22,8 @@ from stadium._version import __version__
 
 # Subcommands defined in other modules, imported only when used (keeps `stadium --help` fast).
 _LAZY = {
-    "bench": "stadium.bench._cli:bench",
-    "deploy": "stadium.deploy._cli:deploy",
+    "bench": "stadium.bench.bench_commands:bench",
+    "deploy": "stadium.deploy.deploy_commands:deploy",
     "images": "stadium._cli.images:images",
 }
 

@@ -17,6 +17,9 @@ these, whoever writes it and whoever reads it:
                        and ``done``; ``opened``: the resumable sessions it opened)
 =====================  ==========================================================
 
+OpenEnv's HTTP ``/reset`` and ``/step`` answer with an :class:`ObservationBody` (the server's
+HTTP endpoints write it; not a frame, the same shape on another route).
+
 The payloads of resume and fork (``resume`` calls, ``resumed`` and ``forked`` data)
 are :mod:`stadium._core.resume`'s.
 
@@ -121,12 +124,23 @@ class BatchReply(msgspec.Struct, Generic[R], omit_defaults=True):
     done: bool | None = None
 
 
+class ObservationBody(msgspec.Struct):
+    """The body of OpenEnv's HTTP ``/reset`` and ``/step`` answers (its ``ResetResponse`` and
+    ``StepResponse``, ``metadata`` not sent): ``{"observation", "reward", "done"}``, each
+    always written."""
+
+    observation: Any
+    reward: Any = None
+    done: bool = False
+
+
 __all__ = [
     "NO_DATA",
     "BatchCall",
     "BatchFrame",
     "BatchReply",
     "ClosedData",
+    "ObservationBody",
     "Reply",
     "Request",
     "RequestId",

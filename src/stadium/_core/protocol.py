@@ -49,6 +49,7 @@ from stadium._core.frames import (
 from stadium._core.resume import ForkedData, ResumedData
 from stadium._env.codecs import enc_hook_default, validation_error
 from stadium._env.contract import StepResult
+from stadium._env.cost import EpisodeCost
 from stadium._env.spec import EnvSpec
 from stadium._errors import (
     InvalidMessageError,
@@ -505,6 +506,16 @@ class SessionProtocol:
         self.last_error = str(error.code)
         return self._frame("error", error.to_wire(), rid)
 
+    def with_cost(self, frame: bytes, cost: EpisodeCost) -> bytes:
+        """``frame`` (a reply this protocol encoded) with ``cost`` as its top-level ``cost``
+        (docs/PROTOCOL.md, "Episode cost"): spliced before the JSON object's closing brace,
+        or the MessagePack map re-encoded (once per episode)."""
+        if self.encoding is Encoding.JSON:
+            return frame[:-1] + b',"cost":' + _COST_JSON.encode(cost) + b"}"
+        data = msgspec.msgpack.decode(frame)
+        data["cost"] = msgspec.to_builtins(cost)
+        return _MSGPACK.encode(data)
+
     def close(self) -> None:
         """Mark the session closed (the connection is gone or the server ended it)."""
         self.state = SessionState.CLOSED
@@ -514,6 +525,7 @@ class SessionProtocol:
 
 
 _MSGPACK = msgspec.msgpack.Encoder()
+_COST_JSON = msgspec.json.Encoder()
 _JSON_ENVELOPE = msgspec.json.Decoder(Request[msgspec.Raw])
 _MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(Request[msgspec.Raw])
 #: The server's decoders of batch frames (``batch``).

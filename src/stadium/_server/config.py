@@ -324,8 +324,8 @@ class ServerConfig:
         None,
         "Each session's env in the worker (none), in its own process (process), or in its "
         "own sandboxed process (sandbox: namespaces, unprivileged uid, cgroup limits, no "
-        "network)",
-        choices=("none", "process", "sandbox"),
+        "network), or in a microVM of its own (vm: its own guest kernel)",
+        choices=("none", "process", "sandbox", "vm"),
         env="STADIUM_ISOLATION",
         means="the env's `isolation` attribute, else none",
     )

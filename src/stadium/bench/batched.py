@@ -15,8 +15,11 @@ batches). Each connection carries B sessions, numbered 0 … B−1:
   latency, so steps are counted as in one-frame mode (one per session per round);
 * close: the WebSocket close frame, which ends every session of the connection.
 
-Each session still gets its own :class:`~stadium.bench.results.SessionRecord`,
-so a batched point is summarised exactly as a one-frame point is.
+A batch frame is the core's :class:`~stadium._core.frames.BatchFrame` of
+:class:`~stadium._core.frames.BatchCall` calls (what Stadium's own batch client sends), encoded
+once per set of live sessions. Each session still gets its own
+:class:`~stadium.bench.results.SessionResult`, so a batched point is summarised exactly as a
+one-frame point is.
 :func:`run_batch_sessions` is :func:`~stadium.bench.sessions.run_sessions` for
 batched loads; the worker processes of :mod:`stadium.bench.loadgen` call it.
 """
@@ -31,6 +34,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._core.frames import BatchCall, BatchFrame
 from stadium.bench.loadspec import LoadSpec
 from stadium.bench.results import SessionResult
 from stadium.bench.sessions import (
@@ -68,8 +72,8 @@ _DATA = msgspec.json.Decoder()
 
 def batch_body(kind: str, sessions: Sequence[int], data: dict[str, Any]) -> bytes:
     """A batch frame of one ``kind`` call (``reset``, ``step``) with ``data`` per session."""
-    calls = [{"session": s, "type": kind, "data": data} for s in sessions]
-    return msgspec.json.encode({"type": "batch", "id": kind, "calls": calls})
+    calls = [BatchCall(kind, data, session=s) for s in sessions]
+    return msgspec.json.encode(BatchFrame("batch", kind, calls))
 
 
 def _entry_failure(result: _BatchResult) -> Fail | None:

@@ -6,7 +6,7 @@
 
 Each field is one command-line flag, named after it (``requests_grid`` is
 ``--requests-grid``; a field's ``flag`` metadata overrides the name) and with
-the same default: the command line (:mod:`stadium.bench._cli`) takes its
+the same default: the command line (:mod:`stadium.bench.bench_commands`) takes its
 defaults from here and builds these values from what it parsed
 (:meth:`GridOptions.from_cli`). Three translations, one place each:
 

@@ -47,6 +47,7 @@ from typing import Any
 import msgspec
 
 from stadium import testing
+from stadium._core.frames import Request
 from stadium._env.contract import Environment
 from stadium._env.spec import EnvSpec
 from stadium._server.config import ServerConfig
@@ -60,6 +61,8 @@ from stadium.testing import MemoryChannel
 _UNCOUNTED = frozenset({__file__, testing.__file__})
 """Files whose calls are the harness's own: this module and the in-memory channel."""
 _BENCHMARK_ACTION: dict[str, Any] = {"wait_seconds": 0}
+_RESET = msgspec.json.encode(Request("reset", {}))
+_CLOSE = msgspec.json.encode(Request("close"))
 _WARMUP_STEPS = 8
 
 
@@ -155,13 +158,13 @@ class _Driver:
         channel = MemoryChannel(keep_frames=False)
         session = self.new_session(self.runtime, channel)
         session.start()
-        await self.request(session, channel, b'{"type":"reset","data":{}}')
+        await self.request(session, channel, _RESET)
         return session, channel
 
     async def lifecycle(self) -> None:
         session, channel = await self.open()
         await self.request(session, channel, self.step_frame)
-        session.feed(b'{"type":"close"}')  # no reply; the server closes with 1000
+        session.feed(_CLOSE)  # no reply; the server closes with 1000
         session.connection_lost()  # what the transport reports once the socket is gone
 
     async def steps(self, opened: list[tuple[Any, MemoryChannel]], steps: int) -> None:
@@ -278,5 +281,9 @@ def count_ops(
     spec = EnvSpec.of(load_target(target) if isinstance(target, str) else target)
     if action is None:
         action = _BENCHMARK_ACTION if spec.name == "benchmark" else {}
-    frame = msgspec.json.encode({"type": "step", "data": action})
-    return _run(_measure(spec, frame, steps, sessions, new_session))
+    return _run(_measure(spec, step_frame(action), steps, sessions, new_session))
+
+
+def step_frame(action: Any) -> bytes:
+    """The ``step`` frame of ``action`` that every counted step sends."""
+    return msgspec.json.encode(Request("step", action))

@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._core.frames import Request
 from stadium._errors import ConfigError
 from stadium.bench.clientwatch import ClientStats, ClientWatch, quiet_collector
 from stadium.bench.stats import ErrorKind, percentile
@@ -184,6 +185,12 @@ async def run_episode(
         conn.abort()
 
 
+def frames(profile: RlProfile) -> tuple[bytes, bytes]:
+    """The step and reset frames every episode of ``profile`` sends, encoded once."""
+    step = msgspec.json.encode(Request("step", {"wait_seconds": profile.tool_s}))
+    return step, msgspec.json.encode(Request("reset", {}))
+
+
 async def run_profile(
     profile: RlProfile,
     url: str,
@@ -205,8 +212,7 @@ async def run_profile(
         connection = ws_connection_class()
     plan = list(plan) if plan is not None else episodes(profile)
     resets = asyncio.Semaphore(profile.concurrent_resets)
-    step = msgspec.json.encode({"type": "step", "data": {"wait_seconds": profile.tool_s}})
-    reset = msgspec.json.encode({"type": "reset", "data": {}})
+    step, reset = frames(profile)
     records = [EpisodeRecord(ep.index, ep.turns) for ep in plan]
     t0 = time.monotonic()
     watcher = ClientWatch(t0) if watch is not None else None
@@ -456,6 +462,7 @@ __all__ = [
     "RlSummary",
     "client_note",
     "episodes",
+    "frames",
     "parse_range",
     "run_arm",
     "run_episode",

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import h11
 import msgspec
 
+from stadium._core.frames import Request
 from stadium.bench.loadspec import LoadSpec, source_address
 from stadium.bench.results import SessionResult
 from stadium.bench.stats import ErrorKind
@@ -116,9 +117,13 @@ def messages(spec: LoadSpec) -> tuple[bytes, bytes]:
             msgspec.json.encode({"action": {"wait_seconds": spec.wait_s}}),
         )
     return (
-        msgspec.json.encode({"type": "reset", "data": reset_data}),
-        msgspec.json.encode({"type": "step", "data": {"wait_seconds": spec.wait_s}}),
+        msgspec.json.encode(Request("reset", reset_data)),
+        msgspec.json.encode(Request("step", {"wait_seconds": spec.wait_s})),
     )
+
+
+#: The ``close`` frame (no reply: the server closes with 1000), encoded once.
+CLOSE = msgspec.json.encode(Request("close"))
 
 
 # ----------------------------------------------------------------- the skeleton
@@ -343,7 +348,7 @@ def ws_connection_class() -> type[Any]:
             return _check_reply(payload)
 
         def close(self) -> None:
-            self.transport.send(text, b'{"type":"close"}')
+            self.transport.send(text, CLOSE)
 
         async def closed(self, limit: float) -> str:
             if self.disconnected:

@@ -36,13 +36,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from stadium._core.frames import Request
 from stadium._core.urls import ws_url
 from stadium._util.health import healthy
 from stadium.bench.procstat import terminate
 from stadium.bench.sessions import connection_class
 
 PATTERNS = ("sequential", "staggered", "burst")
-_RESET = b'{"type":"reset","data":{}}'
+_RESET = msgspec.json.encode(Request("reset", {}))
 #: Seconds one session may take to its first observation before the run fails.
 SESSION_DEADLINE_S = 120.0
 

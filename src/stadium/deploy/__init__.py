@@ -9,7 +9,7 @@
 * :mod:`stadium.deploy.kubernetes` — ``stadium deploy kubernetes``: manifests;
 * :mod:`stadium.deploy.launch` — :func:`stadium.launch`, one Python API over the
   engines: :mod:`~stadium.deploy.local` (processes here), SLURM,
-  :mod:`~stadium.deploy.ray`, :mod:`~stadium.deploy.podman`; each returns a
+  :mod:`~stadium.deploy.ray_cluster`, :mod:`~stadium.deploy.podman`; each returns a
   :class:`~stadium.deploy.running.Running`.
 
 Nothing here imports the server: these modules write files and run commands.

@@ -16,7 +16,7 @@ their sessions over its nodes. The engines (each imported only when used):
   job (``replicas`` nodes), HAProxy in front with ``router="haproxy"`` (Envoy with
   ``router="envoy"``); stop is
   ``scancel`` (the servers drain) and waits for the job to end;
-* ``"ray"`` — :func:`stadium.deploy.ray.start`: one actor per server on a Ray cluster;
+* ``"ray"`` — :func:`stadium.deploy.ray_cluster.start`: one actor per server on a Ray cluster;
 * ``"podman"`` — :func:`stadium.deploy.podman.start`: containers of a Stadium image.
 
 Options beyond ``replicas`` go to the engine; an option it does not take is a
@@ -136,9 +136,9 @@ def _engine(on: str) -> Callable[..., Running]:
     if on == "slurm":
         return _start_slurm
     if on == "ray":
-        from stadium.deploy import ray
+        from stadium.deploy import ray_cluster
 
-        return ray.start
+        return ray_cluster.start
     # H1's module; by name, so this one type-checks whatever its state
     start: Callable[..., Running] = importlib.import_module("stadium.deploy.podman").start
     return start

@@ -16,7 +16,7 @@ collected or when the interpreter exits; a server whose launcher process dies (k
 crashed) gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``).
 
 :class:`ServerProcess`, one such subprocess, is also what each Ray actor runs
-(:mod:`stadium.deploy.ray`).
+(:mod:`stadium.deploy.ray_cluster`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,10 @@ recoverable ``{"type": "protocol_error", "data": {"message", "code"}}`` (``INVAL
 ``session_timeout_s``, a harness not running, a turn that raised or whose stream ended
 without ``turn_complete`` end the session with a terminal ``error`` event (the adapter's
 exception is not sent: it may hold credentials or process output). The connection side
-(slots, queueing, closing) is :mod:`stadium._server.http.harness_socket`.
+(slots, queueing, closing) is :mod:`stadium._server.http.harness_socket`. The frames
+Stadium writes itself (``error``, ``protocol_error``, ``session_started``) are the core's
+:class:`~stadium._core.frames.Reply` (``{"type", "data"}``, compact JSON as OpenEnv's
+``model_dump_json``); the ``HarnessEvent`` frames are OpenEnv's own models.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from stadium._core.frames import Reply
+
 _HARNESS_ENVIRONMENT = "openenv.core.harness.environment"
+_JSON = msgspec.json.Encoder()
 
 
 def is_harness_environment(env_cls: Any) -> bool:
@@ -45,14 +53,12 @@ def _openenv_env(stadium_env: Any) -> Any:
 
 def error_frame(message: str, code: str) -> bytes:
     """OpenEnv's ``WSErrorResponse``: the session could not start or failed."""
-    return json.dumps({"type": "error", "data": {"message": message, "code": code}}).encode()
+    return _JSON.encode(Reply("error", {"message": message, "code": code}))
 
 
 def protocol_error(message: str, code: str) -> bytes:
     """OpenEnv's ``HarnessProtocolError``: a recoverable rejection of a client frame."""
-    return json.dumps(
-        {"type": "protocol_error", "data": {"message": message, "code": code}}
-    ).encode()
+    return _JSON.encode(Reply("protocol_error", {"message": message, "code": code}))
 
 
 def harness_error(message: str) -> bytes:
@@ -73,8 +79,12 @@ async def start(stadium_env: Any, session_id: str) -> bytes:
         await opener()
     env = _openenv_env(stadium_env)
     await env.reset_async()
-    data = {"session_id": session_id, "harness": env.adapter.config.name}
-    return json.dumps({"type": "session_started", "data": data}).encode()
+    return session_frame(session_id, env.adapter.config.name)
+
+
+def session_frame(session_id: str, harness: str) -> bytes:
+    """The ``session_started`` frame: the session's id and the harness's name."""
+    return _JSON.encode(Reply("session_started", {"session_id": session_id, "harness": harness}))
 
 
 def client_message(raw: bytes) -> str | bytes:
@@ -138,6 +148,7 @@ __all__ = [
     "harness_error",
     "is_harness_environment",
     "protocol_error",
+    "session_frame",
     "start",
     "turn",
 ]

@@ -28,6 +28,7 @@ import msgspec
 
 from stadium._core import mcp as _mcp
 from stadium._core.access import Tenant
+from stadium._core.frames import ObservationBody
 from stadium._core.openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._core.protocol import PROTOCOL_VERSION, reset_call
 from stadium._env.contract import StepResult
@@ -390,14 +391,10 @@ class HttpEndpoints:
         except Exception as exc:
             return self._env_error(path[1:], exc)
         if isinstance(result, StepResult):
-            payload = {
-                "observation": result.observation,
-                "reward": result.reward,
-                "done": result.done,
-            }
+            answer = ObservationBody(result.observation, result.reward, result.done)
         else:
-            payload = {"observation": result, "reward": None, "done": False}
-        return HttpResponse(200, spec.json_encoder.encode(payload))
+            answer = ObservationBody(result)
+        return HttpResponse(200, spec.json_encoder.encode(answer))
 
     async def mcp(
         self, body: bytes, client: str | None = None, tenant: Tenant | None = None

@@ -18,11 +18,10 @@ import msgspec
 
 from stadium._core import mcp as _mcp
 from stadium._core.access import Tenant
+from stadium._core.frames import Request
 from stadium._core.protocol import Encoding
 from stadium._server.runtime import Channel, Runtime
 from stadium._server.sessions.runner import Session
-
-_PREFIX = b'{"type":"mcp","data":'
 
 
 class _Unwrapping:
@@ -81,7 +80,7 @@ class McpSocket:
             reply = _mcp.error(None, _mcp.PARSE_ERROR, f"Parse error: {exc}")
             self.channel.send(msgspec.json.encode(reply))
             return
-        self.session.feed(_PREFIX + message + b"}")
+        self.session.feed(msgspec.json.encode(Request("mcp", msgspec.Raw(message))))
 
     def connection_lost(self, channel: Any = None) -> None:
         self.session.connection_lost()

@@ -29,6 +29,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._core.frames import ObservationBody
 from stadium._core.protocol import reset_call
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
@@ -229,11 +230,10 @@ class OpenEnvRoutes:
 
     def _observation(self, result: Any) -> HttpResponse:
         if isinstance(result, StepResult):
-            payload = {"observation": result.observation, "reward": result.reward,
-                       "done": result.done}  # fmt: skip
+            body = ObservationBody(result.observation, result.reward, result.done)
         else:
-            payload = {"observation": result, "reward": None, "done": False}
-        return HttpResponse(200, self.runtime.spec.json_encoder.encode(payload))
+            body = ObservationBody(result)
+        return HttpResponse(200, self.runtime.spec.json_encoder.encode(body))
 
     def _failed(self, op: str, exc: Exception, status: int = 500) -> HttpResponse:
         if isinstance(exc, StadiumError):

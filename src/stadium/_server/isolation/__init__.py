@@ -9,6 +9,9 @@ template and the env processes; :mod:`.template.seccomp` the sandboxed sessions'
 :mod:`.template.rootfs` a task image's root). Beside them, what both use: :mod:`.wire` the
 messages and frames between them, :mod:`.sandbox` the namespaces, mounts, uids and cgroups,
 :mod:`.remote` an env known only by its description (``--untrusted-env-code``).
+``--isolation vm`` (a microVM per session, the same wire over virtio-serial):
+:mod:`.worker.vm`, :mod:`.worker.vmimage`, :mod:`.worker.vmsnap` (the worker's side),
+:mod:`.template.vmguest`, :mod:`.template.vmchild` (the guest's).
 """
 
 from stadium._server.isolation.sandbox import Limits, sandbox_unavailable

@@ -114,6 +114,13 @@ RAISED: Final = 1
 HELLO: Final = 2
 
 
+class Go(msgspec.Struct, frozen=True, array_like=True, tag="go"):
+    """``--isolation vm``: a restored guest may build its env and serve; ``seed``: fresh
+    entropy for its kernel's pool and Python's ``random`` (clones of one snapshot)."""
+
+    seed: bytes
+
+
 class Hello(msgspec.Struct, array_like=True, tag=HELLO):
     """A session's process is ready (its env built, or why not in the next reply)."""
 
@@ -198,7 +205,8 @@ class Ready(msgspec.Struct, array_like=True, tag="ready"):
     seccomp: str | None = None
     """The seccomp filter's description (``None``: no filter)."""
     init: str | None = None
-    """The native init it runs (``None``: not built, or readable by others)."""
+    """The native init it runs, from a sealed memfd copy (``None``: not built, or others may
+    write it, or no executable memfd here)."""
 
 
 class Failed(msgspec.Struct, array_like=True, tag="failed"):

@@ -5,8 +5,9 @@ the env's CPU time, the start; see :class:`~stadium._server.sessions.runner.Sess
 docs/PROTOCOL.md "Episode cost"); when the episode ends it hands the figures to the
 worker's :class:`Ledger`, which sums them into the worker's metrics row and, when the
 episode is recorded, gives it to the :class:`~.record.Recorder` (:mod:`.record`).
-:mod:`.episode` holds the per-episode pieces (the cost spliced into the last reply, the
-pool thread's CPU clock). ``stadium replay`` (``stadium._cli.replay``) reads the shards.
+:mod:`.episode` holds the per-episode pieces (how it ended, the pool thread's CPU clock;
+the cost goes into the last reply by ``SessionProtocol.with_cost``). ``stadium replay``
+(``stadium._cli.replay``) reads the shards.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode, EnvSpec
-from stadium._server.ledger.episode import EndReason, Episode, ThreadTimed, with_cost
+from stadium._server.ledger.episode import EndReason, Episode, ThreadTimed
 from stadium._server.ledger.record import RecordConfig, Recorder, RecorderState
 
 # Fields of the episode counts (metrics ``_EPISODES``..): ended, wall s, CPU s, steps, in, out.
@@ -80,5 +81,4 @@ __all__ = [
     "Recorder",
     "RecorderState",
     "ThreadTimed",
-    "with_cost",
 ]

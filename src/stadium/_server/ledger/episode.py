@@ -1,5 +1,6 @@
-"""One episode as a session accounts for it: how it ended, the cost spliced into the reply
-that ended it, the pool-thread CPU clock, and what the recorder is handed.
+"""One episode as a session accounts for it: how it ended, the pool-thread CPU clock, and
+what the recorder is handed (its cost goes into the reply that ended it by the core's
+:meth:`~stadium._core.protocol.SessionProtocol.with_cost`).
 
 The per-step accounting lives in :class:`~stadium._server.sessions.runner.Session` itself (a few
 additions into its slots, see docs/PROTOCOL.md "Episode cost"); this module holds what
@@ -53,20 +54,6 @@ class ThreadTimed:
             self.session._ep_cpu += _thread_time() - start
 
 
-_COST_ENCODER = msgspec.json.Encoder()
-
-
-def with_cost(frame: bytes, cost: EpisodeCost, json: bool) -> bytes:
-    """``frame`` (an observation reply) with ``cost`` as its top-level ``cost`` member:
-    spliced before the JSON object's closing brace, or the MessagePack map re-encoded
-    (once per episode)."""
-    if json:
-        return frame[:-1] + b',"cost":' + _COST_ENCODER.encode(cost) + b"}"
-    data = msgspec.msgpack.decode(frame)
-    data["cost"] = msgspec.to_builtins(cost)
-    return msgspec.msgpack.encode(data)
-
-
 _PENDING = EpisodeCost(wall_s=0.0, cpu_s=0.0, steps=0, bytes_in=0, bytes_out=0)
 
 
@@ -99,4 +86,4 @@ class Episode(msgspec.Struct, gc=False):
     """The frames are JSON (else MessagePack)."""
 
 
-__all__ = ["EndReason", "Episode", "ThreadTimed", "with_cost"]
+__all__ = ["EndReason", "Episode", "ThreadTimed"]

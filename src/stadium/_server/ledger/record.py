@@ -4,7 +4,7 @@ as Parquet shards by a writer process of the worker's own (:mod:`.writer`).
 **Path of an episode.** On the event loop, a recorded episode's reset reply, then per step
 its request frame as it came, its reply frame (or the error's text) and its time, then its
 end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied into one buffer as
-small messages (:mod:`.wire`: a fixed header and the raw bytes; no Python object kept per
+small messages (:mod:`.pipe`: a fixed header and the raw bytes; no Python object kept per
 step, nothing for the cyclic collector). The buffer is written to a pipe (non-blocking,
 one ``os.write`` of everything buffered, :data:`FLUSH_S` after its first unsent byte or at
 once past :data:`FLUSH_BYTES`) read by the worker's writer process, which decodes the
@@ -68,7 +68,7 @@ import msgspec
 
 from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
-from stadium._server.ledger import wire
+from stadium._server.ledger import pipe
 from stadium._server.ledger.episode import EndReason
 from stadium._server.ledger.rows import Summary, write_shard
 from stadium._util.throttle import Throttle
@@ -225,10 +225,10 @@ class RecorderState(enum.Enum):
 
 
 _META = msgspec.msgpack.Encoder()
-_END_FLAGS = {reason: i for i, reason in enumerate(wire.END_REASONS)}
-_HEAD = wire.HEAD
-_HEAD_SIZE = wire.HEAD.size
-_STEP = wire.STEP
+_END_FLAGS = {reason: i for i, reason in enumerate(pipe.END_REASONS)}
+_HEAD = pipe.HEAD
+_HEAD_SIZE = pipe.HEAD.size
+_STEP = pipe.STEP
 #: The loop writes its buffer to the pipe this long after its first unsent byte (a timer),
 #: or at once past :data:`FLUSH_BYTES`; with nothing to send, it looks at the writer's
 #: counts every :data:`IDLE_S`.
@@ -313,7 +313,7 @@ class Recorder:
             if self.state is not RecorderState.RECORDING:  # type: ignore[comparison-overlap]
                 self._drop()
                 return None
-        self._next = rid = (self._next + 1) % wire.ID_LIMIT
+        self._next = rid = (self._next + 1) % pipe.ID_LIMIT
         try:
             meta = _META.encode((episode_id, seed, options))
         except (TypeError, ValueError, OverflowError):
@@ -323,7 +323,7 @@ class Recorder:
         if len(buf) + _HEAD_SIZE + len(meta) + len(frame) > self._limit:
             self._drop()
             return None
-        buf += _HEAD.pack(wire.BEGIN, rid, json, time.time(), len(meta), len(frame))
+        buf += _HEAD.pack(pipe.BEGIN, rid, json, time.time(), len(meta), len(frame))
         buf += meta
         buf += frame
         self._due()
@@ -355,14 +355,14 @@ class Recorder:
     def end(self, rid: int, end: EndReason, cost: EpisodeCost | None, clipped: bool) -> None:
         """Recorded episode ``rid`` ended (a small message, sent even past the bound);
         ``cost`` ``None``: it is not to be recorded after all (counted dropped)."""
-        flag = _END_FLAGS[end] | (wire.CLIPPED if clipped else 0)
+        flag = _END_FLAGS[end] | (pipe.CLIPPED if clipped else 0)
         if cost is None or (self._broken and rid in self._broken):
             self._broken.discard(rid)
-            flag |= wire.DROPPED
+            flag |= pipe.DROPPED
             body = b""
         else:
             body = _META.encode(cost)
-        self._buf += _HEAD.pack(wire.END, rid, flag, 0.0, len(body), 0)
+        self._buf += _HEAD.pack(pipe.END, rid, flag, 0.0, len(body), 0)
         self._buf += body
         self._due()
 

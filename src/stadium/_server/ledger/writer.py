@@ -1,7 +1,7 @@
 """The ``--record`` writer process: one per recording worker, started by the worker's
 :class:`~stadium._server.ledger.record.Recorder` when the worker starts (or at its first
 recorded episode)
-(``python -m stadium._server.ledger.writer``), fed through a pipe (:mod:`.wire`).
+(``python -m stadium._server.ledger.writer``), fed through a pipe (:mod:`.pipe`).
 
 A reader thread drains the pipe into a queue bounded in bytes (past
 :attr:`~.record.RecordConfig.queue_bytes` it stops reading: the pipe fills, then the
@@ -40,7 +40,7 @@ from typing import Any
 import msgspec
 
 from stadium._env.cost import EpisodeCost
-from stadium._server.ledger import wire
+from stadium._server.ledger import pipe
 from stadium._server.ledger.episode import Episode
 from stadium._server.ledger.record import (
     CHUNK_STEPS,
@@ -62,7 +62,7 @@ from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
 
-_HEAD = wire.HEAD
+_HEAD = pipe.HEAD
 _HEAD_SIZE = _HEAD.size
 _META = msgspec.msgpack.Decoder(tuple[str | None, int | None, dict[str, Any] | None])
 _COST = msgspec.msgpack.Decoder(EpisodeCost)
@@ -174,33 +174,33 @@ class Writer:
             first = data[start : start + a]
             second = data[start + a : stop]
             pos = stop
-            if kind == wire.STEP:
+            if kind == pipe.STEP:
                 held = opened.get(rid)
                 if held is not None:
                     held[1].extend(
                         (first, second.decode("utf-8", "replace") if flag else second, number)
                     )
-            elif kind == wire.BEGIN:
+            elif kind == pipe.BEGIN:
                 episode_id, seed, options = _META.decode(first)
                 opened[rid] = (
                     Episode(episode_id, number, seed, options, second, json=bool(flag)),
                     [],
                 )
-            elif kind == wire.END:
+            elif kind == pipe.END:
                 self._ended(opened.pop(rid, None), flag, first)
         self._rest = data[pos:]
 
     def _ended(self, held: tuple[Episode, list[Any]] | None, flag: int, cost: bytes) -> None:
         if held is None:
             return
-        if flag & wire.DROPPED or not self._recording():
+        if flag & pipe.DROPPED or not self._recording():
             self.counts[DROPPED] += 1
             return
         episode, steps = held
         episode.steps = tuple(steps)
-        episode.end = wire.END_REASONS[flag & 7]
+        episode.end = pipe.END_REASONS[flag & 7]
         episode.cost = _COST.decode(cost)
-        episode.clipped = bool(flag & wire.CLIPPED)
+        episode.clipped = bool(flag & pipe.CLIPPED)
         self._ready.append(episode)
         self._ready_steps += len(steps) // 3
         self._ready_bytes += episode.cost.bytes_in + episode.cost.bytes_out

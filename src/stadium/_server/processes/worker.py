@@ -55,6 +55,7 @@ from stadium._server.isolation.worker.manifest import (
     manifest_warning,
     read_manifest,
 )
+from stadium._server.isolation.worker.vm import VmIsolation, vm_unavailable
 from stadium._server.ledger import RecordConfig
 from stadium._server.ledger.record import load_redactor
 from stadium._server.loader import add_to_path, load_target, target_files
@@ -127,7 +128,7 @@ def isolation_mode(config: ServerConfig, env_cls: type[Any] | None) -> str:
     mode = config.isolation or getattr(env_cls, "isolation", None) or "none"
     if mode not in MODES:
         raise ConfigError(
-            f"{_name(env_cls)}.isolation is {mode!r}: use 'none', 'process' or 'sandbox'",
+            f"{_name(env_cls)}.isolation is {mode!r}: use 'none', 'process', 'sandbox' or 'vm'",
             value=mode,
         )
     return str(mode)
@@ -197,6 +198,8 @@ def isolation_config(config: ServerConfig, env_cls: type[Any] | None) -> Isolati
             raise ConfigError(f"--isolation sandbox cannot run here: {why}{asked}")
         if config.sandbox_seccomp == "on" and (why := seccomp_unavailable()) is not None:
             raise ConfigError(f"--isolation sandbox will not start without its filter: {why}")
+    if mode == "vm" and (why := vm_unavailable()) is not None:
+        raise ConfigError(f"--isolation vm cannot run here: {why}")
     target = config.target
     module, sep, attr = target.rpartition(":")
     if sep and (module.endswith(".py") or "/" in module):  # a file: absolute for the template
@@ -258,6 +261,8 @@ def untrusted_spec(
 def _isolation(config: ServerConfig, spec: EnvSpec) -> Isolation | None:
     """The worker's :class:`Isolation` (see :func:`isolation_config`)."""
     settings = isolation_config(config, spec.env_cls)
+    if settings is not None and settings.mode == "vm":
+        return VmIsolation(settings)
     return Isolation(settings) if settings is not None else None
 
 

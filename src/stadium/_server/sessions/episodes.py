@@ -25,7 +25,7 @@ from stadium._core.protocol import Call, Encoding, Op, RawCall
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
-from stadium._server.ledger import EndReason, ThreadTimed, usage, with_cost
+from stadium._server.ledger import EndReason, ThreadTimed, usage
 from stadium._server.sessions.resumable import ResumableSession
 
 _clock = time.perf_counter
@@ -188,9 +188,7 @@ class EpisodeAccounts(ResumableSession):
         when no episode runs)."""
         if not self._ep_start:
             return frame
-        return with_cost(
-            frame, self._cost(self.loop.time()), self.protocol.encoding is Encoding.JSON
-        )
+        return self.protocol.with_cost(frame, self._cost(self.loop.time()))
 
     def _episode_closed(self) -> None:
         """The session ends: so does its running episode, if any."""
@@ -207,14 +205,13 @@ class EpisodeAccounts(ResumableSession):
         ledger.ended(cost)
         if self.tenant is not None:  # --tenants: the tenant's episode cost too
             self.runtime.doors.episode(self.tenant, cost)
-        json = protocol.encoding is Encoding.JSON
         rid = self._ep_log
         self._ep_log = None
         if rid is not None and ledger.recorder is not None:
             ledger.recorder.end(rid, end, cost, self._ep_clipped)
         if frame is None:
             return b""
-        return with_cost(frame, cost, json)
+        return protocol.with_cost(frame, cost)
 
 
 def ended_by(result: Any) -> EndReason:

@@ -20,7 +20,8 @@ forks the session's process (pid 2), the only one that joins the session's cgrou
 The init then reaps every process of the namespace (the session's, the copies
 ``fork`` makes, orphans) and reports each wait status to the template, which passes
 it on: it executes the native init for that (``native/stadium-init``, a few lines of
-Rust, ~0.1 MiB), or runs the same loop itself when that is not built. The worker
+Rust, ~0.1 MiB, shipped in the wheel; the template loads it into a sealed, execute-only
+memfd once: :func:`native_init`), or runs the same loop itself when that is not built. The worker
 names a sandboxed process by a *key*, ``family << 22 | pid in its namespace``,
 unique per template (pids repeat across namespaces); unsandboxed, the key is the pid.
 The init stays outside the cgroups, so killing a session's cgroup never kills the one
@@ -52,6 +53,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
+import fcntl
 import gc
 import inspect
 import itertools
@@ -61,6 +64,7 @@ import signal
 import socket
 import stat
 import sys
+import types
 from typing import Any
 
 import msgspec
@@ -107,9 +111,10 @@ class _Ctx:
     report: socket.socket | None = None
     """Sandboxed: the families' inits report their processes' exits on it (the template's end)."""
     families: Any = None
-    init: str | None = None
+    init: int | None = None
     """Sandboxed: the native init a family's init executes once it has forked the session's
-    process (:func:`native_init`); ``None``: it stays a forked interpreter (~0.8 MiB more)."""
+    process (:func:`native_init`: a sealed memfd); ``None``: it stays a forked interpreter
+    (~0.8 MiB more)."""
     inits: dict[int, int] = {}
     """Sandboxed: a family's init pid -> the key of its session's process."""
     unreported: set[int] = set()
@@ -170,7 +175,8 @@ def template_main(config: dict[str, Any]) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     described = _Ctx.seccomp.description if _Ctx.seccomp is not None else None
-    control.send(wire.encode(wire.Ready(os.getpid(), described, _Ctx.init)))
+    init = None if _Ctx.init is None else f"{NATIVE_INIT} (a sealed execute-only memfd copy)"
+    control.send(wire.encode(wire.Ready(os.getpid(), described, init)))
     sel = selectors.DefaultSelector()
     sel.register(control, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
@@ -246,28 +252,82 @@ def _check(rc: int, what: str) -> None:
         raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
-#: The native init (native/stadium-init, built by ``make sandbox-deps``), in ``isolation/``.
+#: The native init (native/stadium-init), in ``isolation/``: built there by ``make sandbox-deps``
+#: in a checkout, or into the wheel by its build hook (``hatch_build.py``).
 NATIVE_INIT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "stadium-init"
 )
+_MAX_INIT_BYTES = 8 << 20
+_MFD_EXEC = 0x10
+"""``memfd_create``'s ``MFD_EXEC`` (Linux >= 6.3: an executable memfd, asked for explicitly)."""
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
-def native_init() -> str | None:
-    """:data:`NATIVE_INIT` when it can be run, else ``None``. It does what
-    :func:`_start_family`'s loop does, reporting in the same format, so either serves; the
-    native one costs a session ~0.8 MiB less (the pages a forked interpreter holds).
+def native_init() -> int | None:
+    """A sealed, execute-only copy of :data:`NATIVE_INIT` in memory (a memfd the family's
+    init executes with ``fexecve``), or ``None`` (not built, not trusted, or no executable
+    memfd here: ``vm.memfd_noexec=2``). It does what :func:`_start_family`'s loop does,
+    reporting in the same format, so either serves; the native one costs a session ~0.8 MiB
+    less (the pages a forked interpreter holds).
 
-    It must be execute-only for others (``make sandbox-deps`` installs it 0711): the kernel
-    then makes the process that executes it undumpable from its first instruction, so the
-    session's processes (same uid) never get a moment to open its memory. A copy others
-    may read is not used."""
+    The copy, not the file, is executed: it is owned by root and mode 0111 (the kernel makes a
+    process executing a file it cannot read undumpable from its first instruction, so the
+    session's processes, same uid, never get a moment to open its memory), sealed against
+    every change, and on no filesystem the session could reach. The installed file may be
+    0755 (as pip installs it); one that others may write, or owned by another user, is not
+    used. A copy others may read is never executed (checked on the memfd itself)."""
     try:
-        info = os.stat(NATIVE_INIT)
+        fd = os.open(NATIVE_INIT, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None
-    if not stat.S_ISREG(info.st_mode) or info.st_mode & 0o044 or not info.st_mode & 0o001:
+    try:
+        info = os.fstat(fd)
+        if (
+            not stat.S_ISREG(info.st_mode)
+            or info.st_mode & 0o022
+            or info.st_uid not in (0, os.geteuid())
+            or not 0 < info.st_size <= _MAX_INIT_BYTES
+        ):
+            return None
+        data = os.read(fd, _MAX_INIT_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        mfd = _exec_memfd()
+    except OSError:
         return None
-    return NATIVE_INIT
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(mfd, view) :]
+        os.fchmod(mfd, 0o111)
+        fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, _SEALS)
+        if not _execute_only(mfd):
+            raise OSError("the native init's copy is readable by others")
+    except OSError:
+        os.close(mfd)
+        return None
+    return mfd
+
+
+def _exec_memfd() -> int:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        return os.memfd_create("stadium-init", flags | _MFD_EXEC)
+    except OSError as exc:  # a kernel before 6.3 knows no MFD_EXEC (its memfds are executable)
+        if exc.errno != errno.EINVAL:
+            raise
+        return os.memfd_create("stadium-init", flags)
+
+
+def _execute_only(fd: int) -> bool:
+    """The memfd is what :func:`native_init` made: root's (or ours), 0111, sealed."""
+    info = os.fstat(fd)
+    return (
+        stat.S_IMODE(info.st_mode) == 0o111
+        and info.st_uid == os.geteuid()
+        and fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    )
 
 
 def _fork_family() -> tuple[int, int]:
@@ -299,8 +359,6 @@ def _start_family(
     :class:`~stadium.Workspace` is its filesystem."""
     die_with_parent(signal.SIGKILL)
     procs = [os.open(os.path.join(p, "cgroup.procs"), os.O_WRONLY) for p in cgroups]
-    if image is not None and _Ctx.init is not None:  # where the init is, once in the image
-        _Ctx.init = rootfs.HOST + os.path.realpath(_Ctx.init)
     # The init stays out of the session's cgroups; the family shares its namespaces.
     enter_sandbox(
         [], uid, _Ctx.disk_mib, netns_fd=netns_fd, hosts=hosts, ptys=_Ctx.ptys, image=image,
@@ -312,6 +370,8 @@ def _start_family(
         _Ctx.seccomp.load()
     if os.fork() == 0:  # the session's process (pid 2)
         os.close(report_w)
+        if _Ctx.init is not None:
+            os.close(_Ctx.init)
         for fd in procs:
             os.write(fd, b"0")
             os.close(fd)
@@ -324,7 +384,8 @@ def _start_family(
     if _Ctx.init is not None:  # the same loop, in ~0.1 MiB instead of a forked interpreter
         with contextlib.suppress(OSError):  # could not run it: the loop below serves
             os.set_inheritable(report_w, True)
-            os.execv(_Ctx.init, [_Ctx.init, str(report_w), str(_Ctx.key_base)])
+            # fexecve (execveat on the memfd): no path, so the same in an image's root
+            os.execve(_Ctx.init, ["stadium-init", str(report_w), str(_Ctx.key_base)], {})
     report = socket.socket(fileno=report_w)
     while True:
         try:
@@ -479,7 +540,7 @@ class _Session:
             value = method(*args, **kwargs)
         finally:
             asyncio._set_running_loop(loop)
-        if inspect.isawaitable(value):
+        if type(value) is types.CoroutineType or inspect.isawaitable(value):  # the usual first
             return await value
         return value
 

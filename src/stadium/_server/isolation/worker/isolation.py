@@ -63,7 +63,7 @@ from stadium._util.throttle import ThrottledLog
 log = logging.getLogger("stadium.isolation")
 _CONTROL_REFUSED = ThrottledLog(log, logging.WARNING)
 
-MODES = ("none", "process", "sandbox")
+MODES = ("none", "process", "sandbox", "vm")
 #: The script a template process starts with (:mod:`.boot`).
 BOOT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "template", "boot.py"
@@ -120,6 +120,8 @@ class _ShutDown(ExecutionError):
 
 class Isolation:
     """One worker's template process, warm pool and isolated-session counters."""
+
+    fork_s = FORK_S  #: the bound on a fork's copy (a VM's, ``vm.VM_FORK_S``, is longer)
 
     def __init__(self, config: IsolationConfig) -> None:
         self.config = config
@@ -338,13 +340,12 @@ class Isolation:
                 "sandboxed sessions' seccomp filter: %s%s", self.seccomp,
                 "" if msg.seccomp else " (--sandbox-seccomp off: no filter)",
             )  # fmt: skip
-            if not msg.init:
-                log.warning(
-                    "the sandbox's native init is not built, or others may read it (make "
-                    "sandbox-deps builds native/stadium-init with cargo and installs it "
-                    "execute-only): each sandboxed session's pid 1 is a forked interpreter, "
-                    "~0.8 MiB more"
-                )
+            log.log(
+                logging.INFO if msg.init else logging.WARNING, "sandboxed sessions' init: %s",
+                f"native, {msg.init}" if msg.init else "a forked interpreter, ~0.8 MiB more (the "
+                "native init is missing, others may write it, or this kernel runs no memfd: "
+                "make sandbox-deps builds native/stadium-init; a wheel built with cargo has it)",
+            )  # fmt: skip
         ready.set_result(None)
 
     def _template_gone(self) -> None:
@@ -533,8 +534,7 @@ class Isolation:
 
         Raises:
             Gone: ``parent`` died. EnvProtocolError: it answered with what is refused.
-            SnapshotError: the fork failed or its copy cannot be told apart.
-        """
+            SnapshotError: the fork failed or its copy cannot be told apart."""
         reply = await parent.request_fds(wire.encode(wire.Fork()), wire.DONE_REPLY)
         fd = parent.take_fd()
         if isinstance(reply, wire.Raised) or fd < 0:

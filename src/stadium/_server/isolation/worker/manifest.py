@@ -256,6 +256,16 @@ ENFORCED = {
             "network.mode",
         }
     ),
+    # vm: the guest's RAM, /tmp and vCPUs; no network device at all (a declared network
+    # is left unmet, so it is said)
+    "vm": frozenset(
+        {
+            "resources.cpu",
+            "resources.memory_mb",
+            "resources.disk_mb",
+            "resources.episode_timeout_s",
+        }
+    ),
 }
 
 

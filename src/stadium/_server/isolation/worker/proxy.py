@@ -28,12 +28,13 @@ from typing import Any
 
 import msgspec
 
+from stadium._env.contract import StepResult
 from stadium._env.snapshot import snapshot_env
 from stadium._env.spec import CallMode, EnvSpec
 from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
 from stadium._server.durability.records import INLINE_BYTES, MAX_RECORD_BYTES
 from stadium._server.isolation import wire
-from stadium._server.isolation.worker.isolation import FORK_S, Isolation
+from stadium._server.isolation.worker.isolation import Isolation
 from stadium._server.isolation.worker.proc import EnvProcess, Gone, foreign_error
 
 #: A durable snapshot larger than this is spilled to a file (see the module docstring).
@@ -133,7 +134,7 @@ class ProcessEnv:
         fork: bool = False,
     ) -> Any:
         iso = self.isolation
-        limit = min(iso.limits.call_timeout, FORK_S) if fork else iso.limits.call_timeout
+        limit = min(iso.limits.call_timeout, iso.fork_s) if fork else iso.limits.call_timeout
         timer = proc.loop.call_later(limit, self._expire, proc)
         try:
             if fork:
@@ -369,8 +370,6 @@ _DURABLE = b"D:"
 
 
 def _step_result(out: wire.StepOk) -> Any:
-    from stadium._env.contract import StepResult
-
     return StepResult(out.observation, out.reward, out.done, truncated=out.truncated, info=out.info)
 
 

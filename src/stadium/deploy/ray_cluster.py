@@ -47,7 +47,7 @@ from stadium.deploy.deployment import Deployment, refuse_token_in_argv
 from stadium.deploy.local import ServerProcess, serve_command, wait_all_ready
 from stadium.deploy.running import Running, Stopper
 
-log = logging.getLogger("stadium.deploy.ray")
+log = logging.getLogger("stadium.deploy.ray_cluster")
 
 STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 

@@ -1,0 +1,63 @@
+"""The wheel's build hook (hatchling): the sandbox's native init goes into the wheel.
+
+``native/stadium-init`` (Rust, no dependencies) is built with cargo into
+``stadium/_server/isolation/stadium-init``, where the sandbox's template finds it (it runs a
+sealed execute-only memfd copy of it, so the file's mode, 0755 as pip installs it, does not
+matter). The wheel then carries a platform tag (``py3-none-linux_x86_64``, ...). Without
+cargo, a binary ``make sandbox-deps`` built in the checkout is used; without either, the
+wheel stays pure Python and says so (the sandbox then runs the same loop in a forked
+interpreter, ~0.8 MiB more per session).
+``STADIUM_NATIVE_INIT=require`` makes a missing init an error; ``=skip`` leaves it out.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+WHERE = "stadium/_server/isolation/stadium-init"
+
+
+class NativeInitHook(BuildHookInterface):
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if self.target_name != "wheel" or version == "editable":
+            return  # an editable install runs the checkout's own (make sandbox-deps)
+        mode = os.environ.get("STADIUM_NATIVE_INIT", "auto")
+        if mode == "skip" or not sys.platform.startswith("linux"):
+            return
+        built = _build(Path(self.root))
+        if built is None:
+            if mode == "require":
+                raise RuntimeError("STADIUM_NATIVE_INIT=require: no cargo for native/stadium-init")
+            self.app.display_warning(
+                "stadium-init: no cargo and no built native/stadium-init: the wheel has no "
+                "native init (sandboxed sessions' pid 1 stays a forked interpreter)"
+            )
+            return
+        build_data["force_include"][str(built)] = WHERE
+        # Any Python 3 on this platform: the binary uses no Python ABI.
+        build_data["pure_python"] = False
+        platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+        build_data["tag"] = f"py3-none-{platform}"
+
+
+def _build(root: Path) -> Path | None:
+    manifest = root / "native" / "stadium-init" / "Cargo.toml"
+    cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
+    if manifest.is_file() and os.access(cargo, os.X_OK):
+        subprocess.run(
+            [cargo, "build", "--quiet", "--release", "--offline", "--manifest-path", str(manifest)],
+            check=True,
+        )
+        return manifest.parent / "target" / "release" / "stadium-init"
+    checkout = root / "src" / WHERE  # built by make sandbox-deps
+    return checkout if checkout.is_file() else None
