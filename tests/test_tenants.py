@@ -21,7 +21,14 @@ import websockets
 from multidict import CIMultiDict
 
 import stadium
-from stadium._core.access import AccessPolicy, Refusal, Tenant, TenantBook, TenantTable
+from stadium._core.access import (
+    MAX_SEEN,
+    AccessPolicy,
+    Refusal,
+    Tenant,
+    TenantBook,
+    TenantTable,
+)
 from stadium._core.handshake import MSGPACK_SUBPROTOCOL, Terms, Upgrade, _negotiate, negotiate
 from stadium._core.protocol import Encoding
 from stadium._errors import ConfigError
@@ -29,7 +36,6 @@ from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import LocalSlots
 from stadium._server.admission.tenants import (
     HELD,
-    OPENED,
     WAIT_BUCKETS,
     WAIT_HIST,
     WAIT_US,
@@ -129,6 +135,36 @@ def test_the_table_finds_a_tenant_by_the_hash_of_its_token() -> None:
     assert table.identify(b"secret-token-012345678") is None
 
 
+def test_a_remembered_header_names_its_tenant_only_while_its_table_is_current() -> None:
+    """AccessPolicy.tenant_of remembers a header that named a tenant (its next
+    connections: a dict lookup, no hash), never one that did not; a reloaded table
+    (a new TenantTable in the book) starts with nothing remembered, so a token
+    dropped from the file is refused at once; the memory is bounded."""
+    alpha, beta = Tenant("alpha", 0), Tenant("beta", 1)
+    a, b = "alpha-token-0123456789", "beta-token-0123456789"
+    digests = {t: [hashlib.sha256(t.encode()).digest()] for t in (a, b)}
+    book = TenantBook(TenantTable([(alpha, digests[a]), (beta, digests[b])]))
+    access = AccessPolicy(tenants=book)
+    first = book.table
+    assert access.tenant_of(f"Bearer {a}") is alpha
+    assert access.tenant_of(f"Bearer {a}") is alpha  # remembered
+    assert first.seen == {f"Bearer {a}": alpha}
+    assert access.tenant_of(f"Bearer {a}x") is None
+    assert access.tenant_of(f"Basic {a}") is None
+    assert set(first.seen) == {f"Bearer {a}"}  # a refused header is never kept
+    book.table = TenantTable([(beta, digests[b])])  # reloaded without alpha
+    assert access.tenant_of(f"Bearer {a}") is None
+    assert access.check_auth(f"Bearer {a}") is not None  # the 401
+    assert access.tenant_of(f"Bearer {b}") is beta
+    for i in range(MAX_SEEN + 5):  # bounded: full, it starts over
+        book.table.seen[f"Bearer filler-{i}"] = beta
+        if len(book.table.seen) >= MAX_SEEN:
+            break
+    assert access.tenant_of(f" Bearer  {b}") is beta  # not remembered yet: hashed
+    assert len(book.table.seen) <= MAX_SEEN
+    assert book.table.seen == {f" Bearer  {b}": beta}
+
+
 def test_an_upgrade_names_the_tenant_and_keeps_what_was_decided() -> None:
     """negotiate() sets the Upgrade's tenant and nothing else (the msgpack, resumable
     upgrade with its 101 headers), and a wrong token is still the 401."""
@@ -165,7 +201,7 @@ def test_a_seat_without_a_wait_counts_in_the_first_bucket() -> None:
     fair._seat(3, 0.02)  # 0.01 < 0.02 <= 0.05: the 4th bucket
     shared = directory.shared
     assert shared.total(3, HELD) == 2
-    assert shared.total(3, OPENED) == 2
+    assert shared.opened(3) == 2
     hist = [shared.total(3, WAIT_HIST + i) for i in range(len(WAIT_BUCKETS) + 1)]
     assert hist == [1, 0, 0, 1] + [0] * (len(WAIT_BUCKETS) - 3)
     assert shared.total(3, WAIT_US) == 20_000

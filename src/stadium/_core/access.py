@@ -35,7 +35,11 @@ order:
    With tenants (``--tenants FILE``: :class:`TenantTable`), a token names its
    tenant: the presented token is hashed with SHA-256 and the digest looked up
    among the tenants' (the file holds digests, never tokens), then compared with
-   :func:`hmac.compare_digest`; an unknown token is the same 401.
+   :func:`hmac.compare_digest`; an unknown token is the same 401. A header that
+   named a tenant once is remembered (the table's :attr:`TenantTable.seen`, bounded,
+   dropped with the table on a reload): a client's next connections with the same
+   header cost a dict lookup, not a hash (the lookup's string compare runs only on
+   a full match of the salted string hash: no timing to learn a token from).
    :meth:`AccessPolicy.tenant_of` tells the transports whose request it is.
    The table sits in a :class:`TenantBook` the server swaps on a reload.
 
@@ -111,10 +115,14 @@ class Tenant:
     """Requests per second over the node; 0: none."""
 
 
+MAX_SEEN = 1024
+"""Headers a :class:`TenantTable` remembers (those of valid tokens only)."""
+
+
 class TenantTable:
     """The tenants of a server and the SHA-256 digests of their tokens (pure data)."""
 
-    __slots__ = ("_by_digest", "tenants")
+    __slots__ = ("_by_digest", "seen", "tenants")
 
     def __init__(self, tenants: Iterable[tuple[Tenant, Iterable[bytes]]]) -> None:
         by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
@@ -125,6 +133,9 @@ class TenantTable:
                 by_digest[bytes(digest)] = (bytes(digest), tenant)
         self._by_digest = by_digest
         self.tenants: tuple[Tenant, ...] = tuple(listed)
+        self.seen: dict[str, Tenant] = {}
+        """``Authorization`` headers that named a tenant, as sent (at most
+        :data:`MAX_SEEN`; cleared when full)."""
 
     def identify(self, token: bytes) -> Tenant | None:
         """The tenant whose token is ``token``, or ``None``: hashed, looked up, and the
@@ -164,7 +175,7 @@ class AccessPolicy:
             is ``None``).
     """
 
-    __slots__ = ("_any_origin", "_hosts", "_last", "_origins", "_token", "tenants")
+    __slots__ = ("_any_origin", "_hosts", "_origins", "_token", "tenants")
 
     def __init__(
         self,
@@ -175,9 +186,6 @@ class AccessPolicy:
     ) -> None:
         self._token = token.encode() if token else None
         self.tenants = tenants
-        self._last: tuple[object, object, Tenant | None] = (None, None, None)
-        """The last header object :meth:`tenant_of` identified, its table and tenant: the
-        access check and the upgrade ask about the same header object in turn."""
         origins = {o.lower() for o in allowed_origins}
         self._any_origin = "*" in origins
         origins.discard("*")
@@ -199,14 +207,18 @@ class AccessPolicy:
         if book is None or authorization is None:
             return None
         table = book.table
-        last = self._last
-        if last[0] is authorization and last[1] is table:  # the same object: no compare of
-            return last[2]  # a token with another's, so no timing to learn from
+        tenant = table.seen.get(authorization)  # the header as a tenant sent it before
+        if tenant is not None:
+            return tenant
         scheme, _, given = authorization.strip().partition(" ")
         if scheme.lower() != "bearer":
             return None
         tenant = table.identify(given.strip().encode())
-        self._last = (authorization, table, tenant)
+        if tenant is not None:
+            seen = table.seen
+            if len(seen) >= MAX_SEEN:
+                seen.clear()
+            seen[authorization] = tenant
         return tenant
 
     def check(

@@ -52,7 +52,18 @@ from stadium._errors import CapacityError, RateLimitError
 from stadium._server.admission.client_counts import Keys
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import Admission, Verdict, Waiter
-from stadium._server.admission.tenants import CHARGED, NFIELDS, REFUSED, STEPS, TenantDirectory
+from stadium._server.admission.tenants import (
+    CHARGED,
+    EP_CPU_US,
+    EP_IN,
+    EP_OUT,
+    EP_STEPS,
+    EP_WALL_US,
+    EPISODES,
+    REFUSED,
+    STEPS,
+    TenantDirectory,
+)
 from stadium._server.metrics import DOORS
 
 
@@ -211,11 +222,11 @@ class Doorway:
             charged = Pass(charged.door, None, charged.counted)
         row = tenant.row
         now_is = directory.rows[row]  # directory.current(tenant), inlined (per session)
-        if now_is is not None and now_is.name == tenant.name:
-            tenant = now_is
+        if now_is is not tenant and now_is is not None and now_is.name == tenant.name:
+            tenant = now_is  # (the upgrade's is the table's own: the same object, mostly)
         shared = directory.shared
         if charged.counted:
-            shared.counts[(row * NFIELDS + CHARGED) * shared.width + shared.column] += 1  # add()
+            shared.mine[row][CHARGED] += 1
             if tenant.max_sessions:
                 shared.fence()  # the increment is visible before the sum is read
                 if shared.total(row, CHARGED) > tenant.max_sessions:
@@ -242,8 +253,7 @@ class Doorway:
             charged.tenant = None
             charged.bucket = None
             if charged.counted and self.tenants is not None:
-                t = self.tenants.shared
-                t.counts[(tenant.row * NFIELDS + CHARGED) * t.width + t.column] -= 1
+                self.tenants.shared.mine[tenant.row][CHARGED] -= 1
         record = charged.record
         if record is None:
             return
@@ -288,13 +298,45 @@ class Doorway:
             n -= charged.inherited
             charged.inherited = 0
         if n > 0 and tenant is not None and self.tenants is not None:
-            shared = self.tenants.shared
-            shared.counts[(tenant.row * NFIELDS + STEPS) * shared.width + shared.column] += n
+            self.tenants.shared.mine[tenant.row][STEPS] += n
+
+    def closed(self, charged: Pass | None, tenant: Tenant, steps: int, now: float) -> None:
+        """A session of ``tenant`` ended: its running episode's ``steps`` counted
+        (:meth:`steps`) and ``charged`` given back (:meth:`leave`), in one call."""
+        directory = self.tenants
+        if directory is None:
+            if charged is not None:
+                self.leave(charged, now)
+            return
+        mine = directory.shared.mine[tenant.row]
+        if charged is None:
+            if steps > 0:
+                mine[STEPS] += steps
+            return
+        if charged.inherited:
+            steps -= charged.inherited
+            charged.inherited = 0
+        if steps > 0:
+            mine[STEPS] += steps
+        held = charged.tenant
+        if held is not None:
+            charged.tenant = None
+            charged.bucket = None
+            if charged.counted:
+                directory.shared.mine[held.row][CHARGED] -= 1
+        if charged.record is not None:
+            self.leave(charged, now)
 
     def episode(self, tenant: Tenant, cost: EpisodeCost) -> None:
         """Count an ended episode's ``cost`` to ``tenant`` (``stadium_tenant_episode_*``)."""
-        if self.tenants is not None:
-            self.tenants.shared.episode(tenant.row, cost)
+        if self.tenants is not None:  # once per episode, at its end
+            mine = self.tenants.shared.mine[tenant.row]
+            mine[EPISODES] += 1
+            mine[EP_WALL_US] += int(cost.wall_s * 1e6)
+            mine[EP_CPU_US] += int(cost.cpu_s * 1e6)
+            mine[EP_STEPS] += cost.steps
+            mine[EP_IN] += cost.bytes_in
+            mine[EP_OUT] += cost.bytes_out
 
     # -- the slot --------------------------------------------------------------------
 

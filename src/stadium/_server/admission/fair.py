@@ -44,7 +44,6 @@ from stadium._server.admission.tenants import (
     ANON,
     HELD,
     NFIELDS,
-    OPENED,
     REFUSED,
     WAIT_BUCKETS,
     WAIT_HIST,
@@ -115,11 +114,12 @@ class FairAdmission(Admission):
     ) -> Verdict:
         row = ANON if tenant is None else tenant.row
         shared = self.directory.shared
-        nobody_waits = not any(shared.any_waiting)
-        if (nobody_waits or self.timeout <= 0 or self.neediest(row) == row) and (
+        if (not any(shared.any_waiting) or self.timeout <= 0 or self.neediest(row) == row) and (
             self.slots.try_acquire()
         ):
-            self._seat(row, 0.0)
+            mine = shared.mine[row]  # self._seat(row, 0.0), inlined (most sessions)
+            mine[HELD] += 1
+            mine[WAIT_HIST] += 1
             return Verdict.ADMITTED
         verdict = Verdict.REFUSED if self.timeout <= 0 else self._bounds(group, client)
         if verdict is not None:
@@ -146,16 +146,13 @@ class FairAdmission(Admission):
 
     def _seat(self, row: int, waited: float) -> None:
         """Count a slot given to ``row`` after ``waited`` seconds in the queue."""
-        shared = self.directory.shared
-        counts, width = shared.counts, shared.width
-        at = row * NFIELDS * width + shared.column  # SharedTenants.at, inlined (per session)
-        counts[at + HELD * width] += 1
-        counts[at + OPENED * width] += 1
+        mine = self.directory.shared.mine[row]
+        mine[HELD] += 1  # (and opened: the wait histogram's count)
         if not waited:  # admitted at once (most sessions): the first bucket
-            counts[at + WAIT_HIST * width] += 1
+            mine[WAIT_HIST] += 1
             return
-        counts[at + WAIT_US * width] += int(waited * 1e6)
-        counts[at + (WAIT_HIST + bisect_left(WAIT_BUCKETS, waited)) * width] += 1
+        mine[WAIT_US] += int(waited * 1e6)
+        mine[WAIT_HIST + bisect_left(WAIT_BUCKETS, waited)] += 1
 
     def _take(self, row: int) -> tuple[Waiter, float]:
         """Take ``row``'s first local waiter out of the queue: it and its wait so far."""
@@ -196,9 +193,7 @@ class FairAdmission(Admission):
     def release(self, tenant: Tenant | None = None) -> None:
         """Give ``tenant``'s slot back: straight to a local waiter if its tenant is the
         neediest waiting anywhere, else to the shared pool."""
-        shared = self.directory.shared
-        row = ANON if tenant is None else tenant.row
-        shared.counts[(row * NFIELDS + HELD) * shared.width + shared.column] -= 1  # add()
+        self.directory.shared.mine[ANON if tenant is None else tenant.row][HELD] -= 1
         if self._queue:
             best = self.neediest()
             if best in self._by_tenant:

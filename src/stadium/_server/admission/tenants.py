@@ -10,8 +10,8 @@ file is a :class:`~stadium.ConfigError` naming the field.
 (a *row*, at most :data:`MAX_TENANTS`) and per worker process (a *column*, written only
 by that process, as :class:`~stadium._server.admission.slots.SharedSlots`' counters) the
 sessions it holds, is charged (held or waiting: the quota) and has waiting, and its
-cumulative counts (sessions opened, refusals, steps, queue wait, the ended episodes'
-cost, counted once per episode at its end); a dead worker's
+cumulative counts (refusals, steps, queue wait, whose histogram's count is the
+sessions opened, the ended episodes' cost, counted once per episode at its end); a dead worker's
 counts move to a retired column (:meth:`SharedTenants.forget_worker`). It also holds
 the current tenant table, serialized, with a generation number: the process that
 reloads the file on SIGHUP (the supervisor; a lone worker itself) writes it under a
@@ -45,7 +45,6 @@ from prometheus_client.core import (
 )
 
 from stadium._core.access import Tenant, TenantBook, TenantTable
-from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
 from stadium._util.fence import full_fence
 
@@ -78,11 +77,12 @@ WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of a tenant's queue wait histogram (then +Inf): those of
 ``stadium_admission_wait_seconds``."""
 
-# Fields of a (row, column): gauges, then cumulative counts, then the wait histogram,
-# then the ended episodes' cost (the ledger's, summed: episodes, wall and env CPU in
-# microseconds, steps, bytes received and sent).
-HELD, CHARGED, WAITING, OPENED, REFUSED, STEPS, WAIT_US = range(7)
-WAIT_HIST = 7
+# Fields of a (row, column): gauges, then cumulative counts, then the wait histogram
+# (its count is the sessions opened: every seat counts in one bucket), then the ended
+# episodes' cost (the ledger's, summed: episodes, wall and env CPU in microseconds,
+# steps, bytes received and sent).
+HELD, CHARGED, WAITING, REFUSED, STEPS, WAIT_US = range(6)
+WAIT_HIST = 6
 EPISODES = WAIT_HIST + len(WAIT_BUCKETS) + 1
 EP_WALL_US, EP_CPU_US, EP_STEPS, EP_IN, EP_OUT = range(EPISODES + 1, EPISODES + 6)
 NFIELDS = EPISODES + 6
@@ -230,12 +230,18 @@ class SharedTenants:
         self.rate_width = counters
         self._head = memoryview(multiprocessing.sharedctypes.RawArray("q", 2)).cast("B").cast("q")
         self._blob = memoryview(multiprocessing.sharedctypes.RawArray("B", _BLOB_BYTES)).cast("B")
-        self.column = 0
         self.fence = full_fence()
+        self.bind(0)
 
     def bind(self, column: int) -> None:
         """Count in column ``column`` (no other live process uses it)."""
         self.column = column
+        counts, width = self.counts, self.width
+        self.mine = [
+            counts[row * NFIELDS * width + column :: width][:NFIELDS] for row in range(ROWS)
+        ]
+        """Per row, this process's column of its fields (a strided view of the shared
+        words: ``mine[row][STEPS] += n`` counts in place)."""
 
     def at(self, row: int, field: int) -> int:
         """Where ``row``'s ``field`` starts (one word per column)."""
@@ -245,19 +251,12 @@ class SharedTenants:
         start = self.at(row, field)
         return int(sum(self.counts[start : start + self.width]))
 
-    def add(self, row: int, field: int, n: int = 1) -> None:
-        self.counts[(row * NFIELDS + field) * self.width + self.column] += n  # at(), inlined
+    def opened(self, row: int) -> int:
+        """Sessions ``row`` was given a slot: the count of its queue wait histogram."""
+        return sum(self.total(row, WAIT_HIST + i) for i in range(len(WAIT_BUCKETS) + 1))
 
-    def episode(self, row: int, cost: EpisodeCost) -> None:
-        """Count an ended episode's ``cost`` to ``row`` (once per episode, at its end)."""
-        counts, width, column = self.counts, self.width, self.column
-        i = (row * NFIELDS + EPISODES) * width + column
-        counts[i] += 1
-        counts[i + width] += int(cost.wall_s * 1e6)
-        counts[i + 2 * width] += int(cost.cpu_s * 1e6)
-        counts[i + 3 * width] += cost.steps
-        counts[i + 4 * width] += cost.bytes_in
-        counts[i + 5 * width] += cost.bytes_out
+    def add(self, row: int, field: int, n: int = 1) -> None:
+        self.mine[row][field] += n
 
     def forget_worker(self, column: int) -> None:
         """The dead, reaped worker of ``column``: its gauges zeroed, its counts retired."""
@@ -432,7 +431,7 @@ class TenantDirectory:
             "rate_limit": tenant.rate_limit,
             "sessions_active": shared.total(row, HELD),
             "sessions_waiting": shared.total(row, WAITING),
-            "sessions_opened": shared.total(row, OPENED),
+            "sessions_opened": cumulative,  # every seat counts in one bucket
             "refusals": shared.total(row, REFUSED),
             "steps": shared.total(row, STEPS),
             "queue_wait_seconds": {
@@ -468,7 +467,6 @@ class TenantCollector:
         families: list[tuple[Any, str, str, int]] = [
             (GaugeMetricFamily, "stadium_tenant_sessions_active", "Sessions holding a slot.", HELD),
             (GaugeMetricFamily, "stadium_tenant_sessions_waiting", "Sessions waiting.", WAITING),
-            (CounterMetricFamily, "stadium_tenant_sessions_opened", "Sessions admitted.", OPENED),
             (CounterMetricFamily, "stadium_tenant_refusals", "Sessions and requests refused "
              "(quota, rate, no slot in time, too many waiting).", REFUSED),
             (CounterMetricFamily, "stadium_tenant_steps", "Steps taken.", STEPS),
@@ -480,6 +478,12 @@ class TenantCollector:
             (CounterMetricFamily, "stadium_tenant_episode_sent_bytes", "Bytes of ended "
              "episodes' reply frames.", EP_OUT),
         ]  # fmt: skip
+        opened = CounterMetricFamily(
+            "stadium_tenant_sessions_opened", "Sessions admitted.", labels=label
+        )
+        for t in tenants:
+            opened.add_metric([t.name], shared.opened(t.row))
+        yield opened
         for kind, name, doc, field in families:
             family = kind(name, doc, labels=label)
             for t in tenants:

@@ -711,10 +711,13 @@ class Session(ForkingSession, EpisodeAccounts):
             task.cancel()
         self._task = None
         charged = self._pass
-        if charged is not None and (charged.record is not None or charged.tenant is not None):
+        tenant = self.tenant
+        if tenant is not None and phase is not Phase.CLOSED:  # --tenants: steps, charge back
+            self._pass = None
+            self._bucket = None
+            rt.doors.closed(charged, tenant, self.protocol.step_count, self.loop.time())
+        elif charged is not None and (charged.record is not None or charged.tenant is not None):
             self._release_client()  # per-client limits or tenants on
-        if self.tenant is not None and phase is not Phase.CLOSED:
-            rt.doors.steps(self.tenant, self.protocol.step_count, charged)
         if self._attach is not None:  # the env and slot belong to the HTTP MCP session
             if rt.attached.get(self._attach) is self:
                 del rt.attached[self._attach]
