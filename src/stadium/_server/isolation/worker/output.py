@@ -113,15 +113,23 @@ class OutputReader:
         os.set_blocking(fd, False)
         loop.add_reader(fd, self._readable)
 
-    def _readable(self) -> None:
+    def _read(self) -> bytes | None:
+        """What the pipe holds now (at most ``READ_MAX``); ``None``: nothing now, or it
+        ended (and is closed)."""
         try:
             data = os.read(self.fd, READ_MAX)
         except (BlockingIOError, InterruptedError):
-            return
+            return None
         except OSError:
             data = b""
         if not data:
             self.close()
+            return None
+        return data
+
+    def _readable(self) -> None:
+        data = self._read()
+        if data is None:
             return
         now = time.monotonic()
         self._tokens = min(float(BURST), self._tokens + (now - self._filled_at) * RATE)

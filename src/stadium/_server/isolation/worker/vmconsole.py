@@ -21,7 +21,7 @@ import re
 import signal
 from collections.abc import Callable
 
-from stadium._server.isolation.worker.output import READ_MAX, OutputReader, ReaderState, escape
+from stadium._server.isolation.worker.output import OutputReader, ReaderState, escape
 
 #: The bytes of a VM's output kept (its last ones).
 KEEP_MAX = 8192
@@ -58,16 +58,9 @@ class Console(OutputReader):
         if self.forward:  # read, rate-bounded, logged; the tail kept in _lines
             super()._readable()
             return
-        try:
-            data = os.read(self.fd, READ_MAX)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.close()
-            return
-        self._keep(data)
+        data = self._read()
+        if data is not None:
+            self._keep(data)
 
     def _lines(self, data: bytes) -> None:
         self._keep(data)

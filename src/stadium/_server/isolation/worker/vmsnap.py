@@ -174,24 +174,35 @@ async def copy(qmp: Qmp, path: str, within: float) -> None:
     await qmp.command("stop")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            await qmp.command("getfd", fd=fd, fdname="fork")
-        finally:
-            os.close(fd)
-        await qmp.command("migrate", uri="fd:fork")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + within
-        while loop.time() < deadline:
-            status = (await qmp.command("query-migrate")).get("status")
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                raise ExecutionError(f"copying the VM's state {status}")
-            await asyncio.sleep(0.002)
-        await qmp.command("migrate_cancel")
-        raise ExecutionError(f"copying the VM's state took over {within:g} s")
+        if not await _migrate(qmp, fd, "fork", within, 0.002, "copying the VM's state"):
+            await qmp.command("migrate_cancel")
+            raise ExecutionError(f"copying the VM's state took over {within:g} s")
     finally:
         await qmp.command("cont")
+
+
+async def _migrate(qmp: Qmp, fd: int, name: str, within: float, poll: float, what: str) -> bool:
+    """Hand QEMU ``fd`` (closed here) and migrate the stopped VM's state into it: whether it
+    completed within ``within`` seconds (polled every ``poll``).
+
+    Raises:
+        ExecutionError: the migration failed or was cancelled.
+    """
+    try:
+        await qmp.command("getfd", fd=fd, fdname=name)
+    finally:
+        os.close(fd)
+    await qmp.command("migrate", uri=f"fd:{name}")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while loop.time() < deadline:
+        status = (await qmp.command("query-migrate")).get("status")
+        if status == "completed":
+            return True
+        if status in ("failed", "cancelled"):
+            raise ExecutionError(f"{what} {status}")
+        await asyncio.sleep(poll)
+    return False
 
 
 async def save(qmp: Qmp, folder: str, memory_mib: int) -> Snapshot:
@@ -204,18 +215,6 @@ async def save(qmp: Qmp, folder: str, memory_mib: int) -> Snapshot:
     await qmp.command("stop")
     state = os.path.join(folder, "state")
     fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        await qmp.command("getfd", fd=fd, fdname="snapshot")
-    finally:
-        os.close(fd)
-    await qmp.command("migrate", uri="fd:snapshot")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SAVE_S
-    while loop.time() < deadline:
-        status = (await qmp.command("query-migrate")).get("status")
-        if status == "completed":
-            return Snapshot(folder, os.path.join(folder, "ram"), state, memory_mib)
-        if status in ("failed", "cancelled"):
-            raise ExecutionError(f"saving the template VM's state {status}")
-        await asyncio.sleep(0.02)
+    if await _migrate(qmp, fd, "snapshot", SAVE_S, 0.02, "saving the template VM's state"):
+        return Snapshot(folder, os.path.join(folder, "ram"), state, memory_mib)
     raise ExecutionError(f"saving the template VM's state took over {SAVE_S:g} s")
