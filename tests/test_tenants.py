@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 import stadium
 from stadium._core.access import (
     MAX_SEEN,
+    MAX_SEEN_CHARS,
     AccessPolicy,
     Refusal,
     Tenant,
@@ -152,6 +153,9 @@ def test_a_remembered_header_names_its_tenant_only_while_its_table_is_current() 
     assert access.tenant_of(f"Bearer {a}x") is None
     assert access.tenant_of(f"Basic {a}") is None
     assert set(first.seen) == {f"Bearer {a}"}  # a refused header is never kept
+    padded = f"Bearer {a}" + " " * MAX_SEEN_CHARS
+    assert access.tenant_of(padded) is alpha  # valid, stripped, but too long to keep
+    assert set(first.seen) == {f"Bearer {a}"}
     book.table = TenantTable([(beta, digests[b])])  # reloaded without alpha
     assert access.tenant_of(f"Bearer {a}") is None
     assert access.check_auth(f"Bearer {a}") is not None  # the 401

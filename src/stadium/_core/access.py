@@ -117,6 +117,9 @@ class Tenant:
 
 MAX_SEEN = 1024
 """Headers a :class:`TenantTable` remembers (those of valid tokens only)."""
+MAX_SEEN_CHARS = 512
+"""The longest header remembered: a valid token padded with whitespace (which the check
+strips) names its tenant each time, but is not kept (1,024 of them could be megabytes)."""
 
 
 class TenantTable:
@@ -214,7 +217,7 @@ class AccessPolicy:
         if scheme.lower() != "bearer":
             return None
         tenant = table.identify(given.strip().encode())
-        if tenant is not None:
+        if tenant is not None and len(authorization) <= MAX_SEEN_CHARS:
             seen = table.seen
             if len(seen) >= MAX_SEEN:
                 seen.clear()
