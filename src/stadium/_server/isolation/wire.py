@@ -47,6 +47,7 @@ import msgspec
 from stadium._errors import ConfigError, EnvProtocolError
 
 HEADER = struct.Struct("<I")
+_SIZE = HEADER.unpack_from
 MIB = 1024 * 1024
 #: A request's largest frame (worker → env process; an action, a snapshot to restore).
 MAX_REQUEST = 256 * MIB
@@ -245,7 +246,7 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(body: bytes | bytearray) -> Any:
+def decode_request(body: bytes | bytearray | memoryview) -> Any:
     """A request (the env process's side); raises :class:`msgspec.DecodeError` for
     anything else (only a worker bug sends that)."""
     return _request_decoder.decode(body)
@@ -296,9 +297,16 @@ class FrameReader:
         self.sock = sock
         self._buf = b""
 
-    def next(self) -> bytes | bytearray | None:
+    def next(self) -> bytes | bytearray | memoryview | None:
         """The next frame's body; ``None`` at end of stream."""
         buf = self._buf
+        if not buf:
+            buf = self.sock.recv(CHUNK_BYTES)
+            size = len(buf) - 4
+            if size >= 0 and _SIZE(buf)[0] == size:  # the usual: one whole frame, one recv
+                return memoryview(buf)[4:]
+            if not buf:
+                return None
         while len(buf) < HEADER.size:
             chunk = self.sock.recv(CHUNK_BYTES)
             if not chunk:
