@@ -26,7 +26,9 @@ from stadium._server.isolation.worker.reaper import Reaper
 #: Bytes read from a session's socket at a time (a reply this size or less: one read).
 READ_BYTES = 1 << 16
 _HEADER = wire.HEADER
-_BAD = object()
+_SIZE = _HEADER.unpack_from
+_PACK = _HEADER.pack
+_DIRECT = wire.DIRECT_BYTES
 
 
 class Gone(Exception):
@@ -146,21 +148,22 @@ class EnvProcess:
         if not data:
             self._ended(Gone())
             return
-        self.stats.received += len(data)
+        size = len(data)
+        self.stats.received += size
         if self._head:
             data = self._head + data
             self._head = b""
         elif (
-            len(data) > 4
-            and len(data) - 4 == _HEADER.unpack_from(data)[0] <= wire.DIRECT_BYTES
+            size > 4
+            and _SIZE(data)[0] == size - 4 <= _DIRECT
             and (waiter := self.waiter) is not None
             and not waiter.done()
         ):  # the usual: one whole small reply, awaited
             try:
                 reply = self.decoder.decode(memoryview(data)[4:])
             except Exception:  # said by the checked path below
-                reply = _BAD
-            if reply is not _BAD:
+                pass
+            else:
                 self.waiter = None
                 waiter.set_result(reply)
                 return
@@ -286,7 +289,7 @@ class EnvProcess:
             raise Gone()
         self.decoder = decoder
         waiter = self.waiter = self.loop.create_future()
-        data = wire.frame(body)
+        data = _PACK(len(body)) + body
         try:  # the usual: the whole frame fits the socket's buffer (no loop's send coroutine)
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
