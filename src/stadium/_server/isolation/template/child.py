@@ -573,8 +573,16 @@ class _Session:
         encode = _Ctx.encoder.encode
         reader = wire.FrameReader(self.sock)
         decode, step, out_step = wire.decode_request, wire.Step, self._out_step
+        recv, size_of, chunk = self.sock.recv, wire.HEADER.unpack_from, wire.CHUNK_BYTES
         while True:
-            body = reader.next()
+            body: bytes | bytearray | memoryview | None
+            if reader.rest:
+                body = reader.next()
+            else:  # the usual: one recv reads one whole request (the reader's path, inlined)
+                data = recv(chunk)
+                n = len(data) - 4
+                whole = n >= 0 and size_of(data)[0] == n
+                body = memoryview(data)[4:] if whole else reader.next(data)
             if body is None:
                 await self.close()
                 os._exit(0)
@@ -600,6 +608,7 @@ class _Session:
                     continue
                 if copy:  # this is the copy now, on its own socket: it says hello there
                     reader = wire.FrameReader(self.sock)
+                    recv = self.sock.recv
                     _send(self.sock, wire.Hello())
                 continue
             try:
@@ -626,7 +635,11 @@ class _Session:
                 value = await env.step(self.decode_action(msg.action), **msg.kwargs)
             else:
                 value = await self.call(env.step, self.decode_action(msg.action), **msg.kwargs)
-            out = result(value, msg.snap)
+            if msg.snap or type(value) is not StepResult:  # --durable (its snapshot), or odd
+                out = result(value, msg.snap)
+            else:
+                out = wire.StepOk(value.observation, value.reward, value.done, value.truncated,
+                                  value.info)  # fmt: skip
         except Exception as exc:
             out = _raised(exc)
         buf = self._out
