@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -276,10 +277,11 @@ class EnvProcess:
         waiter = self.waiter = self.loop.create_future()
         return waiter
 
-    async def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
-        """Send one request; its reply, as ``decoder``'s type.
+    def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Awaitable[Any]:
+        """Send one request; an awaitable of its reply, as ``decoder``'s type: the reply's
+        future itself when the whole frame was sent at once (the usual: no coroutine).
 
-        Raises:
+        Raises (now, or when awaited):
             Gone: the process died (or was stopped).
             EnvProtocolError: it sent what is refused (now or before).
         """
@@ -297,10 +299,14 @@ class EnvProcess:
         except OSError:
             raise Gone() from None
         if sent < len(data):
-            try:
-                await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
-            except OSError:
-                raise Gone() from None
+            return self._send_rest(memoryview(data)[sent:], waiter)
+        return waiter
+
+    async def _send_rest(self, rest: memoryview, waiter: asyncio.Future[Any]) -> Any:
+        try:
+            await self.loop.sock_sendall(self.sock, rest)
+        except OSError:
+            raise Gone() from None
         return await waiter
 
     async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
