@@ -412,3 +412,19 @@ def test_a_frame_reader_reads_small_frames_whole_and_large_ones_in_pieces() -> N
     assert reader.next() is None
     sender.join()
     b.close()
+
+
+def test_a_frame_reader_goes_on_from_what_its_caller_read() -> None:
+    a, b = socket.socketpair()
+    small = wire.encode(wire.GetState())
+    large = msgspec.msgpack.encode({"action": "z" * 300_000})
+    stream = wire.frame(large) + wire.frame(small)
+    sender = threading.Thread(target=lambda: (a.sendall(stream[2:]), a.close()))
+    sender.start()
+    reader = wire.FrameReader(b)
+    assert bytes(reader.next(stream[:2]) or b"-") == large  # the header cut after 2 bytes
+    assert bytes(reader.next() or b"-") == small
+    assert reader.next() is None
+    assert wire.FrameReader(b).next(b"") is None  # the caller read the end of the stream
+    sender.join()
+    b.close()

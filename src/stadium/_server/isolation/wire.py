@@ -47,6 +47,7 @@ import msgspec
 from stadium._errors import ConfigError, EnvProtocolError
 
 HEADER = struct.Struct("<I")
+_SIZE = HEADER.unpack_from
 MIB = 1024 * 1024
 #: A request's largest frame (worker → env process; an action, a snapshot to restore).
 MAX_REQUEST = 256 * MIB
@@ -245,10 +246,9 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_request(body: bytes | bytearray) -> Any:
-    """A request (the env process's side); raises :class:`msgspec.DecodeError` for
-    anything else (only a worker bug sends that)."""
-    return _request_decoder.decode(body)
+decode_request = _request_decoder.decode
+"""A request (the env process's side; a bound method, no frame of its own); raises
+:class:`msgspec.DecodeError` for anything else (only a worker bug sends that)."""
 
 
 def decode_spawn(packet: bytes) -> Spawn:
@@ -290,15 +290,28 @@ class FrameReader:
     requests), read up to :data:`CHUNK_BYTES` at a time: a small request's header and body
     take one ``recv``, not two; a larger one's rest goes straight into a buffer of its size."""
 
-    __slots__ = ("_buf", "sock")
+    __slots__ = ("rest", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._buf = b""
+        self.rest = b""
+        """Bytes read past the last frame returned (the start of the next one)."""
 
-    def next(self) -> bytes | bytearray | None:
-        """The next frame's body; ``None`` at end of stream."""
-        buf = self._buf
+    def next(self, first: bytes | None = None) -> bytes | bytearray | memoryview | None:
+        """The next frame's body; ``None`` at end of stream. ``first``: what the caller
+        read from the socket itself (``b""``: end of stream), when :attr:`rest` was empty."""
+        buf = self.rest
+        if first is not None:
+            if not first:
+                return None
+            buf += first
+        elif not buf:
+            buf = self.sock.recv(CHUNK_BYTES)
+            size = len(buf) - 4
+            if size >= 0 and _SIZE(buf)[0] == size:  # the usual: one whole frame, one recv
+                return memoryview(buf)[4:]
+            if not buf:
+                return None
         while len(buf) < HEADER.size:
             chunk = self.sock.recv(CHUNK_BYTES)
             if not chunk:
@@ -309,9 +322,9 @@ class FrameReader:
             raise ValueError(f"frame of {size} bytes is over the {MAX_REQUEST} byte limit")
         end = HEADER.size + size
         if len(buf) >= end:
-            self._buf = buf[end:]
+            self.rest = buf[end:]
             return buf[HEADER.size : end]
-        self._buf = b""
+        self.rest = b""
         body = bytearray(size)
         have = len(buf) - HEADER.size
         body[:have] = buf[HEADER.size :]

@@ -502,6 +502,7 @@ def _send(sock: socket.socket, msg: msgspec.Struct) -> None:
 
 
 _EXIT = msgspec.msgpack.Decoder(wire.Exit)
+_HEAD_INTO = wire.HEADER.pack_into
 
 
 class _Session:
@@ -513,6 +514,11 @@ class _Session:
         self.create_error: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.decode_action: Any = None
+        self._out = bytearray(4)
+        """The step reply's frame, encoded in place after its 4-byte header."""
+        self._async_env: Any = None
+        self._async_step = False
+        """Whether ``_async_env.step`` is a coroutine function (looked up once per env)."""
         try:
             if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
                 settings = _Ctx.untrusted
@@ -566,13 +572,25 @@ class _Session:
         }
         encode = _Ctx.encoder.encode
         reader = wire.FrameReader(self.sock)
+        decode, step, out_step = wire.decode_request, wire.Step, self._out_step
+        recv, size_of, chunk = self.sock.recv, wire.HEADER.unpack_from, wire.CHUNK_BYTES
         while True:
-            body = reader.next()
+            body: bytes | bytearray | memoryview | None
+            if reader.rest:
+                body = reader.next()
+            else:  # the usual: one recv reads one whole request (the reader's path, inlined)
+                data = recv(chunk)
+                n = len(data) - 4
+                whole = n >= 0 and size_of(data)[0] == n
+                body = memoryview(data)[4:] if whole else reader.next(data)
             if body is None:
                 await self.close()
                 os._exit(0)
-            msg = wire.decode_request(body)
+            msg = decode(body)
             kind = type(msg)
+            if kind is step and self.create_error is None:  # the usual, handled first
+                await out_step(msg)
+                continue
             # a describe is answered whenever the env's module loaded (the env may not build)
             described = kind is wire.Describe and _Ctx.spec is not None
             if self.create_error is not None and kind is not wire.Close and not described:
@@ -590,6 +608,7 @@ class _Session:
                     continue
                 if copy:  # this is the copy now, on its own socket: it says hello there
                     reader = wire.FrameReader(self.sock)
+                    recv = self.sock.recv
                     _send(self.sock, wire.Hello())
                 continue
             try:
@@ -601,6 +620,37 @@ class _Session:
     async def _step(self, msg: wire.Step) -> wire.StepOk:
         action = self.decode_action(msg.action)
         return self._result(await self.call(self.env.step, action, **msg.kwargs), msg.snap)
+
+    async def _out_step(self, msg: wire.Step) -> None:
+        """A step, answered (the serve loop's usual request: its path kept short). An async
+        ``step`` is called with the loop running (making its coroutine runs none of its
+        code), so it needs none of :meth:`call`'s switching."""
+        out: wire.StepOk | wire.Raised
+        result = self._result  # (looked up before the call, as ``_step``'s caller does)
+        try:
+            env = self.env
+            if env is not self._async_env:
+                self._async_env, self._async_step = env, inspect.iscoroutinefunction(env.step)
+            if self._async_step:
+                value = await env.step(self.decode_action(msg.action), **msg.kwargs)
+            else:
+                value = await self.call(env.step, self.decode_action(msg.action), **msg.kwargs)
+            if msg.snap or type(value) is not StepResult:  # --durable (its snapshot), or odd
+                out = result(value, msg.snap)
+            else:
+                out = wire.StepOk(value.observation, value.reward, value.done, value.truncated,
+                                  value.info)  # fmt: skip
+        except Exception as exc:
+            out = _raised(exc)
+        buf = self._out
+        try:
+            _Ctx.encoder.encode_into(out, buf, 4)
+        except Exception as exc:
+            _Ctx.encoder.encode_into(_raised(exc), buf, 4)
+        _HEAD_INTO(buf, 0, len(buf) - 4)
+        self.sock.sendall(buf)
+        if len(buf) > wire.CHUNK_BYTES:  # a large reply's buffer is not kept
+            self._out = bytearray(4)
 
     async def _reset(self, msg: wire.Reset) -> wire.StepOk:
         return self._result(await self.call(self.env.reset, **msg.kwargs), msg.snap)

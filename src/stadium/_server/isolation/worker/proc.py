@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
@@ -26,7 +27,9 @@ from stadium._server.isolation.worker.reaper import Reaper
 #: Bytes read from a session's socket at a time (a reply this size or less: one read).
 READ_BYTES = 1 << 16
 _HEADER = wire.HEADER
-_BAD = object()
+_SIZE = _HEADER.unpack_from
+_PACK = _HEADER.pack
+_DIRECT = wire.DIRECT_BYTES
 
 
 class Gone(Exception):
@@ -146,21 +149,22 @@ class EnvProcess:
         if not data:
             self._ended(Gone())
             return
-        self.stats.received += len(data)
+        size = len(data)
+        self.stats.received += size
         if self._head:
             data = self._head + data
             self._head = b""
         elif (
-            len(data) > 4
-            and len(data) - 4 == _HEADER.unpack_from(data)[0] <= wire.DIRECT_BYTES
+            size > 4
+            and _SIZE(data)[0] == size - 4 <= _DIRECT
             and (waiter := self.waiter) is not None
             and not waiter.done()
         ):  # the usual: one whole small reply, awaited
             try:
                 reply = self.decoder.decode(memoryview(data)[4:])
             except Exception:  # said by the checked path below
-                reply = _BAD
-            if reply is not _BAD:
+                pass
+            else:
                 self.waiter = None
                 waiter.set_result(reply)
                 return
@@ -273,10 +277,11 @@ class EnvProcess:
         waiter = self.waiter = self.loop.create_future()
         return waiter
 
-    async def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:
-        """Send one request; its reply, as ``decoder``'s type.
+    def request(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Awaitable[Any]:
+        """Send one request; an awaitable of its reply, as ``decoder``'s type: the reply's
+        future itself when the whole frame was sent at once (the usual: no coroutine).
 
-        Raises:
+        Raises (now, or when awaited):
             Gone: the process died (or was stopped).
             EnvProtocolError: it sent what is refused (now or before).
         """
@@ -286,7 +291,7 @@ class EnvProcess:
             raise Gone()
         self.decoder = decoder
         waiter = self.waiter = self.loop.create_future()
-        data = wire.frame(body)
+        data = _PACK(len(body)) + body
         try:  # the usual: the whole frame fits the socket's buffer (no loop's send coroutine)
             sent = self.sock.send(data)
         except (BlockingIOError, InterruptedError):
@@ -294,10 +299,14 @@ class EnvProcess:
         except OSError:
             raise Gone() from None
         if sent < len(data):
-            try:
-                await self.loop.sock_sendall(self.sock, memoryview(data)[sent:])
-            except OSError:
-                raise Gone() from None
+            return self._send_rest(memoryview(data)[sent:], waiter)
+        return waiter
+
+    async def _send_rest(self, rest: memoryview, waiter: asyncio.Future[Any]) -> Any:
+        try:
+            await self.loop.sock_sendall(self.sock, rest)
+        except OSError:
+            raise Gone() from None
         return await waiter
 
     async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:

@@ -255,13 +255,20 @@ class ProcessEnv:
         return result
 
     async def step(self, action: Any, **kwargs: Any) -> Any:
+        # Every step's path, kept short: ``_call`` and ``_process`` inlined for a live process.
         iso = self.isolation
-        snap = self._snap_limit()
-        body = wire.encode(wire.Step(iso.action_encode(action), kwargs, snap))
-        reply = await self._call("step", body, False, wire.STEP_REPLY)
+        snap = self._snap_limit() if self.durable else 0
+        body = _encode(_Step(iso.action_encode(action), kwargs, snap))
+        proc = self.proc
+        if proc is None or proc.episode_over:
+            proc = await self._process("step", False)
+        reply = await self._request(proc, "step", body, _STEP_REPLY)
+        if type(reply) is _Raised:
+            raise iso.raised(proc, "step", reply)
         if snap:
             await self._durable(reply, "step")
-        result = _step_result(reply)
+        result = StepResult(reply.observation, reply.reward, reply.done,
+                            truncated=reply.truncated, info=reply.info)  # fmt: skip
         if result.done or result.truncated:  # the episode ended in time
             self._end_episode()
         return result
@@ -361,6 +368,12 @@ class ToolProcessEnv(ProcessEnv):
             raise foreign_error(reply)
         return reply
 
+
+# Module constants of the step's path (a global and an attribute: one lookup, not two).
+_encode = wire.encode
+_Step = wire.Step
+_Raised = wire.Raised
+_STEP_REPLY = wire.STEP_REPLY
 
 #: What a call that needs a live episode is, in an error's words.
 _WHAT = {"step": "stepping", "state": "reading its state", "tools/call": "calling a tool"}
