@@ -23,7 +23,10 @@ An arm is ``LEVEL`` or ``LEVEL --serve-option ...`` (``--arm 'sandbox
 the parent sending every session's small request, then collecting the replies through epoll;
 CPU of the parent and of the children, as worker and env side), or ``floor-py``: the same,
 each child doing a step's least Python work (the request and the action decoded by msgspec,
-a coroutine's step building the observation, the reply encoded). Each row also gives the
+a coroutine's step building the observation, the reply encoded), or ``floor-ws``: the
+least any relaying design costs, a bare picows relay in front of one child per session
+running the real ``benchmark`` env (:data:`FLOOR_WS`; driven and counted as the Stadium
+arms are, through WebSocket). Each row also gives the
 wake-ups per step (times scheduled in, schedstat) of the worker and of the env side.
 
 Run (as root for ``sandbox``; take the machine's bench lock)::
@@ -79,13 +82,19 @@ class Server:
             "--max-sessions", str(args.sessions + 16), "--idle-timeout", "0",
             "--log-level", "warning", *extra,
         ]  # fmt: skip
+        if level == "floor-ws":
+            argv = [
+                "taskset", "-c", str(args.server_cpu), sys.executable, "-c", FLOOR_WS,
+                str(port), str(args.sessions),
+            ]  # fmt: skip
         env = dict(os.environ)
         for pair in args.env:
             key, _, value = pair.partition("=")
             env[key] = value
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + START_S
-        while not healthy(self.url, 1.0):
+        ready = listening if level == "floor-ws" else healthy
+        while not ready(self.url, 1.0):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"stadium serve ({arm}) did not start")
@@ -103,6 +112,16 @@ class Server:
 
     def stop(self) -> None:
         terminate(self.proc)
+
+
+def listening(url: str, timeout: float) -> bool:
+    """Whether something accepts TCP connections at ``url``'s port (the floor-ws server has
+    no ``/health``)."""
+    try:
+        socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout).close()
+    except OSError:
+        return False
+    return True
 
 
 def sched_one(pid: int) -> tuple[float, int]:
@@ -252,6 +271,69 @@ n = sessions * steps
 print(json.dumps({"worker_us": (me1[0] - me0[0]) / n / 1e3, "env_us": (kid1[0] - kid0[0]) / n / 1e3,
                   "worker_runs": (me1[1] - me0[1]) / n, "env_runs": (kid1[1] - kid0[1]) / n,
                   "steps_s": n / wall}))
+"""
+
+
+#: The WebSocket floor of any design where a worker relays each session's steps to an env
+#: process of its own (``--arm floor-ws``): a picows server on uvloop (as ``stadium serve``'s)
+#: and one child per session on a socketpair, forked before the server starts. The parent
+#: passes each frame's bytes to its session's child unread, and each reply's bytes back as a
+#: frame unread (no protocol, no checks, no limits, no timers); the child runs the real
+#: ``benchmark`` env: the request decoded (msgspec JSON), ``reset`` or ``step`` awaited as a
+#: coroutine, the reply encoded as Stadium's. What Stadium adds over it, on either side, is
+#: its own work; this arm is the least that relaying to another process costs here.
+FLOOR_WS = r"""
+import os, socket, sys
+import msgspec, picows, uvloop
+from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv
+port, sessions = int(sys.argv[1]), int(sys.argv[2])
+class Request(msgspec.Struct):
+    type: str
+    data: msgspec.Raw = msgspec.Raw(b"{}")
+decode, action = msgspec.json.Decoder(Request).decode, msgspec.json.Decoder(BenchmarkAction).decode
+encode = msgspec.json.Encoder().encode
+def run(coro):
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("the benchmark env suspended")
+free = []
+for _ in range(sessions):
+    mine, theirs = socket.socketpair()
+    if os.fork() == 0:
+        mine.close()
+        env, recv, send = BenchmarkEnv(), theirs.recv, theirs.send
+        while data := recv(65536):
+            req = decode(data)
+            if req.type == "step":
+                r = run(env.step(action(req.data)))
+                send(encode({"type": "observation", "data": {"observation": r.observation,
+                     "reward": r.reward, "done": r.done, "truncated": r.truncated}}))
+            else:
+                obs = run(env.reset())
+                send(encode({"type": "observation", "data": {"observation": obs,
+                     "reward": None, "done": False}}))
+        os._exit(0)
+    theirs.close()
+    mine.setblocking(False)
+    free.append(mine)
+class Relay(picows.WSListener):
+    def on_ws_connected(self, transport):
+        self.transport, self.sock = transport, free.pop()
+        loop.add_reader(self.sock.fileno(), self.readable)
+    def on_ws_frame(self, transport, frame):
+        if frame.msg_type == picows.WSMsgType.TEXT:
+            self.sock.send(frame.get_payload_as_bytes())
+        elif frame.msg_type == picows.WSMsgType.CLOSE:
+            transport.disconnect()
+    def readable(self):
+        self.transport.send(picows.WSMsgType.TEXT, self.sock.recv(65536))
+    def on_ws_disconnected(self, transport):
+        loop.remove_reader(self.sock.fileno())
+loop = uvloop.new_event_loop()
+loop.run_until_complete(picows.ws_create_server(lambda request: Relay(), "127.0.0.1", port))
+loop.run_forever()
 """
 
 
