@@ -10,6 +10,28 @@ nothing else changes and clients see no difference. A reply the worker refuses (
 ``--sandbox-reply-mib``, malformed, unexpected) ends its call with
 :class:`~stadium.EnvProtocolError` and the process, as a crash does.
 
+**A step, completed by callback** (the usual step of a live process): :meth:`ProcessEnv.step`
+is no coroutine function; it sends the request at once and returns a :class:`StepCall`
+(an :class:`~stadium._server.invoke.Started` call), whose contract is:
+
+- the :class:`~stadium._server.invoke.Invoker` (or the session's batch path) calls
+  :meth:`StepCall.start` with the session's ``on_done``, token and limit before the loop runs
+  again; ``on_done`` is then called exactly once, later, from a loop callback;
+- the call is the process's waiter (:attr:`EnvProcess.waiter`): the reader callback hands it
+  the decoded reply (``set_result``) or why there is none (``set_exception``: ``Gone``,
+  :class:`~stadium.EnvProtocolError`), and it reports to ``on_done`` then and there;
+- it is the session's pending call: ``cancel()`` (the session closed) kills and releases
+  the process and reports :class:`asyncio.CancelledError`;
+- its stages (:class:`Stage`): ``SENDING`` (a frame the socket did not take at once: the
+  loop sends the rest, a task) → ``WAITING`` → ``DONE``, or ``WAITING`` → ``DYING`` (the
+  process died: :meth:`Isolation.death` names why, a task) → ``DONE``;
+- the per-call limit of every step of a worker is the same, so one :class:`Clock` (one
+  timer, deadlines in the order steps start) stops them all; a request's own shorter
+  ``timeout_s`` has a timer of its own.
+
+Every outcome is the coroutine path's (``_step``, ``_request``), which still serves
+``--durable`` steps and a step that needs a fresh process first.
+
 ``--durable``: a snapshot over :data:`SPILL_BYTES` is not kept in the worker's memory
 between replies: it is written (in a thread) to the session's spill file, ``0600`` in a
 private directory of the worker's (:meth:`Isolation.spill_path`), replaced by the next
