@@ -452,10 +452,8 @@ class StepCall(Started):
       ``Gone`` as above; a request's own shorter ``timeout_s`` has a timer of its own.
     """
 
-    __slots__ = (
-        "deadline", "early", "env", "invoker", "limit", "on_done", "proc", "stage", "task",
-        "timed", "timer", "token",
-    )  # fmt: skip
+    __slots__ = ("early", "env", "invoker", "limit", "on_done", "proc", "stage", "task", "timer",
+                 "token")  # fmt: skip
 
     def __init__(self, env: ProcessEnv, proc: EnvProcess, body: bytes) -> None:
         self.env = env
@@ -463,34 +461,30 @@ class StepCall(Started):
         self.stage = _WAITING
         self.on_done: OnDone | None = None
         self.token: Any = None
-        self.invoker: Invoker | None = None
-        self.limit = 0.0
-        self.timed = False
-        """The invoker's limit is the per-call one: one timer ends both."""
         self.timer: asyncio.TimerHandle | None = None
-        """The invoker's own limit, when shorter than the per-call one (``timeout_s``)."""
+        """The invoker's own limit, when not the per-call one (a request's ``timeout_s``)."""
         self.task: asyncio.Task[Any] | None = None
+        """Sending the rest of the frame (``SENDING``), or finding out why it died (``DYING``)."""
         self.early: tuple[Any, BaseException | None] | None = None
-        clock = env.clock
-        self.deadline = proc.loop.time() + clock.limit
-        clock.add(self, proc.loop)
+        """What came while ``SENDING`` (reported once the frame is sent)."""
+        loop, clock = proc.loop, env.clock
+        clock.calls[self] = loop.time() + clock.limit
+        if clock.timer is None:
+            clock.arm(loop)
         try:
             rest = proc.send(body, _STEP_REPLY, self)
-        except Gone:
+        except Gone:  # (reported once started: the task that finds out why runs later)
             self.set_exception(Gone())
             return
         if rest is not None:  # the rest of the frame first (the loop's send), then the reply
             self.stage = _SENDING
-            self.task = task = proc.loop.create_task(proc.send_rest(rest))
+            self.task = task = loop.create_task(proc.send_rest(rest))
             task.add_done_callback(self._sent)
 
     def start(self, invoker: Invoker, on_done: OnDone, token: Any, limit: float) -> StepCall:
         self.invoker, self.on_done, self.token, self.limit = invoker, on_done, token, limit
-        if limit > 0:
-            if limit == self.env.clock.limit:
-                self.timed = True
-            elif self.stage is not _DONE:
-                self.timer = self.proc.loop.call_later(limit, self._timeout)
+        if limit > 0 and limit != self.env.clock.limit and self.stage is not _DONE:
+            self.timer = self.proc.loop.call_later(limit, self._timeout)
         return self
 
     def __await__(self) -> Generator[Any, None, Any]:
@@ -500,7 +494,7 @@ class StepCall(Started):
         fut.add_done_callback(lambda f: f.cancelled() and self.cancel())
         return fut.__await__()
 
-    # -- as the process's waiter -------------------------------------------------------
+    # -- as the process's waiter (called only while SENDING or WAITING) ----------------
 
     def done(self) -> bool:
         return self.stage is _DONE
@@ -509,11 +503,16 @@ class StepCall(Started):
         if self.stage is _SENDING:
             self.early = (reply, None)
             return
-        self._settle()
+        self.stage = _DONE  # _settle, inlined: every step's path
         env = self.env
+        env.clock.calls.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if type(reply) is _Raised:
+            self._report(None, env.isolation.raised(self.proc, "step", reply))
+            return
         try:
-            if type(reply) is _Raised:
-                raise env.isolation.raised(self.proc, "step", reply)
             result = StepResult(reply.observation, reply.reward, reply.done,
                                 truncated=reply.truncated, info=reply.info)  # fmt: skip
             if result.done or result.truncated:  # the episode ended in time
@@ -521,7 +520,8 @@ class StepCall(Started):
         except Exception as exc:
             self._report(None, exc)
             return
-        self._report(result, None)
+        if (on_done := self.on_done) is not None:
+            on_done(self.token, result, None)
 
     def set_exception(self, exc: BaseException, /) -> None:
         stage = self.stage
@@ -564,31 +564,31 @@ class StepCall(Started):
         iso.kill(proc)
         if self.stage is _DYING:  # finding out why it died: now it ran out of time too
             return
-        if not self.timed:  # its call ends now, as a death (``wall_time``)
-            if self.stage is _SENDING:
+        if self.on_done is None or self.limit != self.env.clock.limit:
+            if self.stage is _SENDING:  # its call ends now, as a death (``wall_time``)
                 self.early = (None, Gone())
             else:
                 proc.abort()
             return
-        self.stage = _DONE  # the invoker's limit, the same instant: CallTimeoutError
+        # The invoker's limit is the per-call one: the same instant, CallTimeoutError.
+        self.stage = _DONE
         proc.abort()
-        self._timed_out()
+        self._timed_out(_WAITING)
 
     def _timeout(self) -> None:
         """The invoker's own limit (a request's shorter ``timeout_s``) passed."""
         self.timer = None
         if self.stage is not _DONE:
-            self._timed_out()
+            stage, self.stage = self.stage, _DONE
+            self._timed_out(stage)
 
-    def _timed_out(self) -> None:
-        stage, self.stage = self.stage, _DONE
+    def _timed_out(self, stage: Stage) -> None:
         if stage is _DYING:
             assert self.task is not None
             self.task.cancel()
-            self.env.clock.remove(self)
+            self.env.clock.calls.pop(self, None)
         else:
             self._abandon()
-        assert self.invoker is not None
         self.invoker.timeouts += 1
         limit = self.limit
         self._report(None, CallTimeoutError(
@@ -599,7 +599,7 @@ class StepCall(Started):
 
     def _settle(self) -> None:
         self.stage = _DONE
-        self.env.clock.remove(self)
+        self.env.clock.calls.pop(self, None)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
@@ -655,24 +655,21 @@ class StepCall(Started):
 class Clock:
     """One timer for every :class:`StepCall` of a worker in flight: they all have the same
     per-call limit, so their deadlines come in the order they start (a dict keeps it);
-    the timer waits for the first, and a step that ends leaves it (no timer per step)."""
+    the timer waits for the first, and a step that ends leaves the dict (no timer a step)."""
 
     __slots__ = ("calls", "limit", "loop", "timer")
 
     def __init__(self, limit: float) -> None:
         self.limit = limit
-        self.calls: dict[StepCall, None] = {}
+        self.calls: dict[StepCall, float] = {}
+        """The calls in flight (``WAITING``, ``SENDING``, ``DYING``) and their deadlines."""
         self.loop: asyncio.AbstractEventLoop | None = None
         self.timer: asyncio.TimerHandle | None = None
 
-    def add(self, call: StepCall, loop: asyncio.AbstractEventLoop) -> None:
-        self.calls[call] = None
-        if self.timer is None:
-            self.loop = loop
-            self.timer = loop.call_at(call.deadline, self._fire)
-
-    def remove(self, call: StepCall) -> None:
-        self.calls.pop(call, None)
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Time the first call (there is one, and no timer)."""
+        self.loop = loop
+        self.timer = loop.call_at(next(iter(self.calls.values())), self._fire)
 
     def _fire(self) -> None:
         self.timer = None
@@ -680,13 +677,13 @@ class Clock:
         assert loop is not None
         now = loop.time() + CLOCK_SLACK_S
         for _ in range(len(calls)):  # each pass ends one call (calls started meanwhile wait)
-            call = next(iter(calls))
-            if call.deadline > now:
+            call, deadline = next(iter(calls.items()))
+            if deadline > now:
                 break
             del calls[call]
             call.expire()
-        if calls:
-            self.timer = loop.call_at(next(iter(calls)).deadline, self._fire)
+        if calls and self.timer is None:
+            self.arm(loop)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
