@@ -291,14 +291,8 @@ class ProcessEnv:
         """A step: its request sent now and a :class:`StepCall` returned (the usual), else
         (``--durable``, no live process, a frame option) the coroutine :meth:`_step`."""
         proc = self.proc
-        if (
-            self.durable
-            or proc is None
-            or proc.episode_over
-            or proc.broken is not None
-            or proc.sock.fileno() < 0
-        ):
-            return self._step(action, kwargs)
+        if self.durable or proc is None or proc.episode_over or proc.broken is not None:
+            return self._step(action, kwargs)  # (a closed socket: the StepCall's Gone)
         body = _encode(_Step(self.isolation.action_encode(action), kwargs, 0))
         return StepCall(self, proc, body)
 
