@@ -77,3 +77,18 @@ async def test_a_request_too_large_for_the_socket_at_once_and_its_large_reply_ar
                 assert (await env.step({"do": "echo", "arg": big})).observation["text"] == big
                 assert (await env.step({"do": "echo", "arg": "s"})).observation["text"] == "s"
         assert server.runtime.isolation.crashes == 0
+
+
+async def test_a_batch_connections_steps_are_isolated_steps_too() -> None:
+    """``Session.step_now`` (a batch frame's plain step) hands an isolated step to the
+    invoker as any session does: each answered in its own process, a crash its own."""
+    async with serve(TARGET, isolation="process") as server:
+        async with stadium.SessionPool(server.url, 3, batch=True) as pool:
+            assert pool.batching
+            await pool.reset()
+            for arg in ("a", "b"):
+                results = await pool.step([{"do": "echo", "arg": f"{arg}{i}"} for i in range(3)])
+                assert [r.observation["text"] for r in results] == [f"{arg}{i}" for i in range(3)]
+            pids = {r.observation["pid"] for r in results}
+            assert len(pids) == 3
+            assert pids <= set(server.runtime.isolation.live)

@@ -13,14 +13,15 @@ once when the call did not wait (no future, no task switch: the per-step path
 of a session). Sessions, the HTTP endpoints and environment teardown all go
 through it.
 
-**Started calls.** A ``TASK`` function may return, instead of a coroutine, a
-:class:`Started`: a call already under way (an isolated env's ``step``, whose request is
-sent) that reports its outcome itself, from an event-loop callback (the reply's reader),
-once it is given its ``on_done``, token and limit (:meth:`Started.start`): no task, no
-future, no timer of the invoker's. It keeps the contract of any call that waits: it is
-the pending call :meth:`Invoker.run` returns (``done()``, ``cancel()``: ``on_done`` then
-gets :class:`asyncio.CancelledError`), it reports exactly once, and past its limit it
-reports :class:`~stadium.CallTimeoutError` and counts it in :attr:`Invoker.timeouts`.
+**Started calls** (``STARTED``). Such a function returns, instead of a coroutine (run
+as a ``TASK``), a :class:`Started`: a call already under way (an isolated env's ``step``,
+whose request is sent) that reports its outcome itself, from an event-loop callback (the
+reply's reader), once it is given its ``on_done``, token and limit
+(:meth:`Started.start`): no task, no future, no timer of the invoker's. It keeps the
+contract of any call that waits: it is the pending call :meth:`Invoker.run` returns
+(``done()``, ``cancel()``: ``on_done`` then gets :class:`asyncio.CancelledError`), it
+reports exactly once, and past its limit it reports :class:`~stadium.CallTimeoutError`
+and counts it in :attr:`Invoker.timeouts`.
 
 **Time limits.** A call that waits (a suspended task, a pool call) may be given
 a limit (``--step-timeout``, or a request's ``timeout_s``): a timer is armed
@@ -79,7 +80,7 @@ class Pending(Protocol):
 
 class Started:
     """A call under way that reports its outcome to a callback (see the module docstring):
-    what a ``TASK`` function may return instead of a coroutine."""
+    what a ``STARTED`` function returns (or a coroutine)."""
 
     __slots__ = ()
 
@@ -104,6 +105,7 @@ async def awaited(value: Awaitable[Any]) -> Any:
 # Module constants: an enum member looked up on its class costs ~20 ns, per step.
 _INLINE = CallMode.INLINE
 _TASK = CallMode.TASK
+_STARTED = CallMode.STARTED
 _CORO = CoroutineType
 
 #: An abandoned pool call still running this long after is counted as a stuck thread.
@@ -181,7 +183,7 @@ class Invoker:
         called before this returns when the call did not wait (an inline call, a
         task that never suspended; then ``None`` is returned), else later from the
         event loop, and the pending future is returned (cancel it to abandon the
-        call). A ``TASK`` function that returned a :class:`Started` reports through it.
+        call). A ``STARTED`` function's :class:`Started` reports through itself.
         Never raises for what ``fn`` raises.
         """
         if mode is _INLINE:
@@ -195,19 +197,28 @@ class Invoker:
         try:
             if mode is _TASK:  # every async step: keywords spelled out, no **kwargs dict
                 cf = pool = None
-                coro = fn(*args)
-                if type(coro) is not _CORO and isinstance(coro, Started):  # an isolated step
-                    return coro.start(
-                        self, on_done, token, self.timeout if limit is None else limit
-                    )
                 if EAGER_TASKS:
                     fut: asyncio.Future[Any] = asyncio.Task(
-                        coro,
+                        fn(*args),
                         loop=loop,
                         eager_start=True,  # type: ignore[call-arg,unused-ignore]
                     )
                 else:
-                    fut = loop.create_task(coro)
+                    fut = loop.create_task(fn(*args))
+            elif mode is _STARTED:  # an isolated step: it reports itself (or is a coroutine)
+                started = fn(*args)
+                if type(started) is not _CORO:
+                    limit = self.timeout if limit is None else limit
+                    return started.start(self, on_done, token, limit)  # type: ignore[no-any-return]
+                cf = pool = None
+                if EAGER_TASKS:
+                    fut = asyncio.Task(
+                        started,
+                        loop=loop,
+                        eager_start=True,  # type: ignore[call-arg,unused-ignore]
+                    )
+                else:
+                    fut = loop.create_task(started)
             else:
                 pool = self.executor
                 cf = pool.submit(fn, *args)

@@ -21,7 +21,6 @@ import inspect
 import itertools
 import logging
 import os
-import types
 import uuid
 from bisect import bisect_left
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from stadium._errors import (
 from stadium._server.admission.doorway import Door, Pass
 from stadium._server.admission.slots import Verdict
 from stadium._server.durability.records import SessionRecord
-from stadium._server.invoke import EAGER_TASKS, Pending, Started, awaited
+from stadium._server.invoke import EAGER_TASKS, Pending, awaited
 from stadium._server.ledger import ThreadTimed
 from stadium._server.runtime import (
     CLOSE_GOING_AWAY,
@@ -80,7 +79,7 @@ _MCP = Op.MCP
 _OPEN = Phase.OPEN
 _POOL = CallMode.POOL
 _TASK = CallMode.TASK
-_CORO = types.CoroutineType
+_STARTED = CallMode.STARTED
 
 _SESSION_NUMBERS = itertools.count(1)
 
@@ -256,14 +255,8 @@ class Session(ForkingSession, EpisodeAccounts):
         try:
             t0 = _clock()
             if mode is _TASK:
-                coro = self.env.step(call.action)
-                if type(coro) is not _CORO and isinstance(coro, Started):  # an isolated step
-                    self._ep_cpu += _clock() - t0
-                    self._call = call
-                    self._task = coro.start(rt.invoke, self._on_done, call, rt.invoke.timeout)
-                    return True
                 task: asyncio.Task[Any] = asyncio.Task(
-                    coro,
+                    self.env.step(call.action),
                     loop=self.loop,
                     eager_start=True,  # type: ignore[call-arg,unused-ignore]
                 )
@@ -273,6 +266,14 @@ class Session(ForkingSession, EpisodeAccounts):
                     self._task = rt.invoke.follow(self.loop, task, None, None, self._on_done, call)
                     return True
                 result = task.result()
+            elif mode is _STARTED:  # an isolated step: the invoker hands it _on_done
+                pending = rt.invoke.run(self.loop, mode, self.env.step, (call.action,),
+                                        self._on_done, call)  # fmt: skip
+                self._ep_cpu += _clock() - t0
+                if pending is not None:
+                    self._call = call
+                    self._task = pending
+                return True
             else:
                 result = self.env.step(call.action)
             self._ep_cpu += _clock() - t0

@@ -740,6 +740,6 @@ def isolated_spec(spec: EnvSpec, isolation: Isolation) -> EnvSpec:
         has_close=True,
         create_mode=CallMode.INLINE,
         reset_mode=CallMode.TASK,
-        step_mode=CallMode.TASK,
+        step_mode=CallMode.STARTED,
         close_mode=CallMode.TASK,
     )
