@@ -29,6 +29,9 @@ class CallMode(enum.IntEnum):
     """A coroutine function: an eager task on the event loop."""
     POOL = 2
     """A blocking sync method: the worker's thread pool."""
+    STARTED = 3
+    """A method that starts the call and returns it, to report its own outcome
+    (``invoke.Started``: an isolated env's ``step``), or returns a coroutine (a ``TASK``)."""
 
 
 def call_mode(*, is_async: bool, blocking: bool) -> CallMode:

@@ -13,6 +13,16 @@ once when the call did not wait (no future, no task switch: the per-step path
 of a session). Sessions, the HTTP endpoints and environment teardown all go
 through it.
 
+**Started calls** (``STARTED``). Such a function returns, instead of a coroutine (run
+as a ``TASK``), a :class:`Started`: a call already under way (an isolated env's ``step``,
+whose request is sent) that reports its outcome itself, from an event-loop callback (the
+reply's reader), once it is given its ``on_done``, token and limit
+(:meth:`Started.start`): no task, no future, no timer of the invoker's. It keeps the
+contract of any call that waits: it is the pending call :meth:`Invoker.run` returns
+(``done()``, ``cancel()``: ``on_done`` then gets :class:`asyncio.CancelledError`), it
+reports exactly once, and past its limit it reports :class:`~stadium.CallTimeoutError`
+and counts it in :attr:`Invoker.timeouts`.
+
 **Time limits.** A call that waits (a suspended task, a pool call) may be given
 a limit (``--step-timeout``, or a request's ``timeout_s``): a timer is armed
 only then (a call that completed at once, or an inline call, needs none; with
@@ -47,7 +57,8 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from types import CoroutineType
+from typing import Any, Protocol
 
 from stadium._env.spec import CallMode
 from stadium._errors import CallTimeoutError
@@ -58,6 +69,26 @@ log = logging.getLogger("stadium.invoke")
 
 OnDone = Callable[[Any, Any, "BaseException | None"], None]
 """``on_done(token, result, error)``: the outcome of one call (see :meth:`Invoker.run`)."""
+
+
+class Pending(Protocol):
+    """A call that waits (a task, a pool call's future, a :class:`Started`)."""
+
+    def done(self) -> bool: ...
+    def cancel(self) -> bool: ...
+
+
+class Started:
+    """A call under way that reports its outcome to a callback (see the module docstring):
+    what a ``STARTED`` function returns (or a coroutine)."""
+
+    __slots__ = ()
+
+    def start(self, invoker: Invoker, on_done: OnDone, token: Any, limit: float) -> Pending:
+        """Report the outcome to ``on_done(token, result, error)`` (later, from the loop),
+        under ``limit`` seconds (0: none); returns the pending call."""
+        raise NotImplementedError
+
 
 #: Tasks run synchronously up to their first suspension (``eager_start``), so a
 #: call that never waits completes with no event-loop trip (Python >= 3.12).
@@ -74,6 +105,8 @@ async def awaited(value: Awaitable[Any]) -> Any:
 # Module constants: an enum member looked up on its class costs ~20 ns, per step.
 _INLINE = CallMode.INLINE
 _TASK = CallMode.TASK
+_STARTED = CallMode.STARTED
+_CORO = CoroutineType
 
 #: An abandoned pool call still running this long after is counted as a stuck thread.
 STUCK_GRACE_S = 0.5
@@ -140,7 +173,7 @@ class Invoker:
         on_done: OnDone,
         token: Any = None,
         limit: float | None = None,
-    ) -> asyncio.Future[Any] | None:
+    ) -> Pending | None:
         """Start ``fn(*args)`` as ``mode`` says; report its outcome to ``on_done`` once.
 
         ``on_done(token, result, error)`` gets ``error`` ``None`` on success, the
@@ -150,7 +183,8 @@ class Invoker:
         called before this returns when the call did not wait (an inline call, a
         task that never suspended; then ``None`` is returned), else later from the
         event loop, and the pending future is returned (cancel it to abandon the
-        call). Never raises for what ``fn`` raises.
+        call). A ``STARTED`` function's :class:`Started` reports through itself.
+        Never raises for what ``fn`` raises.
         """
         if mode is _INLINE:
             try:
@@ -171,6 +205,20 @@ class Invoker:
                     )
                 else:
                     fut = loop.create_task(fn(*args))
+            elif mode is _STARTED:  # an isolated step: it reports itself (or is a coroutine)
+                started = fn(*args)
+                if type(started) is not _CORO:
+                    limit = self.timeout if limit is None else limit
+                    return started.start(self, on_done, token, limit)  # type: ignore[no-any-return]
+                cf = pool = None
+                if EAGER_TASKS:
+                    fut = asyncio.Task(
+                        started,
+                        loop=loop,
+                        eager_start=True,  # type: ignore[call-arg,unused-ignore]
+                    )
+                else:
+                    fut = loop.create_task(started)
             else:
                 pool = self.executor
                 cf = pool.submit(fn, *args)

@@ -14,7 +14,6 @@ reply that ended it. docs/PROTOCOL.md
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from stadium._core.protocol import Call, Encoding, Op, RawCall
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError
+from stadium._server.invoke import Pending
 from stadium._server.ledger import EndReason, ThreadTimed, usage
 from stadium._server.sessions.resumable import ResumableSession
 
@@ -75,7 +75,7 @@ class EpisodeAccounts(ResumableSession):
         self._ep_req = b""  # a recorded episode's last step request (its frame, as it came)
         self._ep_clipped = False
 
-    def _reset(self, call: Call, size: int) -> asyncio.Future[Any] | None:
+    def _reset(self, call: Call, size: int) -> Pending | None:
         """Run a reset (its request ``size`` bytes): the running episode, if any, ends; the
         new one is accounted from the reset's arrival, the reset's env time included."""
         if self._ep_start:
@@ -125,7 +125,7 @@ class EpisodeAccounts(ResumableSession):
             return b'{"data":' + data + b"}"
         return b"\x81\xa4data" + data  # MessagePack: a map of one, "data"
 
-    def _step_pooled(self, call: Call) -> asyncio.Future[Any] | None:
+    def _step_pooled(self, call: Call) -> Pending | None:
         """A step of an env whose ``step`` blocks: on the pool, timed by the pool thread's
         own CPU clock (:class:`~stadium._server.ledger.ThreadTimed`)."""
         rt = self.runtime
@@ -134,7 +134,7 @@ class EpisodeAccounts(ResumableSession):
             return rt.invoke.run(self.loop, _POOL, step, (call.action,), self._on_done, call)
         return self._step_limited(call, step)
 
-    def _step_limited(self, call: Call, step: Callable[..., Any]) -> asyncio.Future[Any] | None:
+    def _step_limited(self, call: Call, step: Callable[..., Any]) -> Pending | None:
         raise NotImplementedError  # Session's
 
     def _episode_step(

@@ -20,6 +20,7 @@ from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import CallMode
 from stadium._errors import CapacityError, SessionError
 from stadium._server.admission.doorway import Door, Pass
+from stadium._server.invoke import Pending
 from stadium._server.runtime import NODE_NAME, Phase
 
 
@@ -29,7 +30,7 @@ class ForkingSession:
     __slots__ = ()
     _pass: Pass | None  # the session's charge (its slot), set by _adopt on a fork
 
-    def _fork(self: Any, call: Call) -> asyncio.Future[Any] | None:
+    def _fork(self: Any, call: Call) -> Pending | None:
         """``fork``: a new session from this one's snapshot, its env restored from it, held
         detached (as a lost session is) until a client resumes it with the id and token of
         the ``forked`` reply. Charged to this session's client (its quota and its bucket)

@@ -44,7 +44,7 @@ from stadium._errors import (
 from stadium._server.admission.doorway import Door, Pass
 from stadium._server.admission.slots import Verdict
 from stadium._server.durability.records import SessionRecord
-from stadium._server.invoke import EAGER_TASKS, awaited
+from stadium._server.invoke import EAGER_TASKS, Pending, awaited
 from stadium._server.ledger import ThreadTimed
 from stadium._server.runtime import (
     CLOSE_GOING_AWAY,
@@ -79,6 +79,7 @@ _MCP = Op.MCP
 _OPEN = Phase.OPEN
 _POOL = CallMode.POOL
 _TASK = CallMode.TASK
+_STARTED = CallMode.STARTED
 
 _SESSION_NUMBERS = itertools.count(1)
 
@@ -142,7 +143,7 @@ class Session(ForkingSession, EpisodeAccounts):
         self._pending: collections.deque[Message] | None = None
         self._pending_bytes = 0
         self._call: Call | None = None
-        self._task: asyncio.Task[Any] | asyncio.Future[Any] | None = None
+        self._task: Pending | None = None
         self._waiter: Callable[[bool], None] | None = None
         self._close_after = (CLOSE_GOING_AWAY, "server closing session")
         self._queued_at = 0.0
@@ -265,6 +266,14 @@ class Session(ForkingSession, EpisodeAccounts):
                     self._task = rt.invoke.follow(self.loop, task, None, None, self._on_done, call)
                     return True
                 result = task.result()
+            elif mode is _STARTED:  # an isolated step: the invoker hands it _on_done
+                pending = rt.invoke.run(self.loop, mode, self.env.step, (call.action,),
+                                        self._on_done, call)  # fmt: skip
+                self._ep_cpu += _clock() - t0
+                if pending is not None:
+                    self._call = call
+                    self._task = pending
+                return True
             else:
                 result = self.env.step(call.action)
             self._ep_cpu += _clock() - t0
@@ -563,7 +572,7 @@ class Session(ForkingSession, EpisodeAccounts):
         elif self._pending:
             self._drain_pending()
 
-    def _mcp(self, call: Call) -> asyncio.Future[Any] | None:
+    def _mcp(self, call: Call) -> Pending | None:
         """An ``mcp`` request: JSON-RPC on this session's env (``mcp``), an eager task;
         the reply is ``{"type": "mcp", ...}``, the JSON-RPC error object when it fails."""
         req = _mcp.request(call.action)
@@ -581,7 +590,7 @@ class Session(ForkingSession, EpisodeAccounts):
             self.loop, CallMode.TASK, dispatch, (self.env, req), self._on_done, call
         )
 
-    def _step_limited(self, call: Call, step: Callable[..., Any]) -> asyncio.Future[Any] | None:
+    def _step_limited(self, call: Call, step: Callable[..., Any]) -> Pending | None:
         """A step that brought its own ``timeout_s``: bounded by it (and ``--step-timeout``),
         and given to an env whose ``step`` takes it (OpenEnv's)."""
         rt = self.runtime

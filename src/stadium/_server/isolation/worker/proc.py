@@ -7,6 +7,14 @@ into a buffer of its size and checked and decoded in a thread (the loop never wa
 it); a frame the worker did not ask for, or one that breaks a limit, ends the exchange
 with :class:`~stadium.EnvProtocolError` (the caller kills the process). No read ever
 blocks: a reply that never ends is the call's timer's to stop.
+
+**Who waits for a reply** (:attr:`EnvProcess.waiter`) is anything with a future's
+``done()``, ``set_result()`` and ``set_exception()`` (:class:`Waiter`): an
+:class:`asyncio.Future` (awaited by a coroutine: the ``hello``, ``reset``, ``fork``...), or
+the proxy's :class:`~stadium._server.isolation.worker.proxy.StepCall`, which completes a
+session's step from the reader callback itself (no task, no future, no extra loop turn).
+A waiter is handed its reply once the read that completed it is done: a frame that came
+after it in the same read is refused (unexpected) first, as with a future.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import asyncio
 import os
 import socket
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -30,6 +38,14 @@ _HEADER = wire.HEADER
 _SIZE = _HEADER.unpack_from
 _PACK = _HEADER.pack
 _DIRECT = wire.DIRECT_BYTES
+
+
+class Waiter(Protocol):
+    """What waits for a reply: an :class:`asyncio.Future`, or a callback's own object."""
+
+    def done(self) -> bool: ...
+    def set_result(self, result: Any, /) -> None: ...
+    def set_exception(self, exception: BaseException, /) -> None: ...
 
 
 class Gone(Exception):
@@ -62,6 +78,7 @@ class EnvProcess:
         "_body",
         "_got",
         "_head",
+        "_ready",
         "baseline",
         "broken",
         "cgroups",
@@ -112,7 +129,7 @@ class EnvProcess:
         """Its session let it go (:meth:`Isolation.release`): nobody asks why it ended."""
         self.broken: EnvProtocolError | None = None
         """What it sent that was refused: it is never asked anything again."""
-        self.waiter: asyncio.Future[Any] | None = None
+        self.waiter: Waiter | None = None
         self.decoder: msgspec.msgpack.Decoder[Any] = wire.HELLO_REPLY
         """The type the awaited reply must have."""
         self.want_fds = False
@@ -123,6 +140,8 @@ class EnvProcess:
         self._body: bytearray | None = None
         """A large frame's buffer (its size), being filled; ``_got`` bytes so far."""
         self._got = 0
+        self._ready: tuple[Waiter, Any] | None = None
+        """A small reply decoded by :meth:`_frames`, handed over once its read is done."""
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._readable)
 
@@ -171,6 +190,12 @@ class EnvProcess:
         self._frames(data)
 
     def _frames(self, data: bytes) -> None:
+        self._split(data)
+        ready, self._ready = self._ready, None
+        if ready is not None:  # after the whole read: what came after it was refused first
+            ready[0].set_result(ready[1])
+
+    def _split(self, data: bytes) -> None:
         start, end = 0, len(data)
         header = wire.HEADER
         while end - start >= header.size:
@@ -220,9 +245,9 @@ class EnvProcess:
                 )
             )
             return False
-        if held == 0:  # small: decoded at once (no scan needed)
+        if held == 0:  # small: decoded at once (no scan needed), handed over by _frames
             try:
-                waiter.set_result(self.limits.decode(self.decoder, body))
+                self._ready = (waiter, self.limits.decode(self.decoder, body))
             except EnvProtocolError as err:
                 self._refuse(err, waiter)
                 return False
@@ -232,7 +257,7 @@ class EnvProcess:
         decoded.add_done_callback(lambda done: self._decoded(done, waiter, held))
         return True
 
-    def _decoded(self, done: asyncio.Future[Any], waiter: asyncio.Future[Any], held: int) -> None:
+    def _decoded(self, done: asyncio.Future[Any], waiter: Waiter, held: int) -> None:
         self.stats.held -= held
         exc = done.exception()
         if isinstance(exc, EnvProtocolError):
@@ -243,13 +268,13 @@ class EnvProcess:
             else:
                 waiter.set_result(done.result())
 
-    def _refuse(self, err: EnvProtocolError, waiter: asyncio.Future[Any] | None = None) -> None:
+    def _refuse(self, err: EnvProtocolError, waiter: Waiter | None = None) -> None:
         """Stop reading: the process sent what is refused; whoever waits gets ``err``."""
         self.stats.refused += 1
         self.broken = err
         self._ended(err, waiter)
 
-    def _ended(self, err: BaseException, waiter: asyncio.Future[Any] | None = None) -> None:
+    def _ended(self, err: BaseException, waiter: Waiter | None = None) -> None:
         self._detach()
         if self._body is not None:
             self.stats.held -= len(self._body)
@@ -285,12 +310,29 @@ class EnvProcess:
             Gone: the process died (or was stopped).
             EnvProtocolError: it sent what is refused (now or before).
         """
+        waiter = self.loop.create_future()
+        rest = self.send(body, decoder, waiter)
+        if rest is not None:
+            return self._send_rest(rest, waiter)
+        return waiter
+
+    def send(
+        self, body: bytes, decoder: msgspec.msgpack.Decoder[Any], waiter: Waiter
+    ) -> memoryview | None:
+        """Send one request, whose reply (as ``decoder``'s type) goes to ``waiter``: as much
+        of the frame as the socket takes now; the rest, if any, is returned (the caller
+        sends it: :meth:`send_rest`).
+
+        Raises:
+            Gone: the process died (or was stopped).
+            EnvProtocolError: it sent what is refused before.
+        """
         if self.broken is not None:
             raise self.broken
         if self.sock.fileno() < 0:
             raise Gone()
         self.decoder = decoder
-        waiter = self.waiter = self.loop.create_future()
+        self.waiter = waiter
         data = _PACK(len(body)) + body
         try:  # the usual: the whole frame fits the socket's buffer (no loop's send coroutine)
             sent = self.sock.send(data)
@@ -298,15 +340,21 @@ class EnvProcess:
             sent = 0
         except OSError:
             raise Gone() from None
-        if sent < len(data):
-            return self._send_rest(memoryview(data)[sent:], waiter)
-        return waiter
+        return memoryview(data)[sent:] if sent < len(data) else None
 
-    async def _send_rest(self, rest: memoryview, waiter: asyncio.Future[Any]) -> Any:
+    async def send_rest(self, rest: memoryview) -> None:
+        """The rest of a request's frame that :meth:`send` could not send at once.
+
+        Raises:
+            Gone: the process died (or was stopped).
+        """
         try:
             await self.loop.sock_sendall(self.sock, rest)
         except OSError:
             raise Gone() from None
+
+    async def _send_rest(self, rest: memoryview, waiter: asyncio.Future[Any]) -> Any:
+        await self.send_rest(rest)
         return await waiter
 
     async def request_fds(self, body: bytes, decoder: msgspec.msgpack.Decoder[Any]) -> Any:

@@ -10,6 +10,28 @@ nothing else changes and clients see no difference. A reply the worker refuses (
 ``--sandbox-reply-mib``, malformed, unexpected) ends its call with
 :class:`~stadium.EnvProtocolError` and the process, as a crash does.
 
+**A step, completed by callback** (the usual step of a live process): :meth:`ProcessEnv.step`
+is no coroutine function; it sends the request at once and returns a :class:`StepCall`
+(an :class:`~stadium._server.invoke.Started` call), whose contract is:
+
+- the :class:`~stadium._server.invoke.Invoker` (or the session's batch path) calls
+  :meth:`StepCall.start` with the session's ``on_done``, token and limit before the loop runs
+  again; ``on_done`` is then called exactly once, later, from a loop callback;
+- the call is the process's waiter (:attr:`EnvProcess.waiter`): the reader callback hands it
+  the decoded reply (``set_result``) or why there is none (``set_exception``: ``Gone``,
+  :class:`~stadium.EnvProtocolError`), and it reports to ``on_done`` then and there;
+- it is the session's pending call: ``cancel()`` (the session closed) kills and releases
+  the process and reports :class:`asyncio.CancelledError`;
+- its stages (:class:`Stage`): ``SENDING`` (a frame the socket did not take at once: the
+  loop sends the rest, a task) → ``WAITING`` → ``DONE``, or ``WAITING`` → ``DYING`` (the
+  process died: :meth:`Isolation.death` names why, a task) → ``DONE``;
+- the per-call limit of every step of a worker is the same, so one :class:`Clock` (one
+  timer, deadlines in the order steps start) stops them all; a request's own shorter
+  ``timeout_s`` has a timer of its own.
+
+Every outcome is the coroutine path's (``_step``, ``_request``), which still serves
+``--durable`` steps and a step that needs a fresh process first.
+
 ``--durable``: a snapshot over :data:`SPILL_BYTES` is not kept in the worker's memory
 between replies: it is written (in a thread) to the session's spill file, ``0600`` in a
 private directory of the worker's (:meth:`Isolation.spill_path`), replaced by the next
@@ -23,7 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import os
+from collections.abc import Generator
 from typing import Any
 
 import msgspec
@@ -31,8 +55,15 @@ import msgspec
 from stadium._env.contract import StepResult
 from stadium._env.snapshot import snapshot_env
 from stadium._env.spec import CallMode, EnvSpec
-from stadium._errors import EnvProtocolError, SessionError, SnapshotError, StadiumError
+from stadium._errors import (
+    CallTimeoutError,
+    EnvProtocolError,
+    SessionError,
+    SnapshotError,
+    StadiumError,
+)
 from stadium._server.durability.records import INLINE_BYTES, MAX_RECORD_BYTES
+from stadium._server.invoke import Invoker, OnDone, Started
 from stadium._server.isolation import wire
 from stadium._server.isolation.worker.isolation import Isolation
 from stadium._server.isolation.worker.proc import EnvProcess, Gone, foreign_error
@@ -55,8 +86,10 @@ class ProcessEnv:
     a fresh process and applies the snapshot to its env first.
     """
 
-    def __init__(self, isolation: Isolation) -> None:
+    def __init__(self, isolation: Isolation, clock: Clock | None = None) -> None:
         self.isolation = isolation
+        self.clock = clock or Clock(isolation.limits.call_timeout)
+        """The worker's one timer of its steps in flight (:class:`Clock`)."""
         self.proc: EnvProcess | None = None
         self.session: str | None = None
         """The session's short id (its log tag), once :meth:`bind_session` named it."""
@@ -254,8 +287,16 @@ class ProcessEnv:
             self._start_episode()
         return result
 
-    async def step(self, action: Any, **kwargs: Any) -> Any:
-        # Every step's path, kept short: ``_call`` and ``_process`` inlined for a live process.
+    def step(self, action: Any, **kwargs: Any) -> Any:
+        """A step: its request sent now and a :class:`StepCall` returned (the usual), else
+        (``--durable``, no live process, a frame option) the coroutine :meth:`_step`."""
+        proc = self.proc
+        if self.durable or proc is None or proc.episode_over or proc.broken is not None:
+            return self._step(action, kwargs)  # (a closed socket: the StepCall's Gone)
+        body = _encode(_Step(self.isolation.action_encode(action), kwargs, 0))
+        return StepCall(self, proc, body)
+
+    async def _step(self, action: Any, kwargs: dict[str, Any]) -> Any:
         iso = self.isolation
         snap = self._snap_limit() if self.durable else 0
         body = _encode(_Step(iso.action_encode(action), kwargs, snap))
@@ -369,11 +410,298 @@ class ToolProcessEnv(ProcessEnv):
         return reply
 
 
+class Stage(enum.Enum):
+    """Where a :class:`StepCall` is."""
+
+    SENDING = "sending"
+    """The request's frame did not fit the socket at once: its rest is being sent (a task)."""
+    WAITING = "waiting"
+    """Sent: the reply is awaited (the process's reader callback hands it over)."""
+    DYING = "dying"
+    """The process ended during the step: why is being found out (a task)."""
+    DONE = "done"
+    """Reported (or abandoned: cancelled, timed out)."""
+
+
+class StepCall(Started):
+    """One step of a live env process, completed from the reply's reader callback.
+
+    :meth:`ProcessEnv.step` sends the request and returns this; the invoker (or the
+    session's batch path) calls :meth:`start` with the session's ``on_done`` before control
+    returns to the loop. It is, at once, the process's :attr:`EnvProcess.waiter` (``done``,
+    ``set_result``, ``set_exception``, called by the reader callback), the session's pending
+    call (``done``, ``cancel``), and an entry of the worker's :class:`Clock` (``expire``).
+    Every way out is the coroutine path's (:meth:`ProcessEnv._step`, ``_request``), in the
+    same order:
+
+    - a reply: ``Raised`` → the env's error; else the :class:`StepResult` (an episode that
+      ended stops its timer);
+    - ``Gone`` (the socket closed, or the call's kill): ``DYING``, then the error
+      :meth:`Isolation.death` names (``env.ended``);
+    - ``EnvProtocolError`` (a refused reply): the process stopped (:meth:`ProcessEnv._stop`);
+    - ``cancel()`` (the session closed): the process killed and released,
+      ``CancelledError`` reported;
+    - past the per-call limit (``--step-timeout``, or 300 s): the process killed; with the
+      invoker's limit the same (the usual), ``CallTimeoutError`` (one timer for both), else
+      ``Gone`` as above; a request's own shorter ``timeout_s`` has a timer of its own.
+    """
+
+    __slots__ = ("early", "env", "invoker", "limit", "on_done", "proc", "stage", "task", "timer",
+                 "token")  # fmt: skip
+
+    def __init__(self, env: ProcessEnv, proc: EnvProcess, body: bytes) -> None:
+        self.env = env
+        self.proc = proc
+        self.stage = _WAITING
+        self.on_done: OnDone | None = None
+        self.token: Any = None
+        self.timer: asyncio.TimerHandle | None = None
+        """The invoker's own limit, when not the per-call one (a request's ``timeout_s``)."""
+        self.task: asyncio.Task[Any] | None = None
+        """Sending the rest of the frame (``SENDING``), or finding out why it died (``DYING``)."""
+        self.early: tuple[Any, BaseException | None] | None = None
+        """What came while ``SENDING`` (reported once the frame is sent)."""
+        loop, clock = proc.loop, env.clock
+        clock.calls[self] = loop.time() + clock.limit
+        if clock.timer is None:
+            clock.arm(loop)
+        try:
+            rest = proc.send(body, _STEP_REPLY, self)
+        except Gone:  # (reported once started: the task that finds out why runs later)
+            self.set_exception(Gone())
+            return
+        if rest is not None:  # the rest of the frame first (the loop's send), then the reply
+            self.stage = _SENDING
+            self.task = task = loop.create_task(proc.send_rest(rest))
+            task.add_done_callback(self._sent)
+
+    def start(self, invoker: Invoker, on_done: OnDone, token: Any, limit: float) -> StepCall:
+        self.invoker, self.on_done, self.token, self.limit = invoker, on_done, token, limit
+        if limit > 0 and limit != self.env.clock.limit and self.stage is not _DONE:
+            self.timer = self.proc.loop.call_later(limit, self._timeout)
+        return self
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        """Awaited directly (not through the invoker): no limit but the per-call one."""
+        fut: asyncio.Future[Any] = self.proc.loop.create_future()
+        self.start(None, _resolve, fut, 0.0)  # type: ignore[arg-type]
+        fut.add_done_callback(lambda f: f.cancelled() and self.cancel())
+        return fut.__await__()
+
+    # -- as the process's waiter (called only while SENDING or WAITING) ----------------
+
+    def done(self) -> bool:
+        return self.stage is _DONE
+
+    def set_result(self, reply: Any, /) -> None:
+        if self.stage is _SENDING:
+            self.early = (reply, None)
+            return
+        self.stage = _DONE  # _settle, inlined: every step's path
+        env = self.env
+        env.clock.calls.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if type(reply) is _Raised:
+            self._report(None, env.isolation.raised(self.proc, "step", reply))
+            return
+        try:
+            result = StepResult(reply.observation, reply.reward, reply.done,
+                                truncated=reply.truncated, info=reply.info)  # fmt: skip
+            if result.done or result.truncated:  # the episode ended in time
+                env._end_episode()
+        except Exception as exc:
+            self._report(None, exc)
+            return
+        if (on_done := self.on_done) is not None:
+            on_done(self.token, result, None)
+
+    def set_exception(self, exc: BaseException, /) -> None:
+        stage = self.stage
+        if stage is _SENDING:
+            self.early = (None, exc)
+        elif stage is not _WAITING:
+            pass
+        elif isinstance(exc, Gone):  # the process died: why, found out off this callback
+            self.stage = _DYING
+            self.env.proc = None
+            self.task = task = self.proc.loop.create_task(self._dying())
+            task.add_done_callback(self._died)
+        else:
+            self._settle()
+            if isinstance(exc, EnvProtocolError):  # it sent what is refused: stopped
+                exc = self.env._stop(self.proc, "step", exc)
+            self._report(None, exc)
+
+    # -- as the session's pending call -------------------------------------------------
+
+    def cancel(self) -> bool:
+        """Abandon the step (its session is gone): the process killed and released."""
+        stage = self.stage
+        if stage is _DONE:
+            return False
+        if stage is _DYING:  # the task's end reports the cancellation
+            assert self.task is not None
+            self.task.cancel()
+            return True
+        self._abandon()
+        self._report(None, asyncio.CancelledError())
+        return True
+
+    # -- time limits -------------------------------------------------------------------
+
+    def expire(self) -> None:
+        """The per-call limit passed (the :class:`Clock`): the process is killed."""
+        proc, iso = self.proc, self.env.isolation
+        proc.expired = True
+        iso.kill(proc)
+        if self.stage is _DYING:  # finding out why it died: now it ran out of time too
+            return
+        if self.on_done is None or self.limit != self.env.clock.limit:
+            if self.stage is _SENDING:  # its call ends now, as a death (``wall_time``)
+                self.early = (None, Gone())
+            else:
+                proc.abort()
+            return
+        # The invoker's limit is the per-call one: the same instant, CallTimeoutError.
+        self.stage = _DONE
+        proc.abort()
+        self._timed_out(_WAITING)
+
+    def _timeout(self) -> None:
+        """The invoker's own limit (a request's shorter ``timeout_s``) passed."""
+        self.timer = None
+        if self.stage is not _DONE:
+            stage, self.stage = self.stage, _DONE
+            self._timed_out(stage)
+
+    def _timed_out(self, stage: Stage) -> None:
+        if stage is _DYING:
+            assert self.task is not None
+            self.task.cancel()
+            self.env.clock.calls.pop(self, None)
+        else:
+            self._abandon()
+        self.invoker.timeouts += 1
+        limit = self.limit
+        self._report(None, CallTimeoutError(
+            f"the call ran longer than its {limit:g} s limit", timeout_s=limit
+        ))  # fmt: skip
+
+    # -- the rest ----------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        self.stage = _DONE
+        self.env.clock.calls.pop(self, None)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _abandon(self) -> None:
+        """Stop waiting: the process is killed and released (a cancelled ``_request``)."""
+        self._settle()
+        task, self.task = self.task, None
+        if task is not None:
+            task.cancel()
+        env, proc = self.env, self.proc
+        env.proc = None
+        env.isolation.kill(proc)
+        env.isolation.release(proc)
+
+    def _report(self, result: Any, error: BaseException | None) -> None:
+        on_done = self.on_done
+        if on_done is not None:
+            on_done(self.token, result, error)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        if self.task is task:
+            self.task = None
+        if self.stage is not _SENDING or task.cancelled():
+            return
+        self.stage = _WAITING
+        exc = task.exception()
+        early, self.early = self.early, None
+        if exc is not None:
+            self.set_exception(exc)
+        elif early is not None:
+            if early[1] is None:
+                self.set_result(early[0])
+            else:
+                self.set_exception(early[1])
+
+    async def _dying(self) -> StadiumError:
+        err = self.env.ended = await self.env.isolation.death(self.proc, "step")
+        return err
+
+    def _died(self, task: asyncio.Task[StadiumError]) -> None:
+        if self.stage is _DONE:  # timed out meanwhile: reported
+            return
+        self._settle()
+        self.task = None
+        if task.cancelled():
+            self._report(None, asyncio.CancelledError())
+            return
+        exc = task.exception()
+        self._report(None, exc if exc is not None else task.result())
+
+
+class Clock:
+    """One timer for every :class:`StepCall` of a worker in flight: they all have the same
+    per-call limit, so their deadlines come in the order they start (a dict keeps it);
+    the timer waits for the first, and a step that ends leaves the dict (no timer a step)."""
+
+    __slots__ = ("calls", "limit", "loop", "timer")
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.calls: dict[StepCall, float] = {}
+        """The calls in flight (``WAITING``, ``SENDING``, ``DYING``) and their deadlines."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Time the first call (there is one, and no timer)."""
+        self.loop = loop
+        self.timer = loop.call_at(next(iter(self.calls.values())), self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        loop, calls = self.loop, self.calls
+        assert loop is not None
+        now = loop.time() + CLOCK_SLACK_S
+        for _ in range(len(calls)):  # each pass ends one call (calls started meanwhile wait)
+            call, deadline = next(iter(calls.items()))
+            if deadline > now:
+                break
+            del calls[call]
+            call.expire()
+        if calls and self.timer is None:
+            self.arm(loop)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(error)
+
+
+#: A timer may fire this early (the loop's clock counts milliseconds).
+CLOCK_SLACK_S = 0.001
+
+
 # Module constants of the step's path (a global and an attribute: one lookup, not two).
 _encode = wire.encode
 _Step = wire.Step
 _Raised = wire.Raised
 _STEP_REPLY = wire.STEP_REPLY
+_SENDING = Stage.SENDING
+_WAITING = Stage.WAITING
+_DYING = Stage.DYING
+_DONE = Stage.DONE
 
 #: What a call that needs a live episode is, in an error's words.
 _WHAT = {"step": "stepping", "state": "reading its state", "tools/call": "calling a tool"}
@@ -402,15 +730,16 @@ def isolated_spec(spec: EnvSpec, isolation: Isolation) -> EnvSpec:
         getattr(spec.env_cls, "mcp_list_tools", None)
     )
     proxy = ToolProcessEnv if tools else ProcessEnv
+    clock = Clock(isolation.limits.call_timeout)
     return dataclasses.replace(
         spec,
-        factory=lambda **_kwargs: proxy(isolation),  # type: ignore[arg-type]
+        factory=lambda **_kwargs: proxy(isolation, clock),  # type: ignore[arg-type]
         async_reset=True,
         async_step=True,
         async_close=True,
         has_close=True,
         create_mode=CallMode.INLINE,
         reset_mode=CallMode.TASK,
-        step_mode=CallMode.TASK,
+        step_mode=CallMode.STARTED,
         close_mode=CallMode.TASK,
     )
