@@ -560,7 +560,6 @@ class _Session:
 
     async def _serve(self) -> None:
         handlers: dict[type[Any], Any] = {
-            wire.Step: self._step,
             wire.Reset: self._reset,
             wire.GetState: self._state,
             wire.ListTools: self._tools,
@@ -597,7 +596,7 @@ class _Session:
                 # async ``step`` is called with the loop running (making its coroutine runs
                 # none of its code); a sync one with no running loop, as in-process.
                 out: Any
-                result = self._result  # (looked up before the call, as ``_step``'s caller)
+                result = self._result  # before the call: what the step patches, from the next
                 try:
                     env = self.env
                     if env is not async_env:  # (the env changes on restore)
@@ -654,10 +653,6 @@ class _Session:
             except Exception as exc:
                 out = encode(_raised(exc))
             self.sock.sendall(wire.frame(out))
-
-    async def _step(self, msg: wire.Step) -> wire.StepOk:
-        action = self.decode_action(msg.action)
-        return self._result(await self.call(self.env.step, action, **msg.kwargs), msg.snap)
 
     async def _reset(self, msg: wire.Reset) -> wire.StepOk:
         return self._result(await self.call(self.env.reset, **msg.kwargs), msg.snap)
