@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import stadium
+from tests.conftest import wait_until
 
 
-async def stepping(url: str, n: int, stop: asyncio.Event) -> int:
+async def stepping(url: str, n: int, stop: asyncio.Event, progress: list[int] | None = None) -> int:
     """A well-behaved session stepping until ``stop`` (at most 2,000 steps); its step
-    count. Every reply must be its own echo: a crossed or lost reply fails the test."""
+    count, also kept in ``progress[n]`` as it goes (when given: a test waits on it). Every
+    reply must be its own echo: a crossed or lost reply fails the test."""
     steps = 0
     async with stadium.AsyncClient(url) as env:
         await env.reset()
@@ -17,8 +19,26 @@ async def stepping(url: str, n: int, stop: asyncio.Event) -> int:
             step = await env.step({"do": "echo", "arg": f"{n}.{steps}"})
             assert step.observation["text"] == f"{n}.{steps}"
             steps += 1
+            if progress is not None:
+                progress[n] = steps
             await asyncio.sleep(0.01)
     return steps
+
+
+async def stepped(
+    progress: list[int], since: list[int], others: list[asyncio.Future[int]], limit_s: float
+) -> None:
+    """Wait (at most ``limit_s``) until every neighbour has stepped past ``since`` (its
+    count then), or one of them ended (its result, or its failure, is the test's to
+    gather). Waiting on the counts, not on time: a neighbour still opening its session
+    under load has not stepped yet."""
+
+    def moved() -> bool:
+        return any(o.done() for o in others) or all(
+            p > s for p, s in zip(progress, since, strict=True)
+        )
+
+    await wait_until(moved, limit_s, "every neighbour session stepped")
 
 
 async def timed_stepping(url: str, n: int, stop: asyncio.Event) -> tuple[int, float]:

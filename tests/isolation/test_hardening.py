@@ -29,7 +29,7 @@ from stadium._server.isolation.template import child as child_module
 from stadium._server.isolation.template import seccomp as seccomp_module
 from stadium._server.isolation.template.child import NATIVE_INIT
 from tests.conftest import UNIT, serve, wait_until
-from tests.isolation.neighbours import stepping
+from tests.isolation.neighbours import stepped, stepping
 
 CODE = Path(__file__).with_name("kernel_hostile.py")
 TARGET = f"{CODE}:KernelHostile"
@@ -74,7 +74,8 @@ async def test_hostile_kernel_calls_are_refused_while_others_keepstepping() -> N
     ) as server:
         isolation = server.runtime.isolation
         stop = asyncio.Event()
-        others = [asyncio.ensure_future(stepping(server.url, n, stop)) for n in range(8)]
+        progress = [0] * 8
+        others = [asyncio.ensure_future(stepping(server.url, n, stop, progress)) for n in range(8)]
         try:
             async with (
                 stadium.AsyncClient(server.url) as env,
@@ -82,6 +83,8 @@ async def test_hostile_kernel_calls_are_refused_while_others_keepstepping() -> N
             ):
                 await env.reset()
                 await neighbour.reset()
+                await stepped(progress, [0] * 8, others, 30 * UNIT)  # all stepping already
+                before = list(progress)
                 assert isolation.seccomp.startswith(seccomp_module.NAME)  # the template's report
                 # The filter is loaded (mode 2: filter) before the env ran.
                 assert "Seccomp:\t2" in await _text(env, "status")
@@ -106,6 +109,7 @@ async def test_hostile_kernel_calls_are_refused_while_others_keepstepping() -> N
                     assert await _text(child, "keyctl") == "EPERM"
                 finally:
                     await child.close()
+            await stepped(progress, before, others, 30 * UNIT)  # and still stepping after
         finally:
             stop.set()
             steps = await asyncio.gather(*others)
@@ -202,10 +206,13 @@ async def test_each_session_family_has_its_own_pid_namespace() -> None:
     async with serve(TARGET, isolation="sandbox", resume_grace=30, max_sessions=32) as server:
         isolation = server.runtime.isolation
         stop = asyncio.Event()
-        others = [asyncio.ensure_future(stepping(server.url, n, stop)) for n in range(8)]
+        progress = [0] * 8
+        others = [asyncio.ensure_future(stepping(server.url, n, stop, progress)) for n in range(8)]
         try:
             async with stadium.AsyncClient(server.url) as neighbour:
                 await neighbour.reset()
+                await stepped(progress, [0] * 8, others, 30 * UNIT)  # all stepping already
+                before = list(progress)
                 env = stadium.AsyncClient(server.url)
                 await env.__aenter__()
                 try:
@@ -237,6 +244,7 @@ async def test_each_session_family_has_its_own_pid_namespace() -> None:
                     assert "2" not in (await _text(child, "pids")).split(",")
                 finally:
                     await child.close()
+            await stepped(progress, before, others, 30 * UNIT)  # and still stepping after
         finally:
             stop.set()
             steps = await asyncio.gather(*others)

@@ -4,6 +4,7 @@ and the wall time per episode (``--episode-timeout``), on real servers."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import stadium
 from stadium import ConfigError, ErrorCode, ServerConfig
 from stadium._cli.main import cli
 from stadium._server.isolation import Limits, sandbox_unavailable
+from stadium._server.isolation.sandbox import CGROUP_PARENT
 from stadium._server.isolation.worker.manifest import (
     find_manifest,
     limits_for,
@@ -301,6 +303,35 @@ async def test_the_manifest_sets_the_sandbox_cgroup_and_work_directory(tmp_path:
             assert err.context["limit"] == "memory"
             assert err.context["value"] == 48
         assert isolation.limits.disk_mib == 8
+
+
+@pytest.mark.slow
+@needs_sandbox
+async def test_the_worker_is_scheduled_beside_its_sessions_not_above_them() -> None:
+    """The worker's cpu cgroup is a sibling of its sessions' (cgroup v1), so that a session's
+    reply wakes it against that session's group, not against the sessions' parent: with the
+    worker above, it preempted after nearly every reply (~1.9 wake-ups a step against
+    ``process``'s ~1.3). Each session keeps its own CPU quota."""
+    async with serve("echo", isolation="sandbox") as server:
+        isolation = server.runtime.isolation
+        cgroups = isolation.cgroups
+        async with stadium.AsyncClient(server.url) as env:
+            await env.reset()
+            (proc,) = isolation.live.values()
+            with open(f"/proc/{os.getpid()}/cgroup") as f:  # noqa: ASYNC230 (this process: the worker)
+                lines = [line.split(":", 2) for line in f.read().splitlines()]
+            if cgroups.version != 1:  # v2: not moved (its memory and pids would move too)
+                assert not any(path.startswith(f"/{CGROUP_PARENT}/") for *_, path in lines)
+                return
+            (worker,) = [path for _, names, path in lines if "cpu" in names.split(",")]
+            cpu = proc.cgroups[1]
+            assert worker == f"/{CGROUP_PARENT}/{cgroups.tag}-worker"
+            assert Path(cpu).parent == Path(cgroups.parents[1])
+            with open(f"{cpu}/cpu.cfs_quota_us") as f:  # noqa: ASYNC230
+                assert f.read().strip() == "100000"  # the session's quota: one core
+            with open(f"{cgroups.parents[1]}/{cgroups.tag}-worker/cpu.shares") as f:  # noqa: ASYNC230
+                assert f.read().strip() == "1024"  # one session's weight
+            assert (await env.step({"message": "hi"})).observation is not None
 
 
 def _get(url: str) -> str:

@@ -171,6 +171,32 @@ class Cgroups:
         else:
             _write(self._parents[1] / "cpu.shares", str(1024 * cores), optional=True)
 
+    def place_worker(self, pid: int) -> str | None:
+        """Put the worker ``pid`` (every thread) in a cpu cgroup of its own beside its
+        sessions' (v1: ``cpu/stadium/TAG-worker``); its path, or ``None`` (v2, or refused:
+        the worker stays where it is, and only scheduling differs).
+
+        Why: with the worker outside the sessions' parent, the worker woken by a session's
+        reply is weighed against the whole parent's scheduling entity, which runs on from
+        one session to the next, so the worker preempts it after nearly every reply (about
+        two wake-ups a step); beside the sessions, it is weighed against the replying
+        session's own group, just picked, which it lets finish its few µs, and it then finds
+        several replies ready (as with ``--isolation process``). Its weight is one
+        session's (``process``'s too: each env process weighs as the worker). Each session
+        keeps its own quota. Its memory and pids stay the server's (v1 only moves ``cpu``).
+        The cgroup is left when the worker ends (removed with the dead workers' cgroups).
+        """
+        if self.version != 1:
+            return None
+        path = self._parents[1] / f"{self.tag}-worker"
+        try:
+            path.mkdir(exist_ok=True)
+            _write(path / "cpu.shares", "1024")
+            _write(path / "cgroup.procs", str(pid))
+        except OSError:
+            return None
+        return str(path)
+
     def create(self, name: str) -> list[str]:
         """Make session ``name``'s cgroup(s) with the limits; returns their paths."""
         lim = self.limits

@@ -43,7 +43,10 @@ before the session asks: a warm process has paid it), then serves the requests
 of :mod:`~stadium._server.isolation.wire` one at a time, read with blocking calls, in
 one task of an event loop that runs for the process's life: an async env method is
 awaited in that task (one that never suspends costs no turn of the loop; a loop run per
-call cost ~14 µs a step), a sync one runs with no running loop, as in-process. It never
+call cost ~14 µs a step), a sync one runs with no running loop, as in-process. A step, the
+usual request, is answered in the serve loop itself: no coroutine nor Python frame of
+Stadium's own per step (the env's ``step`` is the only call; its reply encoded in place
+after its header, in one buffer kept across steps). It never
 returns: it ends with ``os._exit``. Single-threaded on purpose: forking it (``fork``) is
 safe; the copy serves on from the fork, on the same loop, on its own socket.
 """
@@ -514,11 +517,6 @@ class _Session:
         self.create_error: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.decode_action: Any = None
-        self._out = bytearray(4)
-        """The step reply's frame, encoded in place after its 4-byte header."""
-        self._async_env: Any = None
-        self._async_step = False
-        """Whether ``_async_env.step`` is a coroutine function (looked up once per env)."""
         try:
             if _Ctx.untrusted is not None and _Ctx.spec is None:  # in its sandbox by now
                 settings = _Ctx.untrusted
@@ -562,7 +560,6 @@ class _Session:
 
     async def _serve(self) -> None:
         handlers: dict[type[Any], Any] = {
-            wire.Step: self._step,
             wire.Reset: self._reset,
             wire.GetState: self._state,
             wire.ListTools: self._tools,
@@ -572,8 +569,14 @@ class _Session:
         }
         encode = _Ctx.encoder.encode
         reader = wire.FrameReader(self.sock)
-        decode, step, out_step = wire.decode_request, wire.Step, self._out_step
+        decode, step, step_result, step_ok = wire.decode_request, wire.Step, StepResult, wire.StepOk
         recv, size_of, chunk = self.sock.recv, wire.HEADER.unpack_from, wire.CHUNK_BYTES
+        encode_into, head_into, sendall = _Ctx.encoder.encode_into, _HEAD_INTO, self.sock.sendall
+        loop, set_loop, is_async = self.loop, asyncio._set_running_loop, inspect.isawaitable
+        decode_action, built = self.decode_action, self.create_error is None
+        async_env: Any = None
+        async_step = False  # whether ``async_env.step`` is a coroutine function
+        buf = bytearray(4)  # the step reply's frame, encoded in place after its header
         while True:
             body: bytes | bytearray | memoryview | None
             if reader.rest:
@@ -588,8 +591,42 @@ class _Session:
                 os._exit(0)
             msg = decode(body)
             kind = type(msg)
-            if kind is step and self.create_error is None:  # the usual, handled first
-                await out_step(msg)
+            if kind is step and built:
+                # The usual request, answered here with no frame of Stadium's own: an
+                # async ``step`` is called with the loop running (making its coroutine runs
+                # none of its code); a sync one with no running loop, as in-process.
+                out: Any
+                result = self._result  # before the call: what the step patches, from the next
+                try:
+                    env = self.env
+                    if env is not async_env:  # (the env changes on restore)
+                        async_env, async_step = env, inspect.iscoroutinefunction(env.step)
+                    if async_step:
+                        value = await env.step(decode_action(msg.action), **msg.kwargs)
+                    else:
+                        action = decode_action(msg.action)
+                        set_loop(None)
+                        try:
+                            value = env.step(action, **msg.kwargs)
+                        finally:
+                            set_loop(loop)
+                        if type(value) is not step_result and is_async(value):
+                            value = await value
+                    if msg.snap or type(value) is not step_result:  # --durable, or odd
+                        out = result(value, msg.snap)
+                    else:
+                        out = step_ok(value.observation, value.reward, value.done,
+                                      value.truncated, value.info)  # fmt: skip
+                except Exception as exc:
+                    out = _raised(exc)
+                try:
+                    encode_into(out, buf, 4)
+                except Exception as exc:
+                    encode_into(_raised(exc), buf, 4)
+                head_into(buf, 0, len(buf) - 4)
+                sendall(buf)
+                if len(buf) > chunk:  # a large reply's buffer is not kept
+                    buf = bytearray(4)
                 continue
             # a describe is answered whenever the env's module loaded (the env may not build)
             described = kind is wire.Describe and _Ctx.spec is not None
@@ -608,7 +645,7 @@ class _Session:
                     continue
                 if copy:  # this is the copy now, on its own socket: it says hello there
                     reader = wire.FrameReader(self.sock)
-                    recv = self.sock.recv
+                    recv, sendall = self.sock.recv, self.sock.sendall
                     _send(self.sock, wire.Hello())
                 continue
             try:
@@ -616,41 +653,6 @@ class _Session:
             except Exception as exc:
                 out = encode(_raised(exc))
             self.sock.sendall(wire.frame(out))
-
-    async def _step(self, msg: wire.Step) -> wire.StepOk:
-        action = self.decode_action(msg.action)
-        return self._result(await self.call(self.env.step, action, **msg.kwargs), msg.snap)
-
-    async def _out_step(self, msg: wire.Step) -> None:
-        """A step, answered (the serve loop's usual request: its path kept short). An async
-        ``step`` is called with the loop running (making its coroutine runs none of its
-        code), so it needs none of :meth:`call`'s switching."""
-        out: wire.StepOk | wire.Raised
-        result = self._result  # (looked up before the call, as ``_step``'s caller does)
-        try:
-            env = self.env
-            if env is not self._async_env:
-                self._async_env, self._async_step = env, inspect.iscoroutinefunction(env.step)
-            if self._async_step:
-                value = await env.step(self.decode_action(msg.action), **msg.kwargs)
-            else:
-                value = await self.call(env.step, self.decode_action(msg.action), **msg.kwargs)
-            if msg.snap or type(value) is not StepResult:  # --durable (its snapshot), or odd
-                out = result(value, msg.snap)
-            else:
-                out = wire.StepOk(value.observation, value.reward, value.done, value.truncated,
-                                  value.info)  # fmt: skip
-        except Exception as exc:
-            out = _raised(exc)
-        buf = self._out
-        try:
-            _Ctx.encoder.encode_into(out, buf, 4)
-        except Exception as exc:
-            _Ctx.encoder.encode_into(_raised(exc), buf, 4)
-        _HEAD_INTO(buf, 0, len(buf) - 4)
-        self.sock.sendall(buf)
-        if len(buf) > wire.CHUNK_BYTES:  # a large reply's buffer is not kept
-            self._out = bytearray(4)
 
     async def _reset(self, msg: wire.Reset) -> wire.StepOk:
         return self._result(await self.call(self.env.reset, **msg.kwargs), msg.snap)

@@ -198,6 +198,8 @@ class Isolation:
 
     def start(self) -> None:
         """Start the template (and fill the warm pool, make spare cgroups) on the running loop."""
+        if self.cgroups is not None:  # beside its sessions' (scheduling: see the method)
+            self.cgroups.place_worker(os.getpid())
         self._ensure_template()
         self.refill()
         self.reaper.make_spares(SPARE_CGROUPS)
