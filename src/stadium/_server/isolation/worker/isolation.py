@@ -132,12 +132,9 @@ class Isolation:
         self.cgroups = Cgroups(config.limits, f"w{os.getpid()}") if self.sandbox else None
         self.uids = UidLease(start=os.getpid()) if self.sandbox else None
         """Sandboxed: the node-wide lease of this worker's session uids."""
-        networked = self.sandbox and config.limits.network != "none"
-        self.networks = (
-            Networks(config.limits.network, config.limits.allowed_hosts, f"w{os.getpid()}")
-            if networked
-            else None
-        )
+        lim, tag = config.limits, f"w{os.getpid()}"
+        networked = self.sandbox and lim.network != "none"
+        self.networks = Networks(lim.network, lim.allowed_hosts, tag) if networked else None
         self.encoder = msgspec.msgpack.Encoder()
         self.replies = config.replies
         self.wire_stats = WireStats()
@@ -175,10 +172,10 @@ class Isolation:
         """Closes released processes' sockets and recycles or removes ended ones' cgroups,
         off the loop."""
         self._cgroup_users: dict[str, int] = {}
+        """Live processes per cgroup (a fork shares its parent's): released at the last exit."""
         self.outputs: dict[int, OutputReader] = {}
         """The output pipe of each family, by its first process's key, while it is open."""
         self._template_output: OutputReader | None = None
-        """Live processes per cgroup (a fork shares its parent's): released at the last exit."""
         # Counters (``/metrics``: stadium_isolated_*).
         self.starts = 0
         self.crashes = 0
