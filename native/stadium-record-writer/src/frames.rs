@@ -62,7 +62,15 @@ impl Out {
     }
 
     pub fn text(&self, t: Txt) -> Option<&str> {
-        t.map(|(a, b)| std::str::from_utf8(&self.arena[a..b]).unwrap_or(""))
+        // The arena holds only UTF-8: JSON spans cut at ASCII bytes of validated frames
+        // (strings checked by `Scan::string`, the rest ASCII by the grammar), text written
+        // here from `&str`s, MessagePack strings checked when read. Checked again in tests.
+        t.map(|(a, b)| {
+            let bytes = &self.arena[a..b];
+            debug_assert!(std::str::from_utf8(bytes).is_ok());
+            // SAFETY: UTF-8, as said above.
+            unsafe { std::str::from_utf8_unchecked(bytes) }
+        })
     }
 
     fn put(&mut self, bytes: &[u8]) -> Txt {
@@ -182,38 +190,61 @@ fn json_key(tok: &[u8], esc: bool) -> Option<String> {
     }
 }
 
-/// A JSON frame's top-level `data` and, when it is an object, its fields.
+/// A JSON frame's top-level `data` and, when it is an object, its fields: one pass over
+/// the frame, every byte validated (strings' UTF-8 too, in [`Scan::string`]).
 fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
-    std::str::from_utf8(frame).map_err(|_| Bad)?;
     let mut s = Scan::new(frame);
     let mut f = Fields::default();
+    s.eat(b'{')?;
     s.ws();
-    if s.peek() != Some(b'{') {
-        return Err(Bad);
-    }
-    json_members(&mut s, |tok, esc, span| {
-        if json::key_is(tok, esc, "data") {
-            f.data = Some(span);
-        }
-    })?;
-    s.end()?;
-    if inner {
-        if let Some((a, b)) = f.data {
-            if frame[a] == b'{' {
-                let mut d = Scan::new(&frame[..b]);
-                d.i = a;
-                let mut g = f;
-                json_members(&mut d, |tok, esc, span| {
-                    if let Some(k) = json_key(tok, esc) {
-                        if let Some(which) = field_of(&k, info_key) {
-                            set(&mut g, which, span);
-                        }
+    if s.peek() == Some(b'}') {
+        s.i += 1;
+    } else {
+        loop {
+            s.ws();
+            let (a, b, esc) = s.string()?;
+            s.eat(b':')?;
+            s.ws();
+            let is_data = json::key_is(&frame[a..b], esc, "data");
+            let span = if is_data && inner && s.peek() == Some(b'{') {
+                let start = s.i;
+                let mut g = Fields::default();
+                json_members(&mut s, |tok, esc, span| {
+                    let which = if esc {
+                        json_key(tok, esc).and_then(|k| field_of(&k, info_key))
+                    } else {
+                        std::str::from_utf8(&tok[1..tok.len() - 1])
+                            .ok()
+                            .and_then(|k| field_of(k, info_key))
+                    };
+                    if let Some(which) = which {
+                        set(&mut g, which, span);
                     }
                 })?;
                 f = g;
+                (start, s.i)
+            } else {
+                s.value(1)?
+            };
+            if is_data {
+                if span.0 == span.1 || frame[span.0] != b'{' {
+                    let data = f.data;
+                    f = Fields { data, ..Fields::default() }; // a later non-object `data`
+                }
+                f.data = Some(span);
+            }
+            s.ws();
+            match s.peek() {
+                Some(b',') => s.i += 1,
+                Some(b'}') => {
+                    s.i += 1;
+                    break;
+                }
+                _ => return Err(Bad),
             }
         }
     }
+    s.end()?;
     Ok(f)
 }
 

@@ -10,6 +10,19 @@ pub struct Bad;
 
 pub type R<T> = Result<T, Bad>;
 
+/// The bytes that end a string's plain run: a quote, a backslash, a control character.
+static STOP: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut c = 0;
+    while c < 0x20 {
+        t[c] = true;
+        c += 1;
+    }
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t
+};
+
 /// A cursor over one JSON text (already checked to be UTF-8).
 pub struct Scan<'a> {
     pub b: &'a [u8],
@@ -136,7 +149,24 @@ impl<'a> Scan<'a> {
         self.i += 1;
         let mut escaped = false;
         loop {
-            let c = *self.b.get(self.i).ok_or(Bad)?;
+            // the plain run up to the next quote, backslash or control character
+            let rest = self.b.get(self.i..).ok_or(Bad)?;
+            let mut run = 0;
+            let mut high = 0u8;
+            while run < rest.len() && !STOP[rest[run] as usize] {
+                high |= rest[run];
+                run += 1;
+            }
+            if run == rest.len() {
+                return Err(Bad);
+            }
+            let text = &rest[..run];
+            if high >= 0x80 {
+                // a run ends at an ASCII byte: whole characters, validated here (not the frame)
+                std::str::from_utf8(text).map_err(|_| Bad)?;
+            }
+            self.i += run;
+            let c = rest[run];
             match c {
                 b'"' => {
                     self.i += 1;

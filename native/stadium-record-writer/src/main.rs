@@ -476,7 +476,8 @@ fn main() {
     }
     // one message never exceeds what the worker buffers
     let max_message = queue_bytes.saturating_add(HEAD);
-    let mut buf: Vec<u8> = Vec::with_capacity(READ_BYTES * 2);
+    let mut buf: Vec<u8> = vec![0; READ_BYTES * 2];
+    let mut filled = 0usize;
     let mut pos = 0usize;
     let mut done = false;
     let mut malformed: Option<String> = None;
@@ -485,24 +486,26 @@ fn main() {
         let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
         let ready = unsafe { libc::poll(&mut pfd, 1, if closing { 100 } else { WAKE_MS }) };
         if ready > 0 {
-            if pos > 0 && pos * 2 >= buf.len() {
-                buf.drain(..pos);
+            // `buf[pos..filled]`: bytes read, not yet parsed; zeroed once, when it grows
+            if pos > 0 && (pos * 2 >= filled || filled + READ_BYTES > buf.len()) {
+                buf.copy_within(pos..filled, 0);
+                filled -= pos;
                 pos = 0;
             }
-            let len = buf.len();
-            buf.resize(len + READ_BYTES, 0);
-            let n = unsafe { libc::read(fd, buf[len..].as_mut_ptr() as *mut libc::c_void, READ_BYTES) };
+            if filled + READ_BYTES > buf.len() {
+                buf.resize(filled + READ_BYTES, 0);
+            }
+            let n = unsafe { libc::read(fd, buf[filled..].as_mut_ptr() as *mut libc::c_void, READ_BYTES) };
             if n > 0 {
-                buf.truncate(len + n as usize);
+                filled += n as usize;
             } else {
-                buf.truncate(len);
                 let err = std::io::Error::last_os_error();
                 if n == 0 || !matches!(err.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) {
                     done = true; // EOF: the worker closed the pipe
                 }
             }
             // the complete messages
-            while buf.len() - pos >= HEAD {
+            while filled - pos >= HEAD {
                 let h = &buf[pos..pos + HEAD];
                 let kind = h[0];
                 let rid = u32::from_le_bytes([h[1], h[2], h[3], h[4]]);
@@ -515,7 +518,7 @@ fn main() {
                     break;
                 }
                 let stop = pos + HEAD + a + b;
-                if stop > buf.len() {
+                if stop > filled {
                     break;
                 }
                 let (x, y) = (pos + HEAD, pos + HEAD + a);
