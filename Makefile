@@ -73,7 +73,7 @@ sandbox-deps:
 	@bash scripts/build-native-init.sh $(if $(filter test,$(MAKECMDGOALS)),--test)
 
 # The native --record writer (native/stadium-record-writer: reads a worker's recording pipe and
-# writes its Parquet shards; arrow-rs from crates.io, ~1.5 min the first build), built with cargo
+# writes its Parquet shards; arrow-rs from crates.io, 1.5–3 min the first build on 2 cores), built with cargo
 # when there is one (without it the Python writer writes the shards and says so once).
 record-deps:
 	@bash scripts/build-native-writer.sh $(if $(filter test,$(MAKECMDGOALS)),--test)

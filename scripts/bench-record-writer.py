@@ -9,7 +9,7 @@ and this one) runs in its own interpreter, alternated ``REPS`` times; medians an
 The loop's side: ``Recorder.step`` alone, best of 7 × 100,000 calls. (``_flush`` every 400
 steps: a no-op without a pipe here; a tree whose stream is cut at flushes cuts it there, as a
 loop flushing every 10 ms at 40,000 steps/s.)
-``--writer native`` (or ``both``) measures the native writer (``ledger/launch.py``'s binary in
+``--writer native`` (or ``both``) measures the native writer (``ledger/writers.py``'s binary in
 that tree) instead: the same stream written to its pipe, its CPU (``wait4``'s rusage) minus
 that of a run over an empty stream (its start-up).
 Usage (BENCHMARKS.md, "Episode ledger cost"):
@@ -68,7 +68,7 @@ class Pipe:
 
 def native(data):
     import json, mmap, subprocess, threading
-    from stadium._server.ledger import launch
+    from stadium._server.ledger import writers
     read_fd, write_fd = os.pipe()
     memfd = os.memfd_create("counts")
     os.ftruncate(memfd, 32)
@@ -77,7 +77,7 @@ def native(data):
                 "flush_s": 1.0, "shard_bytes": 64 << 20, "queue_bytes": 64 << 20,
                 "episode_bytes": 16 << 20}, "env": "benchmark", "version": "1",
                 "info_key": "metadata", "worker": os.getpid(), "stem": "episodes-b"}
-    proc = subprocess.Popen([str(launch.NATIVE), str(read_fd), str(memfd), json.dumps(settings)],
+    proc = subprocess.Popen([str(writers.NATIVE), str(read_fd), str(memfd), json.dumps(settings)],
                             pass_fds=(read_fd, memfd))
     os.close(read_fd)
     os.close(memfd)

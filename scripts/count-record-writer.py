@@ -10,7 +10,7 @@
         python scripts/count-record-writer.py loop N        # and N = 0
 
 The native writer over the same stream (fd 0 the stream, fd 3 a 32-byte counts file; SETTINGS
-its JSON settings, as ``ledger/launch.py`` passes them, with ``"worker": 1``), and over an empty
+its JSON settings, as ``ledger/writers.py`` passes them, with ``"worker": 1``), and over an empty
 one:
 
     valgrind --tool=callgrind --callgrind-out-file=native.out \

@@ -1,4 +1,4 @@
-"""The two ``--record`` writers (native and Python, ``ledger/launch.py``) on the same stream:
+"""The two ``--record`` writers (native and Python, ``ledger/writers.py``) on the same stream:
 equal tables, the filter, the shard rotation, a malformed stream."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stadium._env.cost import EpisodeCost
-from stadium._server.ledger import launch, pipe
+from stadium._server.ledger import pipe, writers
 from stadium._server.ledger import record as record_module
 from stadium._server.ledger.episode import EndReason
 from tests.conftest import UNIT
@@ -25,8 +25,8 @@ WRITERS = ["native", "python"]
 
 
 def _native_built() -> None:
-    assert os.access(launch.NATIVE, os.X_OK), (
-        f"{launch.NATIVE} is missing: `make record-deps` builds it"
+    assert os.access(writers.NATIVE, os.X_OK), (
+        f"{writers.NATIVE} is missing: `make record-deps` builds it"
     )
 
 
@@ -94,7 +94,7 @@ def _episodes() -> list[tuple[str, bool, bytes, list[tuple[bytes, bytes | str]],
 def _record(
     directory: Path, writer: str, monkeypatch: pytest.MonkeyPatch, only: str = "", **config: Any
 ) -> tuple[pa.Table, list[float], Any]:
-    monkeypatch.setenv(launch.CHOICE_ENV, writer)
+    monkeypatch.setenv(writers.CHOICE_ENV, writer)
     counts = [0.0] * 4
     rec = record_module.Recorder(
         record_module.RecordConfig(directory=str(directory), **config),
@@ -141,7 +141,7 @@ def test_both_writers_write_equal_tables(
     _native_built()
     native, n_counts, n_args = _record(tmp_path / "n", "native", monkeypatch, only, filter=filter_)
     python, p_counts, p_args = _record(tmp_path / "p", "python", monkeypatch, only, filter=filter_)
-    assert n_args[0] == str(launch.NATIVE)
+    assert n_args[0] == str(writers.NATIVE)
     assert "stadium._server.ledger.writer" in p_args
     assert native.schema.equals(python.schema), (native.schema, python.schema)
     mine = native.drop_columns(["worker", "started_at"]).to_pylist()
@@ -182,8 +182,8 @@ def _malformed(tmp_path: Path, stream: bytes) -> tuple[int, str]:
     read_fd, write_fd = os.pipe()
     memfd = os.memfd_create("counts")
     os.ftruncate(memfd, 32)
-    command = launch.writer_command(read_fd, memfd, settings)
-    assert command[0] == str(launch.NATIVE)
+    command = writers.writer_command(read_fd, memfd, settings)
+    assert command[0] == str(writers.NATIVE)
     proc = subprocess.Popen(
         command, pass_fds=(read_fd, memfd), stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
     )
@@ -206,7 +206,7 @@ def test_the_native_writer_ends_clearly_on_a_malformed_stream(
     """A stream that cannot be the worker's: a length past every bound, an unknown kind.
     The writer writes what it holds, says why, exits 2 (no hang, no crash)."""
     _native_built()
-    monkeypatch.setenv(launch.CHOICE_ENV, "native")
+    monkeypatch.setenv(writers.CHOICE_ENV, "native")
     reply = _json_reply({"observation": 1, "reward": 1.0})
     meta = msgspec.msgpack.encode(("e1", 1, None))
     cost = msgspec.msgpack.encode(EpisodeCost(wall_s=1.0, cpu_s=0.0, steps=1))
@@ -233,17 +233,17 @@ def test_the_native_writer_ends_clearly_on_a_malformed_stream(
 def test_without_the_native_binary_the_python_writer_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(launch, "NATIVE", tmp_path / "missing")
-    monkeypatch.setattr(launch, "_said", False)
-    monkeypatch.delenv(launch.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(writers, "NATIVE", tmp_path / "missing")
+    monkeypatch.setattr(writers, "_said", False)
+    monkeypatch.delenv(writers.CHOICE_ENV, raising=False)
     settings: dict[str, Any] = {"config": {"redact": ""}}
     with caplog.at_level("WARNING", logger="stadium.record"):
-        first = launch.writer_command(3, 4, settings)
-        second = launch.writer_command(3, 4, settings)
+        first = writers.writer_command(3, 4, settings)
+        second = writers.writer_command(3, 4, settings)
     assert first[1:3] == ["-m", "stadium._server.ledger.writer"] == second[1:3]
     said = [r for r in caplog.records if "native writer" in r.getMessage()]
     assert len(said) == 1, "said once"
-    monkeypatch.setattr(launch, "NATIVE", Path("/bin/true"))
-    assert launch.writer_command(3, 4, settings)[0] == "/bin/true"
+    monkeypatch.setattr(writers, "NATIVE", Path("/bin/true"))
+    assert writers.writer_command(3, 4, settings)[0] == "/bin/true"
     redact: dict[str, Any] = {"config": {"redact": "mod:fn"}}
-    assert launch.writer_command(3, 4, redact)[1:3] == ["-m", "stadium._server.ledger.writer"]
+    assert writers.writer_command(3, 4, redact)[1:3] == ["-m", "stadium._server.ledger.writer"]

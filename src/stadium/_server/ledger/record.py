@@ -13,7 +13,7 @@ the worker's. The buffer holds at most :attr:`RecordConfig.queue_bytes`: a step 
 not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), never waits.
 
 **The writer process** (native, ``native/stadium-record-writer``, or
-``python -m stadium._server.ledger.writer``: :mod:`.launch` chooses) is started when the
+``python -m stadium._server.ledger.writer``: :mod:`.writers` chooses) is started when the
 worker starts (:meth:`Recorder.start`; else at the first recorded episode), and dies
 with the worker (``PR_SET_PDEATHSIG``): on the worker's end, a SIGKILL included, it reads
 what is left in the pipe, writes its last shard and exits. It runs the
@@ -70,8 +70,8 @@ from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
 from stadium._server.ledger import pipe
 from stadium._server.ledger.episode import EndReason
-from stadium._server.ledger.launch import writer_command
 from stadium._server.ledger.rows import Summary, write_shard
+from stadium._server.ledger.writers import writer_command
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
