@@ -21,8 +21,6 @@ from stadium._server.ledger import record as record_module
 from stadium._server.ledger.episode import EndReason
 from tests.conftest import UNIT
 
-WRITERS = ["native", "python"]
-
 
 def _native_built() -> None:
     assert os.access(writers.NATIVE, os.X_OK), (
