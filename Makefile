@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTHON ?= $(shell for p in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 python3; do \
 	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { command -v $$p; break; }; done)
 
-.PHONY: install demo test lint typecheck check bench-goals trainers clean cluster-deps browser-deps k8s-deps container-deps sandbox-deps vm-deps
+.PHONY: install demo test lint typecheck check bench-goals trainers clean cluster-deps browser-deps k8s-deps container-deps sandbox-deps vm-deps record-deps
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PYTHON)" || { echo "error: no Python >= 3.11 found; install one and re-run" >&2; exit 1; }
@@ -72,12 +72,18 @@ sandbox-deps:
 		libseccomp.so.2:libseccomp2
 	@bash scripts/build-native-init.sh $(if $(filter test,$(MAKECMDGOALS)),--test)
 
+# The native --record writer (native/stadium-record-writer: reads a worker's recording pipe and
+# writes its Parquet shards; arrow-rs from crates.io, 1.5–3 min the first build on 2 cores), built with cargo
+# when there is one (without it the Python writer writes the shards and says so once).
+record-deps:
+	@bash scripts/build-native-writer.sh $(if $(filter test,$(MAKECMDGOALS)),--test)
+
 # QEMU, lz4 and a guest kernel for --isolation vm (tests/isolation/test_vm.py): Debian's
 # qemu-system-x86, lz4 and linux-image-cloud-amd64, installed when root and missing.
 vm-deps:
 	@bash scripts/install-vm-deps.sh
 
-test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps sandbox-deps vm-deps
+test: install lint typecheck cluster-deps browser-deps k8s-deps container-deps sandbox-deps vm-deps record-deps
 	$(PY) -m pytest -q -ra
 
 # The trainers that pull torch (TRL), on CPU, against `stadium serve` (docs/TRAINERS.md):

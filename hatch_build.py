@@ -8,6 +8,10 @@ cargo, a binary ``make sandbox-deps`` built in the checkout is used; without eit
 wheel stays pure Python and says so (the sandbox then runs the same loop in a forked
 interpreter, ~0.8 MiB more per session).
 ``STADIUM_NATIVE_INIT=require`` makes a missing init an error; ``=skip`` leaves it out.
+
+The native ``--record`` writer (``native/stadium-record-writer``, arrow-rs' parquet from
+crates.io) goes the same way into ``stadium/_server/ledger/stadium-record-writer``; without it
+recording workers use the Python writer (and say so once). ``STADIUM_NATIVE_INIT`` governs it too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 WHERE = "stadium/_server/isolation/stadium-init"
+WRITER = "stadium/_server/ledger/stadium-record-writer"
 
 
 class NativeInitHook(BuildHookInterface):
@@ -44,20 +49,34 @@ class NativeInitHook(BuildHookInterface):
             )
             return
         build_data["force_include"][str(built)] = WHERE
+        try:  # (its crates come from crates.io: a build without them goes on without it)
+            writer = _build(Path(self.root), "stadium-record-writer", WRITER, offline=False)
+        except subprocess.CalledProcessError:
+            writer = None
+        if writer is not None:
+            build_data["force_include"][str(writer)] = WRITER
+        else:
+            self.app.display_warning(
+                "stadium-record-writer: no cargo and no built native writer: --record uses "
+                "the Python writer"
+            )
         # Any Python 3 on this platform: the binary uses no Python ABI.
         build_data["pure_python"] = False
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
         build_data["tag"] = f"py3-none-{platform}"
 
 
-def _build(root: Path) -> Path | None:
-    manifest = root / "native" / "stadium-init" / "Cargo.toml"
+def _build(
+    root: Path, name: str = "stadium-init", where: str = WHERE, offline: bool = True
+) -> Path | None:
+    manifest = root / "native" / name / "Cargo.toml"
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
     if manifest.is_file() and os.access(cargo, os.X_OK):
         subprocess.run(
-            [cargo, "build", "--quiet", "--release", "--offline", "--manifest-path", str(manifest)],
+            [cargo, "build", "--quiet", "--release", *(["--offline"] if offline else []),
+             "--manifest-path", str(manifest)],
             check=True,
-        )
-        return manifest.parent / "target" / "release" / "stadium-init"
-    checkout = root / "src" / WHERE  # built by make sandbox-deps
+        )  # fmt: skip
+        return manifest.parent / "target" / "release" / name
+    checkout = root / "src" / where  # built by make sandbox-deps / record-deps
     return checkout if checkout.is_file() else None

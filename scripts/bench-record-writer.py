@@ -9,9 +9,12 @@ and this one) runs in its own interpreter, alternated ``REPS`` times; medians an
 The loop's side: ``Recorder.step`` alone, best of 7 × 100,000 calls. (``_flush`` every 400
 steps: a no-op without a pipe here; a tree whose stream is cut at flushes cuts it there, as a
 loop flushing every 10 ms at 40,000 steps/s.)
+``--writer native`` (or ``both``) measures the native writer (``ledger/writers.py``'s binary in
+that tree) instead: the same stream written to its pipe, its CPU (``wait4``'s rusage) minus
+that of a run over an empty stream (its start-up).
 Usage (BENCHMARKS.md, "Episode ledger cost"):
 ``flock /tmp/bench.lock .venv/bin/python scripts/bench-record-writer.py SRC... [--sessions 64]``
-``[--episode 300] [--rounds 4] [--reps 5]``
+``[--episode 300] [--rounds 4] [--reps 5] [--writer python|native|both]``
 """
 
 import argparse
@@ -29,6 +32,7 @@ from stadium._server.ledger.writer import Writer
 import pyarrow.parquet  # the writer imports it at its start
 
 sessions, episode, rounds = map(int, sys.argv[1:4])
+kind = sys.argv[4]
 req = b'{"type":"step","data":{"wait_seconds":0}}'
 def reply(i):
     return (b'{"type":"observation","data":{"observation":{"wait_seconds":0.0,"pid":1234,'
@@ -61,11 +65,42 @@ class Pipe:
     def take(self, timeout):
         return (chunks.pop(0) if chunks else b""), not chunks
 
-writer = Writer(config, ("benchmark", "1"), "metadata", os.getpid(), "episodes-b", counts)
-t = time.process_time()
-writer.run(Pipe())
-used = time.process_time() - t
-assert counts[record.RECORDED] == sessions * rounds, counts
+
+def native(data):
+    import json, mmap, subprocess, threading
+    from stadium._server.ledger import writers
+    read_fd, write_fd = os.pipe()
+    memfd = os.memfd_create("counts")
+    os.ftruncate(memfd, 32)
+    shared = memoryview(mmap.mmap(memfd, 32)).cast("d")
+    settings = {"config": {"directory": work, "sample": 1.0, "filter": "", "redact": "",
+                "flush_s": 1.0, "shard_bytes": 64 << 20, "queue_bytes": 64 << 20,
+                "episode_bytes": 16 << 20}, "env": "benchmark", "version": "1",
+                "info_key": "metadata", "worker": os.getpid(), "stem": "episodes-b"}
+    proc = subprocess.Popen([str(writers.NATIVE), str(read_fd), str(memfd), json.dumps(settings)],
+                            pass_fds=(read_fd, memfd))
+    os.close(read_fd)
+    os.close(memfd)
+    view = memoryview(data)
+    while view:
+        n = os.write(write_fd, view[:1 << 20])
+        view = view[n:]
+    os.close(write_fd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert status == 0, status
+    return usage.ru_utime + usage.ru_stime, shared[0]
+
+if kind == "native":
+    base, _ = native(b"")
+    full, recorded = native(bytes(stream))
+    used = full - base
+    assert recorded == sessions * rounds, recorded
+else:
+    writer = Writer(config, ("benchmark", "1"), "metadata", os.getpid(), "episodes-b", counts)
+    t = time.process_time()
+    writer.run(Pipe())
+    used = time.process_time() - t
+    assert counts[record.RECORDED] == sessions * rounds, counts
 shutil.rmtree(work)
 rec2 = record.Recorder(config, ("benchmark", "1"), "metadata", [0.0] * 4)
 rec2.state = record.RecorderState.RECORDING
@@ -91,18 +126,21 @@ def main() -> None:
     ap.add_argument("--episode", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--writer", choices=["python", "native", "both"], default="python")
     args = ap.parse_args()
-    got: dict[str, list[tuple[float, float]]] = {s: [] for s in args.src}
+    kinds = ["python", "native"] if args.writer == "both" else [args.writer]
+    arms = [(src, kind) for src in args.src for kind in kinds]
+    got: dict[str, list[tuple[float, float]]] = {f"{s} ({k})": [] for s, k in arms}
     for _ in range(args.reps):
-        for src in args.src:
+        for src, kind in arms:
             out = subprocess.run(
                 [sys.executable, "-c", CHILD, str(args.sessions), str(args.episode),
-                 str(args.rounds)],
+                 str(args.rounds), kind],
                 capture_output=True, text=True, check=True, timeout=600,
                 env={**os.environ, "PYTHONPATH": src},
             )  # fmt: skip
             writer, loop = map(float, out.stdout.split()[-2:])
-            got[src].append((writer, loop))
+            got[f"{src} ({kind})"].append((writer, loop))
     for src, runs in got.items():
         w = [r[0] for r in runs]
         lp = [r[1] for r in runs]

@@ -9,6 +9,15 @@
     PYTHONPATH=src valgrind --tool=callgrind --callgrind-out-file=loopN.out \\
         python scripts/count-record-writer.py loop N        # and N = 0
 
+The native writer over the same stream (fd 0 the stream, fd 3 a 32-byte counts file; SETTINGS
+its JSON settings, as ``ledger/writers.py`` passes them, with ``"worker": 1``), and over an empty
+one:
+
+    valgrind --tool=callgrind --callgrind-out-file=native.out \
+        src/stadium/_server/ledger/stadium-record-writer 0 3 "$SETTINGS" <STREAM 3<>counts
+    valgrind --tool=callgrind --callgrind-out-file=native-empty.out \
+        src/stadium/_server/ledger/stadium-record-writer 0 3 "$SETTINGS" </dev/null 3<>counts
+
 ``make`` writes the stream the tree's own ``Recorder`` makes (its wire format) for
 SESSIONS interleaved episodes of EPISODE steps of the benchmark env's frames, ROUNDS times
 (default 64 300 2: 38,400 steps) and prints the steps; ``run`` feeds it to the tree's

@@ -215,7 +215,11 @@ async def _recorded(directory: Path, n: int) -> list[dict[str, Any]]:
     return _rows(directory)
 
 
-async def test_every_episode_is_recorded_and_replays(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["native", "python"])
+async def test_every_episode_is_recorded_and_replays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    monkeypatch.setenv("STADIUM_RECORD_WRITER", writer)
     async with serve(Walker, record=str(tmp_path)) as server:
         url = server.url
         await _episode(url, 1, [0.5, 1.0, 0.25])  # done
@@ -515,9 +519,11 @@ def _full_disk(path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+@pytest.mark.parametrize("writer", ["native", "python"])
 async def test_a_full_disk_pauses_recording_never_a_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
 ) -> None:
+    monkeypatch.setenv("STADIUM_RECORD_WRITER", writer)
     target = tmp_path / "full"
     with _full_disk(target, monkeypatch):
         async with serve(Walker, record=str(target)) as server:
@@ -548,7 +554,11 @@ async def test_a_full_disk_pauses_recording_never_a_step(
 
 
 @pytest.mark.slow
-async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Path) -> None:
+@pytest.mark.parametrize("writer", ["native", "python"])
+async def test_a_worker_killed_mid_recording_leaves_readable_shards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str
+) -> None:
+    monkeypatch.setenv("STADIUM_RECORD_WRITER", writer)
     from tests.conftest import proc_alive, proc_children
     from tests.test_supervisor import _serve
 
@@ -575,7 +585,8 @@ async def test_a_worker_killed_mid_recording_leaves_readable_shards(tmp_path: Pa
         try:
             await wait_until(lambda: any(shards_of(p) for p in workers), 30 * UNIT, "shards")
             victim = max(workers, key=lambda p: len(shards_of(p)))
-            writers = [p for p in proc_children(victim) if b"ledger.writer" in _cmdline(p)]
+            mark = b"record-writer" if writer == "native" else b"ledger.writer"
+            writers = [p for p in proc_children(victim) if mark in _cmdline(p)]
             assert len(writers) == 1, "the recording worker has its writer process"
             os.kill(victim, signal.SIGKILL)
             killed_at = time.time()

@@ -12,7 +12,8 @@ frames, builds the columns and writes the shards: none of that work, nor its gar
 the worker's. The buffer holds at most :attr:`RecordConfig.queue_bytes`: a step that does
 not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), never waits.
 
-**The writer process** (``python -m stadium._server.ledger.writer``) is started when the
+**The writer process** (native, ``native/stadium-record-writer``, or
+``python -m stadium._server.ledger.writer``: :mod:`.writers` chooses) is started when the
 worker starts (:meth:`Recorder.start`; else at the first recorded episode), and dies
 with the worker (``PR_SET_PDEATHSIG``): on the worker's end, a SIGKILL included, it reads
 what is left in the pipe, writes its last shard and exits. It runs the
@@ -49,7 +50,6 @@ import enum
 import fcntl
 import glob
 import importlib
-import json as json_module
 import logging
 import mmap
 import operator
@@ -71,6 +71,7 @@ from stadium._errors import ConfigError
 from stadium._server.ledger import pipe
 from stadium._server.ledger.episode import EndReason
 from stadium._server.ledger.rows import Summary, write_shard
+from stadium._server.ledger.writers import writer_command
 from stadium._util.throttle import Throttle
 
 log = logging.getLogger("stadium.record")
@@ -468,8 +469,7 @@ class Recorder:
             paths = [p or os.getcwd() for p in sys.path]
             environ = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "stadium._server.ledger.writer", str(read_fd),
-                 str(memfd), json_module.dumps(settings)],
+                writer_command(read_fd, memfd, settings),
                 pass_fds=(read_fd, memfd), stdin=subprocess.DEVNULL, env=environ,
             )  # fmt: skip
         except OSError as exc:

@@ -1,4 +1,4 @@
-"""The ``--record`` writer process: one per recording worker, started by the worker's
+"""The Python ``--record`` writer process: one per recording worker, started by the worker's
 :class:`~stadium._server.ledger.record.Recorder` when the worker starts (or at its first
 recorded episode)
 (``python -m stadium._server.ledger.writer``), fed through a pipe (:mod:`.pipe`).
@@ -23,6 +23,10 @@ rather than its loop's. ``SIGINT`` is ignored (a
 terminal's Ctrl-C reaches the worker, which closes it). Its counts (episodes recorded,
 dropped, write failures, 1 while recording) go to a small shared memory (a ``memfd``
 the worker maps too and copies into its metrics row).
+
+**Its native twin.** ``native/stadium-record-writer`` (Rust) does the same work from the same
+stream and writes the same shards; it is the default, this module serves ``--record-redact``
+(the hook is Python), ``STADIUM_RECORD_WRITER=python`` and a missing binary (:mod:`.writers`).
 """
 
 from __future__ import annotations
