@@ -26,7 +26,8 @@ each child doing a step's least Python work (the request and the action decoded 
 a coroutine's step building the observation, the reply encoded), or ``floor-ws``: the
 least any relaying design costs, a bare picows relay in front of one child per session
 running the real ``benchmark`` env (:data:`FLOOR_WS`; driven and counted as the Stadium
-arms are, through WebSocket). Each row also gives the
+arms are, through WebSocket), or ``floor-own``: the same children each holding their
+session's WebSocket themselves, no relay. Each row also gives the
 wake-ups per step (times scheduled in, schedstat) of the worker and of the env side.
 
 Run (as root for ``sandbox``; take the machine's bench lock)::
@@ -82,10 +83,10 @@ class Server:
             "--max-sessions", str(args.sessions + 16), "--idle-timeout", "0",
             "--log-level", "warning", *extra,
         ]  # fmt: skip
-        if level == "floor-ws":
+        if level in ("floor-ws", "floor-own"):
             argv = [
                 "taskset", "-c", str(args.server_cpu), sys.executable, "-c", FLOOR_WS,
-                str(port), str(args.sessions),
+                str(port), str(args.sessions), level,
             ]  # fmt: skip
         env = dict(os.environ)
         for pair in args.env:
@@ -93,7 +94,7 @@ class Server:
             env[key] = value
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + START_S
-        ready = listening if level == "floor-ws" else healthy
+        ready = listening if level.startswith("floor") else healthy
         while not ready(self.url, 1.0):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
@@ -282,11 +283,15 @@ print(json.dumps({"worker_us": (me1[0] - me0[0]) / n / 1e3, "env_us": (kid1[0] -
 #: ``benchmark`` env: the request decoded (msgspec JSON), ``reset`` or ``step`` awaited as a
 #: coroutine, the reply encoded as Stadium's. What Stadium adds over it, on either side, is
 #: its own work; this arm is the least that relaying to another process costs here.
+#: ``--arm floor-own`` is the other design: no relay, each session's process holding its own
+#: WebSocket (64 picows servers on one port, ``SO_REUSEPORT``; the kernel spreads the
+#: connections among them) and answering as above: the least a process per session costs
+#: when the worker is not on the step's path at all.
 FLOOR_WS = r"""
-import os, socket, sys
+import os, signal, socket, sys
 import msgspec, picows, uvloop
 from stadium.envs.benchmark import BenchmarkAction, BenchmarkEnv
-port, sessions = int(sys.argv[1]), int(sys.argv[2])
+port, sessions, own = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "floor-own"
 class Request(msgspec.Struct):
     type: str
     data: msgspec.Raw = msgspec.Raw(b"{}")
@@ -298,6 +303,40 @@ def run(coro):
     except StopIteration as done:
         return done.value
     raise RuntimeError("the benchmark env suspended")
+def answer(env, data):
+    req = decode(data)
+    if req.type == "step":
+        r = run(env.step(action(req.data)))
+        return encode({"type": "observation", "data": {"observation": r.observation,
+                       "reward": r.reward, "done": r.done, "truncated": r.truncated}})
+    obs = run(env.reset())
+    return encode({"type": "observation", "data": {"observation": obs, "reward": None,
+                   "done": False}})
+class Own(picows.WSListener):  # floor-own: this process's session(s), no relay
+    def on_ws_connected(self, transport):
+        self.env = BenchmarkEnv()
+    def on_ws_frame(self, transport, frame):
+        if frame.msg_type == picows.WSMsgType.TEXT:
+            transport.send(picows.WSMsgType.TEXT, answer(self.env, frame.get_payload_as_bytes()))
+        elif frame.msg_type == picows.WSMsgType.CLOSE:
+            transport.disconnect()
+if own:  # one process per session, each listening on the port itself (SO_REUSEPORT)
+    kids = []
+    for _ in range(sessions):
+        pid = os.fork()
+        if pid == 0:
+            loop = uvloop.new_event_loop()
+            loop.run_until_complete(picows.ws_create_server(lambda request: Own(), "127.0.0.1",
+                                                            port, reuse_port=True))
+            loop.run_forever()
+        kids.append(pid)
+    def stop(*_):
+        for kid in kids:
+            os.kill(kid, signal.SIGKILL)
+        os._exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    while True:
+        signal.pause()
 free = []
 for _ in range(sessions):
     mine, theirs = socket.socketpair()
@@ -305,15 +344,7 @@ for _ in range(sessions):
         mine.close()
         env, recv, send = BenchmarkEnv(), theirs.recv, theirs.send
         while data := recv(65536):
-            req = decode(data)
-            if req.type == "step":
-                r = run(env.step(action(req.data)))
-                send(encode({"type": "observation", "data": {"observation": r.observation,
-                     "reward": r.reward, "done": r.done, "truncated": r.truncated}}))
-            else:
-                obs = run(env.reset())
-                send(encode({"type": "observation", "data": {"observation": obs,
-                     "reward": None, "done": False}}))
+            send(answer(env, data))
         os._exit(0)
     theirs.close()
     mine.setblocking(False)
