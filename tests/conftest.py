@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -84,6 +85,34 @@ TRANSPORTS = ["picows", "asgi"]
 
 #: Markers of tiers that are process-level by nature; their tests are ``slow`` too.
 SLOW_TIERS = frozenset({"cluster", "container", "stress"})
+
+
+class _LoopErrors(logging.Handler):
+    """What an event loop's exception handler reported (an exception in a callback, a task's
+    exception never retrieved): asyncio's and uvloop's default handler log it on ``asyncio``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def _loop_errors_fail_the_test() -> Iterator[None]:
+    """An exception that reached an event loop's exception handler during a test fails it
+    (as an exception in a thread does: pytest's warning, an error here)."""
+    handler = _LoopErrors()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.records:
+        said = "\n".join(handler.format(r) + (f"\n{r.exc_text or ''}") for r in handler.records)
+        pytest.fail(f"the event loop's exception handler was called:\n{said}", pytrace=False)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

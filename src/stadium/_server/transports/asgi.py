@@ -85,16 +85,21 @@ class _AsgiChannel:
             self._queue.put_nowait((_CLOSE, code, reason))
 
     async def writer(self, send: Send) -> None:
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, tuple):
-                await send({"type": "websocket.close", "code": item[1], "reason": item[2]})
-                return
-            if self._binary:
-                await send({"type": "websocket.send", "bytes": item})
-            else:
-                await send({"type": "websocket.send", "text": item.decode()})
-            self._unsent -= len(item)
+        """Sends the queued frames until the close; ends quietly when the client has gone
+        (ASGI's ``send`` then raises an ``OSError``: uvicorn's ``ClientDisconnected``)."""
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, tuple):
+                    await send({"type": "websocket.close", "code": item[1], "reason": item[2]})
+                    return
+                if self._binary:
+                    await send({"type": "websocket.send", "bytes": item})
+                else:
+                    await send({"type": "websocket.send", "text": item.decode()})
+                self._unsent -= len(item)
+        except OSError:  # the connection is gone: nothing is left to send it
+            self.closed = True
 
 
 class AsgiApp:
