@@ -494,8 +494,12 @@ class StepCall(Started):
         return self.stage is _DONE
 
     def set_result(self, reply: Any, /) -> None:
-        if self.stage is _SENDING:
-            self.early = (reply, None)
+        stage = self.stage
+        if stage is not _WAITING:
+            if stage is _SENDING:
+                self.early = (reply, None)
+            # DYING: its request was never sent (the send failed: the process's waiter was
+            # set first); a frame read now is no reply to it: its death is reported.
             return
         self.stage = _DONE  # _settle, inlined: every step's path
         env = self.env
