@@ -140,3 +140,40 @@ async def test_every_step_leaves_the_clock(n: int) -> None:
                     break
             assert outcomes[0][0].observation == {"text": str(i)}
         assert env.clock.calls == {}
+
+
+async def test_a_callback_that_raises_stops_no_other_sessions_time_limit() -> None:
+    """Two steps past the per-call limit (the invoker's the same: ``CallTimeoutError``):
+    the first one's session callback raises (into the loop's exception handler); the
+    second is still stopped."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    invoker = types.SimpleNamespace(timeouts=0)
+
+    def boom(_token: Any, _result: Any, _error: BaseException | None) -> None:
+        raise RuntimeError("a session's callback broke")
+
+    try:
+        with _env() as (first, _p1, _t1), _env() as (second, _p2, _t2):
+            clock = second.clock = first.clock  # one worker's clock
+            one = first.step({"do": "echo"})
+            two = second.step({"do": "echo"})
+            outcomes: list[BaseException | None] = []
+            one.start(invoker, boom, None, clock.limit)  # type: ignore[arg-type]
+            two.start(invoker, lambda _t, _r, e: outcomes.append(e), None, clock.limit)  # type: ignore[arg-type]
+            assert clock.timer is not None
+            clock.timer.cancel()
+            clock.calls[one] = clock.calls[two] = loop.time() - 1  # both past their limit
+            clock.arm(loop)
+            for _ in range(20):
+                await asyncio.sleep(0)
+                if outcomes:
+                    break
+            assert [type(e).__name__ for e in outcomes] == ["CallTimeoutError"]
+            assert clock.calls == {}
+            assert invoker.timeouts == 2
+    finally:
+        loop.set_exception_handler(before)
+    assert [str(c.get("exception")) for c in seen] == ["a session's callback broke"]

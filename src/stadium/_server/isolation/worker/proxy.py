@@ -674,14 +674,16 @@ class Clock:
         loop, calls = self.loop, self.calls
         assert loop is not None
         now = loop.time() + CLOCK_SLACK_S
-        for _ in range(len(calls)):  # each pass ends one call (calls started meanwhile wait)
-            call, deadline = next(iter(calls.items()))
-            if deadline > now:
-                break
-            del calls[call]
-            call.expire()
-        if calls and self.timer is None:
-            self.arm(loop)
+        try:
+            for _ in range(len(calls)):  # each pass ends one call (started meanwhile: wait)
+                call, deadline = next(iter(calls.items()))
+                if deadline > now:
+                    break
+                del calls[call]
+                call.expire()
+        finally:  # one session's callback that raised does not stop the others' limits
+            if calls and self.timer is None:
+                self.arm(loop)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
