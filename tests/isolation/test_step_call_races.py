@@ -177,3 +177,44 @@ async def test_a_callback_that_raises_stops_no_other_sessions_time_limit() -> No
     finally:
         loop.set_exception_handler(before)
     assert [str(c.get("exception")) for c in seen] == ["a session's callback broke"]
+
+
+async def _outcome(outcomes: list[Any]) -> None:
+    for _ in range(200):
+        if outcomes:
+            return
+        await asyncio.sleep(0.005)
+
+
+async def test_a_process_gone_while_its_request_is_sent_in_parts_is_a_death_once() -> None:
+    with _env() as (env, _proc, theirs):
+        call = env.step({"do": "x" * (8 << 20)})  # more than the socket takes at once
+        outcomes = _start(call)
+        assert call.stage is Stage.SENDING
+        theirs.close()  # it died: the reader's end of stream, then the send's EPIPE
+        await _outcome(outcomes)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(outcomes) == 1
+        assert isinstance(outcomes[0][1], EnvCrashedError), outcomes
+        assert env.clock.calls == {}
+        assert call.task is None
+
+
+async def test_a_step_past_its_own_limit_while_its_request_is_sent_is_stopped_once() -> None:
+    with _env() as (env, proc, _theirs):
+        call = env.step({"do": "x" * (8 << 20)})
+        outcomes: list[BaseException | None] = []
+        invoker = types.SimpleNamespace(timeouts=0)
+        assert isinstance(call, StepCall)
+        call.start(invoker, lambda _t, _r, e: outcomes.append(e), None, 0.05)  # type: ignore[arg-type]
+        assert call.stage is Stage.SENDING
+        await _outcome(outcomes)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert [type(e).__name__ for e in outcomes] == ["CallTimeoutError"]
+        assert env.proc is None
+        iso: Any = env.isolation
+        assert proc in iso.killed
+        assert proc in iso.released
+        assert env.clock.calls == {}
