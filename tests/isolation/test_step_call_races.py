@@ -20,6 +20,20 @@ from stadium._server.isolation.worker.proc import EnvProcess, WireStats
 from stadium._server.isolation.worker.proxy import Clock, ProcessEnv, Stage, StepCall
 
 
+@pytest.fixture(autouse=True)
+async def _no_loop_errors() -> Any:
+    """Nothing reaches the loop's exception handler (a callback's error fails no test by
+    itself); a test expecting one sets its own handler meanwhile."""
+    loop = asyncio.get_running_loop()
+    seen: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: seen.append(context))
+    yield
+    for _ in range(5):
+        await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert seen == []
+
+
 class _Isolation:
     """What a :class:`ProcessEnv` and its steps use of the worker's isolation."""
 
