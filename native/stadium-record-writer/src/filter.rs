@@ -91,9 +91,8 @@ fn term(raw: &str) -> Result<Term, String> {
     }
     let ok = number == "inf"
         || (!number.is_empty()
-            && number.bytes().enumerate().all(|(i, c)| {
-                c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+') || (c == b'-')
-                    || (i == 0 && c == b'-')
+            && number.bytes().all(|c| {
+                c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-')
             }));
     if !ok {
         return Err(bad());

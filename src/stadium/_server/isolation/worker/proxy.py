@@ -494,8 +494,12 @@ class StepCall(Started):
         return self.stage is _DONE
 
     def set_result(self, reply: Any, /) -> None:
-        if self.stage is _SENDING:
-            self.early = (reply, None)
+        stage = self.stage
+        if stage is not _WAITING:
+            if stage is _SENDING:
+                self.early = (reply, None)
+            # DYING: its request was never sent (the send failed: the process's waiter was
+            # set first); a frame read now is no reply to it: its death is reported.
             return
         self.stage = _DONE  # _settle, inlined: every step's path
         env = self.env
@@ -670,14 +674,16 @@ class Clock:
         loop, calls = self.loop, self.calls
         assert loop is not None
         now = loop.time() + CLOCK_SLACK_S
-        for _ in range(len(calls)):  # each pass ends one call (calls started meanwhile wait)
-            call, deadline = next(iter(calls.items()))
-            if deadline > now:
-                break
-            del calls[call]
-            call.expire()
-        if calls and self.timer is None:
-            self.arm(loop)
+        try:
+            for _ in range(len(calls)):  # each pass ends one call (started meanwhile: wait)
+                call, deadline = next(iter(calls.items()))
+                if deadline > now:
+                    break
+                del calls[call]
+                call.expire()
+        finally:  # one session's callback that raised does not stop the others' limits
+            if calls and self.timer is None:
+                self.arm(loop)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
