@@ -449,7 +449,7 @@ for t in range(2):  # the episodes' steps interleaved, in two reads
             reply = frame({"i": i, "t": t}, rewards[i][t], False, json[i])
             rec.step(rid[i], request(i, json[i]), reply, 0.001)
         if i == 4 and t == 0:  # a failed step after a good one, in the same read
-            rec.step(rid[4], request(-1, json[4]), "E: boom", 0.002)
+            rec.step_failed(rid[4], request(-1, json[4]), "E: boom", 0.002)
     cut()
 cost = EpisodeCost(wall_s=0.1, cpu_s=0.01, steps=2, bytes_in=10, bytes_out=20)
 for i in range(7):

@@ -110,7 +110,10 @@ def _record(
         rid = rec.begin(name, n if n % 3 else None, options, reset, json)
         assert rid is not None
         for k, (request, reply) in enumerate(steps):
-            rec.step(rid, request, reply, 0.001 * (k + 1))
+            if isinstance(reply, str):  # a failed step: the error's text
+                rec.step_failed(rid, request, reply, 0.001 * (k + 1))
+            else:
+                rec.step(rid, request, reply, 0.001 * (k + 1))
         cost = EpisodeCost(wall_s=0.5 + n, cpu_s=0.25, steps=len(steps), bytes_in=10 * n,
                            bytes_out=20, peak_rss_bytes=None if n % 2 else 1 << 20,
                            cpu_source="loop")  # fmt: skip

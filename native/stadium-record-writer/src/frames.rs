@@ -168,7 +168,7 @@ fn json_members(s: &mut Scan<'_>, mut each: impl FnMut(&[u8], bool, (usize, usiz
         s.ws();
         let (a, b, esc) = s.string()?;
         s.eat(b':')?;
-        let span = s.value(1)?;
+        let span = s.skip()?;
         each(&s.b[a..b], esc, span);
         s.ws();
         match s.peek() {
@@ -190,9 +190,13 @@ fn json_key(tok: &[u8], esc: bool) -> Option<String> {
     }
 }
 
-/// A JSON frame's top-level `data` and, when it is an object, its fields: one pass over
-/// the frame, every byte validated (strings' UTF-8 too, in [`Scan::string`]).
+/// A JSON frame's top-level `data` and, when it is an object, its fields: the frame's
+/// UTF-8 checked whole, then one pass over its top level and `data`'s members, their
+/// values skipped, not validated ([`Scan::skip`]: the frames are the worker's own, a
+/// reply it encoded or a request it decoded and checked; a malformed one still gives
+/// bounded spans of UTF-8).
 fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
+    std::str::from_utf8(frame).map_err(|_| Bad)?;
     let mut s = Scan::new(frame);
     let mut f = Fields::default();
     s.eat(b'{')?;
@@ -224,7 +228,7 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
                 f = g;
                 (start, s.i)
             } else {
-                s.value(1)?
+                s.skip()?
             };
             if is_data {
                 if span.0 == span.1 || frame[span.0] != b'{' {

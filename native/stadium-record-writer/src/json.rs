@@ -23,6 +23,25 @@ static STOP: [bool; 256] = {
     t
 };
 
+/// The bytes [`Scan::skip`] stops at inside a container: brackets and quotes.
+static NEST: [bool; 256] = {
+    let mut t = [false; 256];
+    t[b'"' as usize] = true;
+    t[b'{' as usize] = true;
+    t[b'[' as usize] = true;
+    t[b'}' as usize] = true;
+    t[b']' as usize] = true;
+    t
+};
+
+/// The bytes that end a skipped string's plain run: a quote, a backslash.
+static QUOTE: [bool; 256] = {
+    let mut t = [false; 256];
+    t[b'"' as usize] = true;
+    t[b'\\' as usize] = true;
+    t
+};
+
 /// A cursor over one JSON text (already checked to be UTF-8).
 pub struct Scan<'a> {
     pub b: &'a [u8],
@@ -131,6 +150,61 @@ impl<'a> Scan<'a> {
         Ok((start, self.i))
     }
 
+    /// Skip one value of a trusted text (a frame the worker encoded, or decoded and checked,
+    /// itself) without validating its grammar: strings to their closing quote (escapes
+    /// stepped over), containers by their brackets' depth (at most [`MAX_DEPTH`]),
+    /// scalars to the next delimiter; returns its span. The text must be UTF-8 already
+    /// (checked whole by the caller): a span starts and ends at ASCII bytes. A well-formed
+    /// value gets the span [`Scan::value`] gives; a malformed one some bounded span.
+    pub fn skip(&mut self) -> R<(usize, usize)> {
+        self.ws();
+        let b = self.b;
+        let start = self.i;
+        let mut i = start;
+        match *b.get(i).ok_or(Bad)? {
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    while i < b.len() && !NEST[b[i] as usize] {
+                        i += 1; // a run of bytes that neither open, close nor quote
+                    }
+                    match *b.get(i).ok_or(Bad)? {
+                        b'"' => {
+                            i = skip_string(b, i)?;
+                            continue;
+                        }
+                        b'{' | b'[' => {
+                            depth += 1;
+                            if depth > MAX_DEPTH {
+                                return Err(Bad);
+                            }
+                        }
+                        b'}' | b']' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                self.i = i + 1;
+                                return Ok((start, self.i));
+                            }
+                        }
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'"' => i = skip_string(b, i)?,
+            b'}' | b']' | b',' | b':' => return Err(Bad),
+            _ => {
+                while i < b.len()
+                    && !matches!(b[i], b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r')
+                {
+                    i += 1;
+                }
+            }
+        }
+        self.i = i;
+        Ok((start, i))
+    }
+
     fn word(&mut self, w: &[u8]) -> R<()> {
         if self.b[self.i..].starts_with(w) {
             self.i += w.len();
@@ -236,6 +310,22 @@ impl<'a> Scan<'a> {
         }
         self.i = i;
         Ok((start, i, int))
+    }
+}
+
+/// The index after the string whose opening quote is at `i` (a trusted text: escapes are
+/// stepped over, not checked).
+fn skip_string(b: &[u8], mut i: usize) -> R<usize> {
+    i += 1;
+    loop {
+        while i < b.len() && !QUOTE[b[i] as usize] {
+            i += 1;
+        }
+        match *b.get(i).ok_or(Bad)? {
+            b'"' => return Ok(i + 1),
+            b'\\' => i += 2,
+            _ => i += 1,
+        }
     }
 }
 
@@ -571,5 +661,27 @@ mod tests {
             let mut s = Scan::new(bad);
             assert!(s.value(0).and_then(|_| s.end()).is_err(), "{:?}", bad);
         }
+    }
+
+    #[test]
+    fn skips_as_value_spans() {
+        let good: [&[u8]; 7] = [
+            b"{\"a\":[1,{\"b\":\"}]\\\"x\"}],\"c\":null} ,",
+            b" [ 1 , \"\\u00e9]\" ] ]",
+            b"\"a\\\\\"}",
+            b"-1.5e3,",
+            b"true}",
+            b"{}",
+            b"[[[]]]",
+        ];
+        for text in good {
+            let (mut a, mut b) = (Scan::new(text), Scan::new(text));
+            assert_eq!(a.value(0).ok(), b.skip().ok(), "{:?}", std::str::from_utf8(text));
+        }
+        for bad in [&b"{"[..], b"\"ab", b"", b"[\"]"] {
+            assert!(Scan::new(bad).skip().is_err(), "{:?}", bad);
+        }
+        let deep = vec![b'['; MAX_DEPTH + 1];
+        assert!(Scan::new(&deep).skip().is_err());
     }
 }

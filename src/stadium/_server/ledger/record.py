@@ -275,6 +275,9 @@ class Recorder:
         self._shared: Any = None  # the writer's four counts (shared memory)
         self._dropped = 0  # episodes the loop could not hand over
         self._broken: set[int] = set()  # recorded episodes a step of which was dropped
+        # A step's two frames fit :meth:`step`'s usual case below this many bytes in all,
+        # buffer included (0 while an episode is broken).
+        self._free = self._room = min(FLUSH_BYTES, self._limit + 1) - _HEAD_SIZE
         self._next = 0
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -331,26 +334,29 @@ class Recorder:
         self._due()
         return rid
 
-    def step(self, rid: int, request: bytes | str, reply: bytes | str, took: float) -> None:
-        """A step of recorded episode ``rid``: its request frame as it came, its reply frame
-        (or the error's text), its seconds; copied into the buffer (or, when it is full, the
-        episode dropped)."""
+    def step(self, rid: int, request: bytes | str, reply: bytes, took: float) -> None:
+        """A step of recorded episode ``rid``: its request frame as it came, its reply frame,
+        its seconds; copied into the buffer (or, when it is full, the episode dropped)."""
         buf = self._buf
-        if type(reply) is bytes and type(request) is bytes and not self._broken:  # the usual
-            size = len(buf) + _HEAD_SIZE + len(request) + len(reply)
-            if size <= self._limit:
-                buf += _PACK(_STEP, rid, False, took, len(request), len(reply))
-                buf += request
-                buf += reply
-                if size >= FLUSH_BYTES:
-                    self._flush()
-                elif self._timer is None:
-                    self._due()
-                return
+        # The usual case in one test: bytes that keep the buffer under FLUSH_BYTES and its
+        # bound, no episode broken (``_room`` is 0 then: every step takes ``_step``).
+        if len(buf) + len(request) + len(reply) < self._room and type(request) is bytes:
+            buf += _PACK(_STEP, rid, False, took, len(request), len(reply))
+            buf += request
+            buf += reply
+            if self._timer is None:
+                self._due()
+            return
         self._step(rid, request, reply, took)
 
+    def step_failed(self, rid: int, request: bytes | str, error: str, took: float) -> None:
+        """A step of recorded episode ``rid`` that failed: its request frame, the error's
+        text, its seconds (as :meth:`step`)."""
+        self._step(rid, request, error, took)
+
     def _step(self, rid: int, request: bytes | str, reply: bytes | str, took: float) -> None:
-        if self._broken and rid in self._broken:
+        broken = self._broken
+        if broken and rid in broken:
             return
         failed = isinstance(reply, str)
         body = reply.encode() if isinstance(reply, str) else reply
@@ -359,7 +365,8 @@ class Recorder:
         buf = self._buf
         size = len(buf) + _HEAD_SIZE + len(request) + len(body)
         if size > self._limit:
-            self._broken.add(rid)
+            broken.add(rid)
+            self._room = 0
             return
         buf += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
         buf += request
@@ -375,6 +382,8 @@ class Recorder:
         flag = _END_FLAGS[end] | (pipe.CLIPPED if clipped else 0)
         if cost is None or (self._broken and rid in self._broken):
             self._broken.discard(rid)
+            if not self._broken:
+                self._room = self._free
             flag |= pipe.DROPPED
             body = b""
         else:

@@ -161,7 +161,7 @@ class EpisodeAccounts(ResumableSession):
             ledger = self.runtime.ledger
             if self._ep_in + self._ep_out <= ledger.episode_bytes:
                 took = self.loop.time() - self.last_active
-                ledger.recorder.step(rid, self._ep_req, f"{err.code}: {err}", took)  # type: ignore[union-attr]
+                ledger.recorder.step_failed(rid, self._ep_req, f"{err.code}: {err}", took)  # type: ignore[union-attr]
             else:
                 self._ep_clipped = True
 
