@@ -16,8 +16,15 @@ pub struct Summary {
 }
 
 enum Term {
-    Flag { name: String, negate: bool },
-    Compare { field: String, op: String, value: f64 },
+    Flag {
+        name: String,
+        negate: bool,
+    },
+    Compare {
+        field: String,
+        op: String,
+        value: f64,
+    },
 }
 
 /// Terms joined by `and` inside, `or` between.
@@ -58,7 +65,14 @@ fn split_word<'a>(text: &'a str, word: &str) -> Vec<&'a str> {
     parts
 }
 
-const FIELDS: [&str; 6] = ["reward", "steps", "wall_s", "cpu_s", "bytes_in", "bytes_out"];
+const FIELDS: [&str; 6] = [
+    "reward",
+    "steps",
+    "wall_s",
+    "cpu_s",
+    "bytes_in",
+    "bytes_out",
+];
 const FLAGS: [&str; 4] = ["error", "done", "truncated", "clipped"];
 const OPS: [&str; 6] = [">=", "<=", "==", "!=", ">", "<"];
 
@@ -72,7 +86,10 @@ fn term(raw: &str) -> Result<Term, String> {
             s = rest.trim_start();
         }
     }
-    let name_len = s.bytes().take_while(|c| c.is_ascii_lowercase() || *c == b'_').count();
+    let name_len = s
+        .bytes()
+        .take_while(|c| c.is_ascii_lowercase() || *c == b'_')
+        .count();
     if name_len == 0 {
         return Err(bad());
     }
@@ -82,23 +99,33 @@ fn term(raw: &str) -> Result<Term, String> {
         if !FLAGS.contains(&name) {
             return Err(bad());
         }
-        return Ok(Term::Flag { name: name.to_owned(), negate });
+        return Ok(Term::Flag {
+            name: name.to_owned(),
+            negate,
+        });
     }
-    let op = OPS.iter().find(|op| rest.starts_with(*op)).ok_or_else(bad)?;
+    let op = OPS
+        .iter()
+        .find(|op| rest.starts_with(*op))
+        .ok_or_else(bad)?;
     let number = rest[op.len()..].trim();
     if negate || !FIELDS.contains(&name) {
         return Err(bad());
     }
     let ok = number == "inf"
         || (!number.is_empty()
-            && number.bytes().all(|c| {
-                c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-')
-            }));
+            && number
+                .bytes()
+                .all(|c| c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-')));
     if !ok {
         return Err(bad());
     }
     let value = number.parse::<f64>().map_err(|_| bad())?;
-    Ok(Term::Compare { field: name.to_owned(), op: (*op).to_owned(), value })
+    Ok(Term::Compare {
+        field: name.to_owned(),
+        op: (*op).to_owned(),
+        value,
+    })
 }
 
 impl Filter {
@@ -161,14 +188,24 @@ mod tests {
 
     fn s(reward: f64, steps: f64, error: bool, done: bool) -> Summary {
         Summary {
-            reward, steps, wall_s: 0.0, cpu_s: 0.0, bytes_in: 0.0, bytes_out: 0.0, error,
-            done, truncated: false, clipped: false,
+            reward,
+            steps,
+            wall_s: 0.0,
+            cpu_s: 0.0,
+            bytes_in: 0.0,
+            bytes_out: 0.0,
+            error,
+            done,
+            truncated: false,
+            clipped: false,
         }
     }
 
     #[test]
     fn reads_expressions() {
-        let f = Filter::parse("reward>0.9 or error and steps >= 5").unwrap().unwrap();
+        let f = Filter::parse("reward>0.9 or error and steps >= 5")
+            .unwrap()
+            .unwrap();
         assert!(f.keep(&s(1.0, 0.0, false, false)));
         assert!(!f.keep(&s(0.5, 4.0, true, false)));
         assert!(f.keep(&s(0.5, 5.0, true, false)));

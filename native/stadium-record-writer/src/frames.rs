@@ -186,7 +186,9 @@ fn json_key(tok: &[u8], esc: bool) -> Option<String> {
     if esc {
         json::unescape(tok).ok()
     } else {
-        std::str::from_utf8(&tok[1..tok.len() - 1]).ok().map(str::to_owned)
+        std::str::from_utf8(&tok[1..tok.len() - 1])
+            .ok()
+            .map(str::to_owned)
     }
 }
 
@@ -233,7 +235,10 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
             if is_data {
                 if span.0 == span.1 || frame[span.0] != b'{' {
                     let data = f.data;
-                    f = Fields { data, ..Fields::default() }; // a later non-object `data`
+                    f = Fields {
+                        data,
+                        ..Fields::default()
+                    }; // a later non-object `data`
                 }
                 f.data = Some(span);
             }
@@ -378,9 +383,12 @@ pub fn usual(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
             None => None,
         };
         out.observations.push(obs);
-        out.rewards.push(f.reward.and_then(|(a, b)| reward(&reply[a..b], json)));
-        out.dones.push(strict_bool(f.done.map(|(a, b)| &reply[a..b]), json)?);
-        out.truncateds.push(strict_bool(f.truncated.map(|(a, b)| &reply[a..b]), json)?);
+        out.rewards
+            .push(f.reward.and_then(|(a, b)| reward(&reply[a..b], json)));
+        out.dones
+            .push(strict_bool(f.done.map(|(a, b)| &reply[a..b]), json)?);
+        out.truncateds
+            .push(strict_bool(f.truncated.map(|(a, b)| &reply[a..b]), json)?);
         let info = match f.info {
             Some(span) => out.put_value(reply, span, json, true)?,
             None => None,
@@ -446,7 +454,11 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
             out.dones.push(false);
             out.truncateds.push(false);
             out.infos.push(None);
-            let e = if text.is_empty() { None } else { out.put(text.as_bytes()) };
+            let e = if text.is_empty() {
+                None
+            } else {
+                out.put(text.as_bytes())
+            };
             out.errors.push(e);
             if out.error.is_none() && !text.is_empty() {
                 out.error = Some(text.to_owned());
@@ -456,9 +468,12 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
             let f = plain_fields(reply, json, info_key)?;
             let obs = plain_value(out, reply, f.observation, json, true)?;
             out.observations.push(obs);
-            out.rewards.push(f.reward.and_then(|(a, b)| reward(&reply[a..b], json)));
-            out.dones.push(f.done.is_some_and(|(a, b)| truthy(&reply[a..b], json)));
-            out.truncateds.push(f.truncated.is_some_and(|(a, b)| truthy(&reply[a..b], json)));
+            out.rewards
+                .push(f.reward.and_then(|(a, b)| reward(&reply[a..b], json)));
+            out.dones
+                .push(f.done.is_some_and(|(a, b)| truthy(&reply[a..b], json)));
+            out.truncateds
+                .push(f.truncated.is_some_and(|(a, b)| truthy(&reply[a..b], json)));
             let info = plain_value(out, reply, f.info, json, false)?;
             out.infos.push(info);
             out.errors.push(None);

@@ -333,7 +333,9 @@ fn skip_string(b: &[u8], mut i: usize) -> R<usize> {
 pub fn unescape(tok: &[u8]) -> R<String> {
     let inner = &tok[1..tok.len() - 1];
     if !inner.contains(&b'\\') {
-        return std::str::from_utf8(inner).map(str::to_owned).map_err(|_| Bad);
+        return std::str::from_utf8(inner)
+            .map(str::to_owned)
+            .map_err(|_| Bad);
     }
     let mut out = String::with_capacity(inner.len());
     let s = std::str::from_utf8(inner).map_err(|_| Bad)?;
@@ -481,8 +483,16 @@ pub fn write_b64(out: &mut Vec<u8>, data: &[u8]) {
             | *c.get(2).unwrap_or(&0) as u32;
         out.push(T[(n >> 18) as usize & 63]);
         out.push(T[(n >> 12) as usize & 63]);
-        out.push(if c.len() > 1 { T[(n >> 6) as usize & 63] } else { b'=' });
-        out.push(if c.len() > 2 { T[n as usize & 63] } else { b'=' });
+        out.push(if c.len() > 1 {
+            T[(n >> 6) as usize & 63]
+        } else {
+            b'='
+        });
+        out.push(if c.len() > 2 {
+            T[n as usize & 63]
+        } else {
+            b'='
+        });
     }
     out.push(b'"');
 }
@@ -585,7 +595,10 @@ pub fn normalize(out: &mut Vec<u8>, s: &mut Scan<'_>, depth: usize) -> R<()> {
 }
 
 pub fn parse_f64(t: &[u8]) -> R<f64> {
-    std::str::from_utf8(t).map_err(|_| Bad)?.parse::<f64>().map_err(|_| Bad)
+    std::str::from_utf8(t)
+        .map_err(|_| Bad)?
+        .parse::<f64>()
+        .map_err(|_| Bad)
 }
 
 /// A reward's value from its span: a number's float (`None` for anything else: a bool, a
@@ -606,7 +619,9 @@ pub fn truthy(t: &[u8]) -> bool {
         Some(b'"') => t.len() > 2,
         Some(b'[' | b'{') => {
             let inner = &t[1..t.len() - 1];
-            inner.iter().any(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
+            inner
+                .iter()
+                .any(|c| !matches!(c, b' ' | b'\t' | b'\n' | b'\r'))
         }
         _ => parse_f64(t).map(|x| x != 0.0).unwrap_or(true),
     }
@@ -641,7 +656,10 @@ mod tests {
     fn strings_as_msgspec() {
         let mut o = Vec::new();
         write_str(&mut o, "a\"\\ \u{0}\u{1f}\u{7f} é /\u{8}\u{c}\n\r\t");
-        assert_eq!(String::from_utf8(o).unwrap(), "\"a\\\"\\\\ \\u0000\\u001f\u{7f} é /\\b\\f\\n\\r\\t\"");
+        assert_eq!(
+            String::from_utf8(o).unwrap(),
+            "\"a\\\"\\\\ \\u0000\\u001f\u{7f} é /\\b\\f\\n\\r\\t\""
+        );
         let mut o = Vec::new();
         write_b64(&mut o, b"\x00\xff");
         assert_eq!(o, b"\"AP8=\"");
@@ -652,7 +670,10 @@ mod tests {
         let mut o = Vec::new();
         let mut s = Scan::new(b" { \"a\" : [1, -0, 1e2, \"\\u00e9\\n\", true, null] } ");
         normalize(&mut o, &mut s, 0).unwrap();
-        assert_eq!(String::from_utf8(o).unwrap(), "{\"a\":[1,0,100.0,\"é\\n\",true,null]}");
+        assert_eq!(
+            String::from_utf8(o).unwrap(),
+            "{\"a\":[1,0,100.0,\"é\\n\",true,null]}"
+        );
     }
 
     #[test]
@@ -676,7 +697,12 @@ mod tests {
         ];
         for text in good {
             let (mut a, mut b) = (Scan::new(text), Scan::new(text));
-            assert_eq!(a.value(0).ok(), b.skip().ok(), "{:?}", std::str::from_utf8(text));
+            assert_eq!(
+                a.value(0).ok(),
+                b.skip().ok(),
+                "{:?}",
+                std::str::from_utf8(text)
+            );
         }
         for bad in [&b"{"[..], b"\"ab", b"", b"[\"]"] {
             assert!(Scan::new(bad).skip().is_err(), "{:?}", bad);

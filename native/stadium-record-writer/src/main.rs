@@ -50,7 +50,10 @@ extern "C" fn on_term(_: libc::c_int) {
 
 fn log(level: &str, msg: &str) {
     // Python logging's "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    let mut tv = libc::timeval { tv_sec: 0, tv_usec: 0 };
+    let mut tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 0,
+    };
     let mut tm: libc::tm = unsafe { std::mem::zeroed() };
     unsafe {
         libc::gettimeofday(&mut tv, std::ptr::null_mut());
@@ -58,15 +61,26 @@ fn log(level: &str, msg: &str) {
     }
     eprintln!(
         "{:04}-{:02}-{:02} {:02}:{:02}:{:02},{:03} {} stadium.record: {}",
-        tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-        tv.tv_usec / 1000, level, msg
+        tm.tm_year + 1900,
+        tm.tm_mon + 1,
+        tm.tm_mday,
+        tm.tm_hour,
+        tm.tm_min,
+        tm.tm_sec,
+        tv.tv_usec / 1000,
+        level,
+        msg
     );
 }
 
 /// The settings the worker passes (record.py's `_start`): strings and numbers, `config.*`
 /// flattened.
 fn settings(text: &str) -> Result<HashMap<String, String>, String> {
-    fn object(s: &mut json::Scan<'_>, prefix: &str, out: &mut HashMap<String, String>) -> json::R<()> {
+    fn object(
+        s: &mut json::Scan<'_>,
+        prefix: &str,
+        out: &mut HashMap<String, String>,
+    ) -> json::R<()> {
         s.eat(b'{')?;
         s.ws();
         if s.peek() == Some(b'}') {
@@ -170,7 +184,10 @@ impl Writer {
         self.last_warning = Some(now);
         self.held_warnings = 0;
         if held > 0 {
-            log("WARNING", &format!("{} ({} more since the last report)", msg, held));
+            log(
+                "WARNING",
+                &format!("{} ({} more since the last report)", msg, held),
+            );
         } else {
             log("WARNING", &msg);
         }
@@ -188,7 +205,15 @@ impl Writer {
     }
 
     /// One message of the stream (`Err`: the stream is malformed).
-    fn message(&mut self, kind: u8, rid: u32, flag: u8, number: f64, a: &[u8], b: &[u8]) -> Result<(), String> {
+    fn message(
+        &mut self,
+        kind: u8,
+        rid: u32,
+        flag: u8,
+        number: f64,
+        a: &[u8],
+        b: &[u8],
+    ) -> Result<(), String> {
         match kind {
             STEP => {
                 let limit = self.episode_limit;
@@ -201,7 +226,12 @@ impl Writer {
                     ep.data.extend_from_slice(a);
                     ep.data.extend_from_slice(b);
                     let mid = start + a.len();
-                    ep.steps.push(Step { action: (start, mid), reply: (mid, ep.data.len()), failed: flag != 0, took: number });
+                    ep.steps.push(Step {
+                        action: (start, mid),
+                        reply: (mid, ep.data.len()),
+                        failed: flag != 0,
+                        took: number,
+                    });
                     ep.failed |= flag != 0;
                 }
             }
@@ -210,10 +240,21 @@ impl Writer {
                     Some((id, seed, options)) => (id, seed, options, false),
                     None => (None, None, None, true),
                 };
-                self.open.insert(rid, Open {
-                    id, started_at: number, seed, options, json: flag != 0, reset: b.to_vec(),
-                    data: Vec::new(), steps: Vec::new(), failed: false, bad,
-                });
+                self.open.insert(
+                    rid,
+                    Open {
+                        id,
+                        started_at: number,
+                        seed,
+                        options,
+                        json: flag != 0,
+                        reset: b.to_vec(),
+                        data: Vec::new(),
+                        steps: Vec::new(),
+                        failed: false,
+                        bad,
+                    },
+                );
             }
             END => {
                 if (flag & 7) as usize >= END_REASONS.len() {
@@ -238,11 +279,19 @@ impl Writer {
             _ => {
                 self.add_count(C_DROPPED, 1.0);
                 let id = ep.id.clone().unwrap_or_default();
-                self.warn(format!("--record: 1 episode(s) could not be recorded: {}: a frame that cannot be read", id));
+                self.warn(format!(
+                    "--record: 1 episode(s) could not be recorded: {}: a frame that cannot be read",
+                    id
+                ));
                 return;
             }
         };
-        let frames = Frames { json: ep.json, reset: &ep.reset, data: &ep.data, steps: &ep.steps };
+        let frames = Frames {
+            json: ep.json,
+            reset: &ep.reset,
+            data: &ep.data,
+            steps: &ep.steps,
+        };
         let mut out = std::mem::take(&mut self.out);
         let ok = (!ep.failed && frames::usual(&frames, &self.info_key, &mut out).is_ok())
             || frames::plain(&frames, &self.info_key, &mut out).is_ok();
@@ -250,7 +299,10 @@ impl Writer {
             self.out = out;
             self.add_count(C_DROPPED, 1.0);
             let id = ep.id.clone().unwrap_or_default();
-            self.warn(format!("--record: 1 episode(s) could not be recorded: {}: a frame that cannot be read", id));
+            self.warn(format!(
+                "--record: 1 episode(s) could not be recorded: {}: a frame that cannot be read",
+                id
+            ));
             return;
         }
         let end = END_REASONS[(flag & 7) as usize];
@@ -258,10 +310,15 @@ impl Writer {
         let keep = match &self.filter {
             None => true,
             Some(f) => f.keep(&Summary {
-                reward: out.total, steps: cost.steps as f64, wall_s: cost.wall_s,
-                cpu_s: cost.cpu_s, bytes_in: cost.bytes_in as f64,
-                bytes_out: cost.bytes_out as f64, error: out.error.is_some(),
-                done: end == "done" || end == "truncated", truncated: end == "truncated",
+                reward: out.total,
+                steps: cost.steps as f64,
+                wall_s: cost.wall_s,
+                cpu_s: cost.cpu_s,
+                bytes_in: cost.bytes_in as f64,
+                bytes_out: cost.bytes_out as f64,
+                error: out.error.is_some(),
+                done: end == "done" || end == "truncated",
+                truncated: end == "truncated",
                 clipped,
             }),
         };
@@ -269,11 +326,21 @@ impl Writer {
             if self.shard.rows == 0 {
                 self.first = Instant::now();
             }
-            self.shard.add(&Scalars {
-                env: &self.env, env_version: &self.version, episode_id: ep.id.as_deref(),
-                worker: self.worker, started_at: ep.started_at, seed: ep.seed,
-                options: ep.options.as_deref(), end, clipped, cost: &cost,
-            }, &out);
+            self.shard.add(
+                &Scalars {
+                    env: &self.env,
+                    env_version: &self.version,
+                    episode_id: ep.id.as_deref(),
+                    worker: self.worker,
+                    started_at: ep.started_at,
+                    seed: ep.seed,
+                    options: ep.options.as_deref(),
+                    end,
+                    clipped,
+                    cost: &cost,
+                },
+                &out,
+            );
             self.size += cost.bytes_in + cost.bytes_out;
         }
         self.out = out;
@@ -284,12 +351,17 @@ impl Writer {
 
     fn due(&self, done: bool) -> bool {
         self.shard.rows > 0
-            && (done || self.size >= self.shard_bytes || self.first.elapsed().as_secs_f64() >= self.flush_s)
+            && (done
+                || self.size >= self.shard_bytes
+                || self.first.elapsed().as_secs_f64() >= self.flush_s)
     }
 
     fn write(&mut self) {
         self.shards += 1;
-        let path = format!("{}/{}-{:06}.parquet", self.directory, self.stem, self.shards);
+        let path = format!(
+            "{}/{}-{:06}.parquet",
+            self.directory, self.stem, self.shards
+        );
         let tmp = format!("{}.tmp", path);
         let rows = self.shard.rows;
         self.size = 0;
@@ -305,10 +377,13 @@ impl Writer {
                 self.add_count(C_WRITE_ERRORS, 1.0);
                 self.add_count(C_DROPPED, rows as f64);
                 self.set_count(C_RECORDING, 0.0);
-                self.paused_until = Some(Instant::now() + std::time::Duration::from_secs_f64(PAUSE_S));
+                self.paused_until =
+                    Some(Instant::now() + std::time::Duration::from_secs_f64(PAUSE_S));
                 let why = match e {
                     WriteError::Io(io) => match io.raw_os_error() {
-                        Some(n) => unsafe { std::ffi::CStr::from_ptr(libc::strerror(n)) }.to_string_lossy().into_owned(),
+                        Some(n) => unsafe { std::ffi::CStr::from_ptr(libc::strerror(n)) }
+                            .to_string_lossy()
+                            .into_owned(),
                         None => io.to_string(),
                     },
                     WriteError::Other(s) => s,
@@ -367,7 +442,10 @@ fn decode_cost(b: &[u8]) -> Option<Cost> {
         Item::Map(n) => n,
         _ => return None,
     };
-    let mut cost = Cost { cpu_source: "loop".to_owned(), ..Cost::default() };
+    let mut cost = Cost {
+        cpu_source: "loop".to_owned(),
+        ..Cost::default()
+    };
     let num = |it: Item<'_>| -> Option<f64> {
         match it {
             Item::Int(v) => Some(v as f64),
@@ -422,11 +500,23 @@ fn main() {
     if args.len() != 4 {
         fail("usage: stadium-record-writer PIPE_FD COUNTS_FD SETTINGS_JSON");
     }
-    let fd: libc::c_int = args[1].parse().unwrap_or_else(|_| fail("PIPE_FD is not a number"));
-    let counts_fd: libc::c_int = args[2].parse().unwrap_or_else(|_| fail("COUNTS_FD is not a number"));
+    let fd: libc::c_int = args[1]
+        .parse()
+        .unwrap_or_else(|_| fail("PIPE_FD is not a number"));
+    let counts_fd: libc::c_int = args[2]
+        .parse()
+        .unwrap_or_else(|_| fail("COUNTS_FD is not a number"));
     let set = settings(&args[3]).unwrap_or_else(|e| fail(&e));
-    let get = |k: &str| set.get(k).cloned().unwrap_or_else(|| fail(&format!("the settings lack {}", k)));
-    let num = |k: &str| get(k).parse::<f64>().unwrap_or_else(|_| fail(&format!("the setting {} is not a number", k)));
+    let get = |k: &str| {
+        set.get(k)
+            .cloned()
+            .unwrap_or_else(|| fail(&format!("the settings lack {}", k)))
+    };
+    let num = |k: &str| {
+        get(k)
+            .parse::<f64>()
+            .unwrap_or_else(|_| fail(&format!("the setting {} is not a number", k)))
+    };
     if !get("config.redact").is_empty() {
         fail("--record-redact runs the operator's Python: the Python writer serves it");
     }
@@ -436,7 +526,13 @@ fn main() {
         sa.sa_sigaction = on_term as extern "C" fn(libc::c_int) as usize;
         libc::sigaction(libc::SIGTERM, &sa, std::ptr::null_mut());
         libc::signal(libc::SIGINT, libc::SIG_IGN);
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong, 0, 0, 0);
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGTERM as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
         *libc::__errno_location() = 0;
         libc::nice(NICE);
         // any core, not only its worker's (ledger/writer.py's doc)
@@ -450,25 +546,47 @@ fn main() {
         libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
     }
     let counts = unsafe {
-        let p = libc::mmap(std::ptr::null_mut(), 32, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, counts_fd, 0);
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            32,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            counts_fd,
+            0,
+        );
         if p == libc::MAP_FAILED {
             fail("cannot map the counts");
         }
         libc::close(counts_fd);
         p as *mut f64
     };
-    let worker: i64 = get("worker").parse().unwrap_or_else(|_| fail("the worker is not a pid"));
+    let worker: i64 = get("worker")
+        .parse()
+        .unwrap_or_else(|_| fail("the worker is not a pid"));
     let queue_bytes = num("config.queue_bytes") as usize;
     let episode_bytes = num("config.episode_bytes") as usize;
     let mut w = Writer {
-        env: get("env"), version: get("version"), info_key: get("info_key"), worker,
-        stem: get("stem"), directory: get("config.directory"), flush_s: num("config.flush_s"),
+        env: get("env"),
+        version: get("version"),
+        info_key: get("info_key"),
+        worker,
+        stem: get("stem"),
+        directory: get("config.directory"),
+        flush_s: num("config.flush_s"),
         shard_bytes: num("config.shard_bytes") as i64,
         // the worker keeps an episode's frames under episode_bytes (one step past it at most)
         episode_limit: episode_bytes.saturating_mul(2).saturating_add(queue_bytes),
-        filter, counts, open: HashMap::new(), shard: Shard::new(), size: 0,
-        first: Instant::now(), shards: 0, paused_until: None, last_warning: None,
-        held_warnings: 0, out: Out::default(),
+        filter,
+        counts,
+        open: HashMap::new(),
+        shard: Shard::new(),
+        size: 0,
+        first: Instant::now(),
+        shards: 0,
+        paused_until: None,
+        last_warning: None,
+        held_warnings: 0,
+        out: Out::default(),
     };
     w.set_count(C_RECORDING, 1.0);
     if unsafe { libc::getppid() } as i64 != worker {
@@ -483,7 +601,11 @@ fn main() {
     let mut malformed: Option<String> = None;
     while !done {
         let closing = CLOSING.load(Ordering::Relaxed);
-        let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
         let ready = unsafe { libc::poll(&mut pfd, 1, if closing { 100 } else { WAKE_MS }) };
         if ready > 0 {
             // `buf[pos..filled]`: bytes read, not yet parsed; zeroed once, when it grows
@@ -495,7 +617,13 @@ fn main() {
             if filled + READ_BYTES > buf.len() {
                 buf.resize(filled + READ_BYTES, 0);
             }
-            let n = unsafe { libc::read(fd, buf[filled..].as_mut_ptr() as *mut libc::c_void, READ_BYTES) };
+            let n = unsafe {
+                libc::read(
+                    fd,
+                    buf[filled..].as_mut_ptr() as *mut libc::c_void,
+                    READ_BYTES,
+                )
+            };
             if n > 0 {
                 filled += n as usize;
             } else {
@@ -514,7 +642,11 @@ fn main() {
                 let a = u32::from_le_bytes(h[14..18].try_into().unwrap()) as usize;
                 let b = u32::from_le_bytes(h[18..22].try_into().unwrap()) as usize;
                 if a + b > max_message {
-                    malformed = Some(format!("a message of {} bytes (the bound is {})", a + b, max_message));
+                    malformed = Some(format!(
+                        "a message of {} bytes (the bound is {})",
+                        a + b,
+                        max_message
+                    ));
                     break;
                 }
                 let stop = pos + HEAD + a + b;
@@ -546,6 +678,9 @@ fn main() {
     }
     w.set_count(C_RECORDING, 0.0);
     if let Some(why) = malformed {
-        fail(&format!("the recording stream is malformed: {}; not recording", why));
+        fail(&format!(
+            "the recording stream is malformed: {}; not recording",
+            why
+        ));
     }
 }

@@ -2,7 +2,7 @@
 //! value written as JSON the way msgspec's JSON encoder writes what msgspec's MessagePack
 //! decoder made of it (bytes as base64, an extension as `{"ext": code, "data": base64}`).
 
-use crate::json::{write_b64, write_f64, write_str, Bad, R, MAX_DEPTH};
+use crate::json::{write_b64, write_f64, write_str, Bad, MAX_DEPTH, R};
 
 /// One decoded item's head.
 pub enum Item<'a> {

@@ -43,15 +43,36 @@ pub struct Cost {
 }
 
 const SCALARS: [(&str, u8); 20] = [
-    ("env", b's'), ("env_version", b's'), ("episode_id", b's'), ("worker", b'i'),
-    ("started_at", b'f'), ("seed", b'i'), ("options", b's'), ("end", b's'), ("error", b's'),
-    ("clipped", b'b'), ("total_reward", b'f'), ("steps", b'i'), ("wall_s", b'f'),
-    ("cpu_s", b'f'), ("cpu_source", b's'), ("bytes_in", b'i'), ("bytes_out", b'i'),
-    ("peak_rss_bytes", b'i'), ("reset_observation", b'j'), ("reset_info", b'j'),
+    ("env", b's'),
+    ("env_version", b's'),
+    ("episode_id", b's'),
+    ("worker", b'i'),
+    ("started_at", b'f'),
+    ("seed", b'i'),
+    ("options", b's'),
+    ("end", b's'),
+    ("error", b's'),
+    ("clipped", b'b'),
+    ("total_reward", b'f'),
+    ("steps", b'i'),
+    ("wall_s", b'f'),
+    ("cpu_s", b'f'),
+    ("cpu_source", b's'),
+    ("bytes_in", b'i'),
+    ("bytes_out", b'i'),
+    ("peak_rss_bytes", b'i'),
+    ("reset_observation", b'j'),
+    ("reset_info", b'j'),
 ];
 const LISTS: [(&str, u8); 8] = [
-    ("actions", b's'), ("observations", b's'), ("rewards", b'f'), ("dones", b'b'),
-    ("truncateds", b'b'), ("infos", b's'), ("step_errors", b's'), ("step_s", b'f'),
+    ("actions", b's'),
+    ("observations", b's'),
+    ("rewards", b'f'),
+    ("dones", b'b'),
+    ("truncateds", b'b'),
+    ("infos", b's'),
+    ("step_errors", b's'),
+    ("step_s", b'f'),
 ];
 /// Columns worth a dictionary (rows.py's `_DICTIONARY`).
 const DICTIONARY: [&str; 6] = ["env", "env_version", "worker", "end", "error", "cpu_source"];
@@ -71,7 +92,10 @@ fn item(k: u8) -> Arc<Field> {
 
 /// The schema of a shard (rows.py's `schema`; every field nullable, as pyarrow's).
 pub fn schema() -> SchemaRef {
-    let mut fields: Vec<Field> = SCALARS.iter().map(|(n, k)| Field::new(*n, kind(*k), true)).collect();
+    let mut fields: Vec<Field> = SCALARS
+        .iter()
+        .map(|(n, k)| Field::new(*n, kind(*k), true))
+        .collect();
     for (n, k) in LISTS {
         fields.push(Field::new(n, DataType::List(item(k)), true));
     }
@@ -173,24 +197,59 @@ impl Shard {
         let mut i = self.i.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef);
         let mut f = self.f.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef);
         let (env, version, id, options, end, error, source, reset_obs, reset_info) = (
-            s.next().unwrap(), s.next().unwrap(), s.next().unwrap(), s.next().unwrap(),
-            s.next().unwrap(), s.next().unwrap(), s.next().unwrap(), s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
+            s.next().unwrap(),
             s.next().unwrap(),
         );
         let (worker, seed, steps, bytes_in, bytes_out, rss) = (
-            i.next().unwrap(), i.next().unwrap(), i.next().unwrap(), i.next().unwrap(),
-            i.next().unwrap(), i.next().unwrap(),
+            i.next().unwrap(),
+            i.next().unwrap(),
+            i.next().unwrap(),
+            i.next().unwrap(),
+            i.next().unwrap(),
+            i.next().unwrap(),
         );
-        let (started, total, wall, cpu) =
-            (f.next().unwrap(), f.next().unwrap(), f.next().unwrap(), f.next().unwrap());
+        let (started, total, wall, cpu) = (
+            f.next().unwrap(),
+            f.next().unwrap(),
+            f.next().unwrap(),
+            f.next().unwrap(),
+        );
         let columns: Vec<ArrayRef> = vec![
-            env, version, id, worker, started, seed, options, end, error,
-            Arc::new(self.clipped.finish()), total, steps, wall, cpu, source, bytes_in,
-            bytes_out, rss, reset_obs, reset_info,
-            Arc::new(self.actions.finish()), Arc::new(self.observations.finish()),
-            Arc::new(self.rewards.finish()), Arc::new(self.dones.finish()),
-            Arc::new(self.truncateds.finish()), Arc::new(self.infos.finish()),
-            Arc::new(self.step_errors.finish()), Arc::new(self.step_s.finish()),
+            env,
+            version,
+            id,
+            worker,
+            started,
+            seed,
+            options,
+            end,
+            error,
+            Arc::new(self.clipped.finish()),
+            total,
+            steps,
+            wall,
+            cpu,
+            source,
+            bytes_in,
+            bytes_out,
+            rss,
+            reset_obs,
+            reset_info,
+            Arc::new(self.actions.finish()),
+            Arc::new(self.observations.finish()),
+            Arc::new(self.rewards.finish()),
+            Arc::new(self.dones.finish()),
+            Arc::new(self.truncateds.finish()),
+            Arc::new(self.infos.finish()),
+            Arc::new(self.step_errors.finish()),
+            Arc::new(self.step_s.finish()),
         ];
         self.rows = 0;
         RecordBatch::try_new(schema(), columns).map_err(|e| e.to_string())
@@ -209,7 +268,8 @@ impl Shard {
         }
         for (name, k) in SCALARS {
             if k != b'j' {
-                props = props.set_column_statistics_enabled(ColumnPath::from(name), EnabledStatistics::Page);
+                props = props
+                    .set_column_statistics_enabled(ColumnPath::from(name), EnabledStatistics::Page);
             }
         }
         let mut w = ArrowWriter::try_new(file, batch.schema(), Some(props.build()))
@@ -227,10 +287,12 @@ pub enum WriteError {
 
 fn to_write_error(e: parquet::errors::ParquetError) -> WriteError {
     match e {
-        parquet::errors::ParquetError::External(inner) => match inner.downcast::<std::io::Error>() {
-            Ok(io) => WriteError::Io(*io),
-            Err(other) => WriteError::Other(other.to_string()),
-        },
+        parquet::errors::ParquetError::External(inner) => {
+            match inner.downcast::<std::io::Error>() {
+                Ok(io) => WriteError::Io(*io),
+                Err(other) => WriteError::Other(other.to_string()),
+            }
+        }
         other => WriteError::Other(other.to_string()),
     }
 }
