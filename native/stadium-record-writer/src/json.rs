@@ -452,13 +452,13 @@ pub fn write_f64(out: &mut Vec<u8>, x: f64) {
     if (-5..16).contains(&exp) {
         if exp < 0 {
             out.extend_from_slice(b"0.");
-            out.extend(std::iter::repeat(b'0').take((-exp - 1) as usize));
+            out.extend(std::iter::repeat_n(b'0', (-exp - 1) as usize));
             out.extend_from_slice(digits.as_bytes());
         } else {
             let point = exp as usize + 1;
             if digits.len() <= point {
                 out.extend_from_slice(digits.as_bytes());
-                out.extend(std::iter::repeat(b'0').take(point - digits.len()));
+                out.extend(std::iter::repeat_n(b'0', point - digits.len()));
                 out.extend_from_slice(b".0");
             } else {
                 out.extend_from_slice(&digits.as_bytes()[..point]);
