@@ -158,28 +158,12 @@ fn set(f: &mut Fields, which: u8, span: (usize, usize)) {
 
 /// A JSON object's members: each key, its value's span.
 fn json_members(s: &mut Scan<'_>, mut each: impl FnMut(&[u8], bool, (usize, usize))) -> R<()> {
-    s.eat(b'{')?;
-    s.ws();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
-        return Ok(());
-    }
-    loop {
-        s.ws();
-        let (a, b, esc) = s.string()?;
-        s.eat(b':')?;
+    s.members(|s, (a, b, esc)| {
         let span = s.skip()?;
-        each(&s.b[a..b], esc, span);
-        s.ws();
-        match s.peek() {
-            Some(b',') => s.i += 1,
-            Some(b'}') => {
-                s.i += 1;
-                return Ok(());
-            }
-            _ => return Err(Bad),
-        }
-    }
+        let text = s.b;
+        each(&text[a..b], esc, span);
+        Ok(())
+    })
 }
 
 fn json_key(tok: &[u8], esc: bool) -> Option<String> {
@@ -201,58 +185,41 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
     std::str::from_utf8(frame).map_err(|_| Bad)?;
     let mut s = Scan::new(frame);
     let mut f = Fields::default();
-    s.eat(b'{')?;
-    s.ws();
-    if s.peek() == Some(b'}') {
-        s.i += 1;
-    } else {
-        loop {
-            s.ws();
-            let (a, b, esc) = s.string()?;
-            s.eat(b':')?;
-            s.ws();
-            let is_data = json::key_is(&frame[a..b], esc, "data");
-            let span = if is_data && inner && s.peek() == Some(b'{') {
-                let start = s.i;
-                let mut g = Fields::default();
-                json_members(&mut s, |tok, esc, span| {
-                    let which = if esc {
-                        json_key(tok, esc).and_then(|k| field_of(&k, info_key))
-                    } else {
-                        std::str::from_utf8(&tok[1..tok.len() - 1])
-                            .ok()
-                            .and_then(|k| field_of(k, info_key))
-                    };
-                    if let Some(which) = which {
-                        set(&mut g, which, span);
-                    }
-                })?;
-                f = g;
-                (start, s.i)
-            } else {
-                s.skip()?
-            };
-            if is_data {
-                if span.0 == span.1 || frame[span.0] != b'{' {
-                    let data = f.data;
-                    f = Fields {
-                        data,
-                        ..Fields::default()
-                    }; // a later non-object `data`
+    s.members(|s, (a, b, esc)| {
+        s.ws();
+        let is_data = json::key_is(&frame[a..b], esc, "data");
+        let span = if is_data && inner && s.peek() == Some(b'{') {
+            let start = s.i;
+            let mut g = Fields::default();
+            json_members(s, |tok, esc, span| {
+                let which = if esc {
+                    json_key(tok, esc).and_then(|k| field_of(&k, info_key))
+                } else {
+                    std::str::from_utf8(&tok[1..tok.len() - 1])
+                        .ok()
+                        .and_then(|k| field_of(k, info_key))
+                };
+                if let Some(which) = which {
+                    set(&mut g, which, span);
                 }
-                f.data = Some(span);
+            })?;
+            f = g;
+            (start, s.i)
+        } else {
+            s.skip()?
+        };
+        if is_data {
+            if span.0 == span.1 || frame[span.0] != b'{' {
+                let data = f.data;
+                f = Fields {
+                    data,
+                    ..Fields::default()
+                }; // a later non-object `data`
             }
-            s.ws();
-            match s.peek() {
-                Some(b',') => s.i += 1,
-                Some(b'}') => {
-                    s.i += 1;
-                    break;
-                }
-                _ => return Err(Bad),
-            }
+            f.data = Some(span);
         }
-    }
+        Ok(())
+    })?;
     s.end()?;
     Ok(f)
 }

@@ -83,6 +83,35 @@ impl<'a> Scan<'a> {
         }
     }
 
+    /// An object's members, its `{` to its `}`: `each` gets the scanner, the member's value
+    /// next (`each` consumes it), and the key's span and whether it holds escapes.
+    pub fn members(
+        &mut self,
+        mut each: impl FnMut(&mut Self, (usize, usize, bool)) -> R<()>,
+    ) -> R<()> {
+        self.eat(b'{')?;
+        self.ws();
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            self.ws();
+            let key = self.string()?;
+            self.eat(b':')?;
+            each(self, key)?;
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b'}') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return Err(Bad),
+            }
+        }
+    }
+
     /// Skip one value (validated); returns its span.
     pub fn value(&mut self, depth: usize) -> R<(usize, usize)> {
         self.ws();
@@ -92,27 +121,7 @@ impl<'a> Scan<'a> {
                 if depth >= MAX_DEPTH {
                     return Err(Bad);
                 }
-                self.i += 1;
-                self.ws();
-                if self.peek() == Some(b'}') {
-                    self.i += 1;
-                } else {
-                    loop {
-                        self.ws();
-                        self.string()?;
-                        self.eat(b':')?;
-                        self.value(depth + 1)?;
-                        self.ws();
-                        match self.peek() {
-                            Some(b',') => self.i += 1,
-                            Some(b'}') => {
-                                self.i += 1;
-                                break;
-                            }
-                            _ => return Err(Bad),
-                        }
-                    }
-                }
+                self.members(|s, _| s.value(depth + 1).map(|_| ()))?;
             }
             b'[' => {
                 if depth >= MAX_DEPTH {

@@ -81,17 +81,8 @@ fn settings(text: &str) -> Result<HashMap<String, String>, String> {
         prefix: &str,
         out: &mut HashMap<String, String>,
     ) -> json::R<()> {
-        s.eat(b'{')?;
-        s.ws();
-        if s.peek() == Some(b'}') {
-            s.i += 1;
-            return Ok(());
-        }
-        loop {
-            s.ws();
-            let (a, b, _) = s.string()?;
+        s.members(|s, (a, b, _)| {
             let key = format!("{}{}", prefix, json::unescape(&s.b[a..b])?);
-            s.eat(b':')?;
             s.ws();
             if s.peek() == Some(b'{') {
                 object(s, &format!("{}.", key), out)?;
@@ -105,16 +96,8 @@ fn settings(text: &str) -> Result<HashMap<String, String>, String> {
                 };
                 out.insert(key, v);
             }
-            s.ws();
-            match s.peek() {
-                Some(b',') => s.i += 1,
-                Some(b'}') => {
-                    s.i += 1;
-                    return Ok(());
-                }
-                _ => return Err(json::Bad),
-            }
-        }
+            Ok(())
+        })
     }
     let mut out = HashMap::new();
     let mut s = json::Scan::new(text.as_bytes());
