@@ -484,6 +484,27 @@ print("ok")
     assert out.stdout.strip() == "ok"
 
 
+def test_a_record_directory_another_user_could_write_is_refused(tmp_path: Path) -> None:
+    """Shards are written under predictable names: a directory others can write would let
+    another user plant a link the writer follows, or a shard replay and /web read."""
+    from stadium._errors import ConfigError
+    from stadium._server.processes.worker import record_config
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # as /tmp is
+    config = stadium.ServerConfig(target="benchmark", record=str(shared))
+    with pytest.raises(ConfigError, match="writable by every user"):
+        record_config(config, check=True)
+    os.chown(shared, 4242, 4242)
+    shared.chmod(0o700)
+    with pytest.raises(ConfigError, match="owned by uid 4242"):
+        record_config(config, check=True)
+    fresh = tmp_path / "a" / "new"  # made, private
+    assert record_config(stadium.ServerConfig(target="benchmark", record=str(fresh)), check=True)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+
+
 def test_a_bad_filter_or_hook_is_refused_before_serving() -> None:
     from stadium._errors import ConfigError
     from stadium._server.ledger import RecordConfig

@@ -32,7 +32,7 @@ from stadium._server.admission.slots import Admission, LocalSlots, Slots
 from stadium._server.admission.tenants import TenantDirectory
 from stadium._server.config import ServerConfig, default_session_store
 from stadium._server.durability.records import Durable, read_key_file
-from stadium._server.durability.session_store import store_from_url
+from stadium._server.durability.session_store import store_from_url, why_not_private
 from stadium._server.http.endpoints import HttpEndpoints
 from stadium._server.http.openenv_routes import OpenEnvRoutes
 from stadium._server.http.recordings import RecordingsRoutes
@@ -111,12 +111,38 @@ def record_config(config: ServerConfig, *, check: bool = False) -> RecordConfig 
         config.record, config.record_sample, config.record_filter, config.record_redact
     )
     if check:
+        private_record_dir(record.directory)
         load_redactor(record.redact)
         try:  # here, before the workers fork: they share its pages
             import pyarrow.parquet  # noqa: F401
         except ImportError as exc:
             raise ConfigError(f"--record needs pyarrow ({exc}): pip install pyarrow") from None
     return record
+
+
+def private_record_dir(path: str) -> None:
+    """Make ``--record``'s directory (``0700``) if missing, and refuse one another user
+    could write: shards are written under predictable names there (a planted link would
+    be followed by the server's writer, and a planted shard read by ``stadium replay`` and
+    ``/web``), as the session store's directory is refused (docs/SECURITY.md).
+
+    Raises:
+        ConfigError: it cannot be made, or is not private to the server's user.
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        why = why_not_private(path)
+    except OSError as exc:
+        raise ConfigError(
+            f"--record {path!r} is not usable: {exc.strerror or exc}", path=path
+        ) from None
+    if why is not None:
+        raise ConfigError(
+            f"--record {path!r} {why}: another user could plant files where the shards are "
+            "written; give a directory owned by the server's user that only it can write "
+            "(chmod 700), or a new path (made 0700)",
+            path=path,
+        )
 
 
 def isolation_mode(config: ServerConfig, env_cls: type[Any] | None) -> str:
