@@ -27,7 +27,8 @@ a coroutine's step building the observation, the reply encoded), or ``floor-ws``
 least any relaying design costs, a bare picows relay in front of one child per session
 running the real ``benchmark`` env (:data:`FLOOR_WS`; driven and counted as the Stadium
 arms are, through WebSocket), or ``floor-own``: the same children each holding their
-session's WebSocket themselves, no relay. Each row also gives the
+session's WebSocket themselves, no relay, or ``stadium-own`` (:data:`STADIUM_OWN`): Stadium's
+own in-process server in a process per session, no relay. Each row also gives the
 wake-ups per step (times scheduled in, schedstat) of the worker and of the env side.
 
 Run (as root for ``sandbox``; take the machine's bench lock)::
@@ -58,6 +59,61 @@ from stadium._util.health import healthy
 from stadium.bench.procstat import process_trees, terminate
 from stadium.bench.sessions import connection_class
 
+#: ``--arm stadium-own``: Stadium's whole in-process stack in a process per session, with no
+#: relay: what a design handing each connection to its session's process (the worker off
+#: the step's path) costs at best. One parent imports Stadium, then forks a child per session,
+#: each serving one port with ``stadium serve``'s own code (:func:`run_server`, one worker,
+#: in-process sessions, every option at its default as in the ``none`` arm); session *i*
+#: connects to port *i*, so each child holds exactly one session. Unlike ``--workers 64``
+#: (the kernel spreads connections unevenly among the workers, and a worker holding several
+#: sessions amortizes its loop's turns over them), the spread is the direct design's.
+STADIUM_OWN = r"""
+import os, signal, sys, time
+from stadium._server.config import ServerConfig
+from stadium._server.server import run_server
+base, sessions, extra = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+kids = []
+for i in range(sessions):
+    pid = os.fork()
+    if pid == 0:
+        config = ServerConfig(target="benchmark", host="127.0.0.1", port=base + i,
+                              isolation="none", warm_pool=0, max_sessions=4,
+                              idle_timeout=0, log_level="warning")
+        os._exit(run_server(config))
+    kids.append(pid)
+def stop(*_):
+    for kid in kids:
+        os.kill(kid, signal.SIGTERM)
+    for kid in kids:
+        os.waitpid(kid, 0)
+    os._exit(0)
+signal.signal(signal.SIGTERM, stop)
+while True:
+    signal.pause()
+"""
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free now (tried from a random base)."""
+    for _ in range(100):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 #: Seconds a server has to start, and one request to be answered, before the run fails.
 START_S = 60.0
 CALL_S = 60.0
@@ -74,8 +130,9 @@ class Server:
 
     def __init__(self, args: argparse.Namespace, arm: str) -> None:
         level, *extra = shlex.split(arm)
-        port = free_port()
+        port = free_ports(args.sessions) if level == "stadium-own" else free_port()
         self.url = f"http://127.0.0.1:{port}"
+        self.urls = [self.url]
         argv = [
             "taskset", "-c", str(args.server_cpu), *shlex.split(args.server_prefix),
             sys.executable, "-m", "stadium", "serve", args.target, "--host", "127.0.0.1",
@@ -88,6 +145,12 @@ class Server:
                 "taskset", "-c", str(args.server_cpu), sys.executable, "-c", FLOOR_WS,
                 str(port), str(args.sessions), level,
             ]  # fmt: skip
+        if level == "stadium-own":
+            argv = [
+                "taskset", "-c", str(args.server_cpu), sys.executable, "-c", STADIUM_OWN,
+                str(port), str(args.sessions),
+            ]  # fmt: skip
+            self.urls = [f"http://127.0.0.1:{port + i}" for i in range(args.sessions)]
         env = dict(os.environ)
         for pair in args.env:
             key, _, value = pair.partition("=")
@@ -95,7 +158,7 @@ class Server:
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + START_S
         ready = listening if level.startswith("floor") else healthy
-        while not ready(self.url, 1.0):
+        while not all(ready(url, 1.0) for url in self.urls):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"stadium serve ({arm}) did not start")
@@ -149,10 +212,10 @@ async def measure(args: argparse.Namespace, arm: str) -> dict[str, Any]:
     conns: list[Any] = []
     try:
         cls = connection_class("ws")
-        url = ws_url(server.url)
+        urls = [ws_url(url) for url in server.urls]
         step = json.dumps({"type": "step", "data": json.loads(args.action)}).encode()
-        for _ in range(args.sessions):
-            conn = cls(url, None)
+        for i in range(args.sessions):
+            conn = cls(urls[i % len(urls)], None)
             conns.append(conn)
             await conn.connect(CALL_S)
             await conn.request("reset", b'{"type":"reset","data":{}}', CALL_S)
