@@ -202,13 +202,15 @@ def replay(directory: str, target: str | None, url: str | None, jobs: int) -> No
     or --url URL: same seeds, options and actions. Reports the first divergence of each
     episode (observation, reward, done, an error) with a diff; exits 1 if any diverged."""
     from stadium._cli.replay import replay as run_replay
+    from stadium._util.text import printable
 
     report = run_replay(directory, target, url=url, jobs=jobs)
-    for d in report.divergences:
+    for d in report.divergences:  # recorded texts: the clients' and envs' (printable)
         where = "reset" if d.step == 0 else f"step {d.step}"
-        click.echo(f"DIVERGED episode {d.episode_id} (env version {d.env_version or '?'}): "
+        version = printable(d.env_version) or "?"
+        click.echo(f"DIVERGED episode {printable(d.episode_id)} (env version {version}): "
                    f"{d.field} at {where}")  # fmt: skip
-        click.echo(d.diff)
+        click.echo(printable(d.diff))
     for line in report.summary():
         click.echo(line)
     if report.divergences:
@@ -394,8 +396,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
-    except StadiumError as exc:
-        click.echo(f"error: {exc.message}", err=True)
+    except StadiumError as exc:  # its text may be a server's or a recording's
+        from stadium._util.text import printable
+
+        click.echo(f"error: {printable(exc.message)}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)

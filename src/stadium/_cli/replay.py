@@ -29,6 +29,7 @@ import msgspec
 from stadium._env.contract import StepResult
 from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError, StadiumError
+from stadium._util.text import printable
 
 #: Lines of a divergence's diff shown at most.
 DIFF_LINES = 40
@@ -73,7 +74,7 @@ class ReplayReport:
         lines = []
         for version, n in sorted(self.episodes.items()):
             bad = sum(1 for d in self.divergences if d.env_version == version)
-            lines.append(f"env version {version or '?'}: {n} episode(s), {bad} diverged")
+            lines.append(f"env version {printable(version) or '?'}: {n} episode(s), {bad} diverged")
         rate = self.total / self.seconds if self.seconds > 0 else 0.0
         lines.append(
             f"{self.total} episode(s) replayed in {self.seconds:.2f} s ({rate:.1f}/s), "
@@ -87,21 +88,47 @@ def read_episodes(directory: str) -> list[dict[str, Any]]:
     or left by a killed worker, are skipped), oldest first.
 
     Raises:
-        ConfigError: no shard there, or one that cannot be read.
+        ConfigError: no shard there, one that cannot be read, or one that is not a
+            recording of ours (a column missing or of another type, step lists of
+            different lengths).
     """
-    import pyarrow.parquet as pq  # loaded only for a replay
+    import pyarrow as pa  # loaded only for a replay
+    import pyarrow.parquet as pq
 
+    from stadium._server.ledger.rows import schema
+
+    ours = schema(pa)
     paths = sorted(glob.glob(os.path.join(directory, "**", "*.parquet"), recursive=True))
     if not paths:
         raise ConfigError(f"no recorded episodes (*.parquet) under {directory}")
     rows: list[dict[str, Any]] = []
     for path in paths:
         try:
-            rows.extend(pq.read_table(path).to_pylist())
+            table = pq.read_table(path)
         except Exception as exc:
             raise ConfigError(f"cannot read the recording {path}: {exc}") from None
+        for field in ours:
+            found = table.schema.field(field.name) if field.name in table.schema.names else None
+            if found is None or found.type != field.type:
+                what = "has no column" if found is None else f"has {found.type} in column"
+                raise ConfigError(
+                    f"{path} is not a Stadium recording: it {what} {field.name!r} "
+                    f"({field.type} in docs/RECORDING.md)"
+                )
+        for row in table.to_pylist():
+            lengths = {len(row[column] or ()) for column in _STEP_COLUMNS}
+            if len(lengths) > 1:
+                raise ConfigError(
+                    f"{path} is not a Stadium recording: episode "
+                    f"{printable(str(row['episode_id']))} has step lists of different lengths"
+                )
+            rows.append(row)
     rows.sort(key=lambda r: (r.get("started_at") or 0.0, r.get("episode_id") or ""))
     return rows
+
+
+#: The per-step columns replay reads: as many items each.
+_STEP_COLUMNS = ("actions", "observations", "rewards", "dones", "step_errors")
 
 
 def replay(
@@ -256,7 +283,19 @@ async def _on_server(url: str, rows: list[dict[str, Any]], jobs: int) -> list[Di
 
 
 def _load(text: Any) -> Any:
-    return None if text is None else json.loads(text)
+    """A recorded JSON text's value.
+
+    Raises:
+        ConfigError: the text is not JSON (a recording altered or not written by Stadium).
+    """
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"a recorded value is not JSON ({exc}): {printable(str(text)[:80])}"
+        ) from None
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,0 +1,257 @@
+"""A recording read as its least trusted writers would have it: the clients' actions and
+episode ids, the envs' observations and errors (a sandboxed env's, hostile code's), and a
+shard that is not one of ours. The readers: ``/web/episodes`` (``_server/http/recordings``),
+``stadium replay`` and ``stadium check --actions-from`` (``_cli/replay``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import tracemalloc
+import types
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from stadium._cli.main import cli, main
+from stadium._errors import ConfigError, StadiumError
+from stadium._server.http import recordings
+from stadium._server.http.recordings import RecordingIndex, RecordingsRoutes
+from stadium._server.ledger.rows import schema
+from tests.conftest import UNIT
+
+SHARD = "episodes-walker-100-1700000000000-1.parquet"
+
+
+def episode(i: int, steps: int = 2, **values: Any) -> dict[str, Any]:
+    """A row of our schema: ``steps`` steps of the Walker's kind, ``values`` over it."""
+    row: dict[str, Any] = {
+        "env": "walker", "env_version": "1", "episode_id": f"ep-{i}", "worker": 100,
+        "started_at": 1.7e9 + i, "seed": i, "options": None, "end": "done", "error": None,
+        "clipped": False, "total_reward": float(i), "steps": steps, "wall_s": 0.01 * i,
+        "cpu_s": 0.001 * i, "cpu_source": "loop", "bytes_in": 10, "bytes_out": 20,
+        "peak_rss_bytes": None, "reset_observation": '{"t":0}', "reset_info": "{}",
+        "actions": ['{"n":0.5}'] * steps,
+        "observations": [f'{{"t":{t + 1}}}' for t in range(steps)],
+        "rewards": [0.5] * steps, "dones": [False] * (steps - 1) + [True],
+        "truncateds": [False] * steps, "infos": ["{}"] * steps,
+        "step_errors": [None] * steps, "step_s": [0.001] * steps,
+    }  # fmt: skip
+    row.update(values)
+    return row
+
+
+def write(directory: Path, rows: list[dict[str, Any]], name: str = SHARD) -> Path:
+    path = directory / name
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema(pa)), path, compression="zstd")
+    return path
+
+
+def python_bytes(fn: Any, *args: Any) -> tuple[Any, int]:
+    """``fn(*args)`` and the most memory Python objects took meanwhile (Arrow's buffers
+    are not Python objects: tracemalloc does not see them)."""
+    tracemalloc.start()
+    try:
+        out = fn(*args)
+        return out, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+# -- /web/episodes: memory, bounds, the executor ------------------------------------------
+
+
+def test_opening_a_long_episode_decodes_only_its_window(tmp_path: Path) -> None:
+    """An episode of 200,000 steps (a hostile one, within the 16 MiB per episode): opening
+    it makes Python values of the window asked for, not of every step (which took 120 MB
+    of Python objects per request, in the worker that serves the sessions)."""
+    write(tmp_path, [episode(0, steps=200_000)])
+    opened, peak = python_bytes(RecordingIndex(str(tmp_path)).one, SHARD, 0, 150_000, 100)
+    assert opened["steps_total"] == 200_000
+    assert opened["step_count"] == 100
+    assert opened["window"]["observations"][0] == '{"t":150001}'
+    assert peak < 4 << 20, f"{peak / 2**20:.0f} MiB of Python objects for 100 steps"
+
+
+def test_the_index_holds_columns_not_python_rows(tmp_path: Path) -> None:
+    """The browsed episodes stay Arrow columns: 40,000 of them held no 35 MB of dicts (a
+    worker's index could reach 200,000 episodes: 170 MB in every worker that answered)."""
+    write(tmp_path, [episode(i, steps=1) for i in range(40_000)])
+    index = RecordingIndex(str(tmp_path))
+    tracemalloc.start()
+    try:
+        listed = index.episodes()
+        del listed
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 4 << 20, f"{held / 2**20:.0f} MiB of Python objects held by the index"
+
+
+def routes(directory: Path, web: bool = True) -> RecordingsRoutes:
+    recorder = types.SimpleNamespace(config=types.SimpleNamespace(directory=str(directory)))
+    runtime = types.SimpleNamespace(ledger=types.SimpleNamespace(recorder=recorder))
+    endpoints: Any = types.SimpleNamespace(runtime=runtime, web=web)
+    inner: Any = types.SimpleNamespace(web=False, route=lambda method, path: None)
+    return RecordingsRoutes(endpoints, inner)
+
+
+async def post(r: RecordingsRoutes, path: str, body: Any) -> tuple[int, Any]:
+    handler = r.route("POST", path)
+    assert handler is not None
+    answer = await handler(msgspec.json.encode(body))
+    return answer.status, msgspec.json.decode(answer.body)
+
+
+async def test_long_texts_are_cut_in_the_list_and_bad_shards_skipped(tmp_path: Path) -> None:
+    """A client's 1 MB episode id and an env's 1 MB error come back cut in the list (200 of
+    them made a 400 MB answer); a shard of another schema beside ours (``started_at`` a
+    string) is left out, not a 500 for the whole list."""
+    write(tmp_path, [episode(1, episode_id="<script>" + "i" * 1_000_000, error="E" * 1_000_000)])
+    other = pa.table({name: ["x"] for name in recordings.SUMMARY})
+    pq.write_table(other, tmp_path / "episodes-x-1-1700000000001-1.parquet")
+    status, listed = await post(routes(tmp_path), "/web/episodes", {})
+    assert status == 200, listed
+    assert listed["total"] == 1
+    (ep,) = listed["episodes"]
+    assert len(ep["episode_id"]) == recordings.LIST_TEXT_MAX
+    assert len(ep["error"]) == recordings.LIST_TEXT_MAX
+    status, opened = await post(routes(tmp_path), "/web/episodes/one", {"file": SHARD, "row": 0})
+    assert status == 200
+    assert len(opened["episode_id"]) < recordings.TEXT_MAX + 100  # cut, and says so
+    assert opened["episode_id"].endswith("more characters)")
+
+
+async def test_filters_of_the_wrong_type_are_refused(tmp_path: Path) -> None:
+    write(tmp_path, [episode(1), episode(2, error="E: x")])
+    r = routes(tmp_path)
+    for bad in ({"env": ["walker"]}, {"min_reward": "1"}, {"error": "yes"}):
+        status, answer = await post(r, "/web/episodes", bad)
+        assert status == 422, (bad, answer)
+    status, answer = await post(r, "/web/episodes", {"error": True, "min_reward": 1.5})
+    assert (status, answer["total"]) == (200, 1)
+    assert [len(answer["costs"]["walker"][k]) for k in ("cpu_s", "wall_s")] == [1, 1]
+
+
+async def test_reads_take_one_executor_thread_and_a_bounded_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests for episodes are read one at a time: a burst of them does not take every
+    thread of the loop's executor (where a sandbox's replies are decoded), and past
+    ``WAITING_MAX`` waiting they are answered 503 at once."""
+    write(tmp_path, [episode(1)])
+    release = threading.Event()
+    inside = [0, 0]  # now, most
+
+    def slow_one(self: RecordingIndex, *args: Any) -> dict[str, Any] | None:
+        inside[0] += 1
+        inside[1] = max(inside)
+        release.wait(10 * UNIT)
+        inside[0] -= 1
+        return None
+
+    monkeypatch.setattr(RecordingIndex, "one", slow_one)
+    r = routes(tmp_path)
+    body = {"file": SHARD, "row": 0}
+    burst = [asyncio.create_task(post(r, "/web/episodes/one", body)) for _ in range(12)]
+    await asyncio.sleep(0.1 * UNIT)
+    loop = asyncio.get_running_loop()
+    try:  # the executor still runs other work meanwhile
+        assert await asyncio.wait_for(loop.run_in_executor(None, lambda: 7), 5 * UNIT) == 7
+    finally:
+        release.set()
+    statuses = sorted(status for status, _ in await asyncio.gather(*burst))
+    assert inside[1] == 1
+    assert statuses.count(503) == 12 - recordings.WAITING_MAX
+    assert statuses.count(404) == recordings.WAITING_MAX
+
+
+def test_the_json_endpoints_follow_the_web_switch(tmp_path: Path) -> None:
+    """``ENABLE_WEB_INTERFACE=false`` turns the recordings' JSON endpoints off with the
+    page (they answered every recorded observation with the page off)."""
+    assert routes(tmp_path, web=False).route("POST", "/web/episodes") is None
+    assert routes(tmp_path, web=False).route("POST", "/web/episodes/one") is None
+    assert routes(tmp_path, web=True).route("POST", "/web/episodes") is not None
+
+
+# -- stadium replay / check --actions-from --------------------------------------------------
+
+
+def replayed(*args: str) -> Any:
+    return CliRunner().invoke(cli, ["replay", *args])
+
+
+def test_escape_sequences_in_a_recording_do_not_reach_the_terminal(tmp_path: Path) -> None:
+    """A client's episode id and an env's version holding terminal escapes (OSC 52 writes
+    the operator's clipboard; ``\\r`` and CSI rewrite lines) are printed escaped."""
+    osc52, clear = "\x1b]52;c;Y3VybCBldmlsLnNoIHwgc2g=\x07", "\x1b[2J\r"
+    write(tmp_path, [episode(1, episode_id=f"ep{osc52}", env_version=f"1{clear}")])
+    result = replayed(str(tmp_path), "tests.test_ledger:SeedIgnoring")
+    assert result.exit_code == 1, result.output
+    assert "DIVERGED" in result.output
+    for control in ("\x1b", "\r", "\x07"):
+        assert control not in result.output
+    assert "ep\\x1b]52;c;" in result.output
+
+
+def test_a_shard_of_another_schema_is_a_clear_error(tmp_path: Path) -> None:
+    """A Parquet file in the directory that is not ours (a column missing, a column of
+    another type, step lists of different lengths, an action that is not JSON): exit 2
+    with one line saying which, no traceback."""
+    cases = {
+        "missing": lambda rows: pa.Table.from_pylist(rows, schema=schema(pa)).drop_columns(
+            ["observations"]
+        ),
+        "typed": lambda rows: pa.Table.from_pylist(
+            [{**r, "seed": str(r["seed"])} for r in rows],
+            schema=schema(pa).set(5, pa.field("seed", pa.string())),
+        ),
+        "lengths": lambda rows: pa.Table.from_pylist(
+            [{**r, "observations": r["observations"][:1]} for r in rows], schema=schema(pa)
+        ),
+        "json": lambda rows: pa.Table.from_pylist(
+            [{**r, "reset_observation": "{not json\x1b[2J"} for r in rows], schema=schema(pa)
+        ),
+    }
+    expected = {
+        "missing": "no column 'observations'",
+        "typed": "has string in column 'seed'",
+        "lengths": "step lists of different lengths",
+        "json": "not JSON",
+    }
+    for case, make in cases.items():
+        directory = tmp_path / case
+        directory.mkdir()
+        pq.write_table(make([episode(1, steps=3)]), directory / SHARD)
+        result = replayed(str(directory), "tests.test_ledger:Walker")
+        # a ConfigError: `stadium` prints its one line and exits 2 (main)
+        assert isinstance(result.exception, ConfigError), (case, result.exception)
+        assert expected[case] in str(result.exception), (case, result.exception)
+        assert "\x1b" not in str(result.exception)
+        checked = CliRunner().invoke(
+            cli, ["check", "tests.test_ledger:Walker", "--actions-from", str(directory)]
+        )
+        if case != "json":  # actions alone: the reset's observation is not read
+            assert isinstance(checked.exception, ConfigError), (case, checked.exception)
+
+
+def test_an_error_line_is_printed_escaped(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An error whose text another party chose (a ``--url`` server's error reply) cannot
+    act on the terminal through ``error: ...``."""
+
+    def hostile(*args: Any, **kwargs: Any) -> Any:
+        raise StadiumError("the server said \x1b]52;c;ZXZpbA==\x07 no")
+
+    monkeypatch.setattr("stadium._cli.replay.replay", hostile)
+    with pytest.raises(SystemExit):
+        main(["replay", str(tmp_path), "--url", "ws://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert "\\x1b]52;c;ZXZpbA==\\x07 no" in err
+    assert "\x1b" not in err
