@@ -128,8 +128,14 @@ async def test_long_texts_are_cut_in_the_list_and_bad_shards_skipped(tmp_path: P
 
 
 async def test_filters_of_the_wrong_type_are_refused(tmp_path: Path) -> None:
+    """A filter of another type is 422 (it was ignored: every episode matched), and so is
+    a body whose strings are not UTF-8 (msgspec raises UnicodeDecodeError there: a 500)."""
     write(tmp_path, [episode(1), episode(2, error="E: x")])
     r = routes(tmp_path)
+    for path in ("/web/episodes", "/web/episodes/one"):
+        handler = r.route("POST", path)
+        assert handler is not None
+        assert (await handler(b'{"file": "\xff\xfe", "env": "\xff"}')).status == 422
     for bad in ({"env": ["walker"]}, {"min_reward": "1"}, {"error": "yes"}):
         status, answer = await post(r, "/web/episodes", bad)
         assert status == 422, (bad, answer)

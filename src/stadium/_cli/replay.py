@@ -7,6 +7,12 @@ observation, a step's observation, reward or ``done``, or a step's failing, diff
 the recording is the episode's divergence, reported with a diff; the summary counts
 episodes and divergences per env version. ``--jobs N`` runs N episodes at once (threads
 in process, sessions on a server).
+
+A recording holds what clients and envs chose: a shard of another schema, step lists of
+different lengths or a value that is not JSON is a :class:`~stadium.ConfigError` (exit 2,
+one line), and what is printed of it (episode ids, env versions, diffs) has its control
+characters escaped (:func:`stadium._util.text.printable`): no escape sequence reaches the
+operator's terminal.
 """
 
 from __future__ import annotations

@@ -11,14 +11,22 @@ When the server records (``--record DIR``), two JSON endpoints read its shards:
   (``step_offset``, ``step_limit`` ≤ :data:`STEPS_MAX`): one episode, its reset and those
   steps.
 
-Both read Parquet with pyarrow in the loop's executor, never on the loop. A shard is read
-once (its per-episode columns; a closed shard never changes) and kept, for the newest
-:data:`FILES_MAX` shards and at most :data:`ROWS_MAX` episodes; older ones are not
-browsed. Any other worker's shards of the same directory are read too (they are files
-there). Every answer is bounded: a page of
-episodes, a window of steps, each text value cut at :data:`TEXT_MAX` characters. Without
-``--record``: ``404`` saying so. The routes pass the same access checks as every HTTP
-endpoint (``--auth-token``).
+What is recorded comes from the least trusted parties there are (the clients' actions and
+episode ids, the envs' observations and errors), so the reading side bounds what it reads
+and holds, and the page shows every value as text, never as markup. Both read Parquet with
+pyarrow in the loop's executor, never on the loop, one request at a time (a burst of them
+takes one executor thread, not all: a sandbox's replies are decoded there), past
+:data:`WAITING_MAX` waiting ``503``. A shard's per-episode columns are read once (a closed
+shard never changes) and kept as Arrow columns (under 200 bytes an episode, texts cut at
+:data:`LIST_TEXT_MAX` characters), for the newest :data:`FILES_MAX` shards and at most
+:data:`ROWS_MAX` episodes; older ones are not browsed, and a Parquet file of another
+schema is left out. Any other worker's shards of the same directory are read too (they
+are files there). An opened episode's row group is read and only the window of steps
+asked for becomes Python values. Every answer is bounded: a page of episodes, a window of
+steps, each text value cut at :data:`TEXT_MAX` characters. Without ``--record``: ``404``
+saying so. The routes pass the same access checks as every HTTP endpoint (``--auth-token``)
+and are served when ``/web`` is (``ENABLE_WEB_INTERFACE``): whoever may use the server may
+read every recorded episode (docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ _NUMBER_FILTERS = {
 
 class RecordingIndex:
     """The per-episode columns of a recording directory's shards, read once each and kept
-    as Arrow tables (about 130 bytes an episode; Python dicts took 900)."""
+    as Arrow tables (under 200 bytes an episode; Python dicts took 900)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -376,7 +384,7 @@ def _body(body: bytes) -> dict[str, Any] | None:
         return {}
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError:
+    except ValueError:  # msgspec.DecodeError; UnicodeDecodeError (a string not UTF-8)
         return None
     return data if isinstance(data, dict) else None
 
