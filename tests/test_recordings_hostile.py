@@ -19,11 +19,13 @@ import pytest
 from click.testing import CliRunner
 
 from stadium._cli.main import cli, main
+from stadium._cli.replay import replay
 from stadium._errors import ConfigError, StadiumError
 from stadium._server.http import recordings
 from stadium._server.http.recordings import RecordingIndex, RecordingsRoutes
 from stadium._server.ledger.rows import schema
 from tests.conftest import UNIT
+from tests.test_ledger import Walker
 
 SHARD = "episodes-walker-100-1700000000000-1.parquet"
 
@@ -261,3 +263,37 @@ def test_an_error_line_is_printed_escaped(
     err = capsys.readouterr().err
     assert "\\x1b]52;c;ZXZpbA==\\x07 no" in err
     assert "\x1b" not in err
+
+
+class ResetRaises(Walker):
+    """Its reset raises for every seed (the recorded one did not)."""
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        raise RuntimeError("no reset today")
+
+
+def test_a_reset_that_raises_or_options_not_an_object_are_reported(tmp_path: Path) -> None:
+    """A replayed reset that raises is the episode's divergence (it was a traceback that
+    ended the replay); recorded options that are not a JSON object are a ConfigError."""
+    write(tmp_path, [episode(1)])
+    report = replay(str(tmp_path), "tests.test_recordings_hostile:ResetRaises")
+    ((step, field, replayed_error),) = [(d.step, d.field, d.replayed) for d in report.divergences]
+    assert (step, field) == (0, "error")
+    assert replayed_error == "RuntimeError: no reset today"
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    write(listed, [episode(1, options="[1, 2]")])
+    with pytest.raises(ConfigError, match="options are not a JSON object"):
+        replay(str(listed), "tests.test_ledger:Walker")
+
+
+def test_replay_reads_a_few_episodes_at_a_time(tmp_path: Path) -> None:
+    """16 shards of a 20,000-step episode each: replay holds a few of them as Python
+    values at a time, not all (it read every shard whole first: 16 x 7 MB here; a
+    recording larger than memory could not be replayed)."""
+    for i in range(16):
+        write(tmp_path, [episode(i, steps=20_000)], f"episodes-walker-100-17-{i}.parquet")
+    report, peak = python_bytes(replay, str(tmp_path), "tests.test_ledger:Walker")
+    assert report.total == 16
+    assert len(report.divergences) == 16  # the recorded reset is not the Walker's
+    assert peak < 40 << 20, f"{peak / 2**20:.0f} MiB of Python objects"
