@@ -6,6 +6,8 @@ shard that is not one of ours. The readers: ``/web/episodes`` (``_server/http/re
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import threading
 import tracemalloc
 import types
@@ -16,6 +18,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import websockets
 from click.testing import CliRunner
 
 from stadium._cli.main import cli, main
@@ -297,3 +300,51 @@ def test_replay_reads_a_few_episodes_at_a_time(tmp_path: Path) -> None:
     assert report.total == 16
     assert len(report.divergences) == 16  # the recorded reset is not the Walker's
     assert peak < 40 << 20, f"{peak / 2**20:.0f} MiB of Python objects"
+
+
+RESET_OK = json.dumps({"type": "observation", "data": {"observation": {"t": 0}, "done": False}})
+
+
+@contextlib.asynccontextmanager
+async def hostile_server(step_reply: str | None, reset_reply: str = RESET_OK) -> Any:
+    """A WebSocket server on port 0 answering a reset with ``reset_reply`` and every step
+    with ``step_reply`` (``None``: never); a ``close`` closes."""
+
+    async def handler(ws: Any) -> None:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for message in ws:
+                kind = json.loads(message)["type"]
+                if kind == "close":
+                    await ws.close()
+                    return
+                reply = reset_reply if kind == "reset" else step_reply
+                if reply is not None:
+                    await ws.send(reply)
+
+    async with websockets.serve(handler, "127.0.0.1", 0) as server:
+        yield f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_hostile_url_server(tmp_path: Path) -> None:
+    """``replay --url`` against a server that answers what it likes: an error reply whose
+    text holds an OSC 52 sequence is a divergence printed escaped (it was raised, and
+    printed raw on the `error:` line); a frame that cannot be read, or none within
+    ``--timeout``, ends the replay with a StadiumError (the server failed, not the env;
+    a silent server held each reply 600 s with no option to shorten it)."""
+    write(tmp_path, [episode(1)])
+    osc52 = {"message": "\x1b]52;c;ZXZpbA==\x07 no", "code": "EXECUTION_ERROR"}
+    error = json.dumps({"type": "error", "data": osc52})
+    async with hostile_server(error, reset_reply=error) as url:
+        result = await asyncio.to_thread(replayed, str(tmp_path), "--url", url)
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert "error at reset" in result.output
+    assert "\\u001b]52;c;ZXZpbA==\\u0007 no" in result.output
+    assert "\x1b" not in result.output
+    async with hostile_server("\x1b[2J{not json") as url:
+        with pytest.raises(StadiumError, match="cannot be read"):
+            await asyncio.to_thread(replay, str(tmp_path), url=url)
+    async with hostile_server(None) as url:
+        with pytest.raises(StadiumError, match="no reply within"):
+            await asyncio.wait_for(
+                asyncio.to_thread(replay, str(tmp_path), url=url, timeout=0.5 * UNIT), 20 * UNIT
+            )

@@ -14,7 +14,9 @@ one line), and what is printed of it (episode ids, env versions, diffs) has its 
 characters escaped (:func:`stadium._util.text.printable`): no escape sequence reaches the
 operator's terminal. The shards are read a few episodes at a time (:data:`BATCH_ROWS`; at
 most ``2 * jobs`` read ahead, off the client's loop with ``--url``), so a recording larger
-than memory replays; a replayed reset that raises is the episode's divergence.
+than memory replays; a replayed reset that raises is the episode's divergence. On a
+server, its error replies are divergences, and any other failure of the server (the
+session closed, a frame that cannot be read, no reply within ``--timeout``) ends the replay.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ import msgspec
 
 from stadium._env.contract import StepResult
 from stadium._env.spec import EnvSpec
-from stadium._errors import ConfigError, StadiumError
+from stadium._errors import (
+    ConfigError,
+    ExecutionError,
+    ProtocolError,
+    StadiumError,
+    ValidationError,
+)
 from stadium._util.text import printable
 
 #: Lines of a divergence's diff shown at most.
@@ -167,14 +175,23 @@ def replay(
     url: str | None = None,
     jobs: int = 1,
     episodes: Iterable[dict[str, Any]] | None = None,
+    timeout: float = 600.0,
 ) -> ReplayReport:
     """Replay the episodes recorded under ``directory`` in process (``target``) or on the
-    server at ``url``; ``jobs`` at once (and at most ``2 * jobs`` episodes read ahead).
-    See the module doc."""
+    server at ``url``; ``jobs`` at once (and at most ``2 * jobs`` episodes read ahead);
+    ``timeout``: seconds for each of the server's replies. See the module doc.
+
+    Raises:
+        ConfigError: a bad argument, or a recording that cannot be read (or not ours).
+        StadiumError: on a server, one that failed other than by its env's error replies
+            (closed the session, sent what cannot be read, no reply within ``timeout``).
+    """
     if (target is None) == (url is None):
         raise ConfigError("replay needs one of TARGET (in process) and --url URL (a server)")
     if jobs < 1:
         raise ConfigError("--jobs must be at least 1", value=jobs)
+    if not timeout > 0:
+        raise ConfigError("--timeout must be a number of seconds above 0", value=timeout)
     rows = read_episodes(directory) if episodes is None else iter(episodes)
     report = ReplayReport()
 
@@ -186,7 +203,7 @@ def replay(
 
     start = time.perf_counter()
     if url is not None:
-        found = asyncio.run(_on_server(url, counted(), jobs))
+        found = asyncio.run(_on_server(url, counted(), jobs, timeout))
     else:
         assert target is not None
         from stadium._server.loader import load_target
@@ -318,19 +335,28 @@ def _in_process(spec: EnvSpec, row: dict[str, Any]) -> Divergence | None:
         loop.close()
 
 
-async def _on_server(url: str, rows: Iterator[dict[str, Any]], jobs: int) -> list[Divergence]:
-    """Each row replayed on the server at ``url``, ``jobs`` sessions at once; the rows
-    read off the loop, ``jobs`` ahead at most; the divergences in the rows' order."""
+#: The errors a server answers for its env (or for a request it refused): a replayed
+#: episode's divergence. Any other (the session closed, no reply within ``--timeout``, a
+#: frame that cannot be read, capacity) ends the replay: the server failed, not the env.
+_ANSWERED = (ExecutionError, ValidationError, ProtocolError)
+
+
+async def _on_server(
+    url: str, rows: Iterator[dict[str, Any]], jobs: int, reply_s: float
+) -> list[Divergence]:
+    """Each row replayed on the server at ``url``, ``jobs`` sessions at once (``reply_s``:
+    seconds for each reply); the rows read off the loop, ``jobs`` ahead at most; the
+    divergences in the rows' order."""
     from stadium._client.session import AsyncClient
 
     async def one(row: dict[str, Any]) -> Divergence | None:
         env: AsyncClient[Any]
-        async with AsyncClient(url) as env:
+        async with AsyncClient(url, request_timeout=reply_s) as env:
             check = _Checker(row)
             options = _options(row, keywords=True)
             try:
                 result: StepResult[Any] = await env.reset(seed=row.get("seed"), **options)
-            except StadiumError as exc:
+            except _ANSWERED as exc:
                 return check.reset_failed(f"{exc.code}: {exc}")
             found = check.first(result.observation)
             if found is not None:
@@ -338,7 +364,7 @@ async def _on_server(url: str, rows: Iterator[dict[str, Any]], jobs: int) -> lis
             for i, text in enumerate(row.get("actions") or []):
                 try:
                     out: StepResult[Any] = await env.step(_load(text))
-                except StadiumError as exc:
+                except _ANSWERED as exc:
                     found = check.step(i, None, None, False, f"{exc.code}: {exc}")
                 else:
                     found = check.step(i, out.observation, out.reward, out.done, None)
