@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import tracemalloc
 import types
@@ -130,6 +131,22 @@ async def test_long_texts_are_cut_in_the_list_and_bad_shards_skipped(tmp_path: P
     assert status == 200
     assert len(opened["episode_id"]) < recordings.TEXT_MAX + 100  # cut, and says so
     assert opened["episode_id"].endswith("more characters)")
+
+
+async def test_the_newest_shards_are_the_last_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shards browsed are the ones written last, whichever worker wrote them: a worker
+    started later (a greater start in its names) was taken as newer in all its shards, so
+    a long-running worker's recent episodes fell out of the newest ``FILES_MAX``."""
+    monkeypatch.setattr(recordings, "FILES_MAX", 2)
+    old = [write(tmp_path, [episode(i)], f"episodes-walker-200-2000-{i}.parquet") for i in (1, 2)]
+    for i, path in enumerate(old):
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    write(tmp_path, [episode(3, episode_id="recent")], "episodes-walker-100-1000-900.parquet")
+    status, listed = await post(routes(tmp_path), "/web/episodes", {})
+    assert status == 200
+    assert "recent" in [ep["episode_id"] for ep in listed["episodes"]]
 
 
 async def test_filters_of_the_wrong_type_are_refused(tmp_path: Path) -> None:

@@ -32,10 +32,11 @@ read every recorded episode (docs/SECURITY.md).
 from __future__ import annotations
 
 import asyncio
+import heapq
 import os
 import re
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -84,12 +85,7 @@ class RecordingIndex:
         and ``row``), newest first, as one ``pyarrow.Table``."""
         import pyarrow as pa  # only a recording server loads it
 
-        try:
-            names = [n for n in os.listdir(self.directory) if _SHARD.match(n)]
-        except OSError:
-            names = []
-        names.sort(key=_written_at, reverse=True)
-        names = names[:FILES_MAX]
+        names = _newest(self.directory, FILES_MAX)
         tables: list[Any] = []
         count = 0
         with self._lock:
@@ -193,13 +189,25 @@ def _summary_schema(pa: Any, *, with_place: bool = True) -> Any:
     return pa.schema([full.field(name) for name in SUMMARY] + place)
 
 
-def _written_at(name: str) -> tuple[int, int]:
-    """A shard's worker start (ms) and number, from its name, for newest-first order."""
-    parts = name[: -len(".parquet")].rsplit("-", 2)
-    try:
-        return int(parts[-2]), int(parts[-1])
-    except (IndexError, ValueError):
-        return 0, 0
+def _newest(directory: str, count: int) -> list[str]:
+    """The names of the ``count`` shards of ``directory`` written last (by their time of
+    change: a shard is renamed into place once written), newest first. Worker start and
+    shard number, in the name, do not order shards of different workers: a worker started
+    later is not newer in all its shards."""
+
+    def shards() -> Iterator[tuple[int, str]]:
+        try:
+            with os.scandir(directory) as entries:
+                for entry in entries:
+                    if _SHARD.match(entry.name):
+                        try:
+                            yield entry.stat(follow_symlinks=False).st_mtime_ns, entry.name
+                        except OSError:  # gone meanwhile
+                            continue
+        except OSError:
+            return
+
+    return [name for _, name in heapq.nlargest(count, shards())]
 
 
 def _cut(value: Any) -> Any:
