@@ -150,15 +150,17 @@ async def test_the_newest_shards_are_the_last_written(
 
 
 async def test_filters_of_the_wrong_type_are_refused(tmp_path: Path) -> None:
-    """A filter of another type is 422 (it was ignored: every episode matched), and so is
-    a body whose strings are not UTF-8 (msgspec raises UnicodeDecodeError there: a 500)."""
+    """A filter of another type is 422 (it was ignored: every episode matched), and so are
+    a 400-digit bound (``float()`` overflowed: a 500), a body whose strings are not UTF-8
+    and one nested 100,000 deep (msgspec raises UnicodeDecodeError, RecursionError: 500s)."""
     write(tmp_path, [episode(1), episode(2, error="E: x")])
     r = routes(tmp_path)
     for path in ("/web/episodes", "/web/episodes/one"):
         handler = r.route("POST", path)
         assert handler is not None
-        assert (await handler(b'{"file": "\xff\xfe", "env": "\xff"}')).status == 422
-    for bad in ({"env": ["walker"]}, {"min_reward": "1"}, {"error": "yes"}):
+        for body in (b'{"file": "\xff\xfe", "env": "\xff"}', b"[" * 100_000):
+            assert (await handler(body)).status == 422
+    for bad in ({"env": ["walker"]}, {"min_reward": "1"}, {"error": "yes"}, {"max_cpu_s": 10**400}):
         status, answer = await post(r, "/web/episodes", bad)
         assert status == 422, (bad, answer)
     status, answer = await post(r, "/web/episodes", {"error": True, "min_reward": 1.5})

@@ -63,7 +63,7 @@ SUMMARY = (
     "clipped", "total_reward", "steps", "wall_s", "cpu_s", "cpu_source", "bytes_in",
     "bytes_out", "peak_rss_bytes",
 )  # fmt: skip
-_SHARD = re.compile(r"^episodes-[A-Za-z0-9_.-]+\.parquet$")
+_SHARD = re.compile(r"episodes-[A-Za-z0-9_.-]+\.parquet")  # fullmatch: no "\n" after
 _NUMBER_FILTERS = {
     "min_reward": ("total_reward", 1), "max_reward": ("total_reward", -1),
     "min_cpu_s": ("cpu_s", 1), "max_cpu_s": ("cpu_s", -1),
@@ -137,7 +137,7 @@ class RecordingIndex:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if not _SHARD.match(name):
+        if not _SHARD.fullmatch(name):
             return None
         try:
             shard = pq.ParquetFile(os.path.join(self.directory, name))
@@ -199,7 +199,7 @@ def _newest(directory: str, count: int) -> list[str]:
         try:
             with os.scandir(directory) as entries:
                 for entry in entries:
-                    if _SHARD.match(entry.name):
+                    if _SHARD.fullmatch(entry.name):
                         try:
                             yield entry.stat(follow_symlinks=False).st_mtime_ns, entry.name
                         except OSError:  # gone meanwhile
@@ -253,8 +253,12 @@ def filter_problem(filters: dict[str, Any]) -> str | None:
         return "error must be true or false"
     for key in _NUMBER_FILTERS:
         value = filters.get(key)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+        if value is None:
+            continue
+        if not isinstance(value, int | float) or isinstance(value, bool):
             return f"{key} must be a number"
+        if isinstance(value, int) and not -(2**1023) < value < 2**1023:  # float() overflows
+            return f"{key} is out of range"
     return None
 
 
@@ -392,8 +396,8 @@ def _body(body: bytes) -> dict[str, Any] | None:
         return {}
     try:
         data = msgspec.json.decode(body)
-    except ValueError:  # msgspec.DecodeError; UnicodeDecodeError (a string not UTF-8)
-        return None
+    except (ValueError, RecursionError):  # msgspec.DecodeError; UnicodeDecodeError (a
+        return None  # string not UTF-8); RecursionError (nested too deep)
     return data if isinstance(data, dict) else None
 
 
