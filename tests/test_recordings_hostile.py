@@ -149,6 +149,24 @@ async def test_the_newest_shards_are_the_last_written(
     assert "recent" in [ep["episode_id"] for ep in listed["episodes"]]
 
 
+async def test_reads_are_bounded_before_they_are_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard whose episodes would pass ``ROWS_MAX`` is not read (it was read whole, and
+    kept, past the bound); an episode in a row group over ``GROUP_BYTES_MAX`` uncompressed
+    (by the footer) is ``413``, not read (a copied shard's million-row group was)."""
+    monkeypatch.setattr(recordings, "ROWS_MAX", 5)
+    big = write(tmp_path, [episode(i) for i in range(10)], "episodes-walker-1-1-1.parquet")
+    os.utime(big, (1_000_000, 1_000_000))
+    write(tmp_path, [episode(i) for i in range(3)], "episodes-walker-1-1-2.parquet")
+    r = routes(tmp_path)
+    status, listed = await post(r, "/web/episodes", {})
+    assert (status, listed["total"]) == (200, 3)
+    monkeypatch.setattr(recordings, "GROUP_BYTES_MAX", 1000)
+    status, answer = await post(r, "/web/episodes/one", {"file": big.name, "row": 0})
+    assert (status, answer["code"]) == (413, "TOO_LARGE")
+
+
 async def test_filters_of_the_wrong_type_are_refused(tmp_path: Path) -> None:
     """A filter of another type is 422 (it was ignored: every episode matched), and so are
     a 400-digit bound (``float()`` overflowed: a 500), a body whose strings are not UTF-8

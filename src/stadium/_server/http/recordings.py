@@ -18,15 +18,17 @@ pyarrow in the loop's executor, never on the loop, one request at a time (a burs
 takes one executor thread, not all: a sandbox's replies are decoded there), past
 :data:`WAITING_MAX` waiting ``503``. A shard's per-episode columns are read once (a closed
 shard never changes) and kept as Arrow columns (under 200 bytes an episode, texts cut at
-:data:`LIST_TEXT_MAX` characters), for the newest :data:`FILES_MAX` shards and at most
+:data:`LIST_TEXT_MAX` characters), for the :data:`FILES_MAX` shards written last and at most
 :data:`ROWS_MAX` episodes; older ones are not browsed, and a Parquet file of another
 schema is left out. Any other worker's shards of the same directory are read too (they
 are files there). An opened episode's row group is read and only the window of steps
-asked for becomes Python values. Every answer is bounded: a page of episodes, a window of
-steps, each text value cut at :data:`TEXT_MAX` characters. Without ``--record``: ``404``
-saying so. The routes pass the same access checks as every HTTP endpoint (``--auth-token``)
-and are served when ``/web`` is (``ENABLE_WEB_INTERFACE``): whoever may use the server may
-read every recorded episode (docs/SECURITY.md).
+asked for becomes Python values; a row group over :data:`GROUP_BYTES_MAX` (by the footer) is
+``413``, and a shard whose episodes would pass :data:`ROWS_MAX` is not read. Every answer
+is bounded: a page of episodes, a window of steps, each text value cut at :data:`TEXT_MAX`
+characters. Without ``--record``: ``404`` saying so. The routes pass the same access
+checks as every HTTP endpoint (``--auth-token``) and are served when ``/web`` is
+(``ENABLE_WEB_INTERFACE``): whoever may use the server may read every recorded episode
+(docs/SECURITY.md).
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ TEXT_MAX = 20_000
 LIST_TEXT_MAX = 500
 #: Requests waiting for the recording's reader (one read at a time), at most.
 WAITING_MAX = 8
+#: An episode is browsed only in a row group of at most this many bytes, uncompressed (as
+#: its shard's footer says; the writers' rows are at most 64 MiB and one 16 MiB episode).
+GROUP_BYTES_MAX = 256 << 20
+#: What :meth:`RecordingIndex.one` answers for an episode in a larger row group.
+TOO_LARGE: dict[str, Any] = {"too_large": True}
 #: Bins of each cost distribution.
 BINS = 20
 SUMMARY = (
@@ -87,6 +94,7 @@ class RecordingIndex:
 
         names = _newest(self.directory, FILES_MAX)
         tables: list[Any] = []
+        kept: set[str] = set()
         count = 0
         with self._lock:
             for name in names:
@@ -94,13 +102,15 @@ class RecordingIndex:
                     break
                 table = self._tables.get(name)
                 if table is None:
-                    table = self._summary(name)
-                    if table is None:  # gone, or not a shard of ours
+                    table = self._summary(name, ROWS_MAX - count)
+                    if table is None:  # gone, not a shard of ours, or past ROWS_MAX
                         continue
                     self._tables[name] = table
+                elif table.num_rows > ROWS_MAX - count:
+                    continue
                 tables.append(table)
+                kept.add(name)
                 count += table.num_rows
-            kept = set(names[: len(tables)])
             for name in set(self._tables) - kept:  # older shards are forgotten
                 del self._tables[name]
         if not tables:
@@ -108,15 +118,19 @@ class RecordingIndex:
         out = pa.concat_tables(tables)
         return out.sort_by([("started_at", "descending")])
 
-    def _summary(self, name: str) -> Any:
+    def _summary(self, name: str, room: int) -> Any:
         """Shard ``name``'s per-episode columns (texts cut at :data:`LIST_TEXT_MAX`), its
-        name and row numbers; ``None`` if it cannot be read or is not a shard of ours."""
+        name and row numbers; ``None`` if it cannot be read, is not a shard of ours, or
+        holds more than ``room`` episodes (then it is not read)."""
         import pyarrow as pa
         import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
         try:
-            table = pq.ParquetFile(os.path.join(self.directory, name)).read(columns=list(SUMMARY))
+            shard = pq.ParquetFile(os.path.join(self.directory, name))
+            if shard.metadata.num_rows > room:  # its rows would pass ROWS_MAX
+                return None
+            table = shard.read(columns=list(SUMMARY))
         except (OSError, ValueError, KeyError, pa.ArrowException):
             return None
         if table.schema.remove_metadata() != _summary_schema(pa, with_place=False):
@@ -148,6 +162,8 @@ class RecordingIndex:
             while row >= start + meta.row_group(group).num_rows:
                 start += meta.row_group(group).num_rows
                 group += 1
+            if meta.row_group(group).total_byte_size > GROUP_BYTES_MAX:
+                return TOO_LARGE
             table = shard.read_row_group(group)
         except (OSError, ValueError, KeyError, IndexError, pa.ArrowException):
             return None
@@ -375,6 +391,11 @@ class RecordingsRoutes:
         episode = await self._read(index.one, name, row, first, count)
         if episode is None:
             return error_response(404, f"no episode {row} in {name[:200]!r}", "NOT_FOUND")
+        if episode is TOO_LARGE:
+            return error_response(
+                413, f"{name!r}'s row group is over {GROUP_BYTES_MAX >> 20} MiB uncompressed: "
+                "too large to browse here; read it with pyarrow", "TOO_LARGE",
+            )  # fmt: skip
         return HttpResponse(200, msgspec.json.encode(episode))
 
 
