@@ -385,3 +385,23 @@ async def test_a_hostile_url_server(tmp_path: Path) -> None:
             await asyncio.wait_for(
                 asyncio.to_thread(replay, str(tmp_path), url=url, timeout=0.5 * UNIT), 20 * UNIT
             )
+
+
+@pytest.mark.slow  # a recording server (and its writer process)
+async def test_a_clients_episode_id_reaches_replay_escaped(tmp_path: Path) -> None:
+    """End to end: a client of a recording server names its episode with an OSC 52
+    sequence (and markup); ``stadium replay`` of a diverging env prints it escaped."""
+    from stadium import AsyncClient
+    from tests.conftest import serve
+    from tests.test_ledger import _recorded
+
+    hostile = '\x1b]52;c;ZXZpbA==\x07"><img src=x onerror=alert(1)>'
+    async with serve(Walker, record=str(tmp_path)) as server:
+        async with AsyncClient(server.url) as env:
+            await env.reset(seed=1, episode_id=hostile)
+            await env.step({"n": 0.5})
+        await _recorded(tmp_path, 1)
+    result = await asyncio.to_thread(replayed, str(tmp_path), "tests.test_ledger:SeedIgnoring")
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert '\\x1b]52;c;ZXZpbA==\\x07"><img' in result.output
+    assert "\x1b" not in result.output
