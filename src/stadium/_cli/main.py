@@ -197,18 +197,26 @@ def check(
 @click.argument("target", required=False)
 @click.option("--url", help="Replay on the server at URL (through the client), not in process.")
 @click.option("--jobs", default=1, show_default=True, help="Episodes replayed at once.")
-def replay(directory: str, target: str | None, url: str | None, jobs: int) -> None:
+@click.option(
+    "--timeout",
+    default=600.0,
+    show_default=True,
+    help="With --url: seconds to wait for each of the server's replies.",
+)
+def replay(directory: str, target: str | None, url: str | None, jobs: int, timeout: float) -> None:
     """Re-run the episodes recorded in DIRECTORY (serve --record) against TARGET (in process)
     or --url URL: same seeds, options and actions. Reports the first divergence of each
     episode (observation, reward, done, an error) with a diff; exits 1 if any diverged."""
     from stadium._cli.replay import replay as run_replay
+    from stadium._util.text import printable
 
-    report = run_replay(directory, target, url=url, jobs=jobs)
-    for d in report.divergences:
+    report = run_replay(directory, target, url=url, jobs=jobs, timeout=timeout)
+    for d in report.divergences:  # recorded texts: the clients' and envs' (printable)
         where = "reset" if d.step == 0 else f"step {d.step}"
-        click.echo(f"DIVERGED episode {d.episode_id} (env version {d.env_version or '?'}): "
+        version = printable(d.env_version) or "?"
+        click.echo(f"DIVERGED episode {printable(d.episode_id)} (env version {version}): "
                    f"{d.field} at {where}")  # fmt: skip
-        click.echo(d.diff)
+        click.echo(printable(d.diff))
     for line in report.summary():
         click.echo(line)
     if report.divergences:
@@ -394,8 +402,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(exc.exit_code)
-    except StadiumError as exc:
-        click.echo(f"error: {exc.message}", err=True)
+    except StadiumError as exc:  # its text may be a server's or a recording's
+        from stadium._util.text import printable
+
+        click.echo(f"error: {printable(exc.message)}", err=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.exit(130)
