@@ -75,7 +75,13 @@ def test_refs_that_name_nothing_say_so(image_store: ImageStore, tmp_path: Path) 
     two = make_layout(tmp_path / "two", [[Entry("f", data=b"1")]], tag="one")
     make_layout(two, [[Entry("f", data=b"2")]], tag="two")
     (tmp_path / "file").write_text("x")
+    (tmp_path / "latin").mkdir()  # an index msgspec reads as UnicodeDecodeError, and
+    (tmp_path / "latin/index.json").write_bytes(b'{"mediaType": "\xff"}')
+    (tmp_path / "deep").mkdir()  # one it reads as RecursionError: each was a traceback
+    (tmp_path / "deep/index.json").write_bytes(b'{"x": ' + b"[" * 99_999 + b"]" * 99_999 + b"}")
     cases = {
+        f"oci:{tmp_path / 'latin'}": "is not what an OCI layout holds: a string is not valid UTF-8",
+        f"oci:{tmp_path / 'deep'}": "is not what an OCI layout holds: values are nested more",
         f"oci:{tmp_path / 'missing'}": "has no index.json",
         f"oci:{tmp_path}": "has no index.json",
         f"oci:{two}": "holds 2 images; name one with :TAG",

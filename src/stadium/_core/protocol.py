@@ -47,7 +47,7 @@ from stadium._core.frames import (
     RequestId,
 )
 from stadium._core.resume import ForkedData, ResumedData
-from stadium._env.codecs import enc_hook_default, validation_error
+from stadium._env.codecs import enc_hook_default, unreadable_detail, validation_error
 from stadium._env.contract import StepResult
 from stadium._env.cost import EpisodeCost
 from stadium._env.spec import EnvSpec
@@ -57,7 +57,6 @@ from stadium._errors import (
     SessionError,
     StadiumError,
     UnknownTypeError,
-    describe_exception,
 )
 from stadium._errors import ValidationError as StadiumValidationError
 
@@ -356,14 +355,7 @@ class SessionProtocol:
     def _unreadable(self, exc: Exception) -> StadiumError:
         """The error for a message the decoders (or a validator) could not read."""
         kind = "JSON" if self.encoding is Encoding.JSON else "MessagePack"
-        if isinstance(exc, RecursionError):
-            detail = "values are nested more deeply than the decoder allows"
-        elif isinstance(exc, UnicodeDecodeError):
-            detail = f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
-        elif isinstance(exc, msgspec.DecodeError):
-            detail = str(exc)
-        else:
-            detail = describe_exception(exc)  # e.g. a validator that raised: no server paths
+        detail = unreadable_detail(exc)
         return InvalidMessageError(f"Invalid {kind}: {detail}", encoding=self.encoding.value)
 
     def _envelope_error(self, exc: msgspec.ValidationError) -> StadiumError:

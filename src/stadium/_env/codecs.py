@@ -18,13 +18,30 @@ from typing import Any
 
 import msgspec
 
-from stadium._errors import TargetError
+from stadium._errors import TargetError, describe_exception
 from stadium._errors import ValidationError as StadiumValidationError
 
 _PATH = re.compile(r" - at `(\$[^`]*)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `([^`]*)`$")
 
 EncHook = Callable[[Any], Any]
+
+
+#: What msgspec raises on bytes it cannot read: ``DecodeError`` (not JSON/MessagePack),
+#: ``UnicodeDecodeError`` (a string not UTF-8) and ``RecursionError`` (nested deeper than
+#: it allows). Every decode of a peer's bytes catches all three.
+UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def unreadable_detail(exc: BaseException) -> str:
+    """What was wrong with bytes a decoder could not read, for an error a peer sees."""
+    if isinstance(exc, RecursionError):
+        return "values are nested more deeply than the decoder allows"
+    if isinstance(exc, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+    if isinstance(exc, msgspec.DecodeError):
+        return str(exc)
+    return describe_exception(exc)  # e.g. a validator that raised: no server paths
 
 
 def validation_error(err: msgspec.ValidationError, what: str) -> StadiumValidationError:

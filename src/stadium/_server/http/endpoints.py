@@ -31,6 +31,7 @@ from stadium._core.access import Tenant
 from stadium._core.frames import ObservationBody
 from stadium._core.openapi import MODE_ENV, MODES, SIMULATION, openapi
 from stadium._core.protocol import PROTOCOL_VERSION, reset_call
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import (
@@ -353,8 +354,8 @@ class HttpEndpoints:
             return self.not_found(path)
         try:
             data = msgspec.json.decode(body) if body.strip() else {}
-        except msgspec.DecodeError as exc:
-            return _error(400, f"body is not valid JSON: {exc}", "INVALID_JSON")
+        except UNREADABLE as exc:
+            return _error(400, f"body is not valid JSON: {unreadable_detail(exc)}", "INVALID_JSON")
         if not isinstance(data, dict):
             return _error(422, "body must be a JSON object", "VALIDATION_ERROR")
         rt = self.runtime

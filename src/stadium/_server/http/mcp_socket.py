@@ -20,6 +20,7 @@ from stadium._core import mcp as _mcp
 from stadium._core.access import Tenant
 from stadium._core.frames import Request
 from stadium._core.protocol import Encoding
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._server.runtime import Channel, Runtime
 from stadium._server.sessions.runner import Session
 
@@ -76,8 +77,8 @@ class McpSocket:
         """One JSON-RPC request frame; a frame that is not JSON is answered ``-32700``."""
         try:
             msgspec.json.decode(message)
-        except msgspec.DecodeError as exc:
-            reply = _mcp.error(None, _mcp.PARSE_ERROR, f"Parse error: {exc}")
+        except UNREADABLE as exc:
+            reply = _mcp.error(None, _mcp.PARSE_ERROR, f"Parse error: {unreadable_detail(exc)}")
             self.channel.send(msgspec.json.encode(reply))
             return
         self.session.feed(msgspec.json.encode(Request("mcp", msgspec.Raw(message))))

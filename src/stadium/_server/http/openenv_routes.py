@@ -31,6 +31,7 @@ import msgspec
 
 from stadium._core.frames import ObservationBody
 from stadium._core.protocol import reset_call
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError, ValidationError
@@ -253,8 +254,8 @@ def _body(body: bytes) -> dict[str, Any] | str:
         return {}
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        return f"body is not valid JSON: {exc}"
+    except UNREADABLE as exc:
+        return f"body is not valid JSON: {unreadable_detail(exc)}"
     return data if isinstance(data, dict) else "body must be a JSON object"
 
 

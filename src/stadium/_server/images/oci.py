@@ -19,6 +19,7 @@ from typing import IO, Protocol, TypeVar
 
 import msgspec
 
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._errors import ConfigError
 from stadium._server.images.refs import check_digest
 
@@ -236,8 +237,10 @@ def _decode(data: bytes, kind: type[T], what: str, where: str) -> T:
         raise ConfigError(f"{where}: {what} is over {MAX_DOC_BYTES} bytes")
     try:
         return msgspec.json.decode(data, type=kind)
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{where}: {what} is not what an OCI layout holds: {exc}") from None
+    except UNREADABLE as exc:
+        raise ConfigError(
+            f"{where}: {what} is not what an OCI layout holds: {unreadable_detail(exc)}"
+        ) from None
 
 
 def read_image(layout: Layout, tag: str | None) -> Manifested:
