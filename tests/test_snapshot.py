@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 import stadium
+from stadium._env import snapshot
 from stadium._env.snapshot import (
     restore_env,
     snapshot_class,
@@ -484,6 +485,10 @@ def test_bytes_that_are_not_a_snapshot_are_refused() -> None:
         restore_env(EchoEnv, bytes(data))
     with pytest.raises(SnapshotError, match="no state prefix"):
         EchoEnv().restore(b"nonsense")
+    head = b"\x93\xa3env\xa2\xff\xfe\xa11"  # a header whose class name is not UTF-8
+    damaged = bytes(data[:8]) + bytes((snapshot.FORMAT,)) + snapshot._LENGTH.pack(len(head)) + head
+    with pytest.raises(SnapshotError, match="header is damaged: a string is not valid UTF-8"):
+        restore_env(EchoEnv, damaged)  # was UnicodeDecodeError, out of msgspec
 
 
 class FailsToRestore(EchoEnv):

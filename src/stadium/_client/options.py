@@ -28,6 +28,7 @@ import msgspec
 from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
 
 from stadium._core.client import codec
+from stadium._env.codecs import UNREADABLE
 from stadium._errors import ConfigError, ConnectError
 
 #: The environment variable a client reads its bearer token from when given none
@@ -207,7 +208,7 @@ def refused(exc: WSHandshakeError, url: str) -> ConnectError:
         body = msgspec.json.decode(exc.raw_body or b"{}")
         if isinstance(body, dict):
             detail = str(body.get("message") or body.get("detail") or "")
-    except msgspec.DecodeError:
+    except UNREADABLE:
         detail = (exc.raw_body or b"").decode(errors="replace")[:200]
     if status == 401:
         hint = (

@@ -42,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._errors import SnapshotError
 
 #: The envelope's first bytes, then one format byte.
@@ -247,9 +248,9 @@ def _open(data: bytes) -> tuple[_Header, memoryview]:
     (length,) = _LENGTH.unpack(view[len(MAGIC) + 1 : start])
     try:
         header = msgspec.msgpack.decode(view[start : start + length], type=_Header)
-    except msgspec.DecodeError as exc:
+    except UNREADABLE as exc:
         raise SnapshotError(
-            f"a snapshot's header is damaged: {exc}", reason="damaged header"
+            f"a snapshot's header is damaged: {unreadable_detail(exc)}", reason="damaged header"
         ) from exc
     return header, view[start + length :]
 

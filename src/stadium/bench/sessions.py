@@ -36,6 +36,7 @@ import h11
 import msgspec
 
 from stadium._core.frames import Request
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium.bench.loadspec import LoadSpec, source_address
 from stadium.bench.results import SessionResult
 from stadium.bench.stats import ErrorKind
@@ -230,8 +231,8 @@ def _check_reply(payload: bytes) -> dict[str, Any]:
     """The ``data`` of a WebSocket observation reply, or raise :class:`Fail`."""
     try:
         msg = _DECODER.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise Fail(ErrorKind.PROTOCOL, f"reply is not JSON: {exc}") from None
+    except UNREADABLE as exc:
+        raise Fail(ErrorKind.PROTOCOL, f"reply is not JSON: {unreadable_detail(exc)}") from None
     if not isinstance(msg, dict):
         raise Fail(ErrorKind.PROTOCOL, "reply is not an object")
     kind = msg.get("type")
