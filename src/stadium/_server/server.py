@@ -470,14 +470,18 @@ def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None
     from_env = os.environ.get("HOST") == config.host
     source = " (from the HOST environment variable)" if from_env else ""
     bound = f", bound to {config.host or 'all interfaces'}" if wildcard else ""
-    access = "bearer token required" if config.auth_token else "no authentication"
+    # --tenants authenticates too: each request's bearer token names its tenant.
+    token = config.auth_token is not None or config.tenants is not None
+    access = "bearer token required" if token else "no authentication"
+    if config.tenants is not None:
+        access += f" (tenants from {config.tenants})"
     print(
         f"stadium: serving {spec_name!r} with {config.workers} worker(s), "
         f"max {config.max_sessions} sessions; listening on {http}://{shown}:{port} "
         f"(WebSocket {ws}://{shown}:{port}/ws){bound}{source}; {access}",
         flush=True,
     )
-    for warning in exposure_warnings(config.host, token=config.auth_token is not None, tls=tls):
+    for warning in exposure_warnings(config.host, token=token, tls=tls):
         log.warning("%s%s", warning, source)
 
 
