@@ -3,12 +3,22 @@ BENCHMARKS.md and docs/**/*.md names a file that exists, and every ``#anchor`` (
 file or another Markdown file) names one of its headings, slugged as GitHub slugs them
 (lowercase; punctuation dropped; each space a ``-``; a repeated heading gets ``-1``,
 ``-2``, ...). Links in code (fenced blocks, inline code) are not links and are skipped.
+
+And the client examples of README.md and docs/CLIENTS.md run as written, against a server
+of the README's own env (or of a Gymnasium env for ``stadium.gym``'s).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import UNIT, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -167,3 +177,63 @@ def test_a_broken_link_injected_into_a_copy_of_the_readme_is_found(tmp_path: Pat
     assert len(problems) == 2, problems
     assert any("#no-such-heading" in p for p in problems)
     assert any("no such file docs/GONE.md" in p for p in problems)
+
+
+# -- the documents' client examples run as written ------------------------------------
+
+
+def python_blocks(path: Path) -> list[str]:
+    """Every fenced ```python block of ``path``, in order."""
+    return re.findall(r"```python\n(.*?)```", path.read_text(encoding="utf-8"), re.S)
+
+
+def run_block(block: str, url: str) -> int:
+    """Run a document's code block as a user would paste it into a script, against ``url``
+    (its ``http://127.0.0.1:8000`` replaced), then every ``async def`` it defines with
+    ``asyncio.run``; return how many those were. Called in a thread: the sync client must
+    not block the server's loop."""
+    code = compile(block.replace("http://127.0.0.1:8000", url), "<doc block>", "exec")
+    namespace: dict[str, Any] = {"__name__": "doc_block"}
+    exec(code, namespace)  # a SyntaxError here: the block is not valid Python as shown
+    ran = 0
+    for value in list(namespace.values()):
+        if inspect.iscoroutinefunction(value) and value.__code__.co_filename == "<doc block>":
+            asyncio.run(value())
+            ran += 1
+    return ran
+
+
+def _readme_game(tmp_path: Path) -> str:
+    """The README's example env (``Game``), as a target."""
+    (block,) = [b for b in python_blocks(ROOT / "README.md") if "class Game(" in b]
+    path = tmp_path / "game.py"
+    path.write_text(block)
+    return f"{path}:Game"
+
+
+async def test_the_readme_and_clients_drive_examples_run_against_the_readme_env(
+    tmp_path: Path,
+) -> None:
+    """The "Drive it" block of README.md and docs/CLIENTS.md (the sync client, then a
+    `SessionPool` of 256) against `stadium serve game.py:Game`: it once had an `async with`
+    at the top level, a SyntaxError when pasted into a script."""
+    drives = [
+        b
+        for path in (ROOT / "README.md", ROOT / "docs" / "CLIENTS.md")
+        for b in python_blocks(path)
+        if "stadium.SessionPool(" in b
+    ]
+    assert len(drives) == 2, drives
+    async with serve(_readme_game(tmp_path)) as server:
+        for block in drives:
+            ran = await asyncio.wait_for(asyncio.to_thread(run_block, block, server.url), 30 * UNIT)
+            assert ran == 1, "the SessionPool example is one async function, run"
+
+
+async def test_the_clients_gymnasium_example_runs_against_a_gymnasium_env() -> None:
+    """docs/CLIENTS.md's `stadium.gym` block against `stadium serve gymnasium:CartPole-v1`:
+    it once stepped the vector env before resetting it (`SessionError`)."""
+    pytest.importorskip("gymnasium")
+    (block,) = [b for b in python_blocks(ROOT / "docs" / "CLIENTS.md") if "stadium.gym" in b]
+    async with serve("gymnasium:CartPole-v1") as server:
+        await asyncio.wait_for(asyncio.to_thread(run_block, block, server.url), 30 * UNIT)
