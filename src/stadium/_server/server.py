@@ -115,6 +115,17 @@ def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+#: What to do when the bind fails, by errno (appended to the OS's reason).
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "; another process listens there (another `stadium serve`?): stop it, "
+    "or give another --port (--port 0 picks a free one)",
+    errno.EACCES: "; ports below 1024 need root (or CAP_NET_BIND_SERVICE): give --port 1024 "
+    "or above",
+    errno.EADDRNOTAVAIL: "; --host is not an address of this machine: give one of its "
+    "addresses, 127.0.0.1 or 0.0.0.0",
+}
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """Bind and listen with the largest backlog the kernel allows."""
     try:
@@ -122,8 +133,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
         )
     except OSError as exc:
+        hint = _LISTEN_HINTS.get(exc.errno or 0, "")
         raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc.strerror}", host=host, port=port
+            f"cannot listen on {host}:{port}: {exc.strerror}{hint}", host=host, port=port
         ) from None
     sock.listen(_max_backlog())
     sock.setblocking(False)
