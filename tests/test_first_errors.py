@@ -4,10 +4,12 @@ raises under ``stadium check``) say what was wrong and what to do."""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
-from stadium._errors import ConfigError
+from stadium._errors import ConfigError, TargetError
+from stadium._server.loader import load_target
 from stadium._server.server import listen_socket
 
 
@@ -22,3 +24,40 @@ def test_a_port_in_use_says_how_to_pick_another() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in message
     assert "Address already in use" in message
     assert "--port 0 picks a free one" in message
+
+
+GAME = """
+import msgspec, stadium
+
+class Guess(msgspec.Struct):
+    word: str
+
+class Game(stadium.Environment[Guess, Guess, stadium.State]):
+    def reset(self, *, seed=None, options=None) -> Guess:
+        return Guess("")
+
+    def step(self, action: Guess) -> stadium.StepResult[Guess]:
+        return stadium.StepResult(action, done=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "needle"),
+    [
+        (
+            "{game}:Gme",
+            "has no attribute 'Gme'; did you mean 'Game'? (its environment classes: Game)",
+        ),
+        ("{game}", "(a file target names its class: '{game}:ClassName')"),
+        ("echoo", "(did you mean the built-in 'echo'?)"),
+        ("wordgues", "(did you mean the built-in 'wordguess'?)"),
+    ],
+)
+def test_a_typo_in_a_target_names_what_was_likely_meant(
+    tmp_path: Path, target: str, needle: str
+) -> None:
+    game = tmp_path / "typo_game.py"
+    game.write_text(GAME)
+    with pytest.raises(TargetError) as caught:
+        load_target(target.format(game=game))
+    assert needle.format(game=game) in str(caught.value)
