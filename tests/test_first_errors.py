@@ -3,12 +3,16 @@ raises under ``stadium check``) say what was wrong and what to do."""
 
 from __future__ import annotations
 
+import inspect
 import socket
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
-from stadium._errors import ConfigError, TargetError
+from stadium import Environment, State, StepResult, check_env
+from stadium._errors import ConfigError, EnvCheckError, TargetError
 from stadium._server.loader import load_target
 from stadium._server.server import listen_socket
 
@@ -61,3 +65,32 @@ def test_a_typo_in_a_target_names_what_was_likely_meant(
     with pytest.raises(TargetError) as caught:
         load_target(target.format(game=game))
     assert needle.format(game=game) in str(caught.value)
+
+
+class Word(msgspec.Struct):
+    word: str
+
+
+class RaisesInReset(Environment[Word, Word, State]):
+    def reset(self, *, seed: int | None = None, options: Any = None) -> Word:
+        raise RuntimeError("dataset file missing")  # the line the message names
+
+    def step(self, action: Word) -> StepResult[Word]:
+        return StepResult(action, done=True)
+
+
+class RaisesInInit(RaisesInReset):
+    def __init__(self) -> None:
+        raise RuntimeError("no GPU")
+
+
+def test_check_names_the_env_call_that_raised_and_its_line() -> None:
+    line = inspect.getsourcelines(RaisesInReset.reset)[1] + 1
+    with pytest.raises(EnvCheckError) as caught:
+        check_env(RaisesInReset)
+    assert str(caught.value) == (
+        "RaisesInReset.reset() raised RuntimeError: dataset file missing "
+        f"(at test_first_errors.py:{line})"
+    )
+    with pytest.raises(EnvCheckError, match=r"^RaisesInInit\(\) raised RuntimeError: no GPU"):
+        check_env(RaisesInInit)
