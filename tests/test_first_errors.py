@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from stadium import Environment, State, StepResult, check_env
+from stadium._cli.check import check_target
 from stadium._errors import ConfigError, EnvCheckError, TargetError
 from stadium._server.loader import load_target
 from stadium._server.server import listen_socket
@@ -94,3 +95,13 @@ def test_check_names_the_env_call_that_raised_and_its_line() -> None:
     )
     with pytest.raises(EnvCheckError, match=r"^RaisesInInit\(\) raised RuntimeError: no GPU"):
         check_env(RaisesInInit)
+
+
+def test_check_of_a_url_where_nothing_listens_says_so() -> None:
+    with socket.socket() as free:  # a port nothing listens on once closed
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    with pytest.raises(EnvCheckError) as caught:
+        check_target(f"http://127.0.0.1:{port}")
+    assert "Connection refused" in str(caught.value)
+    assert "nothing listens there: is the server running, on this port?" in str(caught.value)
