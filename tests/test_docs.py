@@ -237,3 +237,10 @@ async def test_the_clients_gymnasium_example_runs_against_a_gymnasium_env() -> N
     (block,) = [b for b in python_blocks(ROOT / "docs" / "CLIENTS.md") if "stadium.gym" in b]
     async with serve("gymnasium:CartPole-v1") as server:
         await asyncio.wait_for(asyncio.to_thread(run_block, block, server.url), 30 * UNIT)
+
+
+def test_the_serving_embedding_example_runs() -> None:
+    """docs/SERVING.md's "Embed it" block: a server in the program's own loop, a session on
+    its ``url``, then ``stop`` (it was one line that showed neither the URL nor the stop)."""
+    (block,) = [b for b in python_blocks(ROOT / "docs" / "SERVING.md") if "stadium.Server(" in b]
+    assert run_block(block, "unused") == 1
