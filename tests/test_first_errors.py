@@ -13,9 +13,10 @@ import pytest
 
 from stadium import Environment, State, StepResult, check_env
 from stadium._cli.check import check_target
+from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError, EnvCheckError, TargetError
 from stadium._server.loader import load_target
-from stadium._server.server import listen_socket
+from stadium._server.server import _check_env_kwargs, listen_socket
 
 
 def test_a_port_in_use_says_how_to_pick_another() -> None:
@@ -105,3 +106,19 @@ def test_check_of_a_url_where_nothing_listens_says_so() -> None:
         check_target(f"http://127.0.0.1:{port}")
     assert "Connection refused" in str(caught.value)
     assert "nothing listens there: is the server running, on this port?" in str(caught.value)
+
+
+class Sized(RaisesInReset):
+    def __init__(self, size: int, name: str = "x") -> None:
+        self.size = size
+
+
+def test_env_kwargs_the_constructor_cannot_take_are_refused_at_start() -> None:
+    """They failed every session's creation (1011 "environment could not be created") while
+    the server started as if nothing were wrong."""
+    with pytest.raises(ConfigError, match=r"do not fit Sized\(size, name='x'\): "):
+        _check_env_kwargs(EnvSpec.of(Sized), {"sise": 3})
+    with pytest.raises(ConfigError, match="missing a required argument: 'size'"):
+        _check_env_kwargs(EnvSpec.of(Sized), {})
+    _check_env_kwargs(EnvSpec.of(Sized), {"size": 3})
+    _check_env_kwargs(EnvSpec.of(RaisesInReset), {})

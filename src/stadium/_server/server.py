@@ -25,6 +25,7 @@ import datetime
 import enum
 import errno
 import gc
+import inspect
 import json
 import logging
 import math
@@ -471,6 +472,35 @@ def _exit_past_stuck_threads(code: int) -> None:
         os._exit(code)
 
 
+def _check_env_kwargs(spec: EnvSpec, env_kwargs: dict[str, Any]) -> None:
+    """Refuse ``--env-kwargs`` the env's constructor cannot take (or its missing required
+    arguments) at start, rather than failing every session's creation.
+
+    Raises:
+        ConfigError: naming the constructor's signature and what to give.
+    """
+    try:
+        signature = inspect.signature(spec.factory)
+    except (TypeError, ValueError):  # no signature to read: the sessions will tell
+        return
+    try:
+        signature.bind(**env_kwargs)
+    except TypeError as exc:
+        given = json.dumps(env_kwargs) if env_kwargs else "none"
+        signature = signature.replace(  # the names and defaults only
+            parameters=[
+                p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
+            ],
+            return_annotation=inspect.Signature.empty,
+        )
+        raise ConfigError(
+            f"--env-kwargs (given: {given}) do not fit {spec.name}{signature}: {exc}; give "
+            "its constructor's keyword arguments as a JSON object, e.g. --env-kwargs "
+            "'{\"name\": value}'",
+            env_kwargs=env_kwargs,
+        ) from None
+
+
 def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None:
     """Print where the server listens; warn when it is exposed (see ``exposure_warnings``)."""
     host, port = sock.getsockname()[:2]
@@ -557,6 +587,7 @@ def run_server(config: ServerConfig) -> int:
         )
         config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
         spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
+        _check_env_kwargs(spec, config.env_kwargs)  # and on arguments it cannot take
         isolation_config(config, env_cls)  # fail fast, before binding, on unusable limits
     record_config(config, check=True)  # and on a --record-filter or --record-redact
     for warning in startup_warnings(config, env_cls):  # openenv.yaml limits left unenforced
