@@ -122,3 +122,26 @@ def test_env_kwargs_the_constructor_cannot_take_are_refused_at_start() -> None:
         _check_env_kwargs(EnvSpec.of(Sized), {})
     _check_env_kwargs(EnvSpec.of(Sized), {"size": 3})
     _check_env_kwargs(EnvSpec.of(RaisesInReset), {})
+
+
+class ResetWithoutOptions(RaisesInReset):
+    def reset(self, seed: int | None = None) -> Word:  # type: ignore[override]
+        return Word("")
+
+
+class StepWithTwo(RaisesInReset):
+    def step(self, action: Word, extra: int) -> StepResult[Word]:  # type: ignore[override]
+        return StepResult(action, done=True)
+
+
+def test_a_reset_or_step_the_server_cannot_call_is_refused_with_the_signature_to_write() -> None:
+    """They passed the class checks and failed in every session (a TypeError per reset)."""
+    with pytest.raises(TargetError) as caught:
+        EnvSpec.of(ResetWithoutOptions)
+    assert str(caught.value) == (
+        "ResetWithoutOptions.reset(self, seed=None) cannot be called as the server calls it "
+        "(got an unexpected keyword argument 'options'); "
+        "write it as def reset(self, *, seed=None, options=None)"
+    )
+    with pytest.raises(TargetError, match=r"StepWithTwo.step\(self, action, extra\) cannot"):
+        EnvSpec.of(StepWithTwo)

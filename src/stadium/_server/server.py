@@ -42,7 +42,7 @@ from typing import Any
 
 from stadium._core.access import AccessPolicy, exposure_warnings
 from stadium._env.contract import Environment
-from stadium._env.spec import EnvSpec
+from stadium._env.spec import EnvSpec, bare
 from stadium._errors import ConfigError
 from stadium._server.admission.slots import SharedSlots, Slots
 from stadium._server.admission.tenants import TenantDirectory
@@ -487,14 +487,8 @@ def _check_env_kwargs(spec: EnvSpec, env_kwargs: dict[str, Any]) -> None:
         signature.bind(**env_kwargs)
     except TypeError as exc:
         given = json.dumps(env_kwargs) if env_kwargs else "none"
-        signature = signature.replace(  # the names and defaults only
-            parameters=[
-                p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
-            ],
-            return_annotation=inspect.Signature.empty,
-        )
         raise ConfigError(
-            f"--env-kwargs (given: {given}) do not fit {spec.name}{signature}: {exc}; give "
+            f"--env-kwargs (given: {given}) do not fit {spec.name}{bare(signature)}: {exc}; give "
             "its constructor's keyword arguments as a JSON object, e.g. --env-kwargs "
             "'{\"name\": value}'",
             env_kwargs=env_kwargs,
