@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,16 @@ def test_a_reset_or_step_the_server_cannot_call_is_refused_with_the_signature_to
     )
     with pytest.raises(TargetError, match=r"StepWithTwo.step\(self, action, extra\) cannot"):
         EnvSpec.of(StepWithTwo)
+
+
+def test_a_missing_dependency_of_a_file_target_says_which_python_to_install_it_into(
+    tmp_path: Path,
+) -> None:
+    """A dependency pip put into another Python than the one Stadium runs on is the usual
+    cause; the message named the module only."""
+    env = tmp_path / "needs_dep.py"
+    env.write_text("import no_such_dependency_here\n")
+    with pytest.raises(TargetError) as caught:
+        load_target(f"{env}:Env")
+    assert "No module named 'no_such_dependency_here'" in str(caught.value)
+    assert f"({sys.executable} -m pip install ...)" in str(caught.value)

@@ -224,7 +224,8 @@ def _import_module(module_part: str, target: str) -> Any:
     except ModuleNotFoundError as exc:
         raise TargetError(
             f"no module named {exc.name!r} while importing {module_part!r} (target {target!r}); "
-            "is it installed, or on PYTHONPATH? (the working directory is searched too)",
+            f"is it installed for {sys.executable} (the Python Stadium runs on), or on "
+            "PYTHONPATH? (the working directory is searched too)",
             target=target,
         ) from exc
     except Exception as exc:
@@ -273,7 +274,8 @@ def _import_file(path: Path, target: str) -> Any:
             module = importlib.import_module(dotted)
         except Exception as exc:
             raise TargetError(
-                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}",
+                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}"
+                f"{_missing_hint(exc)}",
                 target=target,
             ) from exc
         where = getattr(module, "__file__", None)
@@ -298,9 +300,21 @@ def _import_file(path: Path, target: str) -> Any:
     except Exception as exc:
         del sys.modules[name]
         raise TargetError(
-            f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
+            f"importing {path} failed: {type(exc).__name__}: {exc}{_missing_hint(exc)}",
+            target=target,
         ) from exc
     return module
+
+
+def _missing_hint(exc: BaseException) -> str:
+    """For a module the target's code imports and this Python lacks: where to install it
+    (the classic: installed into another Python than the one Stadium runs on)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    return (
+        f"; install {exc.name.split('.')[0]!r} into the Python Stadium runs on "
+        f"({sys.executable} -m pip install ...)"
+    )
 
 
 def target_files(target: str) -> tuple[list[str], str | None]:
