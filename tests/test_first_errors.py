@@ -16,6 +16,8 @@ from stadium import Environment, State, StepResult, check_env
 from stadium._cli.check import check_target
 from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError, EnvCheckError, TargetError
+from stadium._server.admission.tenants import load_tenants
+from stadium._server.config import read_token_file
 from stadium._server.loader import load_target
 from stadium._server.server import _check_env_kwargs, listen_socket
 
@@ -159,3 +161,11 @@ def test_a_missing_dependency_of_a_file_target_says_which_python_to_install_it_i
         load_target(f"{env}:Env")
     assert "No module named 'no_such_dependency_here'" in str(caught.value)
     assert f"({sys.executable} -m pip install ...)" in str(caught.value)
+
+
+def test_an_unreadable_tenants_or_token_file_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "tenants.toml"
+    with pytest.raises(ConfigError, match=f"cannot read --tenants {missing}: No such file"):
+        load_tenants(str(missing))
+    with pytest.raises(ConfigError, match=f"cannot read --auth-token-file {missing}: No such"):
+        read_token_file(str(missing))
