@@ -11,6 +11,7 @@ of the README's own env (or of a Gymnasium env for ``stadium.gym``'s).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -244,3 +245,37 @@ def test_the_serving_embedding_example_runs() -> None:
     its ``url``, then ``stop`` (it was one line that showed neither the URL nor the stop)."""
     (block,) = [b for b in python_blocks(ROOT / "docs" / "SERVING.md") if "stadium.Server(" in b]
     assert run_block(block, "unused") == 1
+
+
+#: ``stadium.X`` in the documents that are not Python names: WebSocket subprotocols, a
+#: logger, file names.
+NOT_PYTHON = {"batch", "batch.msgpack", "msgpack", "env", "deployment", "yaml"}
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``stadium.<dotted>`` names something: a module, or an attribute of one."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), -1, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(["stadium", *parts[:cut]]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_every_stadium_name_the_documents_show_exists() -> None:
+    """A ``stadium.X`` in README.md or docs/ names a module or attribute that exists
+    (docs/TENANTS.md named a ``stadium.balance`` there never was)."""
+    missing = set()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        for match in re.finditer(r"(?<![\w/-])stadium\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", text):
+            name = match.group(1)
+            if name not in NOT_PYTHON and not _resolves(name):
+                missing.add(f"{path.name}: stadium.{name}")
+    assert not missing, sorted(missing)
