@@ -14,12 +14,14 @@ import pytest
 
 from stadium import Environment, State, StepResult, check_env
 from stadium._cli.check import check_target
+from stadium._cli.main import serve
 from stadium._env.spec import EnvSpec
 from stadium._errors import ConfigError, EnvCheckError, TargetError
 from stadium._server.admission.tenants import load_tenants
 from stadium._server.config import read_token_file
 from stadium._server.loader import load_target
 from stadium._server.server import _check_env_kwargs, listen_socket
+from stadium.envs import BUILTIN
 
 
 def test_a_port_in_use_says_how_to_pick_another() -> None:
@@ -169,3 +171,9 @@ def test_an_unreadable_tenants_or_token_file_is_named(tmp_path: Path) -> None:
         load_tenants(str(missing))
     with pytest.raises(ConfigError, match=f"cannot read --auth-token-file {missing}: No such"):
         read_token_file(str(missing))
+
+
+def test_serve_help_names_every_built_in_env() -> None:
+    """It named three of the seven."""
+    help_text = serve.help or ""
+    assert [name for name in BUILTIN if name not in help_text] == []
