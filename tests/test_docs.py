@@ -4,8 +4,9 @@ file or another Markdown file) names one of its headings, slugged as GitHub slug
 (lowercase; punctuation dropped; each space a ``-``; a repeated heading gets ``-1``,
 ``-2``, ...). Links in code (fenced blocks, inline code) are not links and are skipped.
 
-And the client examples of README.md and docs/CLIENTS.md run as written, against a server
-of the README's own env (or of a Gymnasium env for ``stadium.gym``'s).
+And the client examples of README.md and docs/ run as written, against a server of the
+README's own env (or of a Gymnasium env for ``stadium.gym``'s); every ``stadium.X`` they
+name exists; every ``stadium CMD --flag`` they show is an option of CMD.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 
+from stadium._cli.main import cli
 from tests.conftest import UNIT, serve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -279,3 +282,40 @@ def test_every_stadium_name_the_documents_show_exists() -> None:
             if name not in NOT_PYTHON and not _resolves(name):
                 missing.add(f"{path.name}: stadium.{name}")
     assert not missing, sorted(missing)
+
+
+def _command(words: list[str]) -> tuple[click.Command, list[str]]:
+    """The ``stadium`` (sub)command ``words`` start with, and the words naming it."""
+    command: click.Command = cli
+    used: list[str] = []
+    for word in words:
+        if not isinstance(command, click.Group):
+            break
+        sub = command.get_command(click.Context(command), word)
+        if sub is None:
+            break
+        command, used = sub, [*used, word]
+    return command, used
+
+
+def test_every_option_a_documented_command_line_gives_exists() -> None:
+    """Each ``stadium CMD ... --flag`` of README.md, BENCHMARKS.md and docs/ (inline code and
+    code lines) gives options CMD has."""
+    unknown, seen = set(), 0
+    for path in [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text(encoding="utf-8")
+        lines = re.findall(r"`(stadium [^`]+)`", text)
+        lines += [
+            s.strip() for s in text.splitlines() if re.match(r"\s*(\.venv/bin/)?stadium \w", s)
+        ]
+        for line in lines:
+            command, used = _command(line.removeprefix(".venv/bin/").split()[1:])
+            if not used or isinstance(command, click.Group):
+                continue
+            seen += 1
+            options = {o for p in command.params for o in [*p.opts, *p.secondary_opts]}
+            for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", line.split(" #")[0]):
+                if flag not in options | {"--help"}:
+                    unknown.add(f"{path.name}: stadium {' '.join(used)} {flag}")
+    assert seen > 100, seen
+    assert not unknown, sorted(unknown)
