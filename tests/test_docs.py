@@ -219,15 +219,16 @@ async def test_the_readme_and_clients_drive_examples_run_against_the_readme_env(
     tmp_path: Path,
 ) -> None:
     """The "Drive it" block of README.md and docs/CLIENTS.md (the sync client, then a
-    `SessionPool` of 256) against `stadium serve game.py:Game`: it once had an `async with`
-    at the top level, a SyntaxError when pasted into a script."""
+    `SessionPool` of 256), and CLIENTS.md's EnvPool-style `send`/`recv`, against `stadium
+    serve game.py:Game`: the first once had an `async with` at the top level (a SyntaxError
+    pasted into a script); CLIENTS.md's prose read as `recv(batch_size=K)`, a TypeError."""
     drives = [
         b
         for path in (ROOT / "README.md", ROOT / "docs" / "CLIENTS.md")
         for b in python_blocks(path)
         if "stadium.SessionPool(" in b
     ]
-    assert len(drives) == 2, drives
+    assert len(drives) == 3, drives  # README's, CLIENTS.md's copy, CLIENTS.md's send/recv
     async with serve(_readme_game(tmp_path)) as server:
         for block in drives:
             ran = await asyncio.wait_for(asyncio.to_thread(run_block, block, server.url), 30 * UNIT)
