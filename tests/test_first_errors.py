@@ -12,7 +12,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from stadium import Environment, State, StepResult, check_env
+from stadium import (
+    AsyncClient,
+    ConnectError,
+    Environment,
+    SessionPool,
+    State,
+    StepResult,
+    check_env,
+)
 from stadium._cli.check import check_target
 from stadium._cli.main import serve
 from stadium._env.spec import EnvSpec
@@ -177,3 +185,17 @@ def test_serve_help_names_every_built_in_env() -> None:
     """It named three of the seven."""
     help_text = serve.help or ""
     assert [name for name in BUILTIN if name not in help_text] == []
+
+
+async def test_a_client_where_nothing_listens_says_so() -> None:
+    """A session and a batch connection to a port nothing listens on: the error says so
+    (it gave the OS's "Connect call failed" only)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with pytest.raises(ConnectError, match="nothing listens there: is the server running"):
+        await AsyncClient(url, max_retries=0).connect()
+    with pytest.raises(ConnectError, match="nothing listens there: is the server running"):
+        async with SessionPool(url, size=2, max_retries=0, batch=True):
+            pass
