@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -169,6 +170,23 @@ def test_announce_warns_when_exposed_and_names_the_host_env_var(
     assert "HOST" not in line
     assert caplog.records == []
     assert TOKEN not in line
+
+
+def test_announce_with_tenants_says_a_token_is_required_and_does_not_warn_of_none(
+    caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--tenants authenticates every request (a tenant's token): the banner said "no
+    authentication" and a non-loopback bind warned of a server open to anyone."""
+    tenants = tmp_path / "tenants.toml"
+    config = ServerConfig(target="echo", host="10.0.0.1", tenants=str(tenants))
+    with caplog.at_level(logging.WARNING, logger="stadium.server"):
+        _announce(config, _FakeSock("10.0.0.1"), "echo")  # type: ignore[arg-type]
+    line = capsys.readouterr().out
+    assert "no authentication" not in line
+    assert f"bearer token required (tenants from {tenants})" in line
+    (record,) = caplog.records  # the token travels in clear text: that warning stays
+    assert "without TLS" in record.getMessage()
+    assert "without authentication" not in record.getMessage()
 
 
 # -- over the wire, both transports ----------------------------------------------------

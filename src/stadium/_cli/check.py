@@ -50,7 +50,11 @@ def check_server(url: str, *, actions: Sequence[Any] | None = None) -> list[str]
             with urllib.request.urlopen(request, timeout=10) as resp:
                 body = msgspec.json.decode(resp.read())
         except Exception as exc:
-            raise EnvCheckError(f"GET {base}{path} failed: {exc}", check=path) from None
+            refused = isinstance(getattr(exc, "reason", None), ConnectionRefusedError)
+            hint = (
+                "; nothing listens there: is the server running, on this port?" if refused else ""
+            )
+            raise EnvCheckError(f"GET {base}{path} failed: {exc}{hint}", check=path) from None
         if not isinstance(body, dict):
             raise EnvCheckError(f"GET {path} did not return a JSON object", check=path)
         log.append(f"GET {path} answers a JSON object")

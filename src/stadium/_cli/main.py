@@ -105,11 +105,12 @@ def _serve_options(fn: Any) -> Any:
 @click.argument("target")
 @_serve_options
 def serve(target: str, **options: Any) -> None:
-    """Serve TARGET: a built-in name (echo, benchmark, wordguess),
-    package.module:Class or path/to/file.py:Class (a Stadium, OpenEnv or
-    Gymnasium environment class), gymnasium:ENV_ID (e.g. gymnasium:CartPole-v1;
-    --env-kwargs go to gymnasium.make), or an OpenEnv app: pkg.server.app:app (what
-    create_app returned) or an env directory with an openenv.yaml.
+    """Serve TARGET: a built-in name (echo, benchmark, wordguess, tools; code, shell and
+    swe, which ask for --isolation sandbox), package.module:Class or
+    path/to/file.py:Class (a Stadium, OpenEnv or Gymnasium environment class),
+    gymnasium:ENV_ID (e.g. gymnasium:CartPole-v1; --env-kwargs go to gymnasium.make),
+    or an OpenEnv app: pkg.server.app:app (what create_app returned) or an env
+    directory with an openenv.yaml.
 
     Environment variables HOST, PORT, WORKERS and MAX_CONCURRENT_ENVS (OpenEnv's)
     are read when the matching option is not given.

@@ -38,6 +38,7 @@ from stadium._client.options import (
     HandshakeKeywords,
     backoff,
     refused,
+    unreachable,
     untrusted,
     with_query,
 )
@@ -290,9 +291,7 @@ class BatchConnection:
                 msgpack=opts.msgpack,
                 request_timeout=opts.request_timeout,
             )
-        raise ConnectError(
-            f"cannot reach {url} after {opts.max_retries + 1} attempts: {last}", url=url
-        ) from last
+        raise unreachable(url, opts.max_retries + 1, last) from last
 
     @property
     def closed(self) -> bool:

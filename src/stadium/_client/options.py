@@ -190,6 +190,17 @@ def with_query(url: str, params: Mapping[str, str]) -> str:
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
+def unreachable(url: str, attempts: int, last: BaseException | None) -> ConnectError:
+    """A :class:`ConnectError` for a server not reached in ``attempts``, with the likely
+    cause: nothing listening (refused), or a TLS server spoken to in clear (reset)."""
+    hint = ""
+    if isinstance(last, ConnectionRefusedError):
+        hint = " (nothing listens there: is the server running, on this port?)"
+    elif isinstance(last, ConnectionResetError) and url.startswith("ws://"):
+        hint = " (a TLS server? use https:// or wss://)"
+    return ConnectError(f"cannot reach {url} after {attempts} attempts: {last}{hint}", url=url)
+
+
 def untrusted(exc: ssl_module.SSLCertVerificationError, url: str, what: str) -> ConnectError:
     """A :class:`ConnectError` for a certificate the client does not trust (not transient)."""
     return ConnectError(

@@ -64,6 +64,7 @@ from stadium._client.options import (
     ConnectOptions,
     backoff,
     refused,
+    unreachable,
     untrusted,
     with_query,
 )
@@ -257,13 +258,7 @@ class AsyncClient(Generic[ObsT]):
                 ) from exc
             self._opened(transport, cast(Listener, listener), {})
             return self
-        hint = ""
-        if isinstance(last, ConnectionResetError) and self.url.startswith("ws://"):
-            hint = " (a TLS server? use https:// or wss://)"
-        raise ConnectError(
-            f"cannot reach {self.url} after {self.options.max_retries + 1} attempts: {last}{hint}",
-            url=self.url,
-        ) from last
+        raise unreachable(self.url, self.options.max_retries + 1, last) from last
 
     async def _connect_balanced(self, balancer: Balancer) -> AsyncClient[ObsT]:
         """Open the session on the best node; a node that refuses, times out or hangs up

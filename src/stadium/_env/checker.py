@@ -13,7 +13,10 @@ import concurrent.futures
 import inspect
 import math
 import random
+import sysconfig
+import traceback
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -261,8 +264,29 @@ def check_env(
     except EnvCheckError:
         raise
     except Exception as exc:
-        raise EnvCheckError(f"{spec.name} raised {type(exc).__name__}: {exc}", check="run") from exc
+        call, where = _raised_where(spec.name, exc)
+        raise EnvCheckError(
+            f"{call} raised {type(exc).__name__}: {exc}{where}", check="run"
+        ) from exc
     return log
+
+
+def _raised_where(name: str, exc: BaseException) -> tuple[str, str]:
+    """Which of the env's calls raised ``exc`` and where, from its traceback: the first
+    frame outside Stadium and the standard library is the env's method (``Game.reset()``; ``Game()``
+    for its constructor), the last one in that method's file the line that raised
+    (`` (at game.py:12)``)."""
+    ours = (Path(__file__).resolve().parents[1], Path(sysconfig.get_paths()["stdlib"]).resolve())
+    frames = [
+        frame
+        for frame in traceback.extract_tb(exc.__traceback__)
+        if not any(root in Path(frame.filename).resolve().parents for root in ours)
+    ]
+    if not frames:
+        return name, ""
+    call = "()" if frames[0].name == "__init__" else f".{frames[0].name}()"
+    last = [f for f in frames if f.filename == frames[0].filename][-1]
+    return f"{name}{call}", f" (at {Path(last.filename).name}:{last.lineno})"
 
 
 def _run_sync(fn: Callable[[], Coroutine[Any, Any, None]]) -> None:

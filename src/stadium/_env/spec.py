@@ -115,6 +115,7 @@ class EnvSpec:
                     f"{env_cls.__name__} does not implement {method}()",
                     target=env_cls.__name__,
                 )
+        _check_signatures(env_cls)
         state_type = getattr(env_cls, "state_type", State)
         schema_extra = getattr(env_cls, "schema_extra", None) or {}
         if not isinstance(schema_extra, dict):
@@ -165,3 +166,44 @@ class EnvSpec:
             "state": self.state.schema(),
             **self.schema_extra,
         }
+
+
+def _check_signatures(env_cls: type[Environment[Any, Any, Any]]) -> None:
+    """Refuse a ``reset`` or ``step`` that cannot be called as the server calls them
+    (``reset(seed=..., options=...)``, ``step(action)``), before any session does.
+
+    Raises:
+        TargetError: naming the method, why, and the signature to write.
+    """
+    calls: tuple[tuple[str, dict[str, None], tuple[None, ...], str], ...] = (
+        (
+            "reset",
+            {"seed": None, "options": None},
+            (),
+            "def reset(self, *, seed=None, options=None)",
+        ),
+        ("step", {}, (None,), "def step(self, action)"),
+    )
+    for method, keywords, positional, wanted in calls:
+        try:
+            signature = inspect.signature(getattr(env_cls, method))
+        except (TypeError, ValueError):  # no signature to read: calls will tell
+            continue
+        try:
+            signature.bind(env_cls, *positional, **keywords)
+        except TypeError as exc:
+            raise TargetError(
+                f"{env_cls.__name__}.{method}{bare(signature)} cannot be called as the server "
+                f"calls it ({exc}); write it as {wanted}",
+                target=env_cls.__name__,
+            ) from None
+
+
+def bare(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` with its names and defaults only (annotations dropped), for messages."""
+    return signature.replace(
+        parameters=[
+            p.replace(annotation=inspect.Parameter.empty) for p in signature.parameters.values()
+        ],
+        return_annotation=inspect.Signature.empty,
+    )

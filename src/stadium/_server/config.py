@@ -693,7 +693,9 @@ def read_token_file(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             token = f.readline().strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read --auth-token-file: {exc.strerror}", path=path) from None
+        raise ConfigError(
+            f"cannot read --auth-token-file {path}: {exc.strerror}", path=path
+        ) from None
     if not token:
         raise ConfigError("--auth-token-file is empty", path=path)
     return token

@@ -28,6 +28,7 @@ Where imports look (as uvicorn and ``python`` do, so projects serve as laid out)
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import os
@@ -107,12 +108,35 @@ def _split(spec: str, target: str) -> tuple[str, str]:
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr:
         raise TargetError(
-            f"cannot understand target {target!r}: use a built-in name "
+            f"cannot understand target {target!r}{_target_hint(target)}: use a built-in name "
             f"({', '.join(sorted(BUILTIN))}), package.module:Class, path/to/file.py:Class, "
             "pkg.server.app:app (an OpenEnv app) or an env directory with an openenv.yaml",
             target=target,
         )
     return module_part, attr
+
+
+def _target_hint(target: str) -> str:
+    """What ``target`` most likely meant: a file or module without its class, or a
+    misspelt built-in name; empty when nothing is likely."""
+    from stadium.envs import BUILTIN
+
+    if target.endswith(".py") or "/" in target:
+        return f" (a file target names its class: '{target.rstrip(':')}:ClassName')"
+    close = difflib.get_close_matches(target, list(BUILTIN), n=1)
+    return f" (did you mean the built-in {close[0]!r}?)" if close else ""
+
+
+def _env_classes(module: Any) -> list[str]:
+    """The environment classes ``module`` defines (not those it imports), by name."""
+    name = getattr(module, "__name__", None)
+    return sorted(
+        key
+        for key, value in vars(module).items()
+        if isinstance(value, type)
+        and issubclass(value, Environment)
+        and getattr(value, "__module__", None) == name
+    )
 
 
 def _attribute(module: Any, attr: str, module_part: str) -> Any:
@@ -121,8 +145,17 @@ def _attribute(module: Any, attr: str, module_part: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
+            hint = ""
+            if obj is module:
+                classes = _env_classes(module)
+                close = difflib.get_close_matches(part, classes or list(vars(module)), n=1)
+                if close:
+                    hint += f"; did you mean {close[0]!r}?"
+                if classes:
+                    hint += f" (its environment classes: {', '.join(classes)})"
             raise TargetError(
-                f"{module_part!r} has no attribute {attr!r}", target=f"{module_part}:{attr}"
+                f"{module_part!r} has no attribute {attr!r}{hint}",
+                target=f"{module_part}:{attr}",
             ) from None
     return obj
 
@@ -191,7 +224,8 @@ def _import_module(module_part: str, target: str) -> Any:
     except ModuleNotFoundError as exc:
         raise TargetError(
             f"no module named {exc.name!r} while importing {module_part!r} (target {target!r}); "
-            "is it installed, or on PYTHONPATH? (the working directory is searched too)",
+            f"is it installed for {sys.executable} (the Python Stadium runs on), or on "
+            "PYTHONPATH? (the working directory is searched too)",
             target=target,
         ) from exc
     except Exception as exc:
@@ -240,7 +274,8 @@ def _import_file(path: Path, target: str) -> Any:
             module = importlib.import_module(dotted)
         except Exception as exc:
             raise TargetError(
-                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}",
+                f"importing {path} as {dotted} failed: {type(exc).__name__}: {exc}"
+                f"{_missing_hint(exc)}",
                 target=target,
             ) from exc
         where = getattr(module, "__file__", None)
@@ -265,9 +300,21 @@ def _import_file(path: Path, target: str) -> Any:
     except Exception as exc:
         del sys.modules[name]
         raise TargetError(
-            f"importing {path} failed: {type(exc).__name__}: {exc}", target=target
+            f"importing {path} failed: {type(exc).__name__}: {exc}{_missing_hint(exc)}",
+            target=target,
         ) from exc
     return module
+
+
+def _missing_hint(exc: BaseException) -> str:
+    """For a module the target's code imports and this Python lacks: where to install it
+    (the classic: installed into another Python than the one Stadium runs on)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    return (
+        f"; install {exc.name.split('.')[0]!r} into the Python Stadium runs on "
+        f"({sys.executable} -m pip install ...)"
+    )
 
 
 def target_files(target: str) -> tuple[list[str], str | None]:

@@ -25,6 +25,7 @@ import datetime
 import enum
 import errno
 import gc
+import inspect
 import json
 import logging
 import math
@@ -41,7 +42,7 @@ from typing import Any
 
 from stadium._core.access import AccessPolicy, exposure_warnings
 from stadium._env.contract import Environment
-from stadium._env.spec import EnvSpec
+from stadium._env.spec import EnvSpec, bare
 from stadium._errors import ConfigError
 from stadium._server.admission.slots import SharedSlots, Slots
 from stadium._server.admission.tenants import TenantDirectory
@@ -115,6 +116,17 @@ def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
     return ctx
 
 
+#: What to do when the bind fails, by errno (appended to the OS's reason).
+_LISTEN_HINTS = {
+    errno.EADDRINUSE: "; another process listens there (another `stadium serve`?): stop it, "
+    "or give another --port (--port 0 picks a free one)",
+    errno.EACCES: "; ports below 1024 need root (or CAP_NET_BIND_SERVICE): give --port 1024 "
+    "or above",
+    errno.EADDRNOTAVAIL: "; --host is not an address of this machine: give one of its "
+    "addresses, 127.0.0.1 or 0.0.0.0",
+}
+
+
 def listen_socket(host: str, port: int) -> socket.socket:
     """Bind and listen with the largest backlog the kernel allows."""
     try:
@@ -122,8 +134,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
         )
     except OSError as exc:
+        hint = _LISTEN_HINTS.get(exc.errno or 0, "")
         raise ConfigError(
-            f"cannot listen on {host}:{port}: {exc.strerror}", host=host, port=port
+            f"cannot listen on {host}:{port}: {exc.strerror}{hint}", host=host, port=port
         ) from None
     sock.listen(_max_backlog())
     sock.setblocking(False)
@@ -459,6 +472,29 @@ def _exit_past_stuck_threads(code: int) -> None:
         os._exit(code)
 
 
+def _check_env_kwargs(spec: EnvSpec, env_kwargs: dict[str, Any]) -> None:
+    """Refuse ``--env-kwargs`` the env's constructor cannot take (or its missing required
+    arguments) at start, rather than failing every session's creation.
+
+    Raises:
+        ConfigError: naming the constructor's signature and what to give.
+    """
+    try:
+        signature = inspect.signature(spec.factory)
+    except (TypeError, ValueError):  # no signature to read: the sessions will tell
+        return
+    try:
+        signature.bind(**env_kwargs)
+    except TypeError as exc:
+        given = json.dumps(env_kwargs) if env_kwargs else "none"
+        raise ConfigError(
+            f"--env-kwargs (given: {given}) do not fit {spec.name}{bare(signature)}: {exc}; give "
+            "its constructor's keyword arguments as a JSON object, e.g. --env-kwargs "
+            "'{\"name\": value}'",
+            env_kwargs=env_kwargs,
+        ) from None
+
+
 def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None:
     """Print where the server listens; warn when it is exposed (see ``exposure_warnings``)."""
     host, port = sock.getsockname()[:2]
@@ -470,14 +506,18 @@ def _announce(config: ServerConfig, sock: socket.socket, spec_name: str) -> None
     from_env = os.environ.get("HOST") == config.host
     source = " (from the HOST environment variable)" if from_env else ""
     bound = f", bound to {config.host or 'all interfaces'}" if wildcard else ""
-    access = "bearer token required" if config.auth_token else "no authentication"
+    # --tenants authenticates too: each request's bearer token names its tenant.
+    token = config.auth_token is not None or config.tenants is not None
+    access = "bearer token required" if token else "no authentication"
+    if config.tenants is not None:
+        access += f" (tenants from {config.tenants})"
     print(
         f"stadium: serving {spec_name!r} with {config.workers} worker(s), "
         f"max {config.max_sessions} sessions; listening on {http}://{shown}:{port} "
         f"(WebSocket {ws}://{shown}:{port}/ws){bound}{source}; {access}",
         flush=True,
     )
-    for warning in exposure_warnings(config.host, token=config.auth_token is not None, tls=tls):
+    for warning in exposure_warnings(config.host, token=token, tls=tls):
         log.warning("%s%s", warning, source)
 
 
@@ -541,6 +581,7 @@ def run_server(config: ServerConfig) -> int:
         )
         config = config.for_target(env_cls)  # e.g. an OpenEnv app's max_concurrent_envs
         spec = EnvSpec.of(env_cls)  # fail fast, before binding, on a bad env class
+        _check_env_kwargs(spec, config.env_kwargs)  # and on arguments it cannot take
         isolation_config(config, env_cls)  # fail fast, before binding, on unusable limits
     record_config(config, check=True)  # and on a --record-filter or --record-redact
     for warning in startup_warnings(config, env_cls):  # openenv.yaml limits left unenforced

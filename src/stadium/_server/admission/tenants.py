@@ -110,7 +110,7 @@ def load_tenants(path: str) -> list[_TenantEntry]:
         with open(path, "rb") as f:
             raw = f.read(MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise ConfigError(f"cannot read --tenants: {exc.strerror}", path=path) from None
+        raise ConfigError(f"cannot read --tenants {path}: {exc.strerror}", path=path) from None
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError(f"--tenants file over {MAX_FILE_BYTES} bytes", path=path)
     try:
