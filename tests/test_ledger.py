@@ -186,6 +186,36 @@ async def test_bytes_in_and_out_are_the_frames_exactly() -> None:
             assert state["cost"]["steps"] == 1
 
 
+@pytest.mark.parametrize("isolation", [None, "process"])
+async def test_a_forks_episode_is_accounted_from_the_fork(isolation: str | None) -> None:
+    """A fork made mid-episode ends its copy of the episode with a cost of its own (the
+    steps after the fork; it had none: its accounting never began without a reset), and
+    both episodes are counted, their steps once each."""
+    options = {} if isolation is None else {"isolation": isolation}
+    async with serve(Walker, **options) as server:
+        async with AsyncClient(server.url) as parent:
+            await parent.reset(seed=3, options={"length": 4})
+            await parent.step({"n": 1})
+            child = await parent.fork()
+            try:
+                ran = [await child.step({"n": 1}) for _ in range(3)]
+            finally:
+                await child.close()
+            mine = [await parent.step({"n": 1}) for _ in range(3)]
+        name = server.runtime.spec.name
+        m = await scrape(server.url)
+    assert ran[-1].observation["t"] == 4 and ran[-1].done
+    forked = ran[-1].cost
+    assert forked is not None, "the fork's episode ended without its cost"
+    assert forked.steps == 3
+    assert 0 < forked.wall_s and forked.bytes_in > 0 and forked.bytes_out > 0
+    if isolation == "process":
+        assert forked.cpu_source == "process"
+    assert mine[-1].cost is not None and mine[-1].cost.steps == 4
+    assert value(m, "stadium_episodes_total", env=name) == 2
+    assert value(m, "stadium_episode_steps_total", env=name) == 7
+
+
 @pytest.mark.slow  # OpenEnv's client takes seconds to import
 async def test_openenv_clients_ignore_the_cost_member() -> None:
     """OpenEnv 0.10's EnvClient reads only ``type`` and ``data`` of a reply."""

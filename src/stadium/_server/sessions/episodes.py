@@ -46,10 +46,12 @@ class EpisodeAccounts(ResumableSession):
         "_ep_proc",
         "_ep_req",
         "_ep_start",
+        "_ep_steps0",
         "_t0",
     )
 
     _ep_start: float
+    _ep_steps0: int
     _ep_cpu: float
     _ep_in: int
     _ep_out: int
@@ -66,6 +68,7 @@ class EpisodeAccounts(ResumableSession):
     def _no_episode(self) -> None:
         """No episode yet: the ledger's slots at rest."""
         self._ep_start = 0.0  # on the loop's clock; 0: no episode running
+        self._ep_steps0 = 0  # the episode's steps before its accounting began (a fork's)
         self._ep_cpu = 0.0  # the env's CPU seconds in this episode
         self._ep_in = 0  # request bytes
         self._ep_out = 0  # reply bytes
@@ -81,6 +84,7 @@ class EpisodeAccounts(ResumableSession):
         if self._ep_start:
             self._episode_over(EndReason.RESET, self.last_active, None)
         self._ep_start = self.last_active
+        self._ep_steps0 = 0
         self._ep_cpu = 0.0
         self._ep_in = size
         self._ep_out = 0
@@ -116,6 +120,16 @@ class EpisodeAccounts(ResumableSession):
                 call.episode_id, call.seed, call.options, frame,
                 self.protocol.encoding is Encoding.JSON,
             )  # fmt: skip
+
+    def _episode_forked(self, steps: int) -> None:
+        """This session is a fork made now of a session ``steps`` steps into a running
+        episode: the copy's part of it is accounted from here (its cost: the fork's own
+        time, CPU, bytes and steps; its process's usage, under isolation, from now). It is
+        not recorded: a recording replays from its reset, which the copy never had."""
+        self._ep_start = self.loop.time()
+        self._ep_steps0 = steps
+        if self.runtime.isolation is not None:
+            self._ep_proc = usage.episode_start(self.env, None)
 
     def _batch_request(self, call: RawCall) -> bytes:
         """A batch's step request as a frame of its own (``{"data": ...}``), to record:
@@ -176,7 +190,7 @@ class EpisodeAccounts(ResumableSession):
         return EpisodeCost(
             wall_s=max(0.0, now - self._ep_start),
             cpu_s=cpu,
-            steps=self.protocol.step_count,
+            steps=self.protocol.step_count - self._ep_steps0,
             bytes_in=self._ep_in,
             bytes_out=self._ep_out,
             peak_rss_bytes=peak,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from stadium._core.protocol import Call, SessionProtocol
+from stadium._core.protocol import Call, SessionProtocol, SessionState
 from stadium._core.resume import NOWHERE, ForkedData, ResumeChannel
 from stadium._env.snapshot import restore_env, snapshot_env
 from stadium._env.spec import CallMode
@@ -112,6 +112,8 @@ class ForkingSession:
         protocol.episode_id = parent.episode_id
         protocol.step_count = parent.step_count
         charged.inherited = parent.step_count  # counted to the tenant by the parent
+        if parent.state is SessionState.READY and not parent.ended:  # mid-episode
+            self._episode_forked(parent.step_count)
         self.phase = Phase.OPEN
         channel = self.channel
         assert isinstance(channel, ResumeChannel)
