@@ -204,14 +204,18 @@ async def test_a_forks_episode_is_accounted_from_the_fork(isolation: str | None)
             mine = [await parent.step({"n": 1}) for _ in range(3)]
         name = server.runtime.spec.name
         m = await scrape(server.url)
-    assert ran[-1].observation["t"] == 4 and ran[-1].done
+    assert ran[-1].observation["t"] == 4
+    assert ran[-1].done
     forked = ran[-1].cost
     assert forked is not None, "the fork's episode ended without its cost"
     assert forked.steps == 3
-    assert 0 < forked.wall_s and forked.bytes_in > 0 and forked.bytes_out > 0
+    assert forked.wall_s > 0
+    assert forked.bytes_in > 0
+    assert forked.bytes_out > 0
     if isolation == "process":
         assert forked.cpu_source == "process"
-    assert mine[-1].cost is not None and mine[-1].cost.steps == 4
+    assert mine[-1].cost is not None
+    assert mine[-1].cost.steps == 4
     assert value(m, "stadium_episodes_total", env=name) == 2
     assert value(m, "stadium_episode_steps_total", env=name) == 7
 

@@ -61,6 +61,7 @@ import fcntl
 import gc
 import inspect
 import itertools
+import logging
 import os
 import selectors
 import signal
@@ -84,10 +85,17 @@ from stadium._server.isolation.template.confine import enter_sandbox, session_wo
 from stadium._server.isolation.template.seccomp import Filter, build_filter
 from stadium._server.loader import load_target
 from stadium._util.libc import become_subreaper, die_with_parent, libc
+from stadium._util.throttle import DistinctErrorLog
 
 _CLONE_NEWPID = 0x20000000
 #: Bits of a sandboxed process's key holding its pid (pid_max is at most 2**22).
 KEY_SHIFT = wire.KEY_SHIFT
+
+
+_ENV_ERRORS = DistinctErrorLog(logging.getLogger("stadium.env.process"))
+"""The env's exceptions, to this process's stderr (:mod:`..worker.output` reads it)."""
+_ENV_ERRORS.logger.addHandler(logging.StreamHandler())  # sys.stderr: the family's pipe
+_ENV_ERRORS.logger.propagate = False
 
 
 class _Ctx:
@@ -768,7 +776,11 @@ class _Session:
 
 def _raised(exc: Exception) -> wire.Raised:
     """A ``Raised`` reply: the exception's type and message, and a Stadium error's wire
-    form (code and context), so the worker raises the same error."""
+    form (code and context), so the worker raises the same error. The env's own exception
+    is also told to this process's output with its traceback, each distinct one once (then
+    counted: :class:`DistinctErrorLog`), which the worker logs tagged with the session."""
+    if not isinstance(exc, StadiumError):
+        _ENV_ERRORS("the environment raised %r", exc, exc=exc)
     data = exc.to_wire() if isinstance(exc, StadiumError) else None
     name = type(exc).__name__
     if not name.isidentifier() or len(name) > 200:  # what the worker takes (wire.Raised)
