@@ -254,7 +254,8 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
     tmp_path: Path,
 ) -> None:
     """Each ended episode's cost is summed into its tenant's (usage and ``/metrics``); a
-    fork's inherited steps are its parent's, counted once."""
+    fork's copy of the episode is one of them, accounted from the fork: its inherited steps
+    are its parent's, counted once."""
     path = _tenants(tmp_path, alpha={}, beta={})
     async with serve("benchmark", tenants=path) as server:
         wait = {"wait_seconds": 0}
@@ -270,7 +271,8 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
                 await child.step(wait)
             finally:
                 await child.close()
-        # The parent's close ends its second episode (2 steps).
+        # The child's close ends its copy (1 step since the fork); the parent's its second
+        # episode (2 steps).
         async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
 
             async def usage(name: str) -> dict[str, Any]:
@@ -284,14 +286,14 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
             metrics = (await http.get("/metrics", headers=_auth("beta"))).text
     assert mine["steps"] == 3 + 2 + 1, mine
     episodes = mine["episodes"]
-    assert (episodes["ended"], episodes["steps"]) == (2, 5), episodes
+    assert (episodes["ended"], episodes["steps"]) == (3, 6), episodes
     assert episodes["bytes_in"] > 0
     assert episodes["bytes_out"] > 0
     assert episodes["wall_s"] > 0
     assert episodes["cpu_s"] >= 0
     assert theirs["episodes"]["ended"] == 0
-    assert 'stadium_tenant_episodes_total{tenant="alpha"} 2.0' in metrics
-    assert 'stadium_tenant_episode_steps_total{tenant="alpha"} 5.0' in metrics
+    assert 'stadium_tenant_episodes_total{tenant="alpha"} 3.0' in metrics
+    assert 'stadium_tenant_episode_steps_total{tenant="alpha"} 6.0' in metrics
     assert 'stadium_tenant_episode_cpu_seconds_total{tenant="beta"} 0.0' in metrics
 
 
