@@ -66,7 +66,7 @@ def make(out: str, sessions: int, episode: int, rounds: int) -> None:
         for rid in rids:
             rec.end(rid, EndReason.DONE, cost, False)  # type: ignore[arg-type]
     with open(out, "wb") as f:
-        f.write(bytes(rec._buf))
+        f.write(rec.take())
     print(steps)
 
 
@@ -96,7 +96,7 @@ def loop(n: int) -> None:
     for i in range(n):
         rec.step(5, REQUEST, frame, 0.001)
         if i % 400 == 399:
-            rec._buf.clear()
+            rec.take()
 
 
 if __name__ == "__main__":
