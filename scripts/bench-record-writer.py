@@ -58,7 +58,7 @@ for r in range(rounds):
     for rid in rids:
         rec.end(rid, EndReason.DONE, cost, False)
 rec._flush()
-stream += rec.take()
+stream += rec._buf
 chunks = [bytes(stream[i:i + (256 << 10)]) for i in range(0, len(stream), 256 << 10)]
 
 class Pipe:

@@ -53,17 +53,6 @@ def recorder(directory: str) -> record.Recorder:
     return rec
 
 
-def taken(rec: record.Recorder) -> bytes:
-    """The recorder's buffered stream, emptied, as a write to the pipe takes it: joined
-    (``Recorder.take``), or, in an older tree, its ``bytearray`` written as it is (so that
-    ``loop`` counts an older tree too; what the write copies is the kernel's)."""
-    if hasattr(rec, "take"):
-        return rec.take()
-    data = memoryview(rec._buf).tobytes() if rec._buf else b""  # type: ignore[attr-defined]
-    rec._buf.clear()  # type: ignore[attr-defined]
-    return data
-
-
 def make(out: str, sessions: int, episode: int, rounds: int) -> None:
     rec = recorder("/tmp/unused")
     cost = EpisodeCost(wall_s=1.0, cpu_s=0.5, steps=episode, bytes_in=1, bytes_out=2)
@@ -77,7 +66,7 @@ def make(out: str, sessions: int, episode: int, rounds: int) -> None:
         for rid in rids:
             rec.end(rid, EndReason.DONE, cost, False)  # type: ignore[arg-type]
     with open(out, "wb") as f:
-        f.write(taken(rec))
+        f.write(bytes(rec._buf))
     print(steps)
 
 
@@ -107,7 +96,7 @@ def loop(n: int) -> None:
     for i in range(n):
         rec.step(5, REQUEST, frame, 0.001)
         if i % 400 == 399:
-            rec.take() if hasattr(rec, "take") else rec._buf.clear()  # type: ignore[attr-defined]
+            rec._buf.clear()
 
 
 if __name__ == "__main__":

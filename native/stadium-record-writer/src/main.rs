@@ -36,11 +36,12 @@ const PAUSE_S: f64 = 10.0;
 const WAKE_MS: i32 = 200;
 const READ_BYTES: usize = 1 << 20;
 const NICE: i32 = 10;
-/// glibc's malloc keeps what is freed below this top of the heap, and maps apart only
-/// blocks bigger than this: a shard's buffers, freed when it is written, serve the next one
+/// glibc's malloc maps apart only blocks bigger than this, and keeps up to twice this freed
+/// at the top of its heap: a shard's buffers, freed when it is written, serve the next one
 /// (by default, each big block was mapped fresh, its pages faulted in and zeroed by the
-/// kernel, and unmapped again: a fifth of the writer's time).
-const MALLOC_KEEP: libc::c_int = 32 << 20;
+/// kernel, and unmapped again: a fifth of the writer's time). An idle writer so keeps at
+/// most ~32 MiB it could have given back.
+const MALLOC_KEEP: libc::c_int = 16 << 20;
 /// Episodes' buffers kept for the next episodes (their capacity kept, at most this much each).
 const SPARE_EPISODES: usize = 256;
 const SPARE_BYTES: usize = 1 << 20;

@@ -3,17 +3,14 @@ as Parquet shards by a writer process of the worker's own (:mod:`.writer`).
 
 **Path of an episode.** On the event loop, a recorded episode's reset reply, then per step
 its request frame as it came, its reply frame (or the error's text) and its time, then its
-end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are kept as small messages
-(:mod:`.pipe`: a fixed header and the raw bytes), as a list of their pieces: a step adds
-three references (its header, its two frames), no copy (a ``bytearray`` they were copied
-into, emptied at each write, shrank and grew back an eighth at a time: a copy each time);
-nothing for the cyclic collector (bytes only). The pieces are joined and written to a
-pipe (non-blocking, one ``os.write`` of everything buffered, :data:`FLUSH_S` after its
-first unsent byte or at once past :data:`FLUSH_BYTES`) read by the worker's writer
-process, which decodes the frames, builds the columns and writes the shards: none of that
-work, nor its garbage, is the worker's. The buffer holds at most
-:attr:`RecordConfig.queue_bytes`: a step that does not fit drops its episode (counted,
-``stadium_record_dropped_episodes_total``), never waits.
+end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied into one buffer as
+small messages (:mod:`.pipe`: a fixed header and the raw bytes; no Python object kept per
+step, nothing for the cyclic collector). The buffer is written to a pipe (non-blocking,
+one ``os.write`` of everything buffered, :data:`FLUSH_S` after its first unsent byte or at
+once past :data:`FLUSH_BYTES`) read by the worker's writer process, which decodes the
+frames, builds the columns and writes the shards: none of that work, nor its garbage, is
+the worker's. The buffer holds at most :attr:`RecordConfig.queue_bytes`: a step that does
+not fit drops its episode (counted, ``stadium_record_dropped_episodes_total``), never waits.
 
 **The writer process** (native, ``native/stadium-record-writer``, or
 ``python -m stadium._server.ledger.writer``: :mod:`.writers` chooses) is started when the
@@ -271,8 +268,7 @@ class Recorder:
         self.info_key = info_key
         self.counts = counts
         self.state = RecorderState.IDLE
-        self._parts: list[bytes] = []  # the unsent messages' pieces
-        self._size = 0  # their bytes
+        self._buf = bytearray()
         self._limit = config.queue_bytes
         self._fd = -1
         self._proc: subprocess.Popen[bytes] | None = None
@@ -328,29 +324,26 @@ class Recorder:
         except (TypeError, ValueError, OverflowError):
             self._drop()
             return None
-        size = self._size + _HEAD_SIZE + len(meta) + len(frame)
-        if size > self._limit:
+        buf = self._buf
+        if len(buf) + _HEAD_SIZE + len(meta) + len(frame) > self._limit:
             self._drop()
             return None
-        self._size = size
-        self._parts += (
-            _HEAD.pack(pipe.BEGIN, rid, json, time.time(), len(meta), len(frame)),
-            meta,
-            frame,
-        )
+        buf += _HEAD.pack(pipe.BEGIN, rid, json, time.time(), len(meta), len(frame))
+        buf += meta
+        buf += frame
         self._due()
         return rid
 
     def step(self, rid: int, request: bytes | str, reply: bytes, took: float) -> None:
         """A step of recorded episode ``rid``: its request frame as it came, its reply frame,
-        its seconds; kept in the buffer (or, when it is full, the episode dropped)."""
-        size = self._size + len(request) + len(reply)
+        its seconds; copied into the buffer (or, when it is full, the episode dropped)."""
+        buf = self._buf
         # The usual case in one test: bytes that keep the buffer under FLUSH_BYTES and its
         # bound, no episode broken (``_room`` is 0 then: every step takes ``_step``).
-        if size < self._room and type(request) is bytes:
-            self._size = size + _HEAD_SIZE
-            parts = self._parts
-            parts += (_PACK(_STEP, rid, False, took, len(request), len(reply)), request, reply)
+        if len(buf) + len(request) + len(reply) < self._room and type(request) is bytes:
+            buf += _PACK(_STEP, rid, False, took, len(request), len(reply))
+            buf += request
+            buf += reply
             if self._timer is None:
                 self._due()
             return
@@ -366,17 +359,18 @@ class Recorder:
         if broken and rid in broken:
             return
         failed = isinstance(reply, str)
-        # bytes of their own (kept until the next write: a view's buffer could change)
-        body = reply.encode() if isinstance(reply, str) else bytes(reply)
-        request = request.encode() if isinstance(request, str) else bytes(request)
-        size = self._size + _HEAD_SIZE + len(request) + len(body)
+        body = reply.encode() if isinstance(reply, str) else reply
+        if isinstance(request, str):
+            request = request.encode()
+        buf = self._buf
+        size = len(buf) + _HEAD_SIZE + len(request) + len(body)
         if size > self._limit:
             broken.add(rid)
             self._room = 0
             return
-        self._size = size
-        parts = self._parts
-        parts += (_HEAD.pack(_STEP, rid, failed, took, len(request), len(body)), request, body)
+        buf += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
+        buf += request
+        buf += body
         if size >= FLUSH_BYTES:
             self._flush()
         elif self._timer is None:
@@ -394,17 +388,9 @@ class Recorder:
             body = b""
         else:
             body = _META.encode(cost)
-        self._size += _HEAD_SIZE + len(body)
-        self._parts += (_HEAD.pack(pipe.END, rid, flag, 0.0, len(body), 0), body)
+        self._buf += _HEAD.pack(pipe.END, rid, flag, 0.0, len(body), 0)
+        self._buf += body
         self._due()
-
-    def take(self) -> bytes:
-        """The stream buffered and not yet written, taken out of the buffer (for tests and
-        benchmarks: a recorder without a writer process)."""
-        data = b"".join(self._parts)
-        self._parts.clear()
-        self._size = 0
-        return data
 
     def _drop(self) -> None:
         self._dropped += 1
@@ -415,7 +401,7 @@ class Recorder:
     def _due(self) -> None:
         if self._timer is None and self._loop is not None:
             self._timer = self._loop.call_later(FLUSH_S, self._tick)
-        elif self._loop is None and self._size >= FLUSH_BYTES:
+        elif self._loop is None and len(self._buf) >= FLUSH_BYTES:
             self._flush()
 
     def _tick(self) -> None:
@@ -423,27 +409,21 @@ class Recorder:
         self._flush()
         self._read_counts()
         if self.state is RecorderState.RECORDING and self._loop is not None:
-            self._timer = self._loop.call_later(FLUSH_S if self._size else IDLE_S, self._tick)
+            self._timer = self._loop.call_later(FLUSH_S if self._buf else IDLE_S, self._tick)
 
     def _flush(self) -> None:
         """Write what the buffer holds to the pipe, as much as it takes (never waits)."""
-        parts = self._parts
-        if not parts or self._fd < 0:
+        buf = self._buf
+        if not buf or self._fd < 0:
             return
-        data = b"".join(parts) if len(parts) > 1 else parts[0]
-        parts.clear()
-        parts.append(data)  # (joined once, whatever the write takes)
         try:
-            n = os.write(self._fd, data)
+            n = os.write(self._fd, buf)
         except BlockingIOError:
             return
         except OSError as exc:  # the writer process is gone
             self._lose(f"its pipe failed ({exc.strerror or exc})")
             return
-        parts.clear()
-        if n < len(data):
-            parts.append(data[n:])
-        self._size = len(data) - n
+        del buf[:n]
 
     def _read_counts(self) -> None:
         shared = self._shared
@@ -463,8 +443,7 @@ class Recorder:
             self.state = RecorderState.LOST
             self.counts[RECORDING] = 0
             log.error("--record: the writer process is lost (%s): not recording", why)
-        self._parts.clear()
-        self._size = 0
+        self._buf.clear()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -525,9 +504,9 @@ class Recorder:
         proc = self._proc
         if self.state is RecorderState.RECORDING and self._fd >= 0:
             deadline = time.monotonic() + timeout
-            while self._parts and self._fd >= 0 and time.monotonic() < deadline:
+            while self._buf and self._fd >= 0 and time.monotonic() < deadline:
                 self._flush()
-                if self._parts and self._fd >= 0:
+                if self._buf and self._fd >= 0:
                     select.select([], [self._fd], [], 0.05)
         self.state = RecorderState.CLOSED
         if self._fd >= 0:
