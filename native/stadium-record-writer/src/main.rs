@@ -42,9 +42,9 @@ const NICE: i32 = 10;
 /// kernel, and unmapped again: a fifth of the writer's time). An idle writer so keeps at
 /// most ~32 MiB it could have given back.
 const MALLOC_KEEP: libc::c_int = 16 << 20;
-/// Episodes' buffers kept for the next episodes (their capacity kept, at most this much each).
-const SPARE_EPISODES: usize = 256;
-const SPARE_BYTES: usize = 1 << 20;
+/// Ended episodes' buffers kept for the next episodes (their capacity kept): at most this
+/// many bytes of them in all.
+const SPARE_BYTES: usize = 16 << 20;
 // the counts' fields
 const C_RECORDED: usize = 0;
 const C_DROPPED: usize = 1;
@@ -150,6 +150,7 @@ struct Writer {
     out: Out,
     /// Ended episodes' buffers, emptied, for the next ones (no growth from nothing each).
     spare: Vec<(Vec<u8>, Vec<Step>)>,
+    spare_bytes: usize,
 }
 
 impl Writer {
@@ -235,6 +236,7 @@ impl Writer {
                     None => (None, None, None, true),
                 };
                 let (data, steps) = self.spare.pop().unwrap_or_default();
+                self.spare_bytes -= spare_size(&data, &steps);
                 let old = self.open.insert(
                     rid,
                     Open {
@@ -271,10 +273,12 @@ impl Writer {
     /// An episode's buffers emptied and kept for a later one (within the bounds above).
     fn keep(&mut self, ep: Open) {
         let (mut data, mut steps) = (ep.data, ep.steps);
-        if self.spare.len() < SPARE_EPISODES && data.capacity() <= SPARE_BYTES {
+        let size = spare_size(&data, &steps);
+        if self.spare_bytes + size <= SPARE_BYTES {
             data.clear();
             steps.clear();
             self.spare.push((data, steps));
+            self.spare_bytes += size;
         }
     }
 
@@ -404,6 +408,11 @@ impl Writer {
             }
         }
     }
+}
+
+/// The bytes an episode's buffers hold allocated.
+fn spare_size(data: &Vec<u8>, steps: &Vec<Step>) -> usize {
+    data.capacity() + steps.capacity() * std::mem::size_of::<Step>()
 }
 
 /// The BEGIN message's MessagePack `[episode id, seed, options]`; options as JSON text.
@@ -599,6 +608,7 @@ fn main() {
         held_warnings: 0,
         out: Out::default(),
         spare: Vec::new(),
+        spare_bytes: 0,
     };
     w.set_count(C_RECORDING, 1.0);
     if unsafe { libc::getppid() } as i64 != worker {
