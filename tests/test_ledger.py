@@ -786,3 +786,24 @@ def test_cgroup_v2_peak_is_read_through_the_descriptor_its_reset_wrote_to(
     gone.reset_peak()  # an older kernel's (read-only) or a missing memory.peak: not read
     assert gone.peak is None
     assert gone.peak_bytes() is None
+
+
+def test_a_text_request_is_buffered_as_its_utf8_bytes(tmp_path: Path) -> None:
+    """A step's request that came as text (a JSON text frame: ``str``) is buffered as its
+    UTF-8 bytes, as the same request as bytes would be (``Recorder.step``'s usual case takes
+    bytes only; nothing of a refused append is left behind)."""
+    from stadium._server.ledger import RecordConfig, Recorder, RecorderState
+
+    reply = b'{"type":"observation","data":{"observation":1,"reward":1.0,"done":false}}'
+    text = '{"type":"step","data":{"n":"\u00e9"}}'
+    buffers = []
+    for request in (text, text.encode()):
+        recorder = Recorder(RecordConfig(str(tmp_path / "rec")), ("walker", "1"), "info", [0.0] * 4)
+        recorder.state = RecorderState.RECORDING  # no writer: the buffer is read
+        rid = recorder.begin("e", 1, None, reply, True)
+        assert rid is not None
+        start = len(recorder._buf)  # after the begin (its time differs)
+        recorder.step(rid, request, reply, 0.001)
+        buffers.append(bytes(recorder._buf[start:]))
+    assert buffers[0] == buffers[1]
+    assert text.encode() + reply in buffers[0]

@@ -118,27 +118,78 @@ pub struct Shard {
     step_s: ListBuilder<Float64Builder>,
 }
 
-fn texts() -> ListBuilder<StringBuilder> {
-    ListBuilder::new(StringBuilder::new()).with_field(item(b's'))
+/// A column's size carried over to the next shard, at most (items or bytes): a burst's big
+/// shard does not leave its size allocated for the quiet ones after it.
+const HINT_MAX: usize = 8 << 20;
+
+/// The sizes of a shard's columns (its rows, their steps, each text column's bytes): the
+/// next shard's builders are made this big at once, so that they do not grow by doubling
+/// (each growth a copy, and fresh pages the kernel zeroes) as every shard's did.
+#[derive(Default, Clone, Copy)]
+struct Sizes {
+    rows: usize,
+    steps: usize,
+    s: [usize; 9],
+    lists: [usize; 4],
+}
+
+fn texts(steps: usize, bytes: usize) -> ListBuilder<StringBuilder> {
+    ListBuilder::new(StringBuilder::with_capacity(steps, bytes)).with_field(item(b's'))
 }
 
 impl Shard {
     pub fn new() -> Self {
+        Self::sized(Sizes::default())
+    }
+
+    fn sized(z: Sizes) -> Self {
+        let (rows, steps) = (z.rows, z.steps);
         Shard {
             rows: 0,
-            s: (0..9).map(|_| StringBuilder::new()).collect(),
-            i: (0..6).map(|_| Int64Builder::new()).collect(),
-            f: (0..4).map(|_| Float64Builder::new()).collect(),
-            clipped: BooleanBuilder::new(),
-            actions: texts(),
-            observations: texts(),
-            rewards: ListBuilder::new(Float64Builder::new()).with_field(item(b'f')),
-            dones: ListBuilder::new(BooleanBuilder::new()).with_field(item(b'b')),
-            truncateds: ListBuilder::new(BooleanBuilder::new()).with_field(item(b'b')),
-            infos: texts(),
-            step_errors: texts(),
-            step_s: ListBuilder::new(Float64Builder::new()).with_field(item(b'f')),
+            s: z.s
+                .iter()
+                .map(|&b| StringBuilder::with_capacity(rows, b))
+                .collect(),
+            i: (0..6).map(|_| Int64Builder::with_capacity(rows)).collect(),
+            f: (0..4)
+                .map(|_| Float64Builder::with_capacity(rows))
+                .collect(),
+            clipped: BooleanBuilder::with_capacity(rows),
+            actions: texts(steps, z.lists[0]),
+            observations: texts(steps, z.lists[1]),
+            rewards: ListBuilder::new(Float64Builder::with_capacity(steps)).with_field(item(b'f')),
+            dones: ListBuilder::new(BooleanBuilder::with_capacity(steps)).with_field(item(b'b')),
+            truncateds: ListBuilder::new(BooleanBuilder::with_capacity(steps))
+                .with_field(item(b'b')),
+            infos: texts(steps, z.lists[2]),
+            step_errors: texts(steps, z.lists[3]),
+            step_s: ListBuilder::new(Float64Builder::with_capacity(steps)).with_field(item(b'f')),
         }
+    }
+
+    /// The sizes of the rows gathered, an eighth more (for the next shard's builders).
+    fn sizes(&mut self) -> Sizes {
+        let more = |n: usize| (n + n / 8).min(HINT_MAX);
+        let mut z = Sizes {
+            rows: more(self.rows),
+            steps: more(self.rewards.values().values_slice().len()),
+            ..Sizes::default()
+        };
+        for (k, b) in self.s.iter().enumerate() {
+            z.s[k] = more(b.values_slice().len());
+        }
+        for (k, list) in [
+            &mut self.actions,
+            &mut self.observations,
+            &mut self.infos,
+            &mut self.step_errors,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            z.lists[k] = more(list.values().values_slice().len());
+        }
+        z
     }
 
     pub fn add(&mut self, sc: &Scalars<'_>, out: &Out) {
@@ -193,6 +244,7 @@ impl Shard {
     }
 
     fn batch(&mut self) -> Result<RecordBatch, String> {
+        let sizes = self.sizes();
         let mut s = self.s.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef);
         let mut i = self.i.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef);
         let mut f = self.f.iter_mut().map(|b| Arc::new(b.finish()) as ArrayRef);
@@ -251,7 +303,7 @@ impl Shard {
             Arc::new(self.step_errors.finish()),
             Arc::new(self.step_s.finish()),
         ];
-        self.rows = 0;
+        *self = Shard::sized(sizes);
         RecordBatch::try_new(schema(), columns).map_err(|e| e.to_string())
     }
 

@@ -6,7 +6,8 @@ its slots: the request's and the reply's bytes, the env call's time); what runs 
 episode is here: a reset begins an episode (ending the running one), its reply starts the
 recording when ``--record`` keeps it, each step's request frame as it came, reply frame
 and time are copied into the recorder's buffer (bytes for its writer process: nothing
-kept per step), and the end counts the cost into the worker's
+kept per step; ``Session._reply`` does it inline, through the ``_ep_rec`` and ``_ep_bound``
+the reset's reply set), and the end counts the cost into the worker's
 :class:`~stadium._server.ledger.Ledger`, tells the recorder and splices the cost into the
 reply that ended it. docs/PROTOCOL.md
 ("Episode cost") defines each figure.
@@ -38,12 +39,14 @@ class EpisodeAccounts(ResumableSession):
 
     # The session's state this part writes (see _no_episode).
     __slots__ = (
+        "_ep_bound",
         "_ep_clipped",
         "_ep_cpu",
         "_ep_in",
         "_ep_log",
         "_ep_out",
         "_ep_proc",
+        "_ep_rec",
         "_ep_req",
         "_ep_start",
         "_ep_steps0",
@@ -60,6 +63,8 @@ class EpisodeAccounts(ResumableSession):
     _ep_proc: usage.Started | None
     _ep_req: bytes | str
     _ep_clipped: bool
+    _ep_rec: Callable[[int, bytes | str, bytes, float], None]
+    _ep_bound: int
     tenant: Tenant | None
 
     def _on_done(self, call: Call, result: Any, error: BaseException | None) -> None:
@@ -77,6 +82,8 @@ class EpisodeAccounts(ResumableSession):
         self._ep_proc = None  # an isolated env process's pid or cgroup, CPU s at the reset
         self._ep_req = b""  # a recorded episode's last step request (its frame, as it came)
         self._ep_clipped = False
+        self._ep_rec = _unrecorded  # a recorded episode's: its recorder's ``step``
+        self._ep_bound = 0  # a recorded episode's: the ledger's per-episode bytes
 
     def _reset(self, call: Call, size: int) -> Pending | None:
         """Run a reset (its request ``size`` bytes): the running episode, if any, ends; the
@@ -120,6 +127,9 @@ class EpisodeAccounts(ResumableSession):
                 call.episode_id, call.seed, call.options, frame,
                 self.protocol.encoding is Encoding.JSON,
             )  # fmt: skip
+            # What each step of it reads (Session._reply's recorded case): no attribute chain
+            self._ep_rec = recorder.step  # (a partial with the id bound: fewer bytecodes, slower)
+            self._ep_bound = self.runtime.ledger.episode_bytes
 
     def _episode_forked(self, steps: int) -> None:
         """This session is a fork made now of a session ``steps`` steps into a running
@@ -158,9 +168,8 @@ class EpisodeAccounts(ResumableSession):
         recorded episode or ending one: kept, and the cost added when it ended."""
         rid = self._ep_log
         if rid is not None:  # copied to the recorder, while within the per-episode bound
-            ledger = self.runtime.ledger
-            if self._ep_in + self._ep_out <= ledger.episode_bytes:
-                ledger.recorder.step(rid, self._ep_req, frame, took)  # type: ignore[union-attr]
+            if self._ep_in + self._ep_out <= self._ep_bound:
+                self._ep_rec(rid, self._ep_req, frame, took)
             else:
                 self._ep_clipped = True
         if self.protocol.ended and self._ep_start:
@@ -226,6 +235,10 @@ class EpisodeAccounts(ResumableSession):
         if frame is None:
             return b""
         return protocol.with_cost(frame, cost)
+
+
+def _unrecorded(rid: int, request: bytes | str, reply: bytes, took: float) -> None:
+    """No recorded episode: ``EpisodeAccounts._ep_rec`` at rest (never called)."""
 
 
 def ended_by(result: Any) -> EndReason:

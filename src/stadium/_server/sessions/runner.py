@@ -60,7 +60,7 @@ from stadium._server.runtime import (
     Phase,
     Runtime,
 )
-from stadium._server.sessions.episodes import EpisodeAccounts
+from stadium._server.sessions.episodes import EpisodeAccounts, ended_by
 from stadium._server.sessions.forking import ForkingSession
 from stadium._server.sessions.mcp_methods import SESSION_METHODS, session_method
 from stadium._server.sessions.resumable import Where
@@ -650,7 +650,14 @@ class Session(ForkingSession, EpisodeAccounts):
             self._ep_out += len(frame)
             if op is not _STEP:
                 self._episode_reset(call, frame)
-            elif protocol.ended or self._ep_log is not None:
+            elif self._ep_log is not None:  # recorded: _episode_step, inlined
+                if self._ep_in + self._ep_out <= self._ep_bound:
+                    self._ep_rec(self._ep_log, self._ep_req, frame, took)
+                else:
+                    self._ep_clipped = True
+                if protocol.ended and self._ep_start:
+                    frame = self._episode_over(ended_by(result), end, frame)
+            elif protocol.ended:
                 frame = self._episode_step(call, frame, took, end, result)
         self.channel.send(frame)
 
