@@ -32,10 +32,12 @@ from stadium._core.access import (
 )
 from stadium._core.handshake import MSGPACK_SUBPROTOCOL, Terms, Upgrade, _negotiate, negotiate
 from stadium._core.protocol import Encoding
+from stadium._core.resume import TOKEN_HEADER
 from stadium._errors import ConfigError
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import LocalSlots
 from stadium._server.admission.tenants import (
+    CHARGED,
     HELD,
     WAIT_BUCKETS,
     WAIT_HIST,
@@ -247,7 +249,86 @@ async def test_a_token_names_its_tenant_who_sees_only_its_own_usage(
     assert (theirs["sessions_opened"], theirs["steps"], theirs["max_sessions"]) == (0, 0, 7)
     assert "alpha" not in json.dumps(theirs)
     assert after["sessions_opened"] == 1
-    assert 'stadium_tenant_sessions_opened_total{tenant="alpha"} 3.0' in metrics
+    assert 'stadium_tenant_sessions_opened_total{tenant="beta"} 1.0' in metrics
+    assert 'tenant="alpha"' not in metrics  # another tenant's series: not beta's to read
+
+
+# -- across the boundary: what one tenant may not reach of another's ------------------
+
+
+def _counts(server: Any) -> dict[str, list[int]]:
+    d = server.runtime.doors.tenants
+    return {t.name: [d.shared.total(t.row, f) for f in (HELD, CHARGED)] for t in d.each()}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_metrics_show_a_tenant_its_own_series_and_an_operator_everyones(
+    tmp_path: Path, transport: str
+) -> None:
+    path = _tenants(tmp_path, alpha={}, beta={}, gamma={"operator": True})
+    async with serve("benchmark", transport, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            step = {"action": {"wait_seconds": 0}}
+            assert (await http.post("/step", json=step, headers=_auth("alpha"))).status_code == 200
+            seen = {n: (await http.get("/metrics", headers=_auth(n))).text for n in TOKENS}
+    opened = 'stadium_tenant_sessions_opened_total{tenant="%s"}'
+    assert opened % "alpha" in seen["alpha"]
+    assert "stadium_sessions" in seen["alpha"]  # the node's own series, for every tenant
+    assert opened % "beta" in seen["beta"]
+    assert 'tenant="alpha"' not in seen["beta"]
+    assert 'tenant="gamma"' not in seen["beta"] + seen["alpha"]
+    assert all(opened % n in seen["gamma"] for n in TOKENS)  # the operator: every tenant
+
+
+async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(
+    tmp_path: Path,
+) -> None:
+    """An MCP session id or a resume token of alpha's does not let beta's token use,
+    attach to, close or resume alpha's session (nor charge it to alpha): answered as an
+    unknown session; alpha's own token still reaches it, and the counts go back to 0."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", tenants=path, resume_grace=30 * UNIT) as server:
+        ws_url = server.url.replace("http", "ws", 1) + "/ws"
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def rpc(name: str, method: str, **params: Any) -> dict[str, Any]:
+                body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                r = await http.post("/mcp", json=body, headers=_auth(name))
+                return dict(r.json())
+
+            sid = (await rpc("alpha", "openenv/session/create"))["result"]["session_id"]
+            for method in ("tools/list", "openenv/session/close"):
+                assert "Unknown session_id" in json.dumps(await rpc("beta", method, session_id=sid))
+            async with websockets.connect(
+                f"{ws_url}?session_id={sid}", additional_headers=_auth("beta")
+            ) as ws:
+                assert "is not open" in await ws.recv()  # as a session that is not there
+            async with websockets.connect(ws_url, additional_headers=_auth("beta")) as ws:
+                close = {"jsonrpc": "2.0", "id": 2, "method": "openenv/session/close",
+                         "params": {"session_id": sid}}  # fmt: skip
+                await ws.send(json.dumps({"type": "mcp", "data": close}))
+                assert "Unknown session_id" in await ws.recv()
+            assert "tools" in json.dumps(await rpc("alpha", "tools/list", session_id=sid))
+            assert (await rpc("alpha", "openenv/session/close", session_id=sid))["result"]["closed"]
+
+        async with websockets.connect(
+            f"{ws_url}?stadium_resume=1", additional_headers=_auth("alpha")
+        ) as ws:
+            own, token = (ws.response.headers[h] for h in ("X-Stadium-Session", TOKEN_HEADER))
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+        resume = f"{ws_url}?stadium_resume={own}&stadium_received=1"
+        async with websockets.connect(  # beta, with alpha's id and token
+            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"RESUME_FAILED"' in await ws.recv()
+        async with websockets.connect(
+            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"resumed"' in await ws.recv()
+            await ws.send(json.dumps({"type": "close"}))  # ended, not held for a resume
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(server) == zero, 10 * UNIT, "all given back")
 
 
 async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
@@ -256,7 +337,7 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
     """Each ended episode's cost is summed into its tenant's (usage and ``/metrics``); a
     fork's copy of the episode is one of them, accounted from the fork: its inherited steps
     are its parent's, counted once."""
-    path = _tenants(tmp_path, alpha={}, beta={})
+    path = _tenants(tmp_path, alpha={}, beta={}, gamma={"operator": True})
     async with serve("benchmark", tenants=path) as server:
         wait = {"wait_seconds": 0}
         async with stadium.AsyncClient(server.url, token=TOKENS["alpha"]) as parent:
@@ -283,7 +364,7 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
                 lambda: usage("alpha"), lambda u: u["sessions_active"] == 0, "both closed"
             )
             mine, theirs = await usage("alpha"), await usage("beta")
-            metrics = (await http.get("/metrics", headers=_auth("beta"))).text
+            metrics = (await http.get("/metrics", headers=_auth("gamma"))).text  # an operator
     assert mine["steps"] == 3 + 2 + 1, mine
     episodes = mine["episodes"]
     assert (episodes["ended"], episodes["steps"]) == (3, 6), episodes
@@ -622,3 +703,40 @@ def wait_until_sync(ok: Callable[[], bool], what: str) -> None:
     while not ok():
         assert time.monotonic() < deadline, f"timed out waiting for: {what}"
         time.sleep(0.05)
+
+
+async def test_another_tenants_durable_session_is_not_restored_for_a_tenant(
+    tmp_path: Path,
+) -> None:
+    """A durable session moved to a second server sharing the store (its first worker
+    gone, as far as the resume goes) is restored for its own tenant's token only: beta,
+    holding alpha's id and token, is told it is unknown (and charged nothing)."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    key = tmp_path / "store.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    durable = {"durable": True, "session_store": str(tmp_path / "s"), "session_store_key": str(key)}
+    async with (
+        serve("benchmark", tenants=path, **durable) as a,
+        serve("benchmark", tenants=path, **durable) as b,
+    ):
+        async with websockets.connect(
+            a.url.replace("http", "ws", 1) + "/ws?stadium_resume=1",
+            additional_headers=_auth("alpha"),
+        ) as ws:
+            own, token = (ws.response.headers[h] for h in ("X-Stadium-Session", TOKEN_HEADER))
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+        resume = b.url.replace("http", "ws", 1) + f"/ws?stadium_resume={own}&stadium_received=1"
+        async with websockets.connect(
+            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"RESUME_FAILED"' in await ws.recv()
+        async with websockets.connect(
+            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"resumed"' in await ws.recv()
+            assert _counts(b)["alpha"] == [1, 1]
+            await ws.send(json.dumps({"type": "close"}))
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(b) == zero, 10 * UNIT, "all given back on b")

@@ -42,7 +42,7 @@ from stadium._errors import (
     ValidationError,
 )
 from stadium._server.admission.doorway import Door, Pass
-from stadium._server.admission.tenants import TenantCollector
+from stadium._server.admission.tenants import tenant_exposition
 from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
@@ -159,9 +159,8 @@ class HttpEndpoints:
         self._metrics = registry_for(
             StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name, images)
         )
-        """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
-        if runtime.doors.tenants is not None:  # --tenants: the per-tenant series too
-            self._metrics.register(TenantCollector(runtime.doors.tenants))
+        """``GET /metrics``: the server's metrics, summed over its workers (``metrics``);
+        with ``--tenants`` the per-tenant series the caller may see follow (:meth:`metrics`)."""
         if images and runtime.isolation is not None:  # the node's image store's figures
             self._metrics.register(ImageStoreCollector(runtime.isolation.images.store))
         self.web = web_enabled()
@@ -199,6 +198,8 @@ class HttpEndpoints:
                 if method == "GET"
                 else _error(405, f"{TENANT_USAGE_PATH} takes GET", "METHOD_NOT_ALLOWED")
             )
+        if tenant is not None and method == "GET" and path.split("?", 1)[0] == "/metrics":
+            return self.metrics(tenant)
         return await self._answer(method, path, body, client, tenant)
 
     def over_rate(self, client: str | None, tenant: Tenant | None = None) -> HttpResponse | None:
@@ -214,6 +215,14 @@ class HttpEndpoints:
         if directory is None:
             return self.not_found(TENANT_USAGE_PATH)
         return _json(200, directory.usage(tenant))
+
+    def metrics(self, viewer: Tenant | None = None) -> HttpResponse:
+        """``GET /metrics``; with ``--tenants``, of the per-tenant series only ``viewer``'s
+        own (every tenant's for an ``operator`` tenant): a tenant learns nothing of others."""
+        body = exposition(self._metrics)
+        if self.runtime.doors.tenants is not None:
+            body += tenant_exposition(self.runtime.doors.tenants, viewer)
+        return HttpResponse(200, body, CONTENT_TYPE_LATEST)
 
     def _refusal(self, status: int, err: StadiumError) -> HttpResponse:
         """A request refused by a limit: ``err`` as JSON, with ``Retry-After`` (whole seconds)."""
@@ -248,7 +257,7 @@ class HttpEndpoints:
         return (
             (not self.production and path in HttpEndpoints.ENV_GET_PATHS)
             or self.openenv.async_get(path)
-            or (path == TENANT_USAGE_PATH and self.runtime.doors.tenants is not None)
+            or (path in (TENANT_USAGE_PATH, "/metrics") and self.runtime.doors.tenants is not None)
         )
 
     def get(self, path: str) -> HttpResponse:
@@ -272,7 +281,7 @@ class HttpEndpoints:
         if path == "/metadata":
             return _json(200, self.metadata())
         if path == "/metrics":
-            return HttpResponse(200, exposition(self._metrics), CONTENT_TYPE_LATEST)
+            return self.metrics()
         if path in self.ENV_GET_PATHS:  # a transport bug: these wait on an environment
             return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         if path in self.POST_PATHS:
@@ -425,12 +434,13 @@ class HttpEndpoints:
             sid = req.params.get("session_id")
             if sid is not None and not isinstance(sid, str):
                 return _rpc_error(req.id, _mcp.INVALID_PARAMS, "session_id must be a string")
+            owner = None if tenant is None else tenant.name
             if req.method == "openenv/session/close":
-                if not isinstance(sid, str) or not await sessions.close(sid):
+                if not isinstance(sid, str) or not await sessions.close_for(sid, owner):
                     return _rpc_error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid!r}")
                 return _json(200, _mcp.success(req.id, {"session_id": sid, "closed": True}))
             if sid is not None:
-                response = await sessions.run(sid, dispatch)
+                response = await sessions.run(sid, dispatch, owner)
                 if response is None:
                     response = _mcp.error(
                         req.id, _mcp.INVALID_PARAMS,
@@ -610,6 +620,8 @@ class _McpSession:
     last_used: float
     charged: Pass
     """Its slot and its creator's quota (``doorway``), given back when it closes."""
+    tenant: str | None = None
+    """Its creator's tenant (``--tenants``): only that tenant's tokens reach it."""
 
 
 class McpSessions:
@@ -627,7 +639,7 @@ class McpSessions:
         self._sessions: dict[str, _McpSession] = {}
         self._sweeping: asyncio.Task[None] | None = None
         runtime.sweepers.append(self._sweep_soon)
-        runtime.close_mcp_session = self.close
+        runtime.close_mcp_session = self.close_for
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -677,21 +689,29 @@ class McpSessions:
             rt.doors.release(charged, loop.time())
             raise
         sid = rt.doors.mcp_id()
-        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged)
+        owner = None if tenant is None else tenant.name
+        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged, owner)
         rt.attachable[sid] = env
+        if owner is not None:
+            rt.attachable_tenant[sid] = owner
         return sid
 
-    async def run(self, sid: str, call: Callable[[Any], Any]) -> Any:
+    async def run(self, sid: str, call: Callable[[Any], Any], tenant: str | None = None) -> Any:
         """``await call(env)`` on session ``sid``'s env, one call at a time; ``None`` if
-        there is no such session. Raises :class:`~stadium.CallTimeoutError` past
-        ``--step-timeout``."""
+        there is no such session (of ``tenant``). Raises :class:`~stadium.CallTimeoutError`
+        past ``--step-timeout``."""
         session = self._sessions.get(sid)
-        if session is None:
+        if session is None or session.tenant != tenant:
             return None
         async with session.lock:
             loop = asyncio.get_running_loop()
             session.last_used = loop.time()  # bounded by --step-timeout, as on /ws
             return await self.runtime.invoke.call(loop, CallMode.TASK, call, session.env)
+
+    async def close_for(self, sid: str, tenant: str | None) -> bool:
+        """Close session ``sid`` if ``tenant`` made it: whether it did (another's: as none)."""
+        session = self._sessions.get(sid)
+        return session is not None and session.tenant == tenant and await self.close(sid)
 
     async def close(self, sid: str, outcome: str = "completed") -> bool:
         """Close session ``sid`` (its env closed, its slot freed, counted as ``outcome``
@@ -702,6 +722,7 @@ class McpSessions:
         rt = self.runtime
         rt.outcomes[outcome] += 1
         rt.attachable.pop(sid, None)
+        rt.attachable_tenant.pop(sid, None)
         attached = rt.attached.get(sid)
         if attached is not None:  # its WebSocket goes with it
             attached.close(CLOSE_GOING_AWAY, "the MCP session was closed")
