@@ -37,11 +37,13 @@ from stadium._errors import ConfigError
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import LocalSlots
 from stadium._server.admission.tenants import (
+    ANON,
     CHARGED,
     HELD,
     WAIT_BUCKETS,
     WAIT_HIST,
     WAIT_US,
+    WAITING,
     SharedTenants,
     TenantDirectory,
     load_tenants,
@@ -211,6 +213,27 @@ def test_a_seat_without_a_wait_counts_in_the_first_bucket() -> None:
     hist = [shared.total(3, WAIT_HIST + i) for i in range(len(WAIT_BUCKETS) + 1)]
     assert hist == [1, 0, 0, 1] + [0] * (len(WAIT_BUCKETS) - 3)
     assert shared.total(3, WAIT_US) == 20_000
+
+
+def test_a_fork_takes_no_free_slot_owed_to_a_needier_waiting_tenant() -> None:
+    """FairAdmission.try_seat (a fork's slot, now or never): a slot left free for a needier
+    tenant's waiters on another worker is not taken by a fork of a tenant holding more
+    (forks in a loop would snipe every such slot); the needier tenant's own fork takes it."""
+    directory = TenantDirectory("unused.toml", SharedTenants(2))
+    directory.active = (0, 1, ANON)
+    fair = FairAdmission(LocalSlots(4), 1.0, directory, 0, 0)
+    alpha, beta = Tenant("alpha", 0), Tenant("beta", 1)
+    shared = directory.shared
+    shared.counts[shared.at(0, HELD)] = 2  # alpha holds 2 slots
+    shared.counts[shared.at(1, WAITING) + 1] = 1  # beta (none held) waits on worker 1
+    shared.any_waiting[1] = 1
+    assert not fair.try_seat(alpha)
+    assert fair.slots.active() == 0
+    assert fair.try_seat(beta)
+    shared.counts[shared.at(1, WAITING) + 1] = 0  # nobody waits: a fork takes a free slot
+    shared.any_waiting[1] = 0
+    assert fair.try_seat(alpha)
+    assert fair.slots.active() == 2
 
 
 # -- in one process ------------------------------------------------------------------

@@ -374,7 +374,15 @@ class Doorway:
         charged = self.enter(door, client, now, tenant=tenant)
         if not self.admission.try_seat(tenant):
             self.leave(charged, now)
-            raise self.capacity_error()
+            slots = self.admission.slots
+            raise CapacityError(
+                f"server at capacity for a fork ({slots.active()}/{slots.limit} sessions, or "
+                "the free slot is owed to a session waiting for it): a fork takes a slot at "
+                "once or not at all; retry later",
+                active_sessions=slots.active(),
+                max_sessions=slots.limit,
+                retry_after_s=1.0,
+            )
         return charged
 
     async def admit_waiting(

@@ -139,9 +139,15 @@ class FairAdmission(Admission):
         return Verdict.QUEUED
 
     def try_seat(self, tenant: Tenant | None = None) -> bool:
+        """A slot now or not at all (a fork): not one owed to a needier tenant that waits
+        anywhere (a slot left for another worker's waiters: :data:`FALLBACK_POLLS`)."""
+        row = ANON if tenant is None else tenant.row
+        shared = self.directory.shared
+        if any(shared.any_waiting) and self.neediest(row) != row:
+            return False
         if not self.slots.try_acquire():
             return False
-        self._seat(ANON if tenant is None else tenant.row, 0.0)
+        self._seat(row, 0.0)
         return True
 
     def _seat(self, row: int, waited: float) -> None:
