@@ -303,6 +303,22 @@ async def test_metrics_show_a_tenant_its_own_series_and_an_operator_everyones(
     assert all(opened % n in seen["gamma"] for n in TOKENS)  # the operator: every tenant
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_get_of_a_tenant_spends_its_rate(tmp_path: Path, transport: str) -> None:
+    """``GET /metadata``, ``/schema``, ``/dashboard`` ... spend the tenant's rate as every
+    other request does (on picows they were answered beside it: a tenant over its rate
+    went on unchecked); ``/health`` stays open."""
+    path = _tenants(tmp_path, alpha={"rate_limit": 0.01}, beta={})  # 1 per 100 s
+    async with serve("benchmark", transport, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            assert (await http.get("/metadata", headers=_auth("alpha"))).status_code == 200
+            for get in ("/metadata", "/schema", "/openapi.json", "/dashboard"):
+                r = await http.get(get, headers=_auth("alpha"))
+                assert r.status_code == 429, (get, r.status_code)
+                assert (await http.get(get, headers=_auth("beta"))).status_code == 200
+            assert (await http.get("/health")).status_code == 200
+
+
 async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(
     tmp_path: Path,
 ) -> None:

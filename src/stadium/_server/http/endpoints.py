@@ -217,8 +217,7 @@ class HttpEndpoints:
         return _json(200, directory.usage(tenant))
 
     def metrics(self, viewer: Tenant | None = None) -> HttpResponse:
-        """``GET /metrics``; with ``--tenants``, of the per-tenant series only ``viewer``'s
-        own (every tenant's for an ``operator`` tenant): a tenant learns nothing of others."""
+        """``GET /metrics``; with ``--tenants`` ``viewer``'s series (``tenant_exposition``)."""
         body = exposition(self._metrics)
         if self.runtime.doors.tenants is not None:
             body += tenant_exposition(self.runtime.doors.tenants, viewer)
@@ -252,12 +251,13 @@ class HttpEndpoints:
             return self._internal_error(method, path, exc)
 
     def builds_env(self, path: str) -> bool:
-        """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
+        """Whether GET ``path`` builds an environment, or with ``--tenants`` is a tenant's
+        request (its rate spent; ``/metrics`` its view): only :meth:`handle` answers it."""
         path = path.split("?", 1)[0].rstrip("/") or "/"
         return (
             (not self.production and path in HttpEndpoints.ENV_GET_PATHS)
             or self.openenv.async_get(path)
-            or (path in (TENANT_USAGE_PATH, "/metrics") and self.runtime.doors.tenants is not None)
+            or (self.runtime.doors.tenants is not None and path in _TENANT_GETS)
         )
 
     def get(self, path: str) -> HttpResponse:
@@ -574,6 +574,7 @@ TENANT_USAGE_PATH = "/tenant/usage"
 """``GET``: the usage of the tenant the request's token names (``--tenants``)."""
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html", "/web/episodes": "episodes.html"}
 """The browser pages: path -> file of ``stadium/web/`` (package data)."""
+_TENANT_GETS = {"/metadata", "/schema", "/openapi.json", "/metrics", TENANT_USAGE_PATH, *PAGES}
 WEB_ENV = "ENABLE_WEB_INTERFACE"
 _PAGE_HEADERS = (
     # Self-contained pages: nothing but this server may be fetched, framed or connected to.
@@ -692,8 +693,7 @@ class McpSessions:
         owner = None if tenant is None else tenant.name
         self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged, owner)
         rt.attachable[sid] = env
-        if owner is not None:
-            rt.attachable_tenant[sid] = owner
+        rt.attachable_tenant[sid] = owner
         return sid
 
     async def run(self, sid: str, call: Callable[[Any], Any], tenant: str | None = None) -> Any:
