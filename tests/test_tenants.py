@@ -50,6 +50,7 @@ from stadium._server.admission.tenants import (
 )
 from stadium._server.config import ServerConfig
 from stadium._server.server import Server
+from stadium.envs.benchmark import BenchmarkEnv
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 from tests.test_supervisor import _serve
 
@@ -317,6 +318,49 @@ async def test_every_get_of_a_tenant_spends_its_rate(tmp_path: Path, transport: 
                 assert r.status_code == 429, (get, r.status_code)
                 assert (await http.get(get, headers=_auth("beta"))).status_code == 200
             assert (await http.get("/health")).status_code == 200
+
+
+class _Tasked(BenchmarkEnv):
+    """The benchmark env with a Task API method (OpenEnv's ``TaskProvider``)."""
+
+    def num_tasks(self, split: str) -> int:
+        return 3
+
+
+async def test_every_env_a_tenant_makes_counts_in_its_quota_and_no_env_is_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless ``tools/list`` and a Task API call build an env without a slot (OpenEnv
+    answers them at capacity): they built it outside the tenant's quota too (a tenant at
+    its quota could build envs without bound); they now count in it while they run. The
+    web interface's one shared env (``ENABLE_WEB_INTERFACE``) would be every tenant's:
+    with tenants it is off (403)."""
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", "true")
+    path = _tenants(tmp_path, alpha={"max_sessions": 1}, beta={})
+    async with serve(_Tasked, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def rpc(method: str, **params: Any) -> str:
+                body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                return (await http.post("/mcp", json=body, headers=_auth("alpha"))).text
+
+            name = (await http.get("/list_environments", headers=_auth("beta"))).json()[0]
+            tasks = f"/{name}/num_tasks"
+            sid = json.loads(await rpc("openenv/session/create"))["result"]["session_id"]
+            assert "holds its quota of 1" in await rpc("tools/list")  # alpha's quota is held
+            over = await http.post(tasks, json={"split": "a"}, headers=_auth("alpha"))
+            assert over.status_code == 429, over.text
+            ok = await http.post(tasks, json={"split": "a"}, headers=_auth("beta"))
+            assert ok.json() == {"num_tasks": 3}
+            assert '"closed":true' in await rpc("openenv/session/close", session_id=sid)
+            assert '"tools"' in await rpc("tools/list")
+            ok = await http.post(tasks, json={"split": "a"}, headers=_auth("alpha"))
+            assert ok.json() == {"num_tasks": 3}
+            shared = await http.post("/web/reset", json={}, headers=_auth("alpha"))
+            assert shared.status_code == 403
+            assert "shared between tenants" in shared.text
+            assert (await http.get("/web/metadata", headers=_auth("alpha"))).status_code == 200
+        assert _counts(server) == {"alpha": [0, 0], "beta": [0, 0]}
 
 
 async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(

@@ -39,6 +39,7 @@ What a session is charged is its :class:`Pass`; :meth:`Doorway.leave` gives it b
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import math
 import os
@@ -65,6 +66,12 @@ from stadium._server.admission.tenants import (
     TenantDirectory,
 )
 from stadium._server.metrics import DOORS
+
+CALLER: contextvars.ContextVar[tuple[str | None, Tenant | None]] = contextvars.ContextVar(
+    "stadium_caller", default=(None, None)
+)
+"""The client address and tenant of the HTTP request being answered (set by the HTTP
+endpoints for each request): what a route not told them (the Task API) charges."""
 
 
 class Door(enum.IntEnum):
@@ -444,4 +451,4 @@ class Doorway:
         return uuid.uuid4().hex
 
 
-__all__ = ["Door", "Doorway", "Pass", "TenantBucket"]
+__all__ = ["CALLER", "Door", "Doorway", "Pass", "TenantBucket"]

@@ -41,7 +41,7 @@ from stadium._errors import (
     StadiumError,
     ValidationError,
 )
-from stadium._server.admission.doorway import Door, Pass
+from stadium._server.admission.doorway import CALLER, Door, Pass
 from stadium._server.admission.tenants import tenant_exposition
 from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
@@ -192,6 +192,7 @@ class HttpEndpoints:
             refused = self.over_rate(client, tenant)
             if refused is not None:
                 return refused
+            CALLER.set((client, tenant))  # for the routes not told (the Task API)
         if tenant is not None and path.split("?", 1)[0].rstrip("/") == TENANT_USAGE_PATH:
             return (
                 self.tenant_usage(tenant)
@@ -209,8 +210,7 @@ class HttpEndpoints:
         return None if err is None else self._refusal(429, err)
 
     def tenant_usage(self, tenant: Tenant) -> HttpResponse:
-        """``GET /tenant/usage``: what the caller's tenant holds and used over the node
-        (its own counts only: the tenant is the one its token names)."""
+        """``GET /tenant/usage``: what the caller's tenant holds and used over the node."""
         directory = self.runtime.doors.tenants
         if directory is None:
             return self.not_found(TENANT_USAGE_PATH)
@@ -532,18 +532,18 @@ class HttpEndpoints:
 
         A session of ``client`` through the doorway (``Door.HTTP``): holds a session slot
         throughout (waiting for one as a WebSocket session does) and counts against the
-        client's quota (neither with ``slot=False``: a stateless ``tools/list``, which
-        OpenEnv answers even at capacity); raises :class:`~stadium.CapacityError` over the
-        quota or when no slot frees in time, and
+        client's and tenant's quotas (no slot with ``slot=False``, as OpenEnv answers a
+        stateless ``tools/list`` or a Task API call at capacity); raises
+        :class:`~stadium.CapacityError` over a quota or when no slot frees in time, and
         :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
         runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
         without waiting (the abandoned call may still be running on it).
         """
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        charged = (
-            await rt.doors.admit_waiting(Door.HTTP, client, loop.time(), tenant) if slot else None
-        )
+        doors, now = rt.doors, loop.time()
+        charged = await doors.admit_waiting(Door.HTTP, client, now, tenant) if slot else None
+        charged = charged or doors.enter(Door.HTTP, client, now, tenant=tenant)  # no slot
         try:
             spec = rt.spec
             try:
@@ -566,8 +566,7 @@ class HttpEndpoints:
                 elif spec.has_close:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            if charged is not None:
-                rt.doors.release(charged, loop.time())
+            (rt.doors.release if slot else rt.doors.leave)(charged, loop.time())
 
 
 TENANT_USAGE_PATH = "/tenant/usage"
