@@ -363,6 +363,19 @@ async def test_every_env_a_tenant_makes_counts_in_its_quota_and_no_env_is_shared
         assert _counts(server) == {"alpha": [0, 0], "beta": [0, 0]}
 
 
+async def test_only_an_operator_tenant_reads_the_recording(tmp_path: Path) -> None:
+    """``/web/episodes``' JSON API reads every tenant's recorded episodes: with tenants an
+    ``operator`` tenant's token reads it, the others' are refused (403)."""
+    path = _tenants(tmp_path, alpha={}, gamma={"operator": True})
+    async with serve("benchmark", tenants=path, record=str(tmp_path / "rec")) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            for route in ("/web/episodes", "/web/episodes/one"):
+                refused = await http.post(route, json={}, headers=_auth("alpha"))
+                assert refused.status_code == 403, refused.text
+                assert "operator" in refused.text
+            assert (await http.post("/web/episodes", json={}, headers=_auth("gamma"))).is_success
+
+
 async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(
     tmp_path: Path,
 ) -> None:
