@@ -376,6 +376,39 @@ async def test_only_an_operator_tenant_reads_the_recording(tmp_path: Path) -> No
             assert (await http.post("/web/episodes", json={}, headers=_auth("gamma"))).is_success
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_request_is_its_tenants_though_removed_while_its_body_comes(
+    tmp_path: Path, transport: str
+) -> None:
+    """A request's tenant is the one its token named when its headers passed the check:
+    under ASGI it was looked up again after the body, so a tenant removed by a reload
+    meanwhile had its request run as nobody's (no quota, no rate, counted to no tenant)."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", transport, tenants=path) as server:
+        directory = server.runtime.doors.tenants
+        row = next(t.row for t in directory.each() if t.name == "alpha")
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"action": {"wait_seconds": 0}}'
+        writer.write(
+            b"POST /step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKENS['alpha']}\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:5]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.2 * UNIT)  # the headers are read and checked
+        _tenants(tmp_path, beta={})  # alpha removed ...
+        assert directory.reload()  # ... and reloaded (SIGHUP) before the rest of the body
+        writer.write(body[5:])
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 10 * UNIT)
+        writer.close()
+        assert b" 200 " in status, status
+        assert directory.shared.opened(row) == 1  # alpha's, as a session opened before
+        assert directory.shared.opened(ANON) == 0
+
+
 async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(
     tmp_path: Path,
 ) -> None:
