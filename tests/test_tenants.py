@@ -5,6 +5,7 @@ and a bad file is a clear error at start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -407,6 +408,39 @@ async def test_a_request_is_its_tenants_though_removed_while_its_body_comes(
         assert b" 200 " in status, status
         assert directory.shared.opened(row) == 1  # alpha's, as a session opened before
         assert directory.shared.opened(ANON) == 0
+
+
+async def test_a_tenants_waiting_sessions_are_bounded_whatever_addresses_they_come_from(
+    tmp_path: Path,
+) -> None:
+    """Without per-client limits a session's address is not counted, so a tenant without
+    a quota could queue sessions without bound; a tenant now has at most
+    ``--max-waiting-per-client`` waiting in a worker (refused at once past it, naming its
+    tenant), and another tenant still queues."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    config = {"max_sessions": 1, "admission_timeout": 30 * UNIT, "max_waiting_per_client": 2}
+    async with serve("benchmark", tenants=path, **config) as server:
+        url = server.url.replace("http", "ws", 1) + "/ws"
+        admission = server.runtime.admission
+        async with contextlib.AsyncExitStack() as stack:
+
+            async def connect(name: str) -> Any:
+                return await stack.enter_async_context(
+                    websockets.connect(url, additional_headers=_auth(name))
+                )
+
+            await connect("alpha")  # holds the one slot
+            for n in (1, 2):
+                await connect("alpha")
+                await wait_until(lambda n=n: admission.waiting == n, 10 * UNIT, "alpha waits")
+            third = await connect("alpha")
+            refused = await asyncio.wait_for(third.recv(), 10 * UNIT)
+            assert "tenant 'alpha' already has 2 sessions waiting" in refused
+            await connect("beta")
+            await wait_until(lambda: admission.waiting == 3, 10 * UNIT, "beta waits too")
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(server) == zero, 10 * UNIT, "all given back")
+        assert admission.waiting == 0
 
 
 async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(

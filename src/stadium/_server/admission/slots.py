@@ -304,8 +304,11 @@ class Admission:
         """Take a slot now or not at all, queue or no queue (a fork)."""
         return self.slots.try_acquire()
 
-    def queue_error(self, group: object | None = None, client: str | None = None) -> CapacityError:
-        """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met."""
+    def queue_error(
+        self, group: object | None = None, client: str | None = None, tenant: Tenant | None = None
+    ) -> CapacityError:
+        """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met
+        (``tenant``'s: ``fair``)."""
         slots = self.slots
         if group is not None and 0 < self.per_connection <= self._by_group.get(group, 0):
             why = (

@@ -191,7 +191,8 @@ class Session(ForkingSession, EpisodeAccounts):
             self._waiter = waiter
             self._queued_at = self.loop.time()
         elif verdict is Verdict.TOO_MANY_WAITING:
-            self._refuse(rt.admission.queue_error(group, self.client), "too many sessions waiting")
+            refusal = rt.admission.queue_error(group, self.client, self.tenant)
+            self._refuse(refusal, "too many sessions waiting")
         else:
             self._on_admission(verdict is Verdict.ADMITTED)
 
