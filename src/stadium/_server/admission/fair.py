@@ -22,7 +22,9 @@ with tenants ≤ :data:`~stadium._server.admission.tenants.MAX_TENANTS` (64) and
 workers, whatever the number of sessions or waiters; none when nobody waits anywhere
 (the first check: one word per worker). Quotas (``max_sessions``) are charged at the
 door (``doorway``), not here: a slot never goes to a tenant over its quota because a
-waiting session is charged already.
+waiting session is charged already. A tenant has at most ``per_client``
+(``--max-waiting-per-client``) sessions waiting in a worker, whatever their addresses. A
+fork, which never waits, takes a free slot only when no needier tenant waits anywhere.
 """
 
 from __future__ import annotations
