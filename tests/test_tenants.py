@@ -436,6 +436,11 @@ async def test_a_tenants_waiting_sessions_are_bounded_whatever_addresses_they_co
             third = await connect("alpha")
             refused = await asyncio.wait_for(third.recv(), 10 * UNIT)
             assert "tenant 'alpha' already has 2 sessions waiting" in refused
+            async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+                step = {"action": {"wait_seconds": 0}}
+                r = await http.post("/step", json=step, headers=_auth("alpha"))
+            assert r.status_code == 503
+            assert "tenant 'alpha' already has 2 sessions waiting" in r.text
             await connect("beta")
             await wait_until(lambda: admission.waiting == 3, 10 * UNIT, "beta waits too")
         zero = {"alpha": [0, 0], "beta": [0, 0]}
