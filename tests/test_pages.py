@@ -226,8 +226,8 @@ async def test_dashboard_moves_while_sessions_run(tab: Tab) -> None:
 
 async def test_dashboard_shows_each_tenant_with_tenants_on(tab: Tab, tmp_path: Path) -> None:
     """With ``--tenants``, the dashboard's Tenants panel has a row per tenant: its sessions,
-    steps and ended episodes move as it runs them (the page sent with a tenant's token, as
-    a proxy in front would); without tenants the panel stays hidden."""
+    steps and ended episodes move as it runs them (the page sent with an ``operator``
+    tenant's token, as a proxy in front would); without tenants the panel stays hidden."""
     page = tab.page
     async with serve("echo") as server:
         await page.goto(server.url + "/dashboard?every=0.2")
@@ -240,6 +240,7 @@ async def test_dashboard_shows_each_tenant_with_tenants_on(tab: Tab, tmp_path: P
             f'[tenants.{name}]\ntoken_sha256 = "{hashlib.sha256(token.encode()).hexdigest()}"\n'
             for name, token in tokens.items()
         )
+        + "operator = true\n"  # beta's token (the page's) reads every tenant's series
     )
     async with serve("benchmark", tenants=str(path)) as server:
         await page.set_extra_http_headers({"Authorization": f"Bearer {tokens['beta']}"})

@@ -101,7 +101,9 @@ def test_the_index_holds_columns_not_python_rows(tmp_path: Path) -> None:
 
 def routes(directory: Path, web: bool = True) -> RecordingsRoutes:
     recorder = types.SimpleNamespace(config=types.SimpleNamespace(directory=str(directory)))
-    runtime = types.SimpleNamespace(ledger=types.SimpleNamespace(recorder=recorder))
+    runtime = types.SimpleNamespace(
+        ledger=types.SimpleNamespace(recorder=recorder), doors=types.SimpleNamespace(tenants=None)
+    )
     endpoints: Any = types.SimpleNamespace(runtime=runtime, web=web)
     inner: Any = types.SimpleNamespace(web=False, route=lambda method, path: None)
     return RecordingsRoutes(endpoints, inner)

@@ -5,6 +5,7 @@ and a bad file is a clear error at start."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -32,20 +33,25 @@ from stadium._core.access import (
 )
 from stadium._core.handshake import MSGPACK_SUBPROTOCOL, Terms, Upgrade, _negotiate, negotiate
 from stadium._core.protocol import Encoding
+from stadium._core.resume import TOKEN_HEADER
 from stadium._errors import ConfigError
 from stadium._server.admission.fair import FairAdmission
 from stadium._server.admission.slots import LocalSlots
 from stadium._server.admission.tenants import (
+    ANON,
+    CHARGED,
     HELD,
     WAIT_BUCKETS,
     WAIT_HIST,
     WAIT_US,
+    WAITING,
     SharedTenants,
     TenantDirectory,
     load_tenants,
 )
 from stadium._server.config import ServerConfig
 from stadium._server.server import Server
+from stadium.envs.benchmark import BenchmarkEnv
 from tests.conftest import TRANSPORTS, UNIT, serve, wait_until
 from tests.test_supervisor import _serve
 
@@ -211,6 +217,27 @@ def test_a_seat_without_a_wait_counts_in_the_first_bucket() -> None:
     assert shared.total(3, WAIT_US) == 20_000
 
 
+def test_a_fork_takes_no_free_slot_owed_to_a_needier_waiting_tenant() -> None:
+    """FairAdmission.try_seat (a fork's slot, now or never): a slot left free for a needier
+    tenant's waiters on another worker is not taken by a fork of a tenant holding more
+    (forks in a loop would snipe every such slot); the needier tenant's own fork takes it."""
+    directory = TenantDirectory("unused.toml", SharedTenants(2))
+    directory.active = (0, 1, ANON)
+    fair = FairAdmission(LocalSlots(4), 1.0, directory, 0, 0)
+    alpha, beta = Tenant("alpha", 0), Tenant("beta", 1)
+    shared = directory.shared
+    shared.counts[shared.at(0, HELD)] = 2  # alpha holds 2 slots
+    shared.counts[shared.at(1, WAITING) + 1] = 1  # beta (none held) waits on worker 1
+    shared.any_waiting[1] = 1
+    assert not fair.try_seat(alpha)
+    assert fair.slots.active() == 0
+    assert fair.try_seat(beta)
+    shared.counts[shared.at(1, WAITING) + 1] = 0  # nobody waits: a fork takes a free slot
+    shared.any_waiting[1] = 0
+    assert fair.try_seat(alpha)
+    assert fair.slots.active() == 2
+
+
 # -- in one process ------------------------------------------------------------------
 
 
@@ -247,7 +274,229 @@ async def test_a_token_names_its_tenant_who_sees_only_its_own_usage(
     assert (theirs["sessions_opened"], theirs["steps"], theirs["max_sessions"]) == (0, 0, 7)
     assert "alpha" not in json.dumps(theirs)
     assert after["sessions_opened"] == 1
-    assert 'stadium_tenant_sessions_opened_total{tenant="alpha"} 3.0' in metrics
+    assert 'stadium_tenant_sessions_opened_total{tenant="beta"} 1.0' in metrics
+    assert 'tenant="alpha"' not in metrics  # another tenant's series: not beta's to read
+
+
+# -- across the boundary: what one tenant may not reach of another's ------------------
+
+
+def _counts(server: Any) -> dict[str, list[int]]:
+    d = server.runtime.doors.tenants
+    return {t.name: [d.shared.total(t.row, f) for f in (HELD, CHARGED)] for t in d.each()}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_metrics_show_a_tenant_its_own_series_and_an_operator_everyones(
+    tmp_path: Path, transport: str
+) -> None:
+    path = _tenants(tmp_path, alpha={}, beta={}, gamma={"operator": True})
+    async with serve("benchmark", transport, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            step = {"action": {"wait_seconds": 0}}
+            assert (await http.post("/step", json=step, headers=_auth("alpha"))).status_code == 200
+            seen = {n: (await http.get("/metrics", headers=_auth(n))).text for n in TOKENS}
+    opened = 'stadium_tenant_sessions_opened_total{tenant="%s"}'
+    assert opened % "alpha" in seen["alpha"]
+    assert "stadium_sessions" in seen["alpha"]  # the node's own series, for every tenant
+    assert opened % "beta" in seen["beta"]
+    assert 'tenant="alpha"' not in seen["beta"]
+    assert 'tenant="gamma"' not in seen["beta"] + seen["alpha"]
+    assert all(opened % n in seen["gamma"] for n in TOKENS)  # the operator: every tenant
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_get_of_a_tenant_spends_its_rate(tmp_path: Path, transport: str) -> None:
+    """``GET /metadata``, ``/schema``, ``/dashboard`` ... spend the tenant's rate as every
+    other request does (on picows they were answered beside it: a tenant over its rate
+    went on unchecked); ``/health`` stays open."""
+    path = _tenants(tmp_path, alpha={"rate_limit": 0.01}, beta={})  # 1 per 100 s
+    async with serve("benchmark", transport, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            assert (await http.get("/metadata", headers=_auth("alpha"))).status_code == 200
+            for get in ("/metadata", "/schema", "/openapi.json", "/dashboard"):
+                r = await http.get(get, headers=_auth("alpha"))
+                assert r.status_code == 429, (get, r.status_code)
+                assert (await http.get(get, headers=_auth("beta"))).status_code == 200
+            assert (await http.get("/health")).status_code == 200
+
+
+class _Tasked(BenchmarkEnv):
+    """The benchmark env with a Task API method (OpenEnv's ``TaskProvider``)."""
+
+    def num_tasks(self, split: str) -> int:
+        return 3
+
+
+async def test_every_env_a_tenant_makes_counts_in_its_quota_and_no_env_is_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stateless ``tools/list`` and a Task API call build an env without a slot (OpenEnv
+    answers them at capacity): they built it outside the tenant's quota too (a tenant at
+    its quota could build envs without bound); they now count in it while they run. The
+    web interface's one shared env (``ENABLE_WEB_INTERFACE``) would be every tenant's:
+    with tenants it is off (403)."""
+    monkeypatch.setenv("ENABLE_WEB_INTERFACE", "true")
+    path = _tenants(tmp_path, alpha={"max_sessions": 1}, beta={})
+    async with serve(_Tasked, tenants=path) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def rpc(method: str, **params: Any) -> str:
+                body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                return (await http.post("/mcp", json=body, headers=_auth("alpha"))).text
+
+            name = (await http.get("/list_environments", headers=_auth("beta"))).json()[0]
+            tasks = f"/{name}/num_tasks"
+            sid = json.loads(await rpc("openenv/session/create"))["result"]["session_id"]
+            assert "holds its quota of 1" in await rpc("tools/list")  # alpha's quota is held
+            over = await http.post(tasks, json={"split": "a"}, headers=_auth("alpha"))
+            assert over.status_code == 429, over.text
+            ok = await http.post(tasks, json={"split": "a"}, headers=_auth("beta"))
+            assert ok.json() == {"num_tasks": 3}
+            assert '"closed":true' in await rpc("openenv/session/close", session_id=sid)
+            assert '"tools"' in await rpc("tools/list")
+            ok = await http.post(tasks, json={"split": "a"}, headers=_auth("alpha"))
+            assert ok.json() == {"num_tasks": 3}
+            shared = await http.post("/web/reset", json={}, headers=_auth("alpha"))
+            assert shared.status_code == 403
+            assert "shared between tenants" in shared.text
+            assert (await http.get("/web/metadata", headers=_auth("alpha"))).status_code == 200
+        assert _counts(server) == {"alpha": [0, 0], "beta": [0, 0]}
+
+
+async def test_only_an_operator_tenant_reads_the_recording(tmp_path: Path) -> None:
+    """``/web/episodes``' JSON API reads every tenant's recorded episodes: with tenants an
+    ``operator`` tenant's token reads it, the others' are refused (403)."""
+    path = _tenants(tmp_path, alpha={}, gamma={"operator": True})
+    async with serve("benchmark", tenants=path, record=str(tmp_path / "rec")) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+            for route in ("/web/episodes", "/web/episodes/one"):
+                refused = await http.post(route, json={}, headers=_auth("alpha"))
+                assert refused.status_code == 403, refused.text
+                assert "operator" in refused.text
+            assert (await http.post("/web/episodes", json={}, headers=_auth("gamma"))).is_success
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_request_is_its_tenants_though_removed_while_its_body_comes(
+    tmp_path: Path, transport: str
+) -> None:
+    """A request's tenant is the one its token named when its headers passed the check:
+    under ASGI it was looked up again after the body, so a tenant removed by a reload
+    meanwhile had its request run as nobody's (no quota, no rate, counted to no tenant)."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", transport, tenants=path) as server:
+        directory = server.runtime.doors.tenants
+        row = next(t.row for t in directory.each() if t.name == "alpha")
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"action": {"wait_seconds": 0}}'
+        writer.write(
+            b"POST /step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKENS['alpha']}\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body[:5]
+        )
+        await writer.drain()
+        await asyncio.sleep(0.2 * UNIT)  # the headers are read and checked
+        _tenants(tmp_path, beta={})  # alpha removed ...
+        assert directory.reload()  # ... and reloaded (SIGHUP) before the rest of the body
+        writer.write(body[5:])
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 10 * UNIT)
+        writer.close()
+        assert b" 200 " in status, status
+        assert directory.shared.opened(row) == 1  # alpha's, as a session opened before
+        assert directory.shared.opened(ANON) == 0
+
+
+async def test_a_tenants_waiting_sessions_are_bounded_whatever_addresses_they_come_from(
+    tmp_path: Path,
+) -> None:
+    """Without per-client limits a session's address is not counted, so a tenant without
+    a quota could queue sessions without bound; a tenant now has at most
+    ``--max-waiting-per-client`` waiting in a worker (refused at once past it, naming its
+    tenant), and another tenant still queues."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    config = {"max_sessions": 1, "admission_timeout": 30 * UNIT, "max_waiting_per_client": 2}
+    async with serve("benchmark", tenants=path, **config) as server:
+        url = server.url.replace("http", "ws", 1) + "/ws"
+        admission = server.runtime.admission
+        async with contextlib.AsyncExitStack() as stack:
+
+            async def connect(name: str) -> Any:
+                return await stack.enter_async_context(
+                    websockets.connect(url, additional_headers=_auth(name))
+                )
+
+            await connect("alpha")  # holds the one slot
+            for n in (1, 2):
+                await connect("alpha")
+                await wait_until(lambda n=n: admission.waiting == n, 10 * UNIT, "alpha waits")
+            third = await connect("alpha")
+            refused = await asyncio.wait_for(third.recv(), 10 * UNIT)
+            assert "tenant 'alpha' already has 2 sessions waiting" in refused
+            async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+                step = {"action": {"wait_seconds": 0}}
+                r = await http.post("/step", json=step, headers=_auth("alpha"))
+            assert r.status_code == 503
+            assert "tenant 'alpha' already has 2 sessions waiting" in r.text
+            await connect("beta")
+            await wait_until(lambda: admission.waiting == 3, 10 * UNIT, "beta waits too")
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(server) == zero, 10 * UNIT, "all given back")
+        assert admission.waiting == 0
+
+
+async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenant(
+    tmp_path: Path,
+) -> None:
+    """An MCP session id or a resume token of alpha's does not let beta's token use,
+    attach to, close or resume alpha's session (nor charge it to alpha): answered as an
+    unknown session; alpha's own token still reaches it, and the counts go back to 0."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    async with serve("benchmark", tenants=path, resume_grace=30 * UNIT) as server:
+        ws_url = server.url.replace("http", "ws", 1) + "/ws"
+        async with httpx.AsyncClient(base_url=server.url, timeout=10 * UNIT) as http:
+
+            async def rpc(name: str, method: str, **params: Any) -> dict[str, Any]:
+                body = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
+                r = await http.post("/mcp", json=body, headers=_auth(name))
+                return dict(r.json())
+
+            sid = (await rpc("alpha", "openenv/session/create"))["result"]["session_id"]
+            for method in ("tools/list", "openenv/session/close"):
+                assert "Unknown session_id" in json.dumps(await rpc("beta", method, session_id=sid))
+            async with websockets.connect(
+                f"{ws_url}?session_id={sid}", additional_headers=_auth("beta")
+            ) as ws:
+                assert "is not open" in await ws.recv()  # as a session that is not there
+            async with websockets.connect(ws_url, additional_headers=_auth("beta")) as ws:
+                close = {"jsonrpc": "2.0", "id": 2, "method": "openenv/session/close",
+                         "params": {"session_id": sid}}  # fmt: skip
+                await ws.send(json.dumps({"type": "mcp", "data": close}))
+                assert "Unknown session_id" in await ws.recv()
+            assert "tools" in json.dumps(await rpc("alpha", "tools/list", session_id=sid))
+            assert (await rpc("alpha", "openenv/session/close", session_id=sid))["result"]["closed"]
+
+        async with websockets.connect(
+            f"{ws_url}?stadium_resume=1", additional_headers=_auth("alpha")
+        ) as ws:
+            own, token = (ws.response.headers[h] for h in ("X-Stadium-Session", TOKEN_HEADER))
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+        resume = f"{ws_url}?stadium_resume={own}&stadium_received=1"
+        async with websockets.connect(  # beta, with alpha's id and token
+            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"RESUME_FAILED"' in await ws.recv()
+        async with websockets.connect(
+            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"resumed"' in await ws.recv()
+            await ws.send(json.dumps({"type": "close"}))  # ended, not held for a resume
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(server) == zero, 10 * UNIT, "all given back")
 
 
 async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
@@ -256,7 +505,7 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
     """Each ended episode's cost is summed into its tenant's (usage and ``/metrics``); a
     fork's copy of the episode is one of them, accounted from the fork: its inherited steps
     are its parent's, counted once."""
-    path = _tenants(tmp_path, alpha={}, beta={})
+    path = _tenants(tmp_path, alpha={}, beta={}, gamma={"operator": True})
     async with serve("benchmark", tenants=path) as server:
         wait = {"wait_seconds": 0}
         async with stadium.AsyncClient(server.url, token=TOKENS["alpha"]) as parent:
@@ -283,7 +532,7 @@ async def test_a_tenant_is_charged_its_episodes_cost_and_a_forks_steps_once(
                 lambda: usage("alpha"), lambda u: u["sessions_active"] == 0, "both closed"
             )
             mine, theirs = await usage("alpha"), await usage("beta")
-            metrics = (await http.get("/metrics", headers=_auth("beta"))).text
+            metrics = (await http.get("/metrics", headers=_auth("gamma"))).text  # an operator
     assert mine["steps"] == 3 + 2 + 1, mine
     episodes = mine["episodes"]
     assert (episodes["ended"], episodes["steps"]) == (3, 6), episodes
@@ -622,3 +871,40 @@ def wait_until_sync(ok: Callable[[], bool], what: str) -> None:
     while not ok():
         assert time.monotonic() < deadline, f"timed out waiting for: {what}"
         time.sleep(0.05)
+
+
+async def test_another_tenants_durable_session_is_not_restored_for_a_tenant(
+    tmp_path: Path,
+) -> None:
+    """A durable session moved to a second server sharing the store (its first worker
+    gone, as far as the resume goes) is restored for its own tenant's token only: beta,
+    holding alpha's id and token, is told it is unknown (and charged nothing)."""
+    path = _tenants(tmp_path, alpha={}, beta={})
+    key = tmp_path / "store.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o600)
+    durable = {"durable": True, "session_store": str(tmp_path / "s"), "session_store_key": str(key)}
+    async with (
+        serve("benchmark", tenants=path, **durable) as a,
+        serve("benchmark", tenants=path, **durable) as b,
+    ):
+        async with websockets.connect(
+            a.url.replace("http", "ws", 1) + "/ws?stadium_resume=1",
+            additional_headers=_auth("alpha"),
+        ) as ws:
+            own, token = (ws.response.headers[h] for h in ("X-Stadium-Session", TOKEN_HEADER))
+            await ws.send(json.dumps({"type": "reset", "data": {}}))
+            await ws.recv()
+        resume = b.url.replace("http", "ws", 1) + f"/ws?stadium_resume={own}&stadium_received=1"
+        async with websockets.connect(
+            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"RESUME_FAILED"' in await ws.recv()
+        async with websockets.connect(
+            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
+        ) as ws:
+            assert '"resumed"' in await ws.recv()
+            assert _counts(b)["alpha"] == [1, 1]
+            await ws.send(json.dumps({"type": "close"}))
+        zero = {"alpha": [0, 0], "beta": [0, 0]}
+        await wait_until(lambda: _counts(b) == zero, 10 * UNIT, "all given back on b")

@@ -113,6 +113,8 @@ class Tenant:
     """Sessions it may hold or wait for over the node; 0: no quota."""
     rate_limit: float = 0.0
     """Requests per second over the node; 0: none."""
+    operator: bool = False
+    """Whether its token reads every tenant's series in ``/metrics`` (else its own only)."""
 
 
 MAX_SEEN = 1024

@@ -162,9 +162,12 @@ class Runtime:
         """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP
         sessions (``endpoints.McpSessions``), which hold their slot and close their env."""
         self.attached: dict[str, SessionLike] = {}
+        self.attachable_tenant: dict[str, str | None] = {}
+        """The tenant (``--tenants``; ``None``: none) of each of :attr:`attachable`: only a
+        token of that tenant uses, attaches to or closes it."""
         self.sweepers: list[Callable[[], None]] = []
-        self.close_mcp_session: Callable[[str], Awaitable[bool]] | None = None
-        """Closes an HTTP MCP session by id (set by the HTTP endpoints), for the
+        self.close_mcp_session: Callable[[str, str | None], Awaitable[bool]] | None = None
+        """Closes an HTTP MCP session by id, of a tenant (set by the HTTP endpoints), for the
         ``openenv/session/close`` a WebSocket session may send."""
         self.detached_idle_timeout = 300.0
         """Seconds a session without a live connection (HTTP MCP) is kept unused (0: forever;

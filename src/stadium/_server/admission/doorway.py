@@ -39,6 +39,7 @@ What a session is charged is its :class:`Pass`; :meth:`Doorway.leave` gives it b
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import math
 import os
@@ -65,6 +66,12 @@ from stadium._server.admission.tenants import (
     TenantDirectory,
 )
 from stadium._server.metrics import DOORS
+
+CALLER: contextvars.ContextVar[tuple[str | None, Tenant | None]] = contextvars.ContextVar(
+    "stadium_caller", default=(None, None)
+)
+"""The client address and tenant of the HTTP request being answered (set by the HTTP
+endpoints for each request): what a route not told them (the Task API) charges."""
 
 
 class Door(enum.IntEnum):
@@ -374,7 +381,15 @@ class Doorway:
         charged = self.enter(door, client, now, tenant=tenant)
         if not self.admission.try_seat(tenant):
             self.leave(charged, now)
-            raise self.capacity_error()
+            slots = self.admission.slots
+            raise CapacityError(
+                f"server at capacity for a fork ({slots.active()}/{slots.limit} sessions, or "
+                "the free slot is owed to a session waiting for it): a fork takes a slot at "
+                "once or not at all; retry later",
+                active_sessions=slots.active(),
+                max_sessions=slots.limit,
+                retry_after_s=1.0,
+            )
         return charged
 
     async def admit_waiting(
@@ -436,4 +451,4 @@ class Doorway:
         return uuid.uuid4().hex
 
 
-__all__ = ["Door", "Doorway", "Pass", "TenantBucket"]
+__all__ = ["CALLER", "Door", "Doorway", "Pass", "TenantBucket"]

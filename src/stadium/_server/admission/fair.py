@@ -22,7 +22,9 @@ with tenants ≤ :data:`~stadium._server.admission.tenants.MAX_TENANTS` (64) and
 workers, whatever the number of sessions or waiters; none when nobody waits anywhere
 (the first check: one word per worker). Quotas (``max_sessions``) are charged at the
 door (``doorway``), not here: a slot never goes to a tenant over its quota because a
-waiting session is charged already.
+waiting session is charged already. A tenant has at most ``per_client``
+(``--max-waiting-per-client``) sessions waiting in a worker, whatever their addresses. A
+fork, which never waits, takes a free slot only when no needier tenant waits anywhere.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import math
 from bisect import bisect_left
 
 from stadium._core.access import Tenant
+from stadium._errors import CapacityError
 from stadium._server.admission.slots import (
     POLL_INTERVAL_S,
     Admission,
@@ -122,6 +125,8 @@ class FairAdmission(Admission):
             mine[WAIT_HIST] += 1
             return Verdict.ADMITTED
         verdict = Verdict.REFUSED if self.timeout <= 0 else self._bounds(group, client)
+        if verdict is None and tenant is not None and self._tenant_full(row):
+            verdict = Verdict.TOO_MANY_WAITING  # a tenant is at least one client
         if verdict is not None:
             shared.add(row, REFUSED)
             return verdict
@@ -138,10 +143,37 @@ class FairAdmission(Admission):
             self._poller = loop.call_later(POLL_INTERVAL_S, self._poll)
         return Verdict.QUEUED
 
+    def _tenant_full(self, row: int) -> bool:
+        """Whether ``row`` has its bound of sessions waiting in this worker (those of
+        ``--max-waiting-per-client``, whatever addresses they come from)."""
+        return 0 < self.per_client <= len(self._by_tenant.get(row, ()))
+
+    def queue_error(
+        self, group: object | None = None, client: str | None = None, tenant: Tenant | None = None
+    ) -> CapacityError:
+        if tenant is None or self._bounds(group, client) or not self._tenant_full(tenant.row):
+            return super().queue_error(group, client)
+        slots = self.slots
+        return CapacityError(
+            f"server at capacity ({slots.active()}/{slots.limit} sessions) and tenant "
+            f"{tenant.name!r} already has {self.per_client} sessions waiting for a slot here "
+            "(the most one tenant may queue); wait for some to open or be refused before "
+            "opening more",
+            active_sessions=slots.active(),
+            max_sessions=slots.limit,
+            retry_after_s=1.0,
+        )
+
     def try_seat(self, tenant: Tenant | None = None) -> bool:
+        """A slot now or not at all (a fork): not one owed to a needier tenant that waits
+        anywhere (a slot left for another worker's waiters: :data:`FALLBACK_POLLS`)."""
+        row = ANON if tenant is None else tenant.row
+        shared = self.directory.shared
+        if any(shared.any_waiting) and self.neediest(row) != row:
+            return False
         if not self.slots.try_acquire():
             return False
-        self._seat(ANON if tenant is None else tenant.row, 0.0)
+        self._seat(row, 0.0)
         return True
 
     def _seat(self, row: int, waited: float) -> None:

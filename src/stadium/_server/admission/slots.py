@@ -304,8 +304,11 @@ class Admission:
         """Take a slot now or not at all, queue or no queue (a fork)."""
         return self.slots.try_acquire()
 
-    def queue_error(self, group: object | None = None, client: str | None = None) -> CapacityError:
-        """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met."""
+    def queue_error(
+        self, group: object | None = None, client: str | None = None, tenant: Tenant | None = None
+    ) -> CapacityError:
+        """The refusal of a :attr:`Verdict.TOO_MANY_WAITING` session: which bound it met
+        (``tenant``'s: ``fair``)."""
         slots = self.slots
         if group is not None and 0 < self.per_connection <= self._by_group.get(group, 0):
             why = (
@@ -349,7 +352,8 @@ class Admission:
     async def acquire(self, tenant: Tenant | None = None) -> bool:
         """Take a slot for one request/response caller (an HTTP request), as :meth:`admit`
         does for a session: at once, after waiting in the same queue (up to ``timeout``),
-        or not at all (``False``). The caller :meth:`release` s a slot it got. Cancelling
+        or not at all (``False``; :class:`~stadium.CapacityError` past a bound of waiting
+        sessions). The caller :meth:`release` s a slot it got. Cancelling
         the caller gives up its place in the queue, or the slot it was just handed.
         """
         granted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -362,6 +366,8 @@ class Admission:
             granted.set_result(ok)
 
         verdict = self.admit(waiter, tenant=tenant)
+        if verdict is Verdict.TOO_MANY_WAITING:  # its tenant's bound (``fair``)
+            raise self.queue_error(tenant=tenant)
         if verdict is not Verdict.QUEUED:
             return verdict is Verdict.ADMITTED
         try:

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -56,6 +57,7 @@ __all__ = [
     "TenantCollector",
     "TenantDirectory",
     "load_tenants",
+    "tenant_exposition",
 ]
 
 MAX_TENANTS = 64
@@ -71,7 +73,9 @@ RELOAD_CHECK_S = 0.2
 _BLOB_BYTES = 1 << 17
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HEX = re.compile(r"[0-9a-f]{64}")
-_FIELDS = frozenset({"token_sha256", "token_file", "weight", "max_sessions", "rate_limit"})
+_FIELDS = frozenset(
+    {"token_sha256", "token_file", "weight", "max_sessions", "rate_limit", "operator"}
+)
 
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 """Upper bounds (seconds) of a tenant's queue wait histogram (then +Inf): those of
@@ -98,6 +102,7 @@ class _TenantEntry(msgspec.Struct, frozen=True):
     weight: float
     max_sessions: int
     rate_limit: float
+    operator: bool = False
 
 
 _ENTRIES = msgspec.json.Decoder(list[_TenantEntry])
@@ -165,7 +170,10 @@ def load_tenants(path: str) -> list[_TenantEntry]:
         rate = _number(spec.get("rate_limit", 0), f"{where}.rate_limit", bad)
         if not 0 <= rate <= 1e9:
             raise bad(f"{where}.rate_limit", "must be >= 0 requests per second (0: none)")
-        out.append(_TenantEntry(name, -1, digests, weight, quota, rate))
+        operator = spec.get("operator", False)
+        if not isinstance(operator, bool):
+            raise bad(f"{where}.operator", "must be true or false")
+        out.append(_TenantEntry(name, -1, digests, weight, quota, rate, operator))
     return out
 
 
@@ -383,7 +391,7 @@ class TenantDirectory:
         rows: list[Tenant | None] = [None] * MAX_TENANTS
         table = []
         for e in entries:
-            tenant = Tenant(e.name, e.row, e.weight, e.max_sessions, e.rate_limit)
+            tenant = Tenant(e.name, e.row, e.weight, e.max_sessions, e.rate_limit, e.operator)
             rows[e.row] = tenant
             table.append((tenant, [bytes.fromhex(d) for d in e.digests]))
         self.rows = rows
@@ -453,16 +461,31 @@ class TenantDirectory:
         return (t for t in self.rows if t is not None)
 
 
+def tenant_exposition(directory: TenantDirectory, viewer: Tenant | None) -> bytes:
+    """``/metrics``' per-tenant series as ``viewer`` may see them (Prometheus text): every
+    tenant's for an ``operator`` tenant, else its own only (none for no tenant): a tenant
+    learns neither the names nor the figures of the others."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(TenantCollector(directory, viewer))
+    return generate_latest(registry)
+
+
 class TenantCollector:
     """``/metrics``' per-tenant series, summed over the node's workers (docs/METRICS.md):
-    a prometheus-client collector registered beside the worker's own."""
+    every tenant's when ``viewer`` is an ``operator`` tenant, else ``viewer``'s only."""
 
-    def __init__(self, directory: TenantDirectory) -> None:
+    def __init__(self, directory: TenantDirectory, viewer: Tenant | None) -> None:
         self.directory = directory
+        self.viewer = viewer
 
     def collect(self) -> Iterator[Metric]:
         shared = self.directory.shared
-        tenants = list(self.directory.each())
+        viewer = None if self.viewer is None else self.directory.current(self.viewer)
+        tenants = [
+            t
+            for t in self.directory.each()
+            if viewer is not None and (viewer.operator or t.name == viewer.name)
+        ]
         label = ["tenant"]
         families: list[tuple[Any, str, str, int]] = [
             (GaugeMetricFamily, "stadium_tenant_sessions_active", "Sessions holding a slot.", HELD),

@@ -81,6 +81,8 @@ class SessionRecord(msgspec.Struct, array_like=True):
     """Replies made on the session, the last one included."""
     recent: list[bytes]
     """The last replies (at most ``resume.REPLAY_FRAMES``), oldest first."""
+    tenant: str | None = None
+    """The tenant whose session it is (``--tenants``): only its tokens restore it."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -41,8 +41,8 @@ from stadium._errors import (
     StadiumError,
     ValidationError,
 )
-from stadium._server.admission.doorway import Door, Pass
-from stadium._server.admission.tenants import TenantCollector
+from stadium._server.admission.doorway import CALLER, Door, Pass
+from stadium._server.admission.tenants import tenant_exposition
 from stadium._server.images.collector import ImageStoreCollector
 from stadium._server.invoke import awaited
 from stadium._server.metrics import CONTENT_TYPE_LATEST, StadiumCollector, exposition, registry_for
@@ -159,9 +159,8 @@ class HttpEndpoints:
         self._metrics = registry_for(
             StadiumCollector(runtime.board, runtime.publish_metrics, runtime.spec.name, images)
         )
-        """``GET /metrics``: the server's metrics, summed over its workers (``metrics``)."""
-        if runtime.doors.tenants is not None:  # --tenants: the per-tenant series too
-            self._metrics.register(TenantCollector(runtime.doors.tenants))
+        """``GET /metrics``: the server's metrics, summed over its workers (``metrics``);
+        with ``--tenants`` the per-tenant series the caller may see follow (:meth:`metrics`)."""
         if images and runtime.isolation is not None:  # the node's image store's figures
             self._metrics.register(ImageStoreCollector(runtime.isolation.images.store))
         self.web = web_enabled()
@@ -193,12 +192,15 @@ class HttpEndpoints:
             refused = self.over_rate(client, tenant)
             if refused is not None:
                 return refused
+            CALLER.set((client, tenant))  # for the routes not told (the Task API)
         if tenant is not None and path.split("?", 1)[0].rstrip("/") == TENANT_USAGE_PATH:
             return (
                 self.tenant_usage(tenant)
                 if method == "GET"
                 else _error(405, f"{TENANT_USAGE_PATH} takes GET", "METHOD_NOT_ALLOWED")
             )
+        if tenant is not None and method == "GET" and path.split("?", 1)[0] == "/metrics":
+            return self.metrics(tenant)
         return await self._answer(method, path, body, client, tenant)
 
     def over_rate(self, client: str | None, tenant: Tenant | None = None) -> HttpResponse | None:
@@ -208,12 +210,18 @@ class HttpEndpoints:
         return None if err is None else self._refusal(429, err)
 
     def tenant_usage(self, tenant: Tenant) -> HttpResponse:
-        """``GET /tenant/usage``: what the caller's tenant holds and used over the node
-        (its own counts only: the tenant is the one its token names)."""
+        """``GET /tenant/usage``: what the caller's tenant holds and used over the node."""
         directory = self.runtime.doors.tenants
         if directory is None:
             return self.not_found(TENANT_USAGE_PATH)
         return _json(200, directory.usage(tenant))
+
+    def metrics(self, viewer: Tenant | None = None) -> HttpResponse:
+        """``GET /metrics``; with ``--tenants`` ``viewer``'s series (``tenant_exposition``)."""
+        body = exposition(self._metrics)
+        if self.runtime.doors.tenants is not None:
+            body += tenant_exposition(self.runtime.doors.tenants, viewer)
+        return HttpResponse(200, body, CONTENT_TYPE_LATEST)
 
     def _refusal(self, status: int, err: StadiumError) -> HttpResponse:
         """A request refused by a limit: ``err`` as JSON, with ``Retry-After`` (whole seconds)."""
@@ -243,12 +251,13 @@ class HttpEndpoints:
             return self._internal_error(method, path, exc)
 
     def builds_env(self, path: str) -> bool:
-        """Whether GET ``path`` builds an environment (so only :meth:`handle` answers it)."""
+        """Whether GET ``path`` builds an environment, or with ``--tenants`` is a tenant's
+        request (its rate spent; ``/metrics`` its view): only :meth:`handle` answers it."""
         path = path.split("?", 1)[0].rstrip("/") or "/"
         return (
             (not self.production and path in HttpEndpoints.ENV_GET_PATHS)
             or self.openenv.async_get(path)
-            or (path == TENANT_USAGE_PATH and self.runtime.doors.tenants is not None)
+            or (self.runtime.doors.tenants is not None and path in _TENANT_GETS)
         )
 
     def get(self, path: str) -> HttpResponse:
@@ -272,7 +281,7 @@ class HttpEndpoints:
         if path == "/metadata":
             return _json(200, self.metadata())
         if path == "/metrics":
-            return HttpResponse(200, exposition(self._metrics), CONTENT_TYPE_LATEST)
+            return self.metrics()
         if path in self.ENV_GET_PATHS:  # a transport bug: these wait on an environment
             return _error(500, f"GET {path} must be answered through handle()", "INTERNAL_ERROR")
         if path in self.POST_PATHS:
@@ -425,12 +434,13 @@ class HttpEndpoints:
             sid = req.params.get("session_id")
             if sid is not None and not isinstance(sid, str):
                 return _rpc_error(req.id, _mcp.INVALID_PARAMS, "session_id must be a string")
+            owner = None if tenant is None else tenant.name
             if req.method == "openenv/session/close":
-                if not isinstance(sid, str) or not await sessions.close(sid):
+                if not isinstance(sid, str) or not await sessions.close_for(sid, owner):
                     return _rpc_error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid!r}")
                 return _json(200, _mcp.success(req.id, {"session_id": sid, "closed": True}))
             if sid is not None:
-                response = await sessions.run(sid, dispatch)
+                response = await sessions.run(sid, dispatch, owner)
                 if response is None:
                     response = _mcp.error(
                         req.id, _mcp.INVALID_PARAMS,
@@ -522,18 +532,18 @@ class HttpEndpoints:
 
         A session of ``client`` through the doorway (``Door.HTTP``): holds a session slot
         throughout (waiting for one as a WebSocket session does) and counts against the
-        client's quota (neither with ``slot=False``: a stateless ``tools/list``, which
-        OpenEnv answers even at capacity); raises :class:`~stadium.CapacityError` over the
-        quota or when no slot frees in time, and
+        client's and tenant's quotas (no slot with ``slot=False``, as OpenEnv answers a
+        stateless ``tools/list`` or a Task API call at capacity); raises
+        :class:`~stadium.CapacityError` over a quota or when no slot frees in time, and
         :class:`~stadium.CallTimeoutError` (504) when creating the env or ``call``
         runs past ``limit`` seconds (``None``: ``--step-timeout``); the env is then closed
         without waiting (the abandoned call may still be running on it).
         """
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        charged = (
-            await rt.doors.admit_waiting(Door.HTTP, client, loop.time(), tenant) if slot else None
-        )
+        doors, now = rt.doors, loop.time()
+        charged = await doors.admit_waiting(Door.HTTP, client, now, tenant) if slot else None
+        charged = charged or doors.enter(Door.HTTP, client, now, tenant=tenant)  # no slot
         try:
             spec = rt.spec
             try:
@@ -556,14 +566,14 @@ class HttpEndpoints:
                 elif spec.has_close:
                     await rt.invoke.call(loop, spec.close_mode, env.close)
         finally:
-            if charged is not None:
-                rt.doors.release(charged, loop.time())
+            (rt.doors.release if slot else rt.doors.leave)(charged, loop.time())
 
 
 TENANT_USAGE_PATH = "/tenant/usage"
 """``GET``: the usage of the tenant the request's token names (``--tenants``)."""
 PAGES = {"/dashboard": "dashboard.html", "/web": "play.html", "/web/episodes": "episodes.html"}
 """The browser pages: path -> file of ``stadium/web/`` (package data)."""
+_TENANT_GETS = {"/metadata", "/schema", "/openapi.json", "/metrics", TENANT_USAGE_PATH, *PAGES}
 WEB_ENV = "ENABLE_WEB_INTERFACE"
 _PAGE_HEADERS = (
     # Self-contained pages: nothing but this server may be fetched, framed or connected to.
@@ -610,6 +620,8 @@ class _McpSession:
     last_used: float
     charged: Pass
     """Its slot and its creator's quota (``doorway``), given back when it closes."""
+    tenant: str | None = None
+    """Its creator's tenant (``--tenants``): only that tenant's tokens reach it."""
 
 
 class McpSessions:
@@ -627,7 +639,7 @@ class McpSessions:
         self._sessions: dict[str, _McpSession] = {}
         self._sweeping: asyncio.Task[None] | None = None
         runtime.sweepers.append(self._sweep_soon)
-        runtime.close_mcp_session = self.close
+        runtime.close_mcp_session = self.close_for
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -677,21 +689,28 @@ class McpSessions:
             rt.doors.release(charged, loop.time())
             raise
         sid = rt.doors.mcp_id()
-        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged)
+        owner = None if tenant is None else tenant.name
+        self._sessions[sid] = _McpSession(env, asyncio.Lock(), now, charged, owner)
         rt.attachable[sid] = env
+        rt.attachable_tenant[sid] = owner
         return sid
 
-    async def run(self, sid: str, call: Callable[[Any], Any]) -> Any:
+    async def run(self, sid: str, call: Callable[[Any], Any], tenant: str | None = None) -> Any:
         """``await call(env)`` on session ``sid``'s env, one call at a time; ``None`` if
-        there is no such session. Raises :class:`~stadium.CallTimeoutError` past
-        ``--step-timeout``."""
+        there is no such session (of ``tenant``). Raises :class:`~stadium.CallTimeoutError`
+        past ``--step-timeout``."""
         session = self._sessions.get(sid)
-        if session is None:
+        if session is None or session.tenant != tenant:
             return None
         async with session.lock:
             loop = asyncio.get_running_loop()
             session.last_used = loop.time()  # bounded by --step-timeout, as on /ws
             return await self.runtime.invoke.call(loop, CallMode.TASK, call, session.env)
+
+    async def close_for(self, sid: str, tenant: str | None) -> bool:
+        """Close session ``sid`` if ``tenant`` made it: whether it did (another's: as none)."""
+        session = self._sessions.get(sid)
+        return session is not None and session.tenant == tenant and await self.close(sid)
 
     async def close(self, sid: str, outcome: str = "completed") -> bool:
         """Close session ``sid`` (its env closed, its slot freed, counted as ``outcome``
@@ -702,6 +721,7 @@ class McpSessions:
         rt = self.runtime
         rt.outcomes[outcome] += 1
         rt.attachable.pop(sid, None)
+        rt.attachable_tenant.pop(sid, None)
         attached = rt.attached.get(sid)
         if attached is not None:  # its WebSocket goes with it
             attached.close(CLOSE_GOING_AWAY, "the MCP session was closed")

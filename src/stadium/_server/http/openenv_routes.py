@@ -7,13 +7,15 @@
 serves Stadium's page). An OpenEnv app built with its web interface
 (``create_web_interface_app``) has them whatever the variable says. As on OpenEnv,
 they drive **one** env per worker process, built at its first use, shared by every
-web user and kept as long as the worker (no session slot: it is the page's env).
+web user and kept as long as the worker (no session slot: it is the page's env); with
+``--tenants`` they answer ``403`` (that env would be shared between tenants).
 
 **Task API** (where the env provides it: ``list_splits``, ``list_tasks``, ``num_tasks``,
 ``get_task``, ``get_task_range``, OpenEnv's ``TaskProvider``): ``GET
 /list_environments``, ``GET /{env}/splits``, ``POST /{env}/tasks | num_tasks | task |
 task_range``. Each call runs on a fresh env (no session slot; the methods are
-side-effect-free discovery, as OpenEnv's contract says), closed after. Errors: ``404``
+side-effect-free discovery, as OpenEnv's contract says), closed after; the env counts in
+its client's and tenant's quotas while it lives. Errors: ``404``
 an unknown env name, ``501`` a method the env does not provide, ``400`` an index out of
 range (``IndexError``), ``422`` a bad body.
 """
@@ -35,6 +37,7 @@ from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError, ValidationError
+from stadium._server.admission.doorway import CALLER
 from stadium._server.http.endpoints import (
     HttpEndpoints,
     HttpResponse,
@@ -93,6 +96,8 @@ class OpenEnvRoutes:
     def route(self, method: str, path: str) -> Callable[[bytes], Awaitable[HttpResponse]] | None:
         """The handler of ``method path`` if it is one of these routes, else ``None``."""
         if self.web and path.startswith("/web/"):
+            if path in _SHARED and self.runtime.doors.tenants is not None:
+                return self._shared_refused
             if method == "POST" and path == "/web/reset":
                 return self._web_reset
             if method == "POST" and path == "/web/step":
@@ -116,6 +121,15 @@ class OpenEnvRoutes:
         return None
 
     # -- the web interface ---------------------------------------------------------
+
+    async def _shared_refused(self, body: bytes) -> HttpResponse:
+        return self._error(
+            403,
+            "the web interface's env is one env shared by every caller: with --tenants it "
+            "would be shared between tenants, so it is off; use a session of your own "
+            "(WebSocket /ws, or POST /reset and /step)",
+            "FORBIDDEN",
+        )
 
     async def _web_env_ready(self) -> Any:
         if self._web_env is None:
@@ -206,7 +220,10 @@ class OpenEnvRoutes:
             return await result if inspect.isawaitable(result) else result
 
         try:
-            result = await self.endpoints._run(CallMode.TASK, call, what=method, slot=False)
+            client, tenant = CALLER.get()  # its env counts in their quotas while it lives
+            result = await self.endpoints._run(
+                CallMode.TASK, call, what=method, client=client, slot=False, tenant=tenant
+            )
         except NotImplementedError:
             return self._error(501, f"{method} is not supported for this environment",
                                "NOT_IMPLEMENTED")  # fmt: skip
@@ -246,6 +263,10 @@ class OpenEnvRoutes:
     @staticmethod
     def _error(status: int, message: str, code: str) -> HttpResponse:
         return error_response(status, message, code)
+
+
+_SHARED = frozenset({"/web/reset", "/web/step", "/web/state"})
+"""The web interface's routes on its one shared env (off with ``--tenants``)."""
 
 
 def _body(body: bytes) -> dict[str, Any] | str:

@@ -28,7 +28,8 @@ is bounded: a page of episodes, a window of steps, each text value cut at :data:
 characters. Without ``--record``: ``404`` saying so. The routes pass the same access
 checks as every HTTP endpoint (``--auth-token``) and are served when ``/web`` is
 (``ENABLE_WEB_INTERFACE``): whoever may use the server may read every recorded episode
-(docs/SECURITY.md).
+(docs/SECURITY.md); with ``--tenants``, an ``operator`` tenant only (``403`` for the
+others: the recording holds every tenant's episodes).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from stadium._server.admission.doorway import CALLER
 from stadium._server.http.endpoints import ExtraRoutes, HttpEndpoints, HttpResponse, error_response
 
 #: Episodes per page, at most.
@@ -321,10 +323,25 @@ class RecordingsRoutes:
 
     def route(self, method: str, path: str) -> Callable[[bytes], Awaitable[HttpResponse]] | None:
         if method == "POST" and path == "/web/episodes" and self.endpoints.web:
-            return self._list
+            return self._list if self._may_read() else self._refused
         if method == "POST" and path == "/web/episodes/one" and self.endpoints.web:
-            return self._one
+            return self._one if self._may_read() else self._refused
         return self.inner.route(method, path)
+
+    def _may_read(self) -> bool:
+        """Whether the caller reads the recording: anyone who passed the access checks;
+        with ``--tenants`` an ``operator`` tenant only (it holds every tenant's episodes)."""
+        directory = self.endpoints.runtime.doors.tenants
+        if directory is None:
+            return True
+        tenant = CALLER.get()[1]
+        return tenant is not None and directory.current(tenant).operator
+
+    async def _refused(self, body: bytes) -> HttpResponse:
+        return error_response(
+            403, "the recording holds every tenant's episodes: with --tenants only a tenant "
+            "with operator = true reads it here", "FORBIDDEN",
+        )  # fmt: skip
 
     async def _read(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the executor, after the reads before it; ``None`` when

@@ -11,11 +11,13 @@ from stadium._server.runtime import Runtime
 SESSION_METHODS = frozenset({"openenv/session/create", "openenv/session/close"})
 
 
-async def session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[str, Any]:
+async def session_method(
+    rt: Runtime, own_id: str, req: _mcp.Request, tenant: str | None = None
+) -> dict[str, Any]:
     """OpenEnv's session methods sent as an ``mcp`` message on ``/ws``, as OpenEnv 0.10
     answers them: ``create`` returns this session's own id (no new session); ``close``
     of this session is refused (close the WebSocket instead), of an HTTP MCP session
-    closes it."""
+    (of the same ``tenant``, with ``--tenants``) closes it."""
     if req.method == "openenv/session/create":
         return _mcp.success(req.id, {"session_id": own_id})
     sid = req.params.get("session_id")
@@ -27,7 +29,7 @@ async def session_method(rt: Runtime, own_id: str, req: _mcp.Request) -> dict[st
             "Cannot close active WebSocket-managed session via MCP method",
         )  # fmt: skip
     close = rt.close_mcp_session
-    if close is None or not await close(sid):
+    if close is None or not await close(sid, tenant):
         return _mcp.error(req.id, _mcp.INVALID_PARAMS, f"Unknown session_id: {sid}")
     return _mcp.success(req.id, {"session_id": sid, "closed": True})
 

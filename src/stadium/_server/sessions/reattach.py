@@ -32,10 +32,15 @@ def resume_session(
 ) -> Session | StadiumError:
     """Resume session ``ask.sid`` on the connection ``target``: this worker's, or with
     ``--durable`` one restored from the store (its worker or node gone), a new session
-    of ``client`` (the peer that resumes it: its quota, its rate) through the doorway."""
+    of ``client`` (the peer that resumes it: its quota, its rate) through the doorway.
+    With ``--tenants``, a session of another tenant than ``tenant`` is refused as unknown
+    (a resume token does not carry a session across tenants)."""
     sid = ask.sid or ""
     session = runtime.resumable.get(sid)
     if isinstance(session, Session):
+        if (session.tenant and session.tenant.name) != (tenant and tenant.name):
+            log.debug("resume of %s refused: another tenant's session", ask.sid)
+            return unknown_session(ask.sid)  # as if there were none (--tenants)
         error = session.resume(ask, target, where)
         return session if error is None else error
     durable = runtime.durable
@@ -45,6 +50,9 @@ def resume_session(
     record = durable.load(sid, ask.token)
     if isinstance(record, StadiumError):
         return record
+    if record.tenant != (tenant and tenant.name):
+        log.debug("restore of %s refused: another tenant's session", ask.sid)
+        return unknown_session(ask.sid)
     if record.encoding != encoding.value:
         return ResumeError(
             f"session {sid} uses {record.encoding} frames: resume it with the same encoding",

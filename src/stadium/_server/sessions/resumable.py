@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from stadium._core.access import Tenant
 from stadium._core.protocol import Call, SessionProtocol, SessionState
 from stadium._core.resume import (
     REPLAY_FRAMES,
@@ -57,6 +58,7 @@ class ResumeHost(Protocol):
     last_active: float
     outcome: str
     resume_id: str | None
+    tenant: Tenant | None
     _token: str
     _expiry: asyncio.TimerHandle | None
     _call: Call | None
@@ -100,6 +102,7 @@ class ResumableSession:
     env: Any
     last_active: float
     resume_id: str | None
+    tenant: Tenant | None
     _token: str
     _expiry: asyncio.TimerHandle | None
     _call: Call | None
@@ -274,6 +277,7 @@ class ResumableSession:
             protocol.state is SessionState.READY,
             channel.count,
             recent[-REPLAY_FRAMES:],
+            None if self.tenant is None else self.tenant.name,
         )
         if frame is None:
             return durable.save(record)

@@ -191,7 +191,8 @@ class Session(ForkingSession, EpisodeAccounts):
             self._waiter = waiter
             self._queued_at = self.loop.time()
         elif verdict is Verdict.TOO_MANY_WAITING:
-            self._refuse(rt.admission.queue_error(group, self.client), "too many sessions waiting")
+            refusal = rt.admission.queue_error(group, self.client, self.tenant)
+            self._refuse(refusal, "too many sessions waiting")
         else:
             self._on_admission(verdict is Verdict.ADMITTED)
 
@@ -392,6 +393,10 @@ class Session(ForkingSession, EpisodeAccounts):
         its WebSocket so): refused, and closed (1008), if there is none or it is attached."""
         rt = self.runtime
         env = rt.attachable.get(sid)
+        if env is not None and rt.attachable_tenant.get(sid) != (
+            None if self.tenant is None else self.tenant.name
+        ):  # another tenant's (--tenants): as if there were none
+            env = None
         if env is None or sid in rt.attached:
             why = "has a WebSocket attached already" if env is not None else "is not open"
             self.phase = Phase.CLOSED
@@ -581,7 +586,10 @@ class Session(ForkingSession, EpisodeAccounts):
             return None
         rt = self.runtime
         if req.method in SESSION_METHODS:  # OpenEnv's session methods, on this session
-            own = functools.partial(session_method, rt, self._attach or self.resume_id or self.sid)
+            own = functools.partial(
+                session_method, rt, self._attach or self.resume_id or self.sid,
+                tenant=None if self.tenant is None else self.tenant.name,
+            )  # fmt: skip
             return rt.invoke.run(self.loop, CallMode.TASK, own, (req,), self._on_done, call)
         dispatch = functools.partial(
             _mcp.dispatch, server=(rt.spec.name, rt.spec.version), describe=rt.describe

@@ -212,6 +212,9 @@ class AsgiApp:
             path = path[len(root) :] or "/"
         method = scope.get("method", "GET")
         refusal = self._refusal(scope, path)
+        tenant = None  # named now, as checked (a reload while the body comes keeps it)
+        if refusal is None and self.access.tenants is not None:
+            tenant = self.access.tenant_of(header_values(scope.get("headers") or ())[0])
         body = b""
         more = method == "POST" and refusal is None
         while more:
@@ -226,9 +229,6 @@ class AsgiApp:
             resp = TOO_LARGE
         else:
             client = None if self.runtime.limits is None else client_address(scope.get("client"))
-            tenant = None
-            if self.access.tenants is not None:
-                tenant = self.access.tenant_of(header_values(scope.get("headers") or ())[0])
             resp = await self.endpoints.handle(method, path, body, client, tenant)
         await send(
             {
