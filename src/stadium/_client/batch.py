@@ -45,7 +45,13 @@ from stadium._client.options import (
 from stadium._core.client import NO_DATA, BatchProtocol, outcome, step_result
 from stadium._core.frames import BatchCall, BatchReply, Reply
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
-from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER, resumable_close
+from stadium._core.resume import (
+    GRACE_HEADER,
+    RESUME_PARAM,
+    TOKEN_HEADER,
+    grace_from,
+    resumable_close,
+)
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -219,10 +225,7 @@ class BatchConnection:
         picked = transport.response.headers.get("Sec-WebSocket-Protocol", "")
         #: Whether the server speaks batches (it picked the subprotocol offered).
         self.accepted = picked.strip() == offered
-        try:
-            grace = float(transport.response.headers.get(GRACE_HEADER, "0"))
-        except ValueError:
-            grace = 0.0
+        grace = grace_from(transport.response.headers.get(GRACE_HEADER))
         #: Seconds the server keeps this connection's sessions after a loss (0: not resumable).
         self.grace = grace
 

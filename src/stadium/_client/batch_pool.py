@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Generic, TypeVar, Unpack
@@ -33,7 +32,7 @@ from stadium._client.batch import (
     checked,
     result_of,
 )
-from stadium._client.options import ConnectKeywords, ConnectOptions, backoff
+from stadium._client.options import ConnectKeywords, ConnectOptions, backoff, refusal_wait
 from stadium._client.session import _raised, _to_builtins
 from stadium._core.client import reset_data, resume_call, resumed_data, state_result
 from stadium._core.frames import BatchCall, Reply
@@ -343,7 +342,7 @@ class BatchSession(Generic[ObsT]):
             except CapacityError as exc:
                 if attempt >= retries:
                     raise
-                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                await asyncio.sleep(refusal_wait(exc, self.group.wait_cap))
                 continue
             return result_of(entry, self.group.observation_type)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -380,6 +379,7 @@ class BatchGroup(Generic[ObsT]):
         max_retries: int = 8,
         opening: Callable[[], Awaitable[BatchConnection]] | None = None,
         reopening: Callable[..., Awaitable[BatchConnection]] | None = None,
+        wait_cap: float = 10.0,
     ) -> None:
         self.conns = list(conns)
         self.opening = opening
@@ -389,6 +389,8 @@ class BatchGroup(Generic[ObsT]):
         self.state_type = state_type
         self.action_encoder = action_encoder or _to_builtins
         self.max_retries = max_retries
+        self.wait_cap = wait_cap
+        """The longest wait before a refused session's retry (the options' ``connect_timeout``)."""
         self.coalescers = [_Coalescer(self, c) for c in self.conns]
         self.sessions: list[BatchSession[ObsT]] = [BatchSession(self, i) for i in range(size)]
 
@@ -442,6 +444,7 @@ class BatchGroup(Generic[ObsT]):
             max_retries=opts.max_retries,
             opening=opening,
             reopening=reopening,
+            wait_cap=opts.connect_timeout,
         )
 
     async def reopen(self, sid: str | None, token: str) -> BatchConnection:

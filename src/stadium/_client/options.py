@@ -29,7 +29,7 @@ from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
 
 from stadium._core.client import codec
 from stadium._env.codecs import UNREADABLE
-from stadium._errors import ConfigError, ConnectError
+from stadium._errors import CapacityError, ConfigError, ConnectError
 
 #: The environment variable a client reads its bearer token from when given none
 #: (the same one ``stadium serve`` reads).
@@ -182,6 +182,13 @@ def backoff(attempt: int) -> float:
     return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
 
 
+def refusal_wait(exc: CapacityError, cap: float) -> float:
+    """Seconds to wait before retrying a session refused with ``CAPACITY_REACHED``: its
+    ``retry_after_s`` with jitter (0.5 to 1.5 times), at most ``cap`` (the client's
+    ``connect_timeout``: a server cannot park a client longer than its own timeout)."""
+    return min(cap, exc.retry_after_s) * (0.5 + random.random())
+
+
 def with_query(url: str, params: Mapping[str, str]) -> str:
     """``url`` with ``params`` set in its query (replacing any of the same names)."""
     parts = urllib.parse.urlsplit(url)
@@ -240,6 +247,7 @@ __all__ = [
     "ConnectOptions",
     "HandshakeKeywords",
     "backoff",
+    "refusal_wait",
     "refused",
     "untrusted",
     "with_query",

@@ -10,11 +10,16 @@ import asyncio
 import collections
 from collections.abc import Callable
 
-from picows import WSFrame, WSListener, WSMsgType, WSTransport
+from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport
 
 from stadium._client.balance import Lease
 from stadium._core.resume import ResumeBook, resumable_close
 from stadium._errors import SessionClosedError
+
+#: Frames a connection keeps before its first request (a refusal the server sent as it
+#: opened, e.g. ``CAPACITY_REACHED``, is one); more, or any frame no request waits for
+#: once the session asked something, is a frame no request asked for.
+MAX_EARLY_FRAMES = 4
 
 
 class Listener(WSListener):
@@ -33,6 +38,8 @@ class Listener(WSListener):
         self.closed: SessionClosedError | None = None
         self.lease = lease  # balanced sessions: the node's slot, released on disconnect
         self.closing = False  # the client ended the session
+        self.asked = predecessor is not None
+        """Whether a request was sent on the session (then every frame answers one)."""
         self.book: ResumeBook[bytes] | None = None
         """A resumable session's requests (numbered, kept until answered) and replies."""
         self.on_lost: Callable[[Listener], None] | None = None
@@ -65,6 +72,10 @@ class Listener(WSListener):
                 fut = self.waiting.popleft()
                 if not fut.done():
                     fut.set_result(data)
+            elif self.closing:
+                return  # the session's end: nothing waits for it
+            elif self.asked or len(self.early) >= MAX_EARLY_FRAMES:
+                self._unasked(transport)
             else:
                 self.early.append(data)  # e.g. a capacity refusal before any request
         elif mtype == WSMsgType.CLOSE:
@@ -76,6 +87,22 @@ class Listener(WSListener):
             )
             transport.send_close(code)
             transport.disconnect()
+
+    def _unasked(self, transport: WSTransport) -> None:
+        """A frame no request waits for (a reply sent twice, or never asked for): the
+        next request would read it as its own, so the session is dropped, not resumed."""
+        self.closing = True
+        self.early.clear()
+        self.closed = SessionClosedError(
+            "the server sent a reply no request asked for (a duplicated or unsolicited "
+            "frame); the session was dropped so that no request reads another's reply",
+            close_code=WSCloseCode.PROTOCOL_ERROR.value,
+        )
+        if self.lease is not None:  # a misbehaving node
+            self.lease.release(suspect=True)
+            self.lease = None
+        transport.send_close(WSCloseCode.PROTOCOL_ERROR)
+        transport.disconnect()
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         code = None if self.closed is None else self.closed.context.get("close_code")

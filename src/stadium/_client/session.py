@@ -40,7 +40,6 @@ servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
 from __future__ import annotations
 
 import asyncio
-import random
 import ssl as ssl_module
 from collections.abc import Callable
 from functools import partial
@@ -63,6 +62,7 @@ from stadium._client.options import (
     TOKEN_ENV,
     ConnectOptions,
     backoff,
+    refusal_wait,
     refused,
     unreachable,
     untrusted,
@@ -72,7 +72,7 @@ from stadium._client.replies import Listener, answered_before_closing
 from stadium._core.client import NO_DATA, ClientProtocol, reset_data, state_result, step_result
 from stadium._core.frames import Reply
 from stadium._core.protocol import MSGPACK_SUBPROTOCOL
-from stadium._core.resume import ResumeAsk, ResumeBook
+from stadium._core.resume import ResumeAsk, ResumeBook, grace_from
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -397,7 +397,7 @@ class AsyncClient(Generic[ObsT]):
             forked.token,
             node=book.node,
             address=book.address,
-            grace=forked.grace or book.grace,
+            grace=grace_from(forked.grace) or book.grace,
         )
         child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
         child.endpoint = self.endpoint
@@ -410,7 +410,7 @@ class AsyncClient(Generic[ObsT]):
 
     async def _request(self, kind: str, data: Any = NO_DATA, retry_capacity: bool = False) -> Reply:
         if self._resuming is not None:  # the connection was lost: wait for the resume
-            await asyncio.shield(self._resuming)
+            await self._resumed()
         listener = self._listener
         if not retry_capacity and listener is not None and not self.connected:
             # The session this client had is gone: a silent reconnect would start a
@@ -435,7 +435,7 @@ class AsyncClient(Generic[ObsT]):
                     lease.refused(exc.retry_after_s)
                     if lease.balancer.any_available():
                         continue
-                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                await asyncio.sleep(refusal_wait(exc, self.options.connect_timeout))
                 continue
             self._answered += 1
             return reply
@@ -454,6 +454,7 @@ class AsyncClient(Generic[ObsT]):
                 raise listener.closed
             fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             listener.waiting.append(fut)
+            listener.asked = True  # from now on every frame answers a request
             payload, rid = protocol.request(kind, data)  # resumable: numbered, kept
             transport.send(self._msg_type, payload)
             try:
@@ -505,6 +506,25 @@ class AsyncClient(Generic[ObsT]):
         if self._resuming is None:
             self._resuming = asyncio.get_running_loop().create_task(self._resume_session(listener))
 
+    async def _resumed(self) -> None:
+        """Wait for the resume under way, at most ``request_timeout`` (a request's wait:
+        a server that says a long grace period and never takes the session back cannot
+        park its requests for longer)."""
+        resuming = self._resuming
+        if resuming is None:
+            return
+        timeout = self.options.request_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(resuming), timeout)
+        except TimeoutError:
+            raise ResumeError(
+                f"session {self.session_id} lost its connection and was not resumed within "
+                f"{timeout:g}s (request_timeout); it is still being resumed, within the "
+                "server's grace period: try again, or close it",
+                session=self.session_id,
+                timeout_s=timeout,
+            ) from None
+
     def _stop_resuming(self, err: SessionClosedError) -> None:
         task, self._resuming = self._resuming, None
         if task is not None and not task.done():
@@ -555,9 +575,17 @@ class AsyncClient(Generic[ObsT]):
                         partial(Listener, lease, lost), url, headers, **kwargs
                     )
                     listener = cast(Listener, resumed)
-                    if listener is None or listener.greeting is None or transport.is_disconnected:
-                        raise ConnectionResetError("the connection closed in the handshake")
-                    hello = await listener.greeting
+                    try:
+                        if (
+                            listener is None
+                            or listener.greeting is None
+                            or transport.is_disconnected
+                        ):
+                            raise ConnectionResetError("the connection closed in the handshake")
+                        hello = await listener.greeting
+                    except BaseException:  # no answer to the resume: never leave it open
+                        transport.disconnect(graceful=False)
+                        raise
             except WSHandshakeError as exc:
                 answer = refused(exc, url)
                 if answer.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403

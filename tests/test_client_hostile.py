@@ -1,0 +1,229 @@
+"""The clients against hostile or broken servers: small fake servers on loopback that
+answer the upgrade, then send what a compromised or buggy server (or a proxy) would.
+A client must not hang, grow without bound, or read one request's reply as another's:
+it fails with a :class:`~stadium.StadiumError` that says what was wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from stadium import AsyncClient, CapacityError, SessionClosedError
+from tests.conftest import UNIT
+
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def _frame(opcode: int, payload: bytes) -> bytes:
+    n = len(payload)
+    if n < 126:
+        return bytes([0x80 | opcode, n]) + payload
+    return bytes([0x80 | opcode, 126]) + n.to_bytes(2, "big") + payload
+
+
+def _json(kind: str, data: Any, **extra: Any) -> bytes:
+    return _frame(0x1, json.dumps({"type": kind, "data": data, **extra}).encode())
+
+
+def _observation(n: int) -> bytes:
+    return _json("observation", {"observation": {"n": n}, "reward": 0.0, "done": False})
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One client frame (masked), unmasked: its opcode and payload."""
+    head = await reader.readexactly(2)
+    n = head[1] & 0x7F
+    if n == 126:
+        n = int.from_bytes(await reader.readexactly(2), "big")
+    elif n == 127:
+        n = int.from_bytes(await reader.readexactly(8), "big")
+    mask = await reader.readexactly(4)
+    data = await reader.readexactly(n)
+    return head[0] & 0x0F, bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+async def _requests(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    """The client's requests, decoded, until it closes (then the close is answered)."""
+    while True:
+        opcode, payload = await _read_frame(reader)
+        if opcode == 0x8 or (opcode in (0x1, 0x2) and b'"close"' in payload):
+            writer.write(_frame(0x8, (1000).to_bytes(2, "big")))
+            await writer.drain()
+            return
+        if opcode in (0x1, 0x2):
+            yield json.loads(payload)
+
+
+class Fake:
+    """What a fake server saw: its connections, and how many are open now."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.open = 0
+        self.most_open = 0
+
+
+async def _fake(
+    script: Script, headers: bytes = b"", fake: Fake | None = None
+) -> tuple[asyncio.Server, str]:
+    """A server that answers the upgrade with 101 (and ``headers``), then runs ``script``
+    (``fake``: counts its connections)."""
+    seen = fake or Fake()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.connections += 1
+        seen.open += 1
+        seen.most_open = max(seen.most_open, seen.open)
+        try:
+            await _upgraded(reader, writer)
+        finally:
+            seen.open -= 1
+
+    async def _upgraded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        writer.write(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n" + headers + b"\r\n"
+        )
+        try:
+            await script(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    return server, f"ws://127.0.0.1:{port}/ws"
+
+
+# -- replies no request asked for ----------------------------------------------------------
+
+
+async def _twice(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Sends every reply twice (a buggy proxy's retry, a compromised server)."""
+    n = 0
+    async for _ in _requests(reader, writer):
+        n += 1
+        writer.write(_observation(n) * 2)
+        await writer.drain()
+
+
+async def _chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers the first request, then sends frames nobody asked for, without end."""
+    async for _ in _requests(reader, writer):
+        writer.write(_observation(1))
+        for _ in range(10_000):
+            writer.write(_observation(0))
+            await writer.drain()
+        return
+
+
+@pytest.mark.parametrize("resume", [False, True])
+async def test_a_reply_sent_twice_is_never_read_as_the_next_requests(resume: bool) -> None:
+    headers = b"X-Stadium-Session: 1-a\r\nX-Stadium-Resume-Token: t\r\n" if resume else b""
+    server, url = await _fake(_twice, headers)
+    async with server:
+        env = AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, resume=resume)
+        async with env:
+            assert (await env.reset()).observation == {"n": 1}
+            # before: the step read the reset's copy ({"n": 1}) without being sent
+            with pytest.raises(SessionClosedError, match="no request asked for"):
+                await env.step({})
+
+
+async def test_frames_never_asked_for_are_not_kept_without_bound() -> None:
+    server, url = await _fake(_chatty)
+    async with server:
+        async with AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, resume=False) as env:
+            assert (await env.reset()).observation == {"n": 1}
+            listener = env._listener
+            assert listener is not None
+            await asyncio.sleep(0.2 * UNIT)  # before: 10,000 frames kept, each read as a reply
+            assert len(listener.early) == 0
+            with pytest.raises(SessionClosedError, match="no request asked for"):
+                await env.step({})
+
+
+# -- hostile numbers: Retry-After, grace ---------------------------------------------------
+
+
+async def _full(retry_after: float) -> Script:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        refusal = {"code": "CAPACITY_REACHED", "message": "full", "retry_after_s": retry_after}
+        writer.write(_frame(0x2, msgspec.msgpack.encode({"type": "error", "data": refusal})))
+        writer.write(_frame(0x8, (1013).to_bytes(2, "big")))
+        await writer.drain()
+
+    return script
+
+
+@pytest.mark.parametrize("retry_after", [1e300, float("inf"), float("nan"), -5.0])
+async def test_a_hostile_retry_after_is_bounded(retry_after: float) -> None:
+    server, url = await _fake(
+        await _full(retry_after), b"Sec-WebSocket-Protocol: stadium.msgpack\r\n"
+    )
+    async with server:
+        env = AsyncClient(
+            url, max_retries=1, msgpack=True, resume=False, connect_timeout=0.5 * UNIT
+        )
+        # before: slept 1e300 s (or raised ValueError from asyncio.sleep(nan))
+        async with asyncio.timeout(5 * UNIT):
+            with pytest.raises(CapacityError) as caught:
+                await env.reset()
+        assert 0.0 <= caught.value.retry_after_s < math.inf  # a number to wait, never NaN
+
+
+_GRANTED = (
+    b"X-Stadium-Session: 1-a\r\nX-Stadium-Resume-Token: t\r\nX-Stadium-Resume-Grace: 1e300\r\n"
+)
+
+
+def _lost_then_mute(fake: Fake) -> Script:
+    """The first connection answers one request, then is cut (no close frame); every
+    resume after it is upgraded and never answered (no ``resumed``)."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if fake.connections == 1:
+            async for _ in _requests(reader, writer):
+                writer.write(_observation(1))
+                await writer.drain()
+                writer.transport.abort()
+                return
+        await reader.read()  # until the client hangs up
+
+    return script
+
+
+async def test_a_resume_never_answered_under_a_huge_grace_fails_the_request_in_time() -> None:
+    fake = Fake()
+    server, url = await _fake(_lost_then_mute(fake), _GRANTED, fake)
+    async with server:
+        env = AsyncClient(url, max_retries=0, request_timeout=1 * UNIT, connect_timeout=0.2 * UNIT)
+        try:
+            await env.connect()
+            assert (await env.reset()).observation == {"n": 1}
+            # before: the step waited for a resume that the grace (1e300 s) never ended
+            async with asyncio.timeout(10 * UNIT):
+                with pytest.raises(SessionClosedError):
+                    await env.step({})
+            assert fake.connections >= 3  # it tried to resume, more than once
+            assert fake.most_open <= 2  # before: every unanswered resume stayed open
+        finally:
+            await env.close()
