@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from stadium import AsyncClient, CapacityError, SessionClosedError
+from stadium import AsyncClient, CapacityError, ConnectError, SessionClosedError
 from tests.conftest import UNIT
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -56,12 +56,15 @@ async def _requests(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
     """The client's requests, decoded, until it closes (then the close is answered)."""
     while True:
         opcode, payload = await _read_frame(reader)
-        if opcode == 0x8 or (opcode in (0x1, 0x2) and b'"close"' in payload):
+        request = None
+        if opcode in (0x1, 0x2):
+            request = msgspec.msgpack.decode(payload) if opcode == 0x2 else json.loads(payload)
+        if opcode == 0x8 or (isinstance(request, dict) and request.get("type") == "close"):
             writer.write(_frame(0x8, (1000).to_bytes(2, "big")))
             await writer.drain()
             return
-        if opcode in (0x1, 0x2):
-            yield json.loads(payload)
+        if request is not None:
+            yield request
 
 
 class Fake:
@@ -227,3 +230,43 @@ async def test_a_resume_never_answered_under_a_huge_grace_fails_the_request_in_t
             assert fake.most_open <= 2  # before: every unanswered resume stayed open
         finally:
             await env.close()
+
+
+# -- a 101 that opened another WebSocket than the one asked for -------------------------
+
+
+async def _answers(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answers every request in JSON (whatever the client offered)."""
+    n = 0
+    async for _ in _requests(reader, writer):
+        n += 1
+        writer.write(_observation(n))
+        await writer.drain()
+
+
+@pytest.mark.parametrize(
+    ("msgpack", "headers", "said"),
+    [
+        (True, b"", "did not accept the stadium.msgpack subprotocol"),
+        (True, b"Sec-WebSocket-Protocol: msgpack\r\n", "picked the subprotocol 'msgpack'"),
+        (False, b"Sec-WebSocket-Protocol: stadium.msgpack\r\n", "picked the subprotocol"),
+        (False, b"Sec-WebSocket-Extensions: permessage-deflate\r\n", "extensions"),
+    ],
+)
+async def test_a_101_with_a_subprotocol_or_extension_not_offered_is_a_connect_error(
+    msgpack: bool, headers: bytes, said: str
+) -> None:
+    server, url = await _fake(_answers, headers)
+    async with server:
+        env = AsyncClient(url, max_retries=0, msgpack=msgpack, resume=False)
+        # before: the session opened, and its frames were read as the wrong encoding
+        with pytest.raises(ConnectError, match=said):
+            await env.reset()
+        assert not env.connected
+
+
+async def test_a_101_picking_the_subprotocol_offered_opens_the_session() -> None:
+    server, url = await _fake(_answers, b"Sec-WebSocket-Protocol: stadium.msgpack\r\n")
+    async with server:
+        async with AsyncClient(url, max_retries=0, msgpack=True, resume=False) as env:
+            assert env.connected  # the JSON replies are the fake's, not read here

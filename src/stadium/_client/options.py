@@ -28,6 +28,7 @@ import msgspec
 from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
 
 from stadium._core.client import codec
+from stadium._core.protocol import MSGPACK_SUBPROTOCOL
 from stadium._env.codecs import UNREADABLE
 from stadium._errors import CapacityError, ConfigError, ConnectError
 
@@ -182,6 +183,31 @@ def backoff(attempt: int) -> float:
     return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
 
 
+def unnegotiated(transport: WSTransport, offered: str | None, url: str) -> ConnectError | None:
+    """The error when a ``101`` did not open the WebSocket the client asked for: a
+    subprotocol it did not offer (``offered``: its ``Sec-WebSocket-Protocol``, None when
+    none), none when it offered MessagePack's (it would send frames the server cannot
+    read), or an extension it never offered (RFC 6455 §4.1: the client fails the
+    connection); None when it did. The connection is closed."""
+    headers = transport.response.headers
+    extensions = headers.get("Sec-WebSocket-Extensions")
+    picked = (headers.get("Sec-WebSocket-Protocol") or "").strip()
+    choices = {p.strip() for p in (offered or "").split(",")} - {""}
+    if extensions:
+        why = f"turned on the WebSocket extensions {extensions[:100]!r}, which it did not offer"
+    elif picked in choices or (not picked and MSGPACK_SUBPROTOCOL not in choices):
+        return None
+    elif not picked:
+        why = (
+            f"did not accept the {MSGPACK_SUBPROTOCOL} subprotocol (MessagePack frames): it "
+            "is not a Stadium server, or a proxy dropped the header; connect with msgpack=False"
+        )
+    else:
+        why = f"picked the subprotocol {picked[:100]!r}, which it offered {offered or 'none'}"
+    transport.disconnect(graceful=False)
+    return ConnectError(f"cannot open a session at {url}: the server's 101 {why}", url=url)
+
+
 def refusal_wait(exc: CapacityError, cap: float) -> float:
     """Seconds to wait before retrying a session refused with ``CAPACITY_REACHED``: its
     ``retry_after_s`` with jitter (0.5 to 1.5 times), at most ``cap`` (the client's
@@ -249,6 +275,7 @@ __all__ = [
     "backoff",
     "refusal_wait",
     "refused",
+    "unnegotiated",
     "untrusted",
     "with_query",
 ]

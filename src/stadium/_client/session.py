@@ -64,6 +64,7 @@ from stadium._client.options import (
     backoff,
     refusal_wait,
     refused,
+    unnegotiated,
     unreachable,
     untrusted,
     with_query,
@@ -170,6 +171,10 @@ class AsyncClient(Generic[ObsT]):
         """The handshake's headers (the options' and the MessagePack subprotocol)."""
         if self.options.msgpack:
             self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
+        self._offered = next(
+            (v for k, v in self.headers.items() if k.lower() == "sec-websocket-protocol"), None
+        )
+        """The subprotocols the handshake offers (the 101 must pick one of them, or none)."""
         self._protocol = ClientProtocol(self.options.msgpack)
         """The session's protocol: its frames, and its resume book when resumable."""
         self._msg_type = WSMsgType.BINARY if self.options.msgpack else WSMsgType.TEXT
@@ -256,6 +261,8 @@ class AsyncClient(Generic[ObsT]):
                 raise ConnectError(
                     f"cannot open a session at {self.url}: {exc}", url=self.url
                 ) from exc
+            if (odd := unnegotiated(transport, self._offered, self.url)) is not None:
+                raise odd
             self._opened(transport, cast(Listener, listener), {})
             return self
         raise unreachable(self.url, self.options.max_retries + 1, last) from last
@@ -310,6 +317,9 @@ class AsyncClient(Generic[ObsT]):
                     raise ConnectError(
                         f"cannot open a session at {ep.ws_url}: {exc}", url=ep.ws_url
                     ) from exc
+                if (odd := unnegotiated(transport, self._offered, ep.ws_url)) is not None:
+                    lease.release(suspect=True)
+                    raise odd
                 self._lease, self.url, self.endpoint = lease, ep.ws_url, ep.url
                 self._opened(transport, cast(Listener, listener), kwargs)
                 if ep.host is not None:
@@ -582,6 +592,8 @@ class AsyncClient(Generic[ObsT]):
                             or transport.is_disconnected
                         ):
                             raise ConnectionResetError("the connection closed in the handshake")
+                        if (odd := unnegotiated(transport, self._offered, url)) is not None:
+                            raise odd
                         hello = await listener.greeting
                     except BaseException:  # no answer to the resume: never leave it open
                         transport.disconnect(graceful=False)
@@ -592,7 +604,7 @@ class AsyncClient(Generic[ObsT]):
                     self._fail_session(lost, _resume_failed(book.session_id, str(answer)))
                     return
                 last = answer
-            except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
+            except (TimeoutError, OSError, SessionClosedError, WSError, ConnectError) as exc:
                 last = exc
             else:
                 self._protocol.book = book
