@@ -17,6 +17,8 @@ import msgspec
 import pytest
 
 from stadium import AsyncClient, CapacityError, ConnectError, SessionClosedError
+from stadium._client.batch import BatchConnection, result_of
+from stadium._client.batch import call as batch_call
 from tests.conftest import UNIT
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -270,3 +272,66 @@ async def test_a_101_picking_the_subprotocol_offered_opens_the_session() -> None
     async with server:
         async with AsyncClient(url, max_retries=0, msgpack=True, resume=False) as env:
             assert env.connected  # the JSON replies are the fake's, not read here
+
+
+# -- batches answered with fewer or more results than calls --------------------------------
+
+
+def _batch_server(answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Script:
+    """A batch server answering each batch frame with ``answer(frame)``."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for frame in _requests(reader, writer):
+            writer.write(_frame(0x1, json.dumps(answer(frame)).encode()))
+            await writer.drain()
+
+    return script
+
+
+def _result(n: int) -> dict[str, Any]:
+    return {"type": "observation", "data": {"observation": {"n": n}, "reward": 0.0}}
+
+
+def _short(frame: dict[str, Any]) -> dict[str, Any]:
+    """One result fewer than the calls."""
+    return {"type": "batch", "id": frame["id"], "results": [_result(0)] * (len(frame["calls"]) - 1)}
+
+
+def _long(frame: dict[str, Any]) -> dict[str, Any]:
+    """One result more than the calls."""
+    return {"type": "batch", "id": frame["id"], "results": [_result(0)] * (len(frame["calls"]) + 1)}
+
+
+def _twice_indexed(frame: dict[str, Any]) -> dict[str, Any]:
+    """Streamed: the first result twice, the last never, and "done"."""
+    n = len(frame["calls"])
+    return {
+        "type": "batch",
+        "id": frame["id"],
+        "results": [_result(0)] * n,
+        "index": [0] * 2 + list(range(1, n - 1)),
+        "done": True,
+    }
+
+
+async def _results(conn: BatchConnection, calls: list[Any], first: int | None) -> list[Any]:
+    return [result_of(entry) for entry in await conn.batch(calls, first)]
+
+
+@pytest.mark.parametrize("answer", [_short, _long, _twice_indexed])
+async def test_a_batch_answered_with_the_wrong_count_of_results_fails_clearly(
+    answer: Callable[[dict[str, Any]], dict[str, Any]],
+) -> None:
+    server, url = await _fake(_batch_server(answer), b"Sec-WebSocket-Protocol: stadium.batch\r\n")
+    async with server:
+        conn = await BatchConnection.open(url, max_retries=0, request_timeout=5 * UNIT)
+        try:
+            assert conn.accepted
+            calls = [batch_call(i, "reset") for i in range(3)]
+            first = 2 if answer is _twice_indexed else None
+            # before: a missing result was None (AttributeError deep in result_of), an
+            # extra one dropped silently, a duplicated one counted as the missing one
+            with pytest.raises(SessionClosedError, match="of 3 calls"):
+                await _results(conn, calls, first)
+        finally:
+            await conn.close()

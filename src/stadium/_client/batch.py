@@ -166,20 +166,42 @@ class _BatchListener(WSListener):
                 if 0 <= at < len(pending.calls):
                     self.on_opened(pending.calls[at].session, sid, token)
         index = reply.index
-        positions: Sequence[Any] = index if index is not None else range(len(results))
+        size = len(pending.results)
+        if index is None and len(results) != size:
+            return self._miscounted(rid, pending, f"{len(results)} results")
+        positions: Sequence[Any] = index if index is not None else range(size)
+        if len(positions) != len(results):
+            return self._miscounted(rid, pending, f"{len(results)} results at {len(positions)}")
         queue = pending.queue
-        for at, entry in zip(positions, results, strict=False):
-            if 0 <= at < len(pending.results):
-                pending.results[at] = entry
-                pending.left -= 1
-                if queue is not None:
-                    queue.put_nowait((at, entry))
+        for at, entry in zip(positions, results, strict=True):
+            if not 0 <= at < size or pending.results[at] is not None:
+                return self._miscounted(rid, pending, f"a result at {at!r}, unasked or twice")
+            pending.results[at] = entry
+            pending.left -= 1
+            if queue is not None:
+                queue.put_nowait((at, entry))
         if (index is None or reply.done is True) or pending.left <= 0:
+            if pending.left > 0:
+                return self._miscounted(rid, pending, f"done after {size - pending.left} results")
             del self.pending[rid]
             if pending.timer is not None:
                 pending.timer.cancel()
             if not pending.future.done():
                 pending.future.set_result(pending.results)
+        return None
+
+    def _miscounted(self, rid: int, pending: _Pending, what: str) -> None:
+        """A batch reply that does not answer each call once: the batch's calls fail (the
+        results cannot be told apart), the connection's other batches go on."""
+        del self.pending[rid]
+        size = len(pending.results)
+        pending.fail(
+            SessionClosedError(
+                f"the server answered batch {rid} of {size} calls with {what}: its calls "
+                "failed (their sessions' state is unknown: reset them)",
+                batch=rid,
+            )
+        )
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
         code = None if self.closed is None else self.closed.context.get("close_code")
