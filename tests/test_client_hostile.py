@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import gc
 import hashlib
 import json
 import math
@@ -16,7 +18,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from stadium import AsyncClient, CapacityError, ConnectError, SessionClosedError
+from stadium import (
+    AsyncClient,
+    CapacityError,
+    ConnectError,
+    SessionClosedError,
+    ValidationError,
+)
 from stadium._client.batch import BatchConnection, result_of
 from stadium._client.batch import call as batch_call
 from tests.conftest import UNIT
@@ -335,3 +343,73 @@ async def test_a_batch_answered_with_the_wrong_count_of_results_fails_clearly(
                 await _results(conn, calls, first)
         finally:
             await conn.close()
+
+
+# -- an observation reply of the wrong shape -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "said"),
+    [
+        ({"observation": {}, "reward": "1e9"}, "reward"),
+        ({"observation": {}, "reward": [1, 2]}, "reward"),
+        ({"observation": {}, "reward": 0.0, "done": "false"}, "done"),
+        ({"observation": {}, "reward": 0.0, "truncated": 1}, "truncated"),
+        ({"observation": {}, "reward": 0.0, "info": [1]}, "info"),
+    ],
+)
+async def test_an_observation_of_the_wrong_types_is_a_validation_error(
+    data: dict[str, Any], said: str
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in _requests(reader, writer):
+            writer.write(_json("observation", data, cost=[1, "x"]))  # a cost of no shape: none
+            await writer.drain()
+
+    server, url = await _fake(script)
+    async with server:
+        async with AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, resume=False) as env:
+            # before: {"done": "false"} was done, a string reward reached the trainer
+            with pytest.raises(ValidationError, match=said):
+                await env.reset()
+            assert env.connected  # the session goes on: the next reply may be fine
+
+
+# -- frames past the client's limits, and odd closes ----------------------------------------
+
+
+def _once(reply: bytes) -> Script:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in _requests(reader, writer):
+            writer.write(reply)
+            await writer.drain()
+            await reader.read()  # until the client hangs up
+            return
+
+    return script
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        _frame(0x1, b'"' + b"x" * 5000 + b'"'),  # over max_message_bytes
+        _frame(0x8, (1000).to_bytes(2, "big") + b"\xff\xfe"),  # a reason not UTF-8
+        _frame(0x8, b"\x01"),  # half a close code
+    ],
+    ids=["too-large", "close-not-utf8", "close-half-code"],
+)
+async def test_a_frame_breaking_the_websocket_rules_ends_the_session_quietly(reply: bytes) -> None:
+    server, url = await _fake(_once(reply))
+    async with server:
+        env = AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, resume=False)
+        env.options = dataclasses.replace(env.options, max_message_bytes=1000)
+        try:
+            # before: the session failed, and asyncio logged "Future exception was never
+            # retrieved" with picows' traceback (conftest fails a test on it)
+            with pytest.raises(SessionClosedError):
+                await env.reset()
+            await asyncio.sleep(0.1 * UNIT)  # picows ends the connection 10 ms after
+        finally:
+            await env.close()
+        del env
+        gc.collect()  # an exception never retrieved is logged when its future goes

@@ -38,6 +38,7 @@ from stadium._client.options import (
     HandshakeKeywords,
     backoff,
     refused,
+    settle,
     unreachable,
     untrusted,
     with_query,
@@ -204,6 +205,7 @@ class _BatchListener(WSListener):
         )
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
+        settle(transport)
         code = None if self.closed is None else self.closed.context.get("close_code")
         if self.on_lost is not None and not self.closing and resumable_close(code):
             pending, self.pending = self.pending, {}

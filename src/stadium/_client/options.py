@@ -15,6 +15,8 @@ hands on as it is (a ``fork``, a pool's batch connections, a resume)::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import os
 import random
@@ -178,6 +180,23 @@ _CREATE_DEFAULTS: dict[str, Any] = {
 }
 
 
+_SETTLING: set[asyncio.Task[None]] = set()
+
+
+def settle(transport: WSTransport) -> None:
+    """Call from ``on_ws_disconnected``: picows puts the error that ended a connection (a
+    frame over ``max_frame_size``, a malformed close frame) on a future no one awaits,
+    which asyncio then logs as "never retrieved" with a traceback; read it once."""
+    task = asyncio.get_running_loop().create_task(_settled(transport))
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+
+
+async def _settled(transport: WSTransport) -> None:
+    with contextlib.suppress(Exception):
+        await transport.wait_disconnected()
+
+
 def backoff(attempt: int) -> float:
     """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
     return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
@@ -275,6 +294,7 @@ __all__ = [
     "backoff",
     "refusal_wait",
     "refused",
+    "settle",
     "unnegotiated",
     "untrusted",
     "with_query",

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from picows import WSCloseCode, WSFrame, WSListener, WSMsgType, WSTransport
 
 from stadium._client.balance import Lease
+from stadium._client.options import settle
 from stadium._core.resume import ResumeBook, resumable_close
 from stadium._errors import SessionClosedError
 
@@ -105,6 +106,7 @@ class Listener(WSListener):
         transport.disconnect()
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
+        settle(transport)
         code = None if self.closed is None else self.closed.context.get("close_code")
         hello = self.hello
         if hello is not None and not hello.done():
