@@ -12,6 +12,7 @@ import gc
 import hashlib
 import json
 import math
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from stadium import (
     SessionClosedError,
     ValidationError,
 )
+from stadium._client.balance import Endpoint, apply_health, plan
 from stadium._client.batch import BatchConnection, result_of
 from stadium._client.batch import call as batch_call
 from tests.conftest import UNIT
@@ -413,3 +415,16 @@ async def test_a_frame_breaking_the_websocket_rules_ends_the_session_quietly(rep
             await env.close()
         del env
         gc.collect()  # an exception never retrieved is logged when its future goes
+
+
+# -- a node lying in its /health ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_sessions", [-1, -1000])
+def test_a_node_reporting_negative_room_does_not_draw_every_session(max_sessions: int) -> None:
+    honest, liar = Endpoint("http://a:1"), Endpoint("http://b:1")
+    apply_health(honest, 200, {"active_sessions": 1, "max_sessions": 10})
+    apply_health(liar, 200, {"active_sessions": 0, "max_sessions": max_sessions})
+    chosen = plan([honest, liar], 10, random.Random(1))
+    # before: a negative capacity made it the emptiest node, for every session
+    assert sum(ep is liar for ep in chosen) <= 6
