@@ -22,6 +22,7 @@ import pytest
 from stadium import (
     AsyncClient,
     CapacityError,
+    ConfigError,
     ConnectError,
     SessionClosedError,
     ValidationError,
@@ -428,3 +429,64 @@ def test_a_node_reporting_negative_room_does_not_draw_every_session(max_sessions
     chosen = plan([honest, liar], 10, random.Random(1))
     # before: a negative capacity made it the emptiest node, for every session
     assert sum(ep is liar for ep in chosen) <= 6
+
+
+# -- stadium.gym's GET /schema from a hostile server ---------------------------------------
+
+
+def _http(body: bytes, trickle_s: float = 0.0) -> Callable[..., Awaitable[None]]:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n")
+        writer.write(b"Content-Length: %d\r\n\r\n" % len(body))
+        try:
+            for at in range(0, len(body), 64 if trickle_s else len(body) or 1):
+                writer.write(body[at : at + (64 if trickle_s else len(body))])
+                await writer.drain()
+                await asyncio.sleep(trickle_s)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    return handle
+
+
+def _schema(space: Any) -> bytes:
+    box = {"type": "Discrete", "n": 2}
+    return json.dumps({"gymnasium": {"observation_space": space, "action_space": box}}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (b"\xff\xfe not json", "is not a schema"),
+        (b"[" * 100_000, "is not a schema"),
+        (_schema({"type": "Box"}), "cannot be rebuilt"),
+        (_schema({"type": "Discrete", "n": "two"}), "cannot be rebuilt"),
+        (_schema({"type": "Tuple", "spaces": 5}), "cannot be rebuilt"),
+    ],
+    ids=["not-utf8", "too-deep", "box-no-shape", "n-not-a-number", "tuple-of-int"],
+)
+async def test_a_schema_that_cannot_be_read_is_a_config_error(body: bytes, said: str) -> None:
+    import stadium.gym
+
+    server = await asyncio.start_server(_http(body), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        # before: msgspec's DecodeError, KeyError, ValueError or TypeError from deep inside
+        with pytest.raises(ConfigError, match=said):
+            await asyncio.to_thread(stadium.gym.fetch_spaces, url, 5 * UNIT)
+
+
+async def test_a_schema_trickled_byte_by_byte_is_given_up_within_the_timeout() -> None:
+    import stadium.gym
+
+    body = _schema({"type": "Discrete", "n": 2}) + b" " * 4096
+    server = await asyncio.start_server(_http(body, trickle_s=0.05), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with server:
+        # before: each read under the timeout, so the whole took ~3 s for a 0.3 s timeout
+        async with asyncio.timeout(2 * UNIT):
+            with pytest.raises(ConnectError, match="within"):
+                await asyncio.to_thread(stadium.gym.fetch_spaces, url, 0.3 * UNIT)
