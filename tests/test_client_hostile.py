@@ -490,3 +490,24 @@ async def test_a_schema_trickled_byte_by_byte_is_given_up_within_the_timeout() -
         async with asyncio.timeout(2 * UNIT):
             with pytest.raises(ConnectError, match="within"):
                 await asyncio.to_thread(stadium.gym.fetch_spaces, url, 0.3 * UNIT)
+
+
+async def test_a_malformed_answer_to_close_is_not_raised_by_close() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(10):
+            _, payload = await _read_frame(reader)
+            if b'"close"' in payload:  # answered with half a close code
+                writer.write(_frame(0x8, b"\x01"))
+                await writer.drain()
+                await reader.read()
+                return
+            writer.write(_observation(1))
+            await writer.drain()
+
+    server, url = await _fake(script)
+    async with server:
+        env = AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, resume=False)
+        await env.connect()
+        await env.reset()
+        await env.close()  # before: raised picows' WSProtocolError from wait_disconnected
+        assert not env.connected

@@ -394,7 +394,7 @@ class BatchConnection:
         try:
             transport.send_close(WSCloseCode.OK)
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
-        except (TimeoutError, OSError):
+        except Exception:  # no answer, or one breaking the WebSocket's rules: it is over
             transport.disconnect(graceful=False)
 
 

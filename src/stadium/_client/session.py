@@ -345,7 +345,7 @@ class AsyncClient(Generic[ObsT]):
         try:
             transport.send(self._msg_type, self._protocol.request("close")[0])
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
-        except (TimeoutError, OSError):
+        except Exception:  # no answer, or one breaking the WebSocket's rules: it is over
             transport.disconnect(graceful=False)
 
     async def __aenter__(self) -> AsyncClient[ObsT]:
