@@ -24,6 +24,7 @@ from stadium import (
     CapacityError,
     ConfigError,
     ConnectError,
+    ResumeError,
     SessionClosedError,
     ValidationError,
 )
@@ -511,3 +512,47 @@ async def test_a_malformed_answer_to_close_is_not_raised_by_close() -> None:
         await env.reset()
         await env.close()  # before: raised picows' WSProtocolError from wait_disconnected
         assert not env.connected
+
+
+# -- resume: a server that takes the session back and drops it again, without end ---------
+
+
+def _resumed_then_cut(fake: Fake) -> Script:
+    """The first connection answers one request and is cut; every resume is answered
+    ``resumed`` (a fresh token), then cut at once: a resume chain that never ends."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if fake.connections == 1:
+            async for _ in _requests(reader, writer):
+                writer.write(_observation(1))
+                await writer.drain()
+                break
+        else:
+            writer.write(_json("resumed", {"session": "1-a", "token": f"t{fake.connections}"}))
+            await writer.drain()
+        writer.transport.abort()
+
+    return script
+
+
+async def test_an_endless_chain_of_resumes_ends_within_the_grace_period() -> None:
+    fake = Fake()
+    granted = (
+        b"X-Stadium-Session: 1-a\r\nX-Stadium-Resume-Token: t\r\nX-Stadium-Resume-Grace: 0.5\r\n"
+    )
+    server, url = await _fake(_resumed_then_cut(fake), granted, fake)
+    async with server:
+        env = AsyncClient(url, max_retries=0, request_timeout=5 * UNIT, connect_timeout=UNIT)
+        try:
+            await env.connect()
+            assert (await env.reset()).observation == {"n": 1}
+            # an idle client: before, it reconnected as fast as the server cut, for ever
+            await asyncio.sleep(2.5 * UNIT)  # past the grace (0.5 s) and its slack (1 s)
+            seen = fake.connections
+            await asyncio.sleep(0.5 * UNIT)
+            assert fake.connections == seen  # the chain is over
+            assert env._resuming is None
+            with pytest.raises(ResumeError):
+                await env.step({})
+        finally:
+            await env.close()

@@ -184,6 +184,9 @@ class AsyncClient(Generic[ObsT]):
         self.resumes = 0
         """How many times the session was resumed after losing its connection."""
         self._resuming: asyncio.Task[None] | None = None
+        self._chain: tuple[float, int, int] | None = None
+        """Resumes since the connection was first lost with no reply since: (when lost,
+        replies received then, resumes since)."""
         self._host_headers: dict[str, str] = {}
         self._connect_kwargs: dict[str, Any] = {}
 
@@ -514,7 +517,11 @@ class AsyncClient(Generic[ObsT]):
         """The connection of a resumable session is gone: resume it in the background;
         requests wait for it."""
         if self._resuming is None:
-            self._resuming = asyncio.get_running_loop().create_task(self._resume_session(listener))
+            loop = asyncio.get_running_loop()
+            received = listener.book.received if listener.book is not None else 0
+            if self._chain is None or self._chain[1] != received:  # a reply since: anew
+                self._chain = (loop.time(), received, 0)
+            self._resuming = loop.create_task(self._resume_session(listener))
 
     async def _resumed(self) -> None:
         """Wait for the resume under way, at most ``request_timeout`` (a request's wait:
@@ -556,9 +563,18 @@ class AsyncClient(Generic[ObsT]):
         loop = asyncio.get_running_loop()
         book = lost.book
         assert book is not None
-        deadline = book.deadline(loop.time())
+        # A resume lost again before any reply goes on the first loss's clock and backoff:
+        # a server that takes the session back and drops it at once cannot loop it for ever.
+        since, _, attempt = self._chain or (loop.time(), 0, 0)
+        deadline = book.deadline(since)
         last: BaseException | None = None
-        attempt = 0
+        if attempt:
+            delay = backoff(attempt)
+            if loop.time() + delay >= deadline:
+                why = f"it was lost again after each of {attempt} resumes, with no reply"
+                self._fail_session(lost, _resume_failed(book.session_id, why))
+                return
+            await asyncio.sleep(delay)
         while True:
             base, host_headers, kwargs = self.url, self._host_headers, self._connect_kwargs
             lease = None
@@ -623,6 +639,7 @@ class AsyncClient(Generic[ObsT]):
                     self._transport, self._listener = transport, listener
                     self._resuming = None
                     self.resumes += 1
+                    self._chain = (since, book.received, attempt + 1)
                     return
                 transport.disconnect()
                 err = back if isinstance(back, ResumeError) else None
