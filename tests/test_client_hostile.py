@@ -26,6 +26,7 @@ from stadium import (
     ConnectError,
     ResumeError,
     SessionClosedError,
+    SessionPool,
     ValidationError,
 )
 from stadium._client.balance import Endpoint, apply_health, plan
@@ -556,3 +557,44 @@ async def test_an_endless_chain_of_resumes_ends_within_the_grace_period() -> Non
                 await env.step({})
         finally:
             await env.close()
+
+
+def _batch_resumed_then_cut(fake: Fake) -> Script:
+    """The batch version: the first connection opens session 0 and is cut; every resume
+    of it is answered ``resumed``, then cut at once."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for frame in _requests(reader, writer):
+            if fake.connections == 1:
+                results = [_result(1)]
+                reply = {"type": "batch", "id": frame["id"], "results": results}
+                reply["opened"] = [[0, "1-a", "t"]]
+            else:
+                resumed = {
+                    "type": "resumed",
+                    "data": {"session": "1-a", "token": "t", "requests": 1},
+                }
+                reply = {"type": "batch", "id": frame["id"], "results": [resumed]}
+            writer.write(_frame(0x1, json.dumps(reply).encode()))
+            await writer.drain()
+            break
+        writer.transport.abort()
+
+    return script
+
+
+async def test_an_endless_chain_of_batch_resumes_ends_within_the_grace_period() -> None:
+    fake = Fake()
+    granted = b"Sec-WebSocket-Protocol: stadium.batch\r\nX-Stadium-Resume-Grace: 0.5\r\n"
+    server, url = await _fake(_batch_resumed_then_cut(fake), granted, fake)
+    async with server:
+        pool = SessionPool(url, 1, max_retries=0, request_timeout=5 * UNIT, connect_timeout=UNIT)
+        try:
+            await pool.__aenter__()
+            assert (await pool.reset())[0].observation == {"n": 1}
+            await asyncio.sleep(2.5 * UNIT)  # past the grace (0.5 s) and its slack (1 s)
+            seen = fake.connections
+            await asyncio.sleep(0.5 * UNIT)
+            assert fake.connections == seen  # before: reconnecting as fast as it was cut
+        finally:
+            await pool.close()

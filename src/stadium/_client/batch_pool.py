@@ -73,6 +73,9 @@ class _Coalescer:
         self.books: dict[int, _Book] = {}
         """The resumable sessions' books, by session number (from their ``reset``)."""
         self.resumes = 0
+        self.chain: tuple[float, int, int] | None = None
+        """Resumes since the connection was first lost with no reply since: (when lost,
+        replies received then, resumes since); see ``AsyncClient._chain``."""
         self.wire(conn)
 
     def wire(self, conn: BatchConnection) -> None:
@@ -180,6 +183,9 @@ class _Coalescer:
 
     def _lost(self) -> None:
         if self.resuming is None:
+            received = sum(book.received for book in self.books.values())
+            if self.chain is None or self.chain[1] != received:  # a reply since: anew
+                self.chain = (asyncio.get_running_loop().time(), received, 0)
             self.resuming = asyncio.ensure_future(self._resume())
 
     async def _resume(self) -> None:
@@ -201,9 +207,21 @@ class _Coalescer:
                 _fail(book, SessionClosedError("the session was lost while it opened"))
         if not self.books:
             return
-        deadline = next(iter(self.books.values())).deadline(loop.time())
-        attempt = 0
+        # lost again before any reply since the last resume: the first loss's clock and backoff
+        since, _, attempt = self.chain or (loop.time(), 0, 0)
+        deadline = next(iter(self.books.values())).deadline(since)
         last: BaseException | None = None
+        if attempt:
+            delay = backoff(attempt)
+            if loop.time() + delay >= deadline:
+                self._give_up(
+                    ResumeError(
+                        f"the batch sessions were lost again after each of {attempt} "
+                        "resumes, with no reply"
+                    )
+                )
+                return
+            await asyncio.sleep(delay)
         while True:
             numbers = list(self.books)
             first = self.books[numbers[0]]
@@ -228,6 +246,7 @@ class _Coalescer:
             self.group.conns[self.group.coalescers.index(self)] = conn
             self.resumes += 1
             again = self._take_back(numbers, results)
+            self.chain = (since, sum(b.received for b in self.books.values()), attempt + 1)
             while again:  # one call per session per frame, in each session's order
                 batch: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
                 later: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
