@@ -2,6 +2,8 @@
 for them, in order, and what happens when the connection is lost (see
 :class:`Listener`). :class:`~stadium._client.session.AsyncClient` owns one at a time.
 The frames themselves are read by the session's protocol (:mod:`stadium._core.client`).
+A frame no request waits for (a reply sent twice, one never asked for) ends the session:
+the next request would read it as its own.
 """
 
 from __future__ import annotations

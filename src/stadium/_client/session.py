@@ -17,7 +17,9 @@ errors, the resume book), and does the I/O around it.
 
 Requests may be issued concurrently on one session: they are sent at once
 (pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
-before it did any work is retried with backoff, honouring ``retry_after_s``.
+before it did any work is retried with backoff, honouring ``retry_after_s`` (at most
+``connect_timeout``). A server that answers what no request asked, or opens another
+WebSocket than the one offered, gets the session dropped (tests/test_client_hostile.py).
 
 Several nodes: give a list of URLs, a deployment file (``stadium slurm`` writes one)
 or a URL whose host name resolves to several addresses (a Kubernetes headless
