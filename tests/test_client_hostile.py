@@ -598,3 +598,25 @@ async def test_an_endless_chain_of_batch_resumes_ends_within_the_grace_period() 
             assert fake.connections == seen  # before: reconnecting as fast as it was cut
         finally:
             await pool.close()
+
+
+# -- an error frame whose context is not keyword arguments -----------------------------------
+
+
+@pytest.mark.parametrize("context", [{"self": 1}, {1: "a number as a key"}])
+async def test_an_error_frame_with_any_keys_is_its_error(
+    context: dict[Any, Any],
+) -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in _requests(reader, writer):
+            data = {"code": "CAPACITY_REACHED", "message": "full", **context}
+            writer.write(_frame(0x2, msgspec.msgpack.encode({"type": "error", "data": data})))
+            await writer.drain()
+
+    server, url = await _fake(script, b"Sec-WebSocket-Protocol: stadium.msgpack\r\n")
+    async with server:
+        env = AsyncClient(url, max_retries=0, msgpack=True, resume=False)
+        async with env:
+            # before: TypeError (multiple values for 'self'; keywords must be strings)
+            with pytest.raises(CapacityError, match="full"):
+                await env.step({})

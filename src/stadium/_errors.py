@@ -301,8 +301,8 @@ def error_from_wire(data: Any) -> StadiumError:
     message = str(data.get("message", "unknown error"))
     code = str(data.get("code", ErrorCode.SESSION_ERROR))
     cls = _BY_CODE.get(code, SessionError)
-    context = {k: v for k, v in data.items() if k not in ("message", "code")}
-    err = cls(message, **context)
+    err = cls(message)  # the context set, not passed: any key ("self", a number) is data
+    err.context.update((str(k), v) for k, v in data.items() if k not in ("message", "code"))
     if code not in _BY_CODE:
         err.context.setdefault("server_code", code)
     return err
