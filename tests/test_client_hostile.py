@@ -620,3 +620,34 @@ async def test_an_error_frame_with_any_keys_is_its_error(
             # before: TypeError (multiple values for 'self'; keywords must be strings)
             with pytest.raises(CapacityError, match="full"):
                 await env.step({})
+
+
+# -- a redirect to another host --------------------------------------------------------------
+
+
+async def test_a_redirect_is_not_followed_with_the_token() -> None:
+    reached: list[bytes] = []
+
+    async def elsewhere(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reached.append(await reader.readuntil(b"\r\n\r\n"))
+        writer.close()
+
+    other = await asyncio.start_server(elsewhere, "127.0.0.1", 0)
+    target = f"ws://127.0.0.1:{other.sockets[0].getsockname()[1]}/ws".encode()
+
+    async def redirect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 302 Found\r\nLocation: " + target + b"\r\nContent-Length: 0\r\n\r\n"
+        )
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(redirect, "127.0.0.1", 0)
+    url = f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}/ws"
+    async with server, other:
+        env = AsyncClient(url, max_retries=0, token="secret", connect_timeout=2 * UNIT)
+        # before: picows followed it, the bearer token in its headers, to the other host
+        with pytest.raises(ConnectError, match="redirect to ws:"):
+            await env.reset()
+        assert reached == []

@@ -165,6 +165,9 @@ class ConnectOptions:
             max_frame_size=self.max_message_bytes,
             extra_headers=dict(headers) if headers else None,
             enable_auto_ping=False,
+            # a redirect is not followed: picows would carry the headers (the bearer and
+            # resume tokens) to wherever it points, another host included
+            max_redirects=0,
             # uvloop's own connect: ~15 % less client CPU per session than picows'
             # default aiofastnet path (measured in bursts; BENCHMARKS.md)
             use_aiofastnet=False,
@@ -280,6 +283,12 @@ def refused(exc: WSHandshakeError, url: str) -> ConnectError:
         )
     elif status == 403:
         hint = "the server refused this client's Origin or Host header"
+    elif 300 <= status < 400 and response is not None:
+        where = str(response.headers.get("Location") or "?")[:200]
+        hint = (
+            f"the server answered HTTP {status}, a redirect to {where}, not followed (it "
+            "would carry the token there): connect to that URL if you trust it"
+        )
     else:
         hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
     message = f"cannot open a session at {url}: {hint}"
