@@ -467,8 +467,21 @@ def _schema(space: Any) -> bytes:
         (_schema({"type": "Box"}), "cannot be rebuilt"),
         (_schema({"type": "Discrete", "n": "two"}), "cannot be rebuilt"),
         (_schema({"type": "Tuple", "spaces": 5}), "cannot be rebuilt"),
+        (_schema({"type": "Discrete", "n": 10**30}), "cannot be rebuilt"),
+        (
+            _schema({"type": "Box", "shape": [10**7] * 2, "dtype": "f8", "low": 0, "high": 1}),
+            "cannot",
+        ),
     ],
-    ids=["not-utf8", "too-deep", "box-no-shape", "n-not-a-number", "tuple-of-int"],
+    ids=[
+        "not-utf8",
+        "too-deep",
+        "box-no-shape",
+        "n-not-a-number",
+        "tuple-of-int",
+        "n-huge",
+        "box-huge",
+    ],
 )
 async def test_a_schema_that_cannot_be_read_is_a_config_error(body: bytes, said: str) -> None:
     import stadium.gym

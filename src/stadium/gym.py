@@ -103,7 +103,15 @@ def fetch_spaces(url: EndpointSpec, timeout: float = 10.0) -> dict[str, Any]:
         action_space = space_from_dict(info["action_space"])
     except ConfigError:
         raise
-    except (LookupError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+    except (
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        ArithmeticError,  # OverflowError: a number past C's
+        RecursionError,
+        MemoryError,  # a Box of 728 TiB: numpy refuses it before allocating
+    ) as exc:
         raise ConfigError(
             f"{schema_url} describes a space that cannot be rebuilt ({type(exc).__name__}: "
             f"{str(exc)[:200]}): an old, foreign or broken server?",
