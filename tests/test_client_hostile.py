@@ -664,3 +664,31 @@ async def test_a_redirect_is_not_followed_with_the_token() -> None:
         with pytest.raises(ConnectError, match="redirect to ws:"):
             await env.reset()
         assert reached == []
+
+
+async def test_a_reply_over_max_message_bytes_is_never_read() -> None:
+    big = _json("observation", {"observation": {"text": "x" * 2000}, "reward": 0.0})
+    server, url = await _fake(_answers_with(big))
+    async with server:
+        env = AsyncClient(
+            url, max_retries=0, request_timeout=5 * UNIT, resume=False, max_message_bytes=1000
+        )
+        try:
+            await env.connect()
+            # before: picows ended the connection, but the frame, whole in its buffer, was
+            # read first: reset returned 2 KB past the 1,000 bytes allowed
+            with pytest.raises(SessionClosedError, match="over max_message_bytes"):
+                await env.reset()
+        finally:
+            await env.close()
+        del env
+        gc.collect()
+
+
+def _answers_with(reply: bytes) -> Script:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for _ in _requests(reader, writer):
+            writer.write(reply)
+            await writer.drain()
+
+    return script

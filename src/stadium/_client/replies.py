@@ -35,7 +35,15 @@ class Listener(WSListener):
     connection (``predecessor``) takes them over, and the book with them.
     """
 
-    def __init__(self, lease: Lease | None = None, predecessor: Listener | None = None) -> None:
+    def __init__(
+        self,
+        lease: Lease | None = None,
+        predecessor: Listener | None = None,
+        limit: int | None = None,
+    ) -> None:
+        self.limit = limit
+        """The largest frame read (``max_message_bytes``; picows' own check ends the
+        connection but may still hand on a frame that arrived whole before it did)."""
         self.waiting: collections.deque[asyncio.Future[bytes]] = collections.deque()
         self.early: collections.deque[bytes] = collections.deque()
         self.closed: SessionClosedError | None = None
@@ -61,6 +69,8 @@ class Listener(WSListener):
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
         if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            if self.limit is not None and frame.payload_size > self.limit:
+                return self._too_large(transport, frame.payload_size)
             data = frame.get_payload_as_bytes()
             hello = self.hello
             if hello is not None:  # the first frame of a resumed connection
@@ -82,6 +92,9 @@ class Listener(WSListener):
             else:
                 self.early.append(data)  # e.g. a capacity refusal before any request
         elif mtype == WSMsgType.CLOSE:
+            if self.closed is not None:  # the answer to the client's own close: why it closed
+                transport.disconnect()
+                return
             code = frame.get_close_code()
             reason = frame.get_close_message() or b""
             self.closed = SessionClosedError(
@@ -90,6 +103,16 @@ class Listener(WSListener):
             )
             transport.send_close(code)
             transport.disconnect()
+
+    def _too_large(self, transport: WSTransport, size: int) -> None:
+        """A frame over the limit: never read; the session ends (1009)."""
+        self.closing = True
+        self.closed = SessionClosedError(
+            f"the server sent a frame of {size} bytes, over max_message_bytes ({self.limit})",
+            close_code=WSCloseCode.MESSAGE_TOO_BIG.value,
+        )
+        transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+        transport.disconnect()
 
     def _unasked(self, transport: WSTransport) -> None:
         """A frame no request waits for (a reply sent twice, or never asked for): the

@@ -248,7 +248,9 @@ class AsyncClient(Generic[ObsT]):
                 # picows' handshake timeout covers no TCP connect: this one does
                 async with asyncio.timeout(self.options.connect_timeout):
                     transport, listener = await self.options.handshake(
-                        partial(Listener, None, None), self._asking(self.url), self.headers
+                        partial(Listener, None, None, self.options.max_message_bytes),
+                        self._asking(self.url),
+                        self.headers,
                     )
                 if transport.is_disconnected and not answered_before_closing(listener):
                     # picows returns a dead transport when the peer hangs up in the handshake
@@ -291,7 +293,7 @@ class AsyncClient(Generic[ObsT]):
                 try:
                     async with asyncio.timeout(self.options.connect_timeout):
                         transport, listener = await self.options.handshake(
-                            partial(Listener, lease, None),
+                            partial(Listener, lease, None, self.options.max_message_bytes),
                             self._asking(ep.ws_url),
                             headers,
                             **kwargs,
@@ -600,7 +602,10 @@ class AsyncClient(Generic[ObsT]):
                     max(0.05, min(self.options.connect_timeout, deadline - loop.time()))
                 ):
                     transport, resumed = await self.options.handshake(
-                        partial(Listener, lease, lost), url, headers, **kwargs
+                        partial(Listener, lease, lost, self.options.max_message_bytes),
+                        url,
+                        headers,
+                        **kwargs,
                     )
                     listener = cast(Listener, resumed)
                     try:
