@@ -692,3 +692,21 @@ def _answers_with(reply: bytes) -> Script:
             await writer.drain()
 
     return script
+
+
+async def test_a_batch_reply_over_max_message_bytes_is_never_read() -> None:
+    def big(frame: dict[str, Any]) -> dict[str, Any]:
+        results = [_result(0) | {"pad": "x" * 2000}]
+        return {"type": "batch", "id": frame["id"], "results": results}
+
+    server, url = await _fake(_batch_server(big), b"Sec-WebSocket-Protocol: stadium.batch\r\n")
+    async with server:
+        conn = await BatchConnection.open(url, max_retries=0, max_message_bytes=1000)
+        try:
+            # before: read whole (2 KB past the 1,000 bytes allowed) before picows closed
+            with pytest.raises(SessionClosedError, match="over max_message_bytes"):
+                await conn.batch([batch_call(0, "reset")])
+        finally:
+            await conn.close()
+        del conn
+        gc.collect()

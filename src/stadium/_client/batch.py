@@ -121,8 +121,10 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 class _BatchListener(WSListener):
     """Routes batch replies to their :class:`_Pending` by ``id``."""
 
-    def __init__(self, protocol: BatchProtocol) -> None:
+    def __init__(self, protocol: BatchProtocol, limit: int | None = None) -> None:
         self.protocol = protocol
+        self.limit = limit
+        """The largest frame read (``max_message_bytes``; see ``replies.Listener.limit``)."""
         self.pending: dict[int, _Pending] = {}
         self.closed: SessionClosedError | None = None
         self.closing = False  # the client closes it
@@ -134,6 +136,15 @@ class _BatchListener(WSListener):
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
         if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            if self.limit is not None and frame.payload_size > self.limit:
+                self.closed = SessionClosedError(
+                    f"the server sent a frame of {frame.payload_size} bytes, over "
+                    f"max_message_bytes ({self.limit}); {NOT_RESUMABLE}",
+                    close_code=WSCloseCode.MESSAGE_TOO_BIG.value,
+                )
+                transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+                transport.disconnect()
+                return
             reply = self.protocol.read(frame.get_payload_as_bytes())
             if isinstance(reply, StadiumError):
                 self.closed = SessionClosedError(f"{reply}; {NOT_RESUMABLE}")
@@ -141,6 +152,9 @@ class _BatchListener(WSListener):
                 return
             self._route(reply)
         elif mtype == WSMsgType.CLOSE:
+            if self.closed is not None:  # the answer to the client's own close
+                transport.disconnect()
+                return
             code = frame.get_close_code()
             reason = (frame.get_close_message() or b"").decode(errors="replace")
             self.closed = SessionClosedError(
@@ -294,7 +308,7 @@ class BatchConnection:
             try:
                 async with asyncio.timeout(opts.connect_timeout):
                     transport, listener = await opts.handshake(
-                        partial(_BatchListener, protocol), url, extra
+                        partial(_BatchListener, protocol, opts.max_message_bytes), url, extra
                     )
                 if transport.is_disconnected:
                     raise ConnectionResetError("the server closed the connection in the handshake")
