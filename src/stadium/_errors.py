@@ -39,6 +39,7 @@ second does not.
 from __future__ import annotations
 
 import enum
+import math
 import re
 from typing import Any, ClassVar
 
@@ -187,6 +188,18 @@ class EnvProtocolError(ExecutionError):
     code = ErrorCode.ENV_PROTOCOL
 
 
+#: The longest wait a server's ``retry_after_s`` may ask for (a larger one is this).
+MAX_RETRY_AFTER_S = 300.0
+
+
+def retry_after(value: Any) -> float:
+    """A server's ``retry_after_s`` as seconds to wait: a number from 0 to
+    :data:`MAX_RETRY_AFTER_S`; anything else (a string, NaN, infinity) is 1 s."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        return 1.0
+    return min(max(0.0, float(value)), MAX_RETRY_AFTER_S)
+
+
 class RateLimitError(StadiumError):
     """A client sent requests faster than the server's ``--rate-limit``.
 
@@ -197,8 +210,7 @@ class RateLimitError(StadiumError):
 
     @property
     def retry_after_s(self) -> float:
-        value = self.context.get("retry_after_s", 1.0)
-        return float(value) if isinstance(value, int | float) else 1.0
+        return retry_after(self.context.get("retry_after_s", 1.0))
 
 
 class CapacityError(StadiumError):
@@ -211,8 +223,7 @@ class CapacityError(StadiumError):
 
     @property
     def retry_after_s(self) -> float:
-        value = self.context.get("retry_after_s", 1.0)
-        return float(value) if isinstance(value, int | float) else 1.0
+        return retry_after(self.context.get("retry_after_s", 1.0))
 
 
 class SnapshotError(StadiumError):
@@ -290,8 +301,8 @@ def error_from_wire(data: Any) -> StadiumError:
     message = str(data.get("message", "unknown error"))
     code = str(data.get("code", ErrorCode.SESSION_ERROR))
     cls = _BY_CODE.get(code, SessionError)
-    context = {k: v for k, v in data.items() if k not in ("message", "code")}
-    err = cls(message, **context)
+    err = cls(message)  # the context set, not passed: any key ("self", a number) is data
+    err.context.update((str(k), v) for k, v in data.items() if k not in ("message", "code"))
     if code not in _BY_CODE:
         err.context.setdefault("server_code", code)
     return err

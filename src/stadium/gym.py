@@ -31,6 +31,7 @@ Requires ``pip install 'stadium-rl[gym]'``.
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -45,6 +46,7 @@ from stadium._client.balance import EndpointSpec, is_url, static_urls
 from stadium._client.batch_pool import BatchSession
 from stadium._client.pool import SessionPool, run_sync
 from stadium._client.session import AsyncClient, ws_url
+from stadium._env.codecs import UNREADABLE, unreadable_detail
 from stadium._env.contract import StepResult
 from stadium._errors import ConfigError, ConnectError, SessionError
 from stadium.integrations.gymnasium import (
@@ -77,12 +79,15 @@ def fetch_spaces(url: EndpointSpec, timeout: float = 10.0) -> dict[str, Any]:
     for node in urls:
         schema_url = _http_base(node) + "/schema"
         try:
-            with urllib.request.urlopen(schema_url, timeout=timeout) as resp:
-                schema = msgspec.json.decode(resp.read())
+            schema = msgspec.json.decode(_read_bounded(schema_url, timeout))
             break
-        except OSError as exc:
+        except (OSError, TimeoutError) as exc:
             failure = ConnectError(f"cannot read {schema_url}: {exc}", url=schema_url)
             failure.__cause__ = exc
+        except UNREADABLE as exc:
+            raise ConfigError(
+                f"{schema_url} is not a schema: {unreadable_detail(exc)}", url=schema_url
+            ) from exc
     else:
         assert failure is not None
         raise failure
@@ -93,11 +98,47 @@ def fetch_spaces(url: EndpointSpec, timeout: float = 10.0) -> dict[str, Any]:
             "serve one with `stadium serve gymnasium:ENV_ID`, or use stadium.Client",
             url=url,
         )
-    return {
-        **info,
-        "observation_space": space_from_dict(info["observation_space"]),
-        "action_space": space_from_dict(info["action_space"]),
-    }
+    try:
+        observation_space = space_from_dict(info["observation_space"])
+        action_space = space_from_dict(info["action_space"])
+    except ConfigError:
+        raise
+    except (
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        ArithmeticError,  # OverflowError: a number past C's
+        RecursionError,
+        MemoryError,  # a Box of 728 TiB: numpy refuses it before allocating
+    ) as exc:
+        raise ConfigError(
+            f"{schema_url} describes a space that cannot be rebuilt ({type(exc).__name__}: "
+            f"{str(exc)[:200]}): an old, foreign or broken server?",
+            url=schema_url,
+        ) from exc
+    return {**info, "observation_space": observation_space, "action_space": action_space}
+
+
+#: The largest ``GET /schema`` answer read (a server's is a few KB).
+MAX_SCHEMA_BYTES = 16 * 1024 * 1024
+
+
+def _read_bounded(url: str, timeout: float) -> bytes:
+    """``url``'s body: at most :data:`MAX_SCHEMA_BYTES`, within ``timeout`` seconds in all
+    (a server trickling bytes cannot hold it longer, nor a huge body fill memory)."""
+    deadline = time.monotonic() + timeout
+    chunks: list[bytes] = []
+    size = 0
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        while chunk := resp.read1(65536):
+            size += len(chunk)
+            if size > MAX_SCHEMA_BYTES:
+                raise ConfigError(f"{url} answered over {MAX_SCHEMA_BYTES} bytes: not a schema")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole answer within {timeout:g}s")
+            chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:

@@ -45,7 +45,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol, cast
+from typing import Any, Protocol, TypeGuard, cast
 
 from stadium._core.urls import base_url
 from stadium._util.health import probe_async
@@ -181,6 +181,11 @@ def mark_full(ep: Endpoint, now: float, retry_after_s: float) -> None:
     ep.error = "at capacity"
 
 
+def _count(value: object) -> TypeGuard[int]:
+    """Whether a ``/health`` member is a count: an int, 0 or more (not a bool)."""
+    return value.__class__ is int and value >= 0
+
+
 def apply_health(ep: Endpoint, status: int, body: Any) -> None:
     """A ``/health`` answer: the node is up; take its capacity and load when it gives them."""
     ep.failures = 0
@@ -190,9 +195,9 @@ def apply_health(ep: Endpoint, status: int, body: Any) -> None:
     cap, active, waiting = (
         data.get(k) for k in ("max_sessions", "active_sessions", "waiting_sessions")
     )
-    if isinstance(cap, int) and isinstance(active, int):
+    if _count(cap) and cap > 0 and _count(active):  # a node's word, not a lie of -1 sessions
         ep.capacity = cap
-        ep.reported = active + (waiting if isinstance(waiting, int) else 0)
+        ep.reported = active + (waiting if _count(waiting) else 0)
         ep.held_at_report = ep.held
         if ep.reported < cap:
             ep.full_until = 0.0

@@ -38,6 +38,7 @@ from stadium._client.options import (
     HandshakeKeywords,
     backoff,
     refused,
+    settle,
     unreachable,
     untrusted,
     with_query,
@@ -45,7 +46,13 @@ from stadium._client.options import (
 from stadium._core.client import NO_DATA, BatchProtocol, outcome, step_result
 from stadium._core.frames import BatchCall, BatchReply, Reply
 from stadium._core.protocol import BATCH_MSGPACK_SUBPROTOCOL, BATCH_SUBPROTOCOL
-from stadium._core.resume import GRACE_HEADER, RESUME_PARAM, TOKEN_HEADER, resumable_close
+from stadium._core.resume import (
+    GRACE_HEADER,
+    RESUME_PARAM,
+    TOKEN_HEADER,
+    grace_from,
+    resumable_close,
+)
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -114,8 +121,10 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 class _BatchListener(WSListener):
     """Routes batch replies to their :class:`_Pending` by ``id``."""
 
-    def __init__(self, protocol: BatchProtocol) -> None:
+    def __init__(self, protocol: BatchProtocol, limit: int | None = None) -> None:
         self.protocol = protocol
+        self.limit = limit
+        """The largest frame read (``max_message_bytes``; see ``replies.Listener.limit``)."""
         self.pending: dict[int, _Pending] = {}
         self.closed: SessionClosedError | None = None
         self.closing = False  # the client closes it
@@ -127,6 +136,15 @@ class _BatchListener(WSListener):
     def on_ws_frame(self, transport: WSTransport, frame: WSFrame) -> None:
         mtype = frame.msg_type
         if mtype == WSMsgType.TEXT or mtype == WSMsgType.BINARY:
+            if self.limit is not None and frame.payload_size > self.limit:
+                self.closed = SessionClosedError(
+                    f"the server sent a frame of {frame.payload_size} bytes, over "
+                    f"max_message_bytes ({self.limit}); {NOT_RESUMABLE}",
+                    close_code=WSCloseCode.MESSAGE_TOO_BIG.value,
+                )
+                transport.send_close(WSCloseCode.MESSAGE_TOO_BIG)
+                transport.disconnect()
+                return
             reply = self.protocol.read(frame.get_payload_as_bytes())
             if isinstance(reply, StadiumError):
                 self.closed = SessionClosedError(f"{reply}; {NOT_RESUMABLE}")
@@ -134,6 +152,9 @@ class _BatchListener(WSListener):
                 return
             self._route(reply)
         elif mtype == WSMsgType.CLOSE:
+            if self.closed is not None:  # the answer to the client's own close
+                transport.disconnect()
+                return
             code = frame.get_close_code()
             reason = (frame.get_close_message() or b"").decode(errors="replace")
             self.closed = SessionClosedError(
@@ -160,22 +181,45 @@ class _BatchListener(WSListener):
                 if 0 <= at < len(pending.calls):
                     self.on_opened(pending.calls[at].session, sid, token)
         index = reply.index
-        positions: Sequence[Any] = index if index is not None else range(len(results))
+        size = len(pending.results)
+        if index is None and len(results) != size:
+            return self._miscounted(rid, pending, f"{len(results)} results")
+        positions: Sequence[Any] = index if index is not None else range(size)
+        if len(positions) != len(results):
+            return self._miscounted(rid, pending, f"{len(results)} results at {len(positions)}")
         queue = pending.queue
-        for at, entry in zip(positions, results, strict=False):
-            if 0 <= at < len(pending.results):
-                pending.results[at] = entry
-                pending.left -= 1
-                if queue is not None:
-                    queue.put_nowait((at, entry))
+        for at, entry in zip(positions, results, strict=True):
+            if not 0 <= at < size or pending.results[at] is not None:
+                return self._miscounted(rid, pending, f"a result at {at!r}, unasked or twice")
+            pending.results[at] = entry
+            pending.left -= 1
+            if queue is not None:
+                queue.put_nowait((at, entry))
         if (index is None or reply.done is True) or pending.left <= 0:
+            if pending.left > 0:
+                return self._miscounted(rid, pending, f"done after {size - pending.left} results")
             del self.pending[rid]
             if pending.timer is not None:
                 pending.timer.cancel()
             if not pending.future.done():
                 pending.future.set_result(pending.results)
+        return None
+
+    def _miscounted(self, rid: int, pending: _Pending, what: str) -> None:
+        """A batch reply that does not answer each call once: the batch's calls fail (the
+        results cannot be told apart), the connection's other batches go on."""
+        del self.pending[rid]
+        size = len(pending.results)
+        pending.fail(
+            SessionClosedError(
+                f"the server answered batch {rid} of {size} calls with {what}: its calls "
+                "failed (their sessions' state is unknown: reset them)",
+                batch=rid,
+            )
+        )
 
     def on_ws_disconnected(self, transport: WSTransport) -> None:
+        settle(transport)
         code = None if self.closed is None else self.closed.context.get("close_code")
         if self.on_lost is not None and not self.closing and resumable_close(code):
             pending, self.pending = self.pending, {}
@@ -219,10 +263,7 @@ class BatchConnection:
         picked = transport.response.headers.get("Sec-WebSocket-Protocol", "")
         #: Whether the server speaks batches (it picked the subprotocol offered).
         self.accepted = picked.strip() == offered
-        try:
-            grace = float(transport.response.headers.get(GRACE_HEADER, "0"))
-        except ValueError:
-            grace = 0.0
+        grace = grace_from(transport.response.headers.get(GRACE_HEADER))
         #: Seconds the server keeps this connection's sessions after a loss (0: not resumable).
         self.grace = grace
 
@@ -267,7 +308,7 @@ class BatchConnection:
             try:
                 async with asyncio.timeout(opts.connect_timeout):
                     transport, listener = await opts.handshake(
-                        partial(_BatchListener, protocol), url, extra
+                        partial(_BatchListener, protocol, opts.max_message_bytes), url, extra
                     )
                 if transport.is_disconnected:
                     raise ConnectionResetError("the server closed the connection in the handshake")
@@ -367,7 +408,7 @@ class BatchConnection:
         try:
             transport.send_close(WSCloseCode.OK)
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
-        except (TimeoutError, OSError):
+        except Exception:  # no answer, or one breaking the WebSocket's rules: it is over
             transport.disconnect(graceful=False)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import random
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Generic, TypeVar, Unpack
@@ -33,7 +32,7 @@ from stadium._client.batch import (
     checked,
     result_of,
 )
-from stadium._client.options import ConnectKeywords, ConnectOptions, backoff
+from stadium._client.options import ConnectKeywords, ConnectOptions, backoff, refusal_wait
 from stadium._client.session import _raised, _to_builtins
 from stadium._core.client import reset_data, resume_call, resumed_data, state_result
 from stadium._core.frames import BatchCall, Reply
@@ -74,6 +73,9 @@ class _Coalescer:
         self.books: dict[int, _Book] = {}
         """The resumable sessions' books, by session number (from their ``reset``)."""
         self.resumes = 0
+        self.chain: tuple[float, int, int] | None = None
+        """Resumes since the connection was first lost with no reply since: (when lost,
+        replies received then, resumes since); see ``AsyncClient._chain``."""
         self.wire(conn)
 
     def wire(self, conn: BatchConnection) -> None:
@@ -181,6 +183,9 @@ class _Coalescer:
 
     def _lost(self) -> None:
         if self.resuming is None:
+            received = sum(book.received for book in self.books.values())
+            if self.chain is None or self.chain[1] != received:  # a reply since: anew
+                self.chain = (asyncio.get_running_loop().time(), received, 0)
             self.resuming = asyncio.ensure_future(self._resume())
 
     async def _resume(self) -> None:
@@ -202,9 +207,21 @@ class _Coalescer:
                 _fail(book, SessionClosedError("the session was lost while it opened"))
         if not self.books:
             return
-        deadline = next(iter(self.books.values())).deadline(loop.time())
-        attempt = 0
+        # lost again before any reply since the last resume: the first loss's clock and backoff
+        since, _, attempt = self.chain or (loop.time(), 0, 0)
+        deadline = next(iter(self.books.values())).deadline(since)
         last: BaseException | None = None
+        if attempt:
+            delay = backoff(attempt)
+            if loop.time() + delay >= deadline:
+                self._give_up(
+                    ResumeError(
+                        f"the batch sessions were lost again after each of {attempt} "
+                        "resumes, with no reply"
+                    )
+                )
+                return
+            await asyncio.sleep(delay)
         while True:
             numbers = list(self.books)
             first = self.books[numbers[0]]
@@ -229,6 +246,7 @@ class _Coalescer:
             self.group.conns[self.group.coalescers.index(self)] = conn
             self.resumes += 1
             again = self._take_back(numbers, results)
+            self.chain = (since, sum(b.received for b in self.books.values()), attempt + 1)
             while again:  # one call per session per frame, in each session's order
                 batch: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
                 later: list[tuple[BatchCall[Any], asyncio.Future[Any]]] = []
@@ -343,7 +361,7 @@ class BatchSession(Generic[ObsT]):
             except CapacityError as exc:
                 if attempt >= retries:
                     raise
-                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                await asyncio.sleep(refusal_wait(exc, self.group.wait_cap))
                 continue
             return result_of(entry, self.group.observation_type)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -380,6 +398,7 @@ class BatchGroup(Generic[ObsT]):
         max_retries: int = 8,
         opening: Callable[[], Awaitable[BatchConnection]] | None = None,
         reopening: Callable[..., Awaitable[BatchConnection]] | None = None,
+        wait_cap: float = 10.0,
     ) -> None:
         self.conns = list(conns)
         self.opening = opening
@@ -389,6 +408,8 @@ class BatchGroup(Generic[ObsT]):
         self.state_type = state_type
         self.action_encoder = action_encoder or _to_builtins
         self.max_retries = max_retries
+        self.wait_cap = wait_cap
+        """The longest wait before a refused session's retry (the options' ``connect_timeout``)."""
         self.coalescers = [_Coalescer(self, c) for c in self.conns]
         self.sessions: list[BatchSession[ObsT]] = [BatchSession(self, i) for i in range(size)]
 
@@ -442,6 +463,7 @@ class BatchGroup(Generic[ObsT]):
             max_retries=opts.max_retries,
             opening=opening,
             reopening=reopening,
+            wait_cap=opts.connect_timeout,
         )
 
     async def reopen(self, sid: str | None, token: str) -> BatchConnection:

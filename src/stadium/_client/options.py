@@ -15,6 +15,8 @@ hands on as it is (a ``fork``, a pool's batch connections, a resume)::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import os
 import random
@@ -28,8 +30,9 @@ import msgspec
 from picows import WSHandshakeError, WSListener, WSTransport, ws_connect
 
 from stadium._core.client import codec
+from stadium._core.protocol import MSGPACK_SUBPROTOCOL
 from stadium._env.codecs import UNREADABLE
-from stadium._errors import ConfigError, ConnectError
+from stadium._errors import CapacityError, ConfigError, ConnectError
 
 #: The environment variable a client reads its bearer token from when given none
 #: (the same one ``stadium serve`` reads).
@@ -162,6 +165,9 @@ class ConnectOptions:
             max_frame_size=self.max_message_bytes,
             extra_headers=dict(headers) if headers else None,
             enable_auto_ping=False,
+            # a redirect is not followed: picows would carry the headers (the bearer and
+            # resume tokens) to wherever it points, another host included
+            max_redirects=0,
             # uvloop's own connect: ~15 % less client CPU per session than picows'
             # default aiofastnet path (measured in bursts; BENCHMARKS.md)
             use_aiofastnet=False,
@@ -177,9 +183,58 @@ _CREATE_DEFAULTS: dict[str, Any] = {
 }
 
 
+_SETTLING: set[asyncio.Task[None]] = set()
+
+
+def settle(transport: WSTransport) -> None:
+    """Call from ``on_ws_disconnected``: picows puts the error that ended a connection (a
+    frame over ``max_frame_size``, a malformed close frame) on a future no one awaits,
+    which asyncio then logs as "never retrieved" with a traceback; read it once."""
+    task = asyncio.get_running_loop().create_task(_settled(transport))
+    _SETTLING.add(task)
+    task.add_done_callback(_SETTLING.discard)
+
+
+async def _settled(transport: WSTransport) -> None:
+    with contextlib.suppress(Exception):
+        await transport.wait_disconnected()
+
+
 def backoff(attempt: int) -> float:
     """Exponential backoff with full jitter: up to 0.05 · 2^attempt s, capped at 2 s."""
     return float(random.uniform(0, min(2.0, 0.05 * 2**attempt)))
+
+
+def unnegotiated(transport: WSTransport, offered: str | None, url: str) -> ConnectError | None:
+    """The error when a ``101`` did not open the WebSocket the client asked for: a
+    subprotocol it did not offer (``offered``: its ``Sec-WebSocket-Protocol``, None when
+    none), none when it offered MessagePack's (it would send frames the server cannot
+    read), or an extension it never offered (RFC 6455 §4.1: the client fails the
+    connection); None when it did. The connection is closed."""
+    headers = transport.response.headers
+    extensions = headers.get("Sec-WebSocket-Extensions")
+    picked = (headers.get("Sec-WebSocket-Protocol") or "").strip()
+    choices = {p.strip() for p in (offered or "").split(",")} - {""}
+    if extensions:
+        why = f"turned on the WebSocket extensions {extensions[:100]!r}, which it did not offer"
+    elif picked in choices or (not picked and MSGPACK_SUBPROTOCOL not in choices):
+        return None
+    elif not picked:
+        why = (
+            f"did not accept the {MSGPACK_SUBPROTOCOL} subprotocol (MessagePack frames): it "
+            "is not a Stadium server, or a proxy dropped the header; connect with msgpack=False"
+        )
+    else:
+        why = f"picked the subprotocol {picked[:100]!r}, which it offered {offered or 'none'}"
+    transport.disconnect(graceful=False)
+    return ConnectError(f"cannot open a session at {url}: the server's 101 {why}", url=url)
+
+
+def refusal_wait(exc: CapacityError, cap: float) -> float:
+    """Seconds to wait before retrying a session refused with ``CAPACITY_REACHED``: its
+    ``retry_after_s`` with jitter (0.5 to 1.5 times), at most ``cap`` (the client's
+    ``connect_timeout``: a server cannot park a client longer than its own timeout)."""
+    return min(cap, exc.retry_after_s) * (0.5 + random.random())
 
 
 def with_query(url: str, params: Mapping[str, str]) -> str:
@@ -228,6 +283,12 @@ def refused(exc: WSHandshakeError, url: str) -> ConnectError:
         )
     elif status == 403:
         hint = "the server refused this client's Origin or Host header"
+    elif 300 <= status < 400 and response is not None:
+        where = str(response.headers.get("Location") or "?")[:200]
+        hint = (
+            f"the server answered HTTP {status}, a redirect to {where}, not followed (it "
+            "would carry the token there): connect to that URL if you trust it"
+        )
     else:
         hint = f"the server answered HTTP {status or '?'} instead of opening a WebSocket"
     message = f"cannot open a session at {url}: {hint}"
@@ -240,7 +301,10 @@ __all__ = [
     "ConnectOptions",
     "HandshakeKeywords",
     "backoff",
+    "refusal_wait",
     "refused",
+    "settle",
+    "unnegotiated",
     "untrusted",
     "with_query",
 ]

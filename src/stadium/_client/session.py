@@ -17,7 +17,9 @@ errors, the resume book), and does the I/O around it.
 
 Requests may be issued concurrently on one session: they are sent at once
 (pipelined) and answered in order. A session refused with ``CAPACITY_REACHED``
-before it did any work is retried with backoff, honouring ``retry_after_s``.
+before it did any work is retried with backoff, honouring ``retry_after_s`` (at most
+``connect_timeout``). A server that answers what no request asked, or opens another
+WebSocket than the one offered, gets the session dropped (tests/test_client_hostile.py).
 
 Several nodes: give a list of URLs, a deployment file (``stadium slurm`` writes one)
 or a URL whose host name resolves to several addresses (a Kubernetes headless
@@ -40,7 +42,6 @@ servers are reached with ``https://`` or ``wss://`` URLs; ``ssl=`` takes an
 from __future__ import annotations
 
 import asyncio
-import random
 import ssl as ssl_module
 from collections.abc import Callable
 from functools import partial
@@ -63,7 +64,9 @@ from stadium._client.options import (
     TOKEN_ENV,
     ConnectOptions,
     backoff,
+    refusal_wait,
     refused,
+    unnegotiated,
     unreachable,
     untrusted,
     with_query,
@@ -72,7 +75,7 @@ from stadium._client.replies import Listener, answered_before_closing
 from stadium._core.client import NO_DATA, ClientProtocol, reset_data, state_result, step_result
 from stadium._core.frames import Reply
 from stadium._core.protocol import MSGPACK_SUBPROTOCOL
-from stadium._core.resume import ResumeAsk, ResumeBook
+from stadium._core.resume import ResumeAsk, ResumeBook, grace_from
 from stadium._core.urls import ws_url
 from stadium._env.contract import StepResult
 from stadium._errors import (
@@ -170,6 +173,10 @@ class AsyncClient(Generic[ObsT]):
         """The handshake's headers (the options' and the MessagePack subprotocol)."""
         if self.options.msgpack:
             self.headers["Sec-WebSocket-Protocol"] = MSGPACK_SUBPROTOCOL
+        self._offered = next(
+            (v for k, v in self.headers.items() if k.lower() == "sec-websocket-protocol"), None
+        )
+        """The subprotocols the handshake offers (the 101 must pick one of them, or none)."""
         self._protocol = ClientProtocol(self.options.msgpack)
         """The session's protocol: its frames, and its resume book when resumable."""
         self._msg_type = WSMsgType.BINARY if self.options.msgpack else WSMsgType.TEXT
@@ -179,6 +186,9 @@ class AsyncClient(Generic[ObsT]):
         self.resumes = 0
         """How many times the session was resumed after losing its connection."""
         self._resuming: asyncio.Task[None] | None = None
+        self._chain: tuple[float, int, int] | None = None
+        """Resumes since the connection was first lost with no reply since: (when lost,
+        replies received then, resumes since)."""
         self._host_headers: dict[str, str] = {}
         self._connect_kwargs: dict[str, Any] = {}
 
@@ -238,7 +248,9 @@ class AsyncClient(Generic[ObsT]):
                 # picows' handshake timeout covers no TCP connect: this one does
                 async with asyncio.timeout(self.options.connect_timeout):
                     transport, listener = await self.options.handshake(
-                        partial(Listener, None, None), self._asking(self.url), self.headers
+                        partial(Listener, None, None, self.options.max_message_bytes),
+                        self._asking(self.url),
+                        self.headers,
                     )
                 if transport.is_disconnected and not answered_before_closing(listener):
                     # picows returns a dead transport when the peer hangs up in the handshake
@@ -256,6 +268,8 @@ class AsyncClient(Generic[ObsT]):
                 raise ConnectError(
                     f"cannot open a session at {self.url}: {exc}", url=self.url
                 ) from exc
+            if (odd := unnegotiated(transport, self._offered, self.url)) is not None:
+                raise odd
             self._opened(transport, cast(Listener, listener), {})
             return self
         raise unreachable(self.url, self.options.max_retries + 1, last) from last
@@ -279,7 +293,7 @@ class AsyncClient(Generic[ObsT]):
                 try:
                     async with asyncio.timeout(self.options.connect_timeout):
                         transport, listener = await self.options.handshake(
-                            partial(Listener, lease, None),
+                            partial(Listener, lease, None, self.options.max_message_bytes),
                             self._asking(ep.ws_url),
                             headers,
                             **kwargs,
@@ -310,6 +324,9 @@ class AsyncClient(Generic[ObsT]):
                     raise ConnectError(
                         f"cannot open a session at {ep.ws_url}: {exc}", url=ep.ws_url
                     ) from exc
+                if (odd := unnegotiated(transport, self._offered, ep.ws_url)) is not None:
+                    lease.release(suspect=True)
+                    raise odd
                 self._lease, self.url, self.endpoint = lease, ep.ws_url, ep.url
                 self._opened(transport, cast(Listener, listener), kwargs)
                 if ep.host is not None:
@@ -335,7 +352,7 @@ class AsyncClient(Generic[ObsT]):
         try:
             transport.send(self._msg_type, self._protocol.request("close")[0])
             await asyncio.wait_for(transport.wait_disconnected(), 5.0)
-        except (TimeoutError, OSError):
+        except Exception:  # no answer, or one breaking the WebSocket's rules: it is over
             transport.disconnect(graceful=False)
 
     async def __aenter__(self) -> AsyncClient[ObsT]:
@@ -397,7 +414,7 @@ class AsyncClient(Generic[ObsT]):
             forked.token,
             node=book.node,
             address=book.address,
-            grace=forked.grace or book.grace,
+            grace=grace_from(forked.grace) or book.grace,
         )
         child._connect_kwargs, child._host_headers = self._connect_kwargs, self._host_headers
         child.endpoint = self.endpoint
@@ -410,7 +427,7 @@ class AsyncClient(Generic[ObsT]):
 
     async def _request(self, kind: str, data: Any = NO_DATA, retry_capacity: bool = False) -> Reply:
         if self._resuming is not None:  # the connection was lost: wait for the resume
-            await asyncio.shield(self._resuming)
+            await self._resumed()
         listener = self._listener
         if not retry_capacity and listener is not None and not self.connected:
             # The session this client had is gone: a silent reconnect would start a
@@ -435,7 +452,7 @@ class AsyncClient(Generic[ObsT]):
                     lease.refused(exc.retry_after_s)
                     if lease.balancer.any_available():
                         continue
-                await asyncio.sleep(exc.retry_after_s * (0.5 + random.random()))
+                await asyncio.sleep(refusal_wait(exc, self.options.connect_timeout))
                 continue
             self._answered += 1
             return reply
@@ -454,6 +471,7 @@ class AsyncClient(Generic[ObsT]):
                 raise listener.closed
             fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
             listener.waiting.append(fut)
+            listener.asked = True  # from now on every frame answers a request
             payload, rid = protocol.request(kind, data)  # resumable: numbered, kept
             transport.send(self._msg_type, payload)
             try:
@@ -503,7 +521,30 @@ class AsyncClient(Generic[ObsT]):
         """The connection of a resumable session is gone: resume it in the background;
         requests wait for it."""
         if self._resuming is None:
-            self._resuming = asyncio.get_running_loop().create_task(self._resume_session(listener))
+            loop = asyncio.get_running_loop()
+            received = listener.book.received if listener.book is not None else 0
+            if self._chain is None or self._chain[1] != received:  # a reply since: anew
+                self._chain = (loop.time(), received, 0)
+            self._resuming = loop.create_task(self._resume_session(listener))
+
+    async def _resumed(self) -> None:
+        """Wait for the resume under way, at most ``request_timeout`` (a request's wait:
+        a server that says a long grace period and never takes the session back cannot
+        park its requests for longer)."""
+        resuming = self._resuming
+        if resuming is None:
+            return
+        timeout = self.options.request_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(resuming), timeout)
+        except TimeoutError:
+            raise ResumeError(
+                f"session {self.session_id} lost its connection and was not resumed within "
+                f"{timeout:g}s (request_timeout); it is still being resumed, within the "
+                "server's grace period: try again, or close it",
+                session=self.session_id,
+                timeout_s=timeout,
+            ) from None
 
     def _stop_resuming(self, err: SessionClosedError) -> None:
         task, self._resuming = self._resuming, None
@@ -526,9 +567,18 @@ class AsyncClient(Generic[ObsT]):
         loop = asyncio.get_running_loop()
         book = lost.book
         assert book is not None
-        deadline = book.deadline(loop.time())
+        # A resume lost again before any reply goes on the first loss's clock and backoff:
+        # a server that takes the session back and drops it at once cannot loop it for ever.
+        since, _, attempt = self._chain or (loop.time(), 0, 0)
+        deadline = book.deadline(since)
         last: BaseException | None = None
-        attempt = 0
+        if attempt:
+            delay = backoff(attempt)
+            if loop.time() + delay >= deadline:
+                why = f"it was lost again after each of {attempt} resumes, with no reply"
+                self._fail_session(lost, _resume_failed(book.session_id, why))
+                return
+            await asyncio.sleep(delay)
         while True:
             base, host_headers, kwargs = self.url, self._host_headers, self._connect_kwargs
             lease = None
@@ -552,19 +602,32 @@ class AsyncClient(Generic[ObsT]):
                     max(0.05, min(self.options.connect_timeout, deadline - loop.time()))
                 ):
                     transport, resumed = await self.options.handshake(
-                        partial(Listener, lease, lost), url, headers, **kwargs
+                        partial(Listener, lease, lost, self.options.max_message_bytes),
+                        url,
+                        headers,
+                        **kwargs,
                     )
                     listener = cast(Listener, resumed)
-                    if listener is None or listener.greeting is None or transport.is_disconnected:
-                        raise ConnectionResetError("the connection closed in the handshake")
-                    hello = await listener.greeting
+                    try:
+                        if (
+                            listener is None
+                            or listener.greeting is None
+                            or transport.is_disconnected
+                        ):
+                            raise ConnectionResetError("the connection closed in the handshake")
+                        if (odd := unnegotiated(transport, self._offered, url)) is not None:
+                            raise odd
+                        hello = await listener.greeting
+                    except BaseException:  # no answer to the resume: never leave it open
+                        transport.disconnect(graceful=False)
+                        raise
             except WSHandshakeError as exc:
                 answer = refused(exc, url)
                 if answer.context.get("status", 0) < 500 and lease is None:  # 400, 401, 403
                     self._fail_session(lost, _resume_failed(book.session_id, str(answer)))
                     return
                 last = answer
-            except (TimeoutError, OSError, SessionClosedError, WSError) as exc:
+            except (TimeoutError, OSError, SessionClosedError, WSError, ConnectError) as exc:
                 last = exc
             else:
                 self._protocol.book = book
@@ -583,6 +646,7 @@ class AsyncClient(Generic[ObsT]):
                     self._transport, self._listener = transport, listener
                     self._resuming = None
                     self.resumes += 1
+                    self._chain = (since, book.received, attempt + 1)
                     return
                 transport.disconnect()
                 err = back if isinstance(back, ResumeError) else None

@@ -119,15 +119,37 @@ def step_result(reply: Reply, observation_type: Any = None) -> StepResult[Any] |
             return StadiumValidationError(
                 f"the observation does not fit {observation_type!r}: {exc}", field="$.observation"
             )
+    reward, done, truncated = data.get("reward"), data.get("done"), data.get("truncated")
+    info = data.get("info") or data.get("metadata")
+    odd = _mistyped(reward, done, truncated, info)
+    if odd is not None:
+        return StadiumValidationError(
+            f"the server's observation reply has {odd} (an old, foreign or broken server?)",
+            field=f"$.data.{odd.split(' ', 1)[0]}",
+        )
     cost = reply.cost
     return StepResult(
         obs,
-        data.get("reward"),
-        bool(data.get("done", False)),
-        truncated=bool(data.get("truncated", False)),
-        info=data.get("info") or data.get("metadata"),
+        reward,
+        done is True,
+        truncated=truncated is True,
+        info=info,
         cost=None if cost is None else cost_from(cost),
     )
+
+
+def _mistyped(reward: Any, done: Any, truncated: Any, info: Any) -> str | None:
+    """What in an observation reply is not of its type (``reward`` a number or null,
+    ``done`` and ``truncated`` booleans or absent, ``info`` an object or absent), or None:
+    a trainer gets a wrong type as an error here, not as a crash in its own code."""
+    if reward is not None and (reward.__class__ is bool or not isinstance(reward, int | float)):
+        return f"reward {reward!r:.80} (a number or null expected)"
+    for name, flag in (("done", done), ("truncated", truncated)):
+        if flag is not None and flag.__class__ is not bool:
+            return f"{name} {flag!r:.80} (true or false expected)"
+    if info and not isinstance(info, dict):
+        return f"info {info!r:.80} (an object expected)"
+    return None
 
 
 def state_result(reply: Reply, state_type: Any = None) -> Any:

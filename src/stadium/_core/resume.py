@@ -377,6 +377,21 @@ RESUMABLE_CLOSES: tuple[int | None, ...] = (None, 1006, 1012)
 #: started when it noticed the loss, which may be after the client did).
 GRACE_SLACK_S = 1.0
 
+#: The longest grace period a client believes (the server's ``--resume-grace`` limit):
+#: a server that says more cannot keep a client resuming for ever.
+MAX_GRACE_S = 86400.0
+
+
+def grace_from(value: str | float | None) -> float:
+    """A server's grace period (its ``X-Stadium-Resume-Grace`` header, or a ``forked``
+    answer's ``grace``) as seconds from 0 to :data:`MAX_GRACE_S`; unreadable, NaN or
+    negative: 0 (no resume)."""
+    try:
+        grace = float(value or 0)
+    except (TypeError, ValueError):
+        return 0.0
+    return min(grace, MAX_GRACE_S) if grace > 0 else 0.0
+
 
 def resumable_close(code: int | None) -> bool:
     """Whether a connection closed with ``code`` (None: no close frame) is resumed."""
@@ -443,10 +458,7 @@ class ResumeBook(Generic[T]):
         sid = headers(SESSION_HEADER)
         if sid is None:
             return None
-        try:
-            grace = float(headers(GRACE_HEADER) or "0")
-        except ValueError:
-            grace = 0.0
+        grace = grace_from(headers(GRACE_HEADER))
         return cls(
             sid,
             headers(TOKEN_HEADER) or "",
@@ -548,6 +560,7 @@ __all__ = [
     "ADDR_PARAM",
     "GRACE_HEADER",
     "GRACE_SLACK_S",
+    "MAX_GRACE_S",
     "NODE_HEADER",
     "NODE_PARAM",
     "NOWHERE",
