@@ -240,9 +240,9 @@ class HttpEndpoints:
             except Exception as exc:
                 return self._internal_error(method, path, exc)
         if method == "GET":
-            if self.builds_env(path):
+            if self._env_get(path.split("?", 1)[0].rstrip("/") or "/"):
                 return await self.state(client, tenant)
-            return self.get(path)
+            return self.get(path)  # (with --tenants, a page or a document: its rate spent)
         if method != "POST":
             return _error(405, f"{method} is not supported: use GET or POST", "METHOD_NOT_ALLOWED")
         try:
@@ -254,11 +254,13 @@ class HttpEndpoints:
         """Whether GET ``path`` builds an environment, or with ``--tenants`` is a tenant's
         request (its rate spent; ``/metrics`` its view): only :meth:`handle` answers it."""
         path = path.split("?", 1)[0].rstrip("/") or "/"
-        return (
-            (not self.production and path in HttpEndpoints.ENV_GET_PATHS)
-            or self.openenv.async_get(path)
-            or (self.runtime.doors.tenants is not None and path in _TENANT_GETS)
-        )
+        tenants = self.runtime.doors.tenants is not None
+        return self._env_get(path) or (tenants and path in _TENANT_GETS)
+
+    def _env_get(self, path: str) -> bool:
+        """Whether GET ``path`` (its query and trailing slash off) builds an environment."""
+        env_paths = () if self.production else HttpEndpoints.ENV_GET_PATHS
+        return path in env_paths or self.openenv.async_get(path)
 
     def get(self, path: str) -> HttpResponse:
         """Answer a GET that waits on no environment (not :data:`ENV_GET_PATHS`); never raises."""
