@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 
 import pytest
 
 from stadium import AsyncClient, CapacityError, ConnectError
-
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from tests.wsfake import read_upgrade
 
 
 def _frame(opcode: int, payload: bytes) -> bytes:
@@ -24,14 +21,8 @@ async def _one_shot_server(reply: bytes | None) -> tuple[asyncio.Server, str]:
     (``None``: hangs up before answering)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        key = next(
-            line.split(b":", 1)[1].strip()
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"sec-websocket-key:")
-        )
+        _, accept = await read_upgrade(reader)
         if reply is not None:
-            accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
             writer.write(
                 b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
                 b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n" + reply

@@ -6,10 +6,8 @@ it fails with a :class:`~stadium.StadiumError` that says what was wrong."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import gc
-import hashlib
 import json
 import math
 import random
@@ -33,8 +31,7 @@ from stadium._client.balance import Endpoint, apply_health, plan
 from stadium._client.batch import BatchConnection, result_of
 from stadium._client.batch import call as batch_call
 from tests.conftest import UNIT
-
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+from tests.wsfake import read_upgrade
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -108,13 +105,7 @@ async def _fake(
             seen.open -= 1
 
     async def _upgraded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        key = next(
-            line.split(b":", 1)[1].strip()
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"sec-websocket-key:")
-        )
-        accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
+        _, accept = await read_upgrade(reader)
         writer.write(
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
             b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n" + headers + b"\r\n"

@@ -493,16 +493,9 @@ async def test_another_tenants_mcp_and_resumable_sessions_are_unknown_to_a_tenan
             own, token = (ws.response.headers[h] for h in ("X-Stadium-Session", TOKEN_HEADER))
             await ws.send(json.dumps({"type": "reset", "data": {}}))
             await ws.recv()
-        resume = f"{ws_url}?stadium_resume={own}&stadium_received=1"
-        async with websockets.connect(  # beta, with alpha's id and token
-            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
-        ) as ws:
-            assert '"RESUME_FAILED"' in await ws.recv()
-        async with websockets.connect(
-            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
-        ) as ws:
-            assert '"resumed"' in await ws.recv()
-            await ws.send(json.dumps({"type": "close"}))  # ended, not held for a resume
+        await _resumed_by_its_own_tenant_only(
+            f"{ws_url}?stadium_resume={own}&stadium_received=1", token
+        )
         zero = {"alpha": [0, 0], "beta": [0, 0]}
         await wait_until(lambda: _counts(server) == zero, 10 * UNIT, "all given back")
 
@@ -904,15 +897,24 @@ async def test_another_tenants_durable_session_is_not_restored_for_a_tenant(
             await ws.send(json.dumps({"type": "reset", "data": {}}))
             await ws.recv()
         resume = b.url.replace("http", "ws", 1) + f"/ws?stadium_resume={own}&stadium_received=1"
-        async with websockets.connect(
-            resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
-        ) as ws:
-            assert '"RESUME_FAILED"' in await ws.recv()
-        async with websockets.connect(
-            resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
-        ) as ws:
-            assert '"resumed"' in await ws.recv()
-            assert _counts(b)["alpha"] == [1, 1]
-            await ws.send(json.dumps({"type": "close"}))
+        await _resumed_by_its_own_tenant_only(resume, token, lambda: _counts(b)["alpha"] == [1, 1])
         zero = {"alpha": [0, 0], "beta": [0, 0]}
         await wait_until(lambda: _counts(b) == zero, 10 * UNIT, "all given back on b")
+
+
+async def _resumed_by_its_own_tenant_only(
+    resume: str, token: str, held: Callable[[], bool] = lambda: True
+) -> None:
+    """``resume`` (a resume URL of alpha's session) with alpha's session token: refused to
+    beta's bearer token, taken by alpha's (``held`` true then), then closed (ended, not
+    held for another resume)."""
+    async with websockets.connect(
+        resume, additional_headers={**_auth("beta"), TOKEN_HEADER: token}
+    ) as ws:
+        assert '"RESUME_FAILED"' in await ws.recv()
+    async with websockets.connect(
+        resume, additional_headers={**_auth("alpha"), TOKEN_HEADER: token}
+    ) as ws:
+        assert '"resumed"' in await ws.recv()
+        assert held()
+        await ws.send(json.dumps({"type": "close"}))
