@@ -788,6 +788,29 @@ def test_cgroup_v2_peak_is_read_through_the_descriptor_its_reset_wrote_to(
     assert gone.peak_bytes() is None
 
 
+def test_a_forks_episode_leaves_its_parents_cgroup_peak_alone(tmp_path: Path) -> None:
+    """A sandboxed fork shares its parent's cgroups: its episode's start must not restart
+    their memory peak, which would cut the parent's running episode's (v2 stand-in files,
+    as above)."""
+    from types import SimpleNamespace
+
+    from stadium._server.ledger.usage import episode_start
+
+    (tmp_path / "cpu.stat").write_bytes(b"usage_usec 1000000\n")
+    peak = tmp_path / "memory.peak"
+    peak.write_bytes(b"")
+    env = SimpleNamespace(proc=SimpleNamespace(cgroups=[str(tmp_path)]))
+    forked = episode_start(env, None, shared=True)
+    assert forked is not None
+    assert forked[1] == 1.0
+    assert peak.read_bytes() == b""  # not restarted
+    started = episode_start(env, None)  # a reset's: restarted
+    assert started is not None
+    assert peak.read_bytes() == b"reset\n"
+    for where, _ in (forked, started):
+        where.close()  # type: ignore[union-attr]
+
+
 def test_a_text_request_is_buffered_as_its_utf8_bytes(tmp_path: Path) -> None:
     """A step's request that came as text (a JSON text frame: ``str``) is buffered as its
     UTF-8 bytes, as the same request as bytes would be (``Recorder.step``'s usual case takes

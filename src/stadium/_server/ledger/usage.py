@@ -188,10 +188,13 @@ Started = tuple["int | Cgroup", float]
 :class:`Cgroup`) and the CPU seconds at its start."""
 
 
-def episode_start(env: Any, held: Started | None) -> Started | None:
+def episode_start(env: Any, held: Started | None, shared: bool = False) -> Started | None:
     """At an episode's start (its reset's reply): where its env process's usage is read,
     the CPU so far, the peak memory restarted; ``None``: not measurable. ``held``: the
-    session's previous episode's (its :class:`Cgroup` is reused)."""
+    session's previous episode's (its :class:`Cgroup` is reused). ``shared``: a fork's
+    copy, whose cgroups are its parent's: their peak is not restarted (that would cut the
+    parent's running episode's peak); the copy's peak is then the cgroups' since the
+    parent's restart (under v2, with no descriptor of its own, not read)."""
     pid = env_pid(env)
     if pid is not None:
         cpu = cpu_seconds(pid)
@@ -207,7 +210,8 @@ def episode_start(env: Any, held: Started | None) -> Started | None:
     cpu = cgroup.cpu_seconds()
     if cpu is None:
         return None
-    cgroup.reset_peak()
+    if not shared:
+        cgroup.reset_peak()
     return cgroup, cpu
 
 

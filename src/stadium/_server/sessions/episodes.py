@@ -139,7 +139,7 @@ class EpisodeAccounts(ResumableSession):
         self._ep_start = self.loop.time()
         self._ep_steps0 = steps
         if self.runtime.isolation is not None:
-            self._ep_proc = usage.episode_start(self.env, None)
+            self._ep_proc = usage.episode_start(self.env, None, shared=True)
 
     def _batch_request(self, call: RawCall) -> bytes:
         """A batch's step request as a frame of its own (``{"data": ...}``), to record:
