@@ -37,6 +37,7 @@ from stadium._core.frames import (
     Request,
 )
 from stadium._core.resume import AfterResume, ForkedData, ResumeBook, ResumedData
+from stadium._env.codecs import UNREADABLE
 from stadium._env.contract import StepResult
 from stadium._env.cost import cost_from
 from stadium._errors import (
@@ -52,7 +53,7 @@ _JSON_REPLY = msgspec.json.Decoder(Reply)
 _MSGPACK_REPLY = msgspec.msgpack.Decoder(Reply)
 _JSON_BATCH = msgspec.json.Decoder(BatchReply[Reply])
 _MSGPACK_BATCH = msgspec.msgpack.Decoder(BatchReply[Reply])
-_RAISED = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError)
+_RAISED = (*UNREADABLE, msgspec.ValidationError)
 
 
 def codec(msgpack: bool) -> tuple[Callable[[Any], bytes], Callable[[bytes], Any]]:

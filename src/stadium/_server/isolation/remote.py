@@ -35,9 +35,11 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from stadium._env.codecs import (
+    UNREADABLE,
     TypeCodec,
     enc_hook_default,
     msgpack_enc_hook,
+    unreadable_detail,
     validation_error,
 )
 from stadium._env.contract import Environment
@@ -220,9 +222,10 @@ def action_decoder(spec: EnvSpec) -> Callable[[bytes], Any]:
             raise validation_error(exc, "action") from None
         except StadiumError:
             raise
-        except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as exc:
+        except UNREADABLE as exc:
             kind = "JSON" if passed.kind == "json" else "MessagePack"
-            raise InvalidMessageError(f"Invalid {kind}: {exc}", encoding=kind.lower()) from None
+            detail = unreadable_detail(exc)
+            raise InvalidMessageError(f"Invalid {kind}: {detail}", encoding=kind.lower()) from None
 
     return decode
 
