@@ -54,35 +54,30 @@ class NativeInitHook(BuildHookInterface):
             )
             return
         build_data["force_include"][str(built)] = WHERE
-        try:  # (its crates come from crates.io: a build without them goes on without it)
-            writer = _build(Path(self.root), "stadium-record-writer", WRITER, offline=False)
-        except subprocess.CalledProcessError:
-            writer = None
-        if writer is not None:
-            build_data["force_include"][str(writer)] = WRITER
-        else:
-            self.app.display_warning(
-                "stadium-record-writer: no cargo and no built native writer: --record uses "
-                "the Python writer"
-            )
-        try:
-            buffer = _build(
-                Path(self.root), "stadium-record-buffer", BUFFER, offline=False,
-                product="lib_recordbuf.so",
-            )  # fmt: skip
-        except subprocess.CalledProcessError:
-            buffer = None
-        if buffer is not None:
-            build_data["force_include"][str(buffer)] = BUFFER
-        else:
-            self.app.display_warning(
-                "stadium-record-buffer: no cargo and no built native buffer: --record copies "
-                "steps in Python"
-            )
+        self._optional(build_data, "stadium-record-writer", WRITER, "", "the Python writer")
+        buffer = self._optional(
+            build_data, "stadium-record-buffer", BUFFER, "lib_recordbuf.so",
+            "the loop copying steps in Python",
+        )  # fmt: skip
         # The binaries use no Python ABI; the buffer the stable one of Python >= 3.11.
         build_data["pure_python"] = False
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
         build_data["tag"] = f"{'cp311-abi3' if buffer else 'py3-none'}-{platform}"
+
+    def _optional(
+        self, build_data: dict[str, Any], name: str, where: str, product: str, without: str
+    ) -> bool:
+        """Build and include one of --record's native parts; its crates come from crates.io:
+        a build without them goes on without it (``without``: what --record does then)."""
+        try:
+            built = _build(Path(self.root), name, where, offline=False, product=product)
+        except subprocess.CalledProcessError:
+            built = None
+        if built is None:
+            self.app.display_warning(f"{name}: no cargo, none built: --record uses {without}")
+            return False
+        build_data["force_include"][str(built)] = where
+        return True
 
 
 def _build(
