@@ -78,10 +78,14 @@ sandbox-deps:
 
 # The native --record writer (native/stadium-record-writer: reads a worker's recording pipe and
 # writes its Parquet shards; arrow-rs from crates.io, 1.5–3 min the first build on 2 cores), built with cargo
-# when there is one (without it the Python writer writes the shards and says so once).
+# when there is one (without it the Python writer writes the shards and says so once); and the
+# recording's step buffer (native/stadium-record-buffer: a CPython extension, PyO3, the stable ABI;
+# without it the loop copies steps in Python and says so once).
 record-deps:
 	@bash scripts/build-native.sh stadium-record-writer src/stadium/_server/ledger/stadium-record-writer 0755 \
 		"--record's shards are written by the Python writer" $(if $(filter test,$(MAKECMDGOALS)),--test)
+	@PYO3_PYTHON=$(abspath $(PY)) bash scripts/build-native.sh stadium-record-buffer src/stadium/_server/ledger/_recordbuf.abi3.so 0644 \
+		"--record's steps are copied in Python (~0.25 µs a step more)"
 
 # QEMU, lz4 and a guest kernel for --isolation vm (tests/isolation/test_vm.py): Debian's
 # qemu-system-x86, lz4 and linux-image-cloud-amd64, installed when root and missing.

@@ -12,6 +12,10 @@ interpreter, ~0.8 MiB more per session).
 The native ``--record`` writer (``native/stadium-record-writer``, arrow-rs' parquet from
 crates.io) goes the same way into ``stadium/_server/ledger/stadium-record-writer``; without it
 recording workers use the Python writer (and say so once). ``STADIUM_NATIVE_INIT`` governs it too.
+So does the recording's step buffer (``native/stadium-record-buffer``, a CPython extension on
+the stable ABI of Python >= 3.11, PyO3 from crates.io) into
+``stadium/_server/ledger/_recordbuf.abi3.so``: with it the wheel is tagged ``cp311-abi3-...``;
+without it recording workers copy steps in Python (and say so once).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
 WHERE = "stadium/_server/isolation/stadium-init"
 WRITER = "stadium/_server/ledger/stadium-record-writer"
+BUFFER = "stadium/_server/ledger/_recordbuf.abi3.so"
 
 
 class NativeInitHook(BuildHookInterface):
@@ -60,23 +65,43 @@ class NativeInitHook(BuildHookInterface):
                 "stadium-record-writer: no cargo and no built native writer: --record uses "
                 "the Python writer"
             )
-        # Any Python 3 on this platform: the binary uses no Python ABI.
+        try:
+            buffer = _build(
+                Path(self.root), "stadium-record-buffer", BUFFER, offline=False,
+                product="lib_recordbuf.so",
+            )  # fmt: skip
+        except subprocess.CalledProcessError:
+            buffer = None
+        if buffer is not None:
+            build_data["force_include"][str(buffer)] = BUFFER
+        else:
+            self.app.display_warning(
+                "stadium-record-buffer: no cargo and no built native buffer: --record copies "
+                "steps in Python"
+            )
+        # The binaries use no Python ABI; the buffer the stable one of Python >= 3.11.
         build_data["pure_python"] = False
         platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
-        build_data["tag"] = f"py3-none-{platform}"
+        build_data["tag"] = f"{'cp311-abi3' if buffer else 'py3-none'}-{platform}"
 
 
 def _build(
-    root: Path, name: str = "stadium-init", where: str = WHERE, offline: bool = True
+    root: Path,
+    name: str = "stadium-init",
+    where: str = WHERE,
+    offline: bool = True,
+    product: str = "",
 ) -> Path | None:
     manifest = root / "native" / name / "Cargo.toml"
     cargo = shutil.which("cargo") or str(Path.home() / ".cargo" / "bin" / "cargo")
     if manifest.is_file() and os.access(cargo, os.X_OK):
+        # (PyO3 configures the buffer's build with this interpreter)
+        env = {**os.environ, "PYO3_PYTHON": os.environ.get("PYO3_PYTHON", sys.executable)}
         subprocess.run(
             [cargo, "build", "--quiet", "--release", *(["--offline"] if offline else []),
              "--manifest-path", str(manifest)],
-            check=True,
+            check=True, env=env,
         )  # fmt: skip
-        return manifest.parent / "target" / "release" / name
+        return manifest.parent / "target" / "release" / (product or name)
     checkout = root / "src" / where  # built by make sandbox-deps / record-deps
     return checkout if checkout.is_file() else None

@@ -21,6 +21,11 @@ second of its episodes' end) falls inside the block's own measure.
   distribution-free confidence interval (order statistics of the pairs' ratios,
   binomial), quartiles and min–max, each arm's median, and the load average.
 
+Two server processes differ by more than chance between blocks (where their memory
+landed, which core their writer ran on: a pair's median moved 1.05–1.15 between runs of
+the same code): ``--instances K`` runs the pairs on K fresh pairs of servers, one after the
+other, and pools them (each pair of servers' median printed too).
+
 ``--src DIR`` serves both arms from another tree's ``src`` (e.g. a worktree at an older
 commit): run the script once per tree, back to back.
 
@@ -145,7 +150,11 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sessions", type=int, default=64, help="sessions per block, at once")
     p.add_argument("--steps", type=int, default=100, help="steps per session")
-    p.add_argument("--pairs", type=int, default=24)
+    p.add_argument("--pairs", type=int, default=24, help="pairs in all (over the instances)")
+    p.add_argument(
+        "--instances", type=int, default=1,
+        help="fresh pairs of servers, one after the other, --pairs shared among them",
+    )  # fmt: skip
     p.add_argument("--settle", type=float, default=1.2, help="seconds of rest after a block")
     p.add_argument("--server-cpu", default="0")
     p.add_argument("--client-cpu", type=int, default=1)
@@ -153,31 +162,50 @@ async def main() -> None:
     args = p.parse_args()
     os.sched_setaffinity(0, {args.client_cpu})
     load0 = os.getloadavg()
-    with tempfile.TemporaryDirectory() as tmp:
-        args.tmp = tmp
-        servers = [Server(args, "off"), Server(args, "record")]
-        try:
-            await pairs(servers, args, load0)
-        finally:
-            for s in servers:
-                s.stop()
-        shards = [n for n in os.listdir(os.path.join(tmp, "rec")) if n.endswith(".parquet")]
-        print(f"# {len(shards)} shards written by the record arm")
+    a: list[float] = []
+    b: list[float] = []
+    medians: list[float] = []
+    shards = 0
+    for k in range(max(1, args.instances)):
+        n = args.pairs // args.instances + (k < args.pairs % args.instances)
+        with tempfile.TemporaryDirectory() as tmp:
+            args.tmp = tmp
+            servers = [Server(args, "off"), Server(args, "record")]
+            try:
+                got = await pairs(servers, args, n, k)
+            finally:
+                for s in servers:
+                    s.stop()
+            shards += sum(1 for f in os.listdir(os.path.join(tmp, "rec")) if f.endswith(".parquet"))
+        a += got[0]
+        b += got[1]
+        medians.append(statistics.median(y / x for x, y in zip(*got, strict=True)))
+    summary(a, b, medians, args, load0)
+    print(f"# {shards} shards written by the record arm")
 
 
-async def pairs(servers: list[Server], args: argparse.Namespace, load0: tuple) -> None:
+async def pairs(
+    servers: list[Server], args: argparse.Namespace, n: int, instance: int
+) -> tuple[list[float], list[float]]:
+    """``n`` ABBA pairs of blocks on one pair of servers, after a warm-up block each."""
     off, record = servers
     for s in servers:
         await timed(s, args)  # warm-up: imports, first-use caches, the writer's first shard
     a: list[float] = []
     b: list[float] = []
-    for i in range(args.pairs):
+    for i in range(n):
         order = (off, record) if i % 2 == 0 else (record, off)
         got = {s.arm: await timed(s, args) for s in order}
         a.append(got["off"])
         b.append(got["record"])
-        print(f"# pair {i + 1}: off {got['off']:.2f} µs, record {got['record']:.2f} µs, "
-              f"{got['record'] / got['off']:.3f}", flush=True)  # fmt: skip
+        print(f"# instance {instance + 1}, pair {i + 1}: off {got['off']:.2f} µs, record "
+              f"{got['record']:.2f} µs, {got['record'] / got['off']:.3f}", flush=True)  # fmt: skip
+    return a, b
+
+
+def summary(
+    a: list[float], b: list[float], medians: list[float], args: argparse.Namespace, load0: tuple
+) -> None:
     ratios = [y / x for x, y in zip(a, b, strict=True)]
     lo, hi = median_ci(ratios)
     load = os.getloadavg()
@@ -186,8 +214,9 @@ async def pairs(servers: list[Server], args: argparse.Namespace, load0: tuple) -
           f"end; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
     print(f"# {' '.join(sys.argv)}; STADIUM_RECORD_WRITER="
           f"{os.environ.get('STADIUM_RECORD_WRITER', '(default)')}")  # fmt: skip
-    print(f"# server CPU per step (schedstat, whole tree); {args.pairs} pairs of blocks of "
-          f"{args.sessions} sessions × {args.steps} steps, ABBA\n")  # fmt: skip
+    print(f"# server CPU per step (schedstat, whole tree); {len(ratios)} pairs of blocks of "
+          f"{args.sessions} sessions × {args.steps} steps, ABBA, on {len(medians)} pair(s) "
+          "of servers\n")  # fmt: skip
     print("| arm | CPU µs / step: median (min–max) |")
     print("|---|---|")
     print(f"| off | {statistics.median(a):.2f} ({min(a):.2f}–{max(a):.2f}) |")
@@ -198,6 +227,8 @@ async def pairs(servers: list[Server], args: argparse.Namespace, load0: tuple) -
         f"min–max {min(ratios):.3f}–{max(ratios):.3f} ({len(ratios)} pairs); ratio of the "
         f"sums {sum(b) / sum(a):.3f}"
     )
+    if len(medians) > 1:
+        print("each pair of servers' median: " + ", ".join(f"{m:.3f}" for m in medians))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # WITHOUT: what Stadium does without it, said (and exit 0) when there is no cargo; --offline:
 # the crate has no dependencies to fetch; --test: its own unit tests first (make test).
 # `make sandbox-deps` builds native/stadium-init (the sandbox's pid 1), `make record-deps`
-# native/stadium-record-writer (the --record writer).
+# native/stadium-record-writer (the --record writer) and native/stadium-record-buffer (a
+# CPython extension: its [lib] name, e.g. _recordbuf, gives the product lib_recordbuf.so).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CRATE="$1" DEST="$ROOT/$2" MODE="$3" WITHOUT="$4"
@@ -31,5 +32,8 @@ if [ "$TEST" = 1 ]; then
   "$CARGO" test --quiet --release "${OFFLINE[@]}" --manifest-path "$MANIFEST"
 fi
 "$CARGO" build --quiet --release "${OFFLINE[@]}" --manifest-path "$MANIFEST"
-install -m "$MODE" "$ROOT/native/$CRATE/target/release/$CRATE" "$DEST.tmp"
+PRODUCT="$ROOT/native/$CRATE/target/release/$CRATE"
+LIB="$(sed -n 's/^name = "\(_[a-z_]*\)"$/\1/p' "$MANIFEST")"  # a [lib] (a Python extension)
+if [ -n "$LIB" ]; then PRODUCT="$ROOT/native/$CRATE/target/release/lib$LIB.so"; fi
+install -m "$MODE" "$PRODUCT" "$DEST.tmp"
 mv -f "$DEST.tmp" "$DEST"

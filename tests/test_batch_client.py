@@ -360,8 +360,10 @@ async def test_drain_finishes_the_calls_in_flight_and_closes_the_rest() -> None:
         conn = await BatchConnection.open(server.url)
         try:
             await conn.batch([call(0, "reset"), call(1, "reset")])
+            # (long enough that the drain's end, 0.2 s after the stop, comes before it ends
+            # on a loaded machine too: 1 s did not, once, and the step queued behind it ran)
             in_flight = conn.submit(
-                [call(0, "step", {"wait_seconds": 1.0 * UNIT}), call(1, "state")]
+                [call(0, "step", {"wait_seconds": 3.0 * UNIT}), call(1, "state")]
             )
             # session 0's step queued behind its running one; session 1's state is not
             behind = conn.submit([call(0, "step", {"wait_seconds": 0}), call(1, "state")])

@@ -120,6 +120,11 @@ def test_a_generated_env_installs_from_a_local_wheel_into_a_fresh_venv_and_serve
     _run([UV, "pip", "install", "--python", str(python), "--find-links", str(wheels), str(project)])
     freeze = _run([UV, "pip", "freeze", "--python", str(python)])
     assert any(line.startswith("stadium-rl") for line in freeze.splitlines()), freeze
+    # The recording's native step buffer: in the wheel (stable ABI), loaded by the server.
+    assert "-cp311-abi3-" in wheel.name, wheel.name
+    native = _run([str(python), "-c", "from stadium._server.ledger import buffer; "
+                   "print(buffer.NATIVE)"])  # fmt: skip
+    assert native.strip() == "True", native
     assert not any(line.split("==")[0] == "stadium" for line in freeze.splitlines()), freeze
     port = _free_port()
     log = tmp_path / "serve.log"

@@ -193,6 +193,7 @@ async def test_an_env_that_cannot_be_durable_is_refused_at_start(tmp_path: Path)
     assert "cannot be made durable" in result.stderr
     assert "guard" in result.stderr  # names the attribute that does not pickle
     assert "without --durable" in result.stderr
+    assert "serving" not in result.stdout  # refused before it says it serves
 
 
 async def test_durable_in_process_keeps_one_record_per_live_session(tmp_path: Path) -> None:

@@ -57,6 +57,7 @@ from stadium._server.processes.supervisor import Supervisor
 from stadium._server.processes.worker import (
     Worker,
     isolation_config,
+    probe_durable,
     record_config,
     startup_warnings,
     untrusted_spec,
@@ -596,6 +597,8 @@ def run_server(config: ServerConfig) -> int:
         else:
             process_key()
         store_from_url(config.session_store)
+        if env_cls is not None and isolation_config(config, env_cls) is None:
+            probe_durable(config, spec)  # an env that cannot be snapshotted: refused now
         log.info(
             "--durable: session records in %s, signed with %s",
             config.session_store,

@@ -5,7 +5,9 @@ as Parquet shards by a writer process of the worker's own (:mod:`.writer`).
 its request frame as it came, its reply frame (or the error's text) and its time, then its
 end (how, and its :class:`~stadium._env.cost.EpisodeCost`) are copied into one buffer as
 small messages (:mod:`.pipe`: a fixed header and the raw bytes; no Python object kept per
-step, nothing for the cyclic collector). The buffer is written to a pipe (non-blocking,
+step, nothing for the cyclic collector): a :mod:`.buffer` ``StepBuffer``, native when built, so
+that a usual step is copied in one C call (``Recorder.step`` is the buffer's own method; its
+other cases come back to :meth:`Recorder._step`). The buffer is written to a pipe (non-blocking,
 one ``os.write`` of everything buffered, :data:`FLUSH_S` after its first unsent byte or at
 once past :data:`FLUSH_BYTES`) read by the worker's writer process, which decodes the
 frames, builds the columns and writes the shards: none of that work, nor its garbage, is
@@ -69,6 +71,7 @@ import msgspec
 from stadium._env.cost import EpisodeCost
 from stadium._errors import ConfigError
 from stadium._server.ledger import pipe
+from stadium._server.ledger.buffer import NATIVE, StepBuffer, StepBufferType
 from stadium._server.ledger.episode import EndReason
 from stadium._server.ledger.rows import Summary, write_shard
 from stadium._server.ledger.writers import writer_command
@@ -229,7 +232,6 @@ _META = msgspec.msgpack.Encoder()
 _END_FLAGS = {reason: i for i, reason in enumerate(pipe.END_REASONS)}
 _HEAD = pipe.HEAD
 _HEAD_SIZE = pipe.HEAD.size
-_PACK = _HEAD.pack
 _STEP = pipe.STEP
 #: The loop writes its buffer to the pipe this long after its first unsent byte (a timer),
 #: or at once past :data:`FLUSH_BYTES`; with nothing to send, it looks at the writer's
@@ -240,6 +242,7 @@ IDLE_S = 0.5
 #: The pipe's size asked for (``F_SETPIPE_SZ``; Linux's default bound is 1 MiB).
 PIPE_BYTES = 1 << 20
 _F_SETPIPE_SZ = 1031
+_said_buffer = False
 #: At the close, the writer is given this long to end on the pipe's EOF before a SIGTERM.
 CLOSE_GRACE_S = 2.0
 
@@ -268,16 +271,20 @@ class Recorder:
         self.info_key = info_key
         self.counts = counts
         self.state = RecorderState.IDLE
-        self._buf = bytearray()
         self._limit = config.queue_bytes
         self._fd = -1
         self._proc: subprocess.Popen[bytes] | None = None
         self._shared: Any = None  # the writer's four counts (shared memory)
         self._dropped = 0  # episodes the loop could not hand over
         self._broken: set[int] = set()  # recorded episodes a step of which was dropped
-        # A step's two frames fit :meth:`step`'s usual case below this many bytes in all,
-        # buffer included (0 while an episode is broken).
-        self._free = self._room = min(FLUSH_BYTES, self._limit + 1) - _HEAD_SIZE
+        # A step's two frames fit the buffer's usual case below this many bytes in all,
+        # buffer included (its ``room``: 0 while an episode is broken or no flush is due).
+        self._free = min(FLUSH_BYTES, self._limit + 1) - _HEAD_SIZE
+        self._buf: StepBufferType = StepBuffer(0, self._step)
+        self.step = self._buf.step
+        """A step of a recorded episode: ``step(rid, request, reply, took)``, its request
+        frame as it came, its reply frame, its seconds; copied into the buffer (or, when it
+        is full, the episode dropped). The buffer's own method (:mod:`.buffer`)."""
         self._next = 0
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -334,27 +341,13 @@ class Recorder:
         self._due()
         return rid
 
-    def step(self, rid: int, request: bytes | str, reply: bytes, took: float) -> None:
-        """A step of recorded episode ``rid``: its request frame as it came, its reply frame,
-        its seconds; copied into the buffer (or, when it is full, the episode dropped)."""
-        buf = self._buf
-        # The usual case in one test: bytes that keep the buffer under FLUSH_BYTES and its
-        # bound, no episode broken (``_room`` is 0 then: every step takes ``_step``).
-        if len(buf) + len(request) + len(reply) < self._room and type(request) is bytes:
-            buf += _PACK(_STEP, rid, False, took, len(request), len(reply))
-            buf += request
-            buf += reply
-            if self._timer is None:
-                self._due()
-            return
-        self._step(rid, request, reply, took)
-
     def step_failed(self, rid: int, request: bytes | str, error: str, took: float) -> None:
         """A step of recorded episode ``rid`` that failed: its request frame, the error's
         text, its seconds (as :meth:`step`)."""
         self._step(rid, request, error, took)
 
     def _step(self, rid: int, request: bytes | str, reply: bytes | str, took: float) -> None:
+        """A step the buffer's usual case did not take (:attr:`step`)."""
         broken = self._broken
         if broken and rid in broken:
             return
@@ -366,7 +359,7 @@ class Recorder:
         size = len(buf) + _HEAD_SIZE + len(request) + len(body)
         if size > self._limit:
             broken.add(rid)
-            self._room = 0
+            buf.room = 0
             return
         buf += _HEAD.pack(_STEP, rid, failed, took, len(request), len(body))
         buf += request
@@ -382,8 +375,7 @@ class Recorder:
         flag = _END_FLAGS[end] | (pipe.CLIPPED if clipped else 0)
         if cost is None or (self._broken and rid in self._broken):
             self._broken.discard(rid)
-            if not self._broken:
-                self._room = self._free
+            self._open()
             flag |= pipe.DROPPED
             body = b""
         else:
@@ -398,9 +390,15 @@ class Recorder:
 
     # -- on the loop: the pipe --------------------------------------------------------------
 
+    def _open(self) -> None:
+        """Let steps take the buffer's usual case while a flush is due (a timer set: the
+        usual case sets none) and no episode is broken."""
+        self._buf.room = self._free if self._timer is not None and not self._broken else 0
+
     def _due(self) -> None:
         if self._timer is None and self._loop is not None:
             self._timer = self._loop.call_later(FLUSH_S, self._tick)
+            self._open()
         elif self._loop is None and len(self._buf) >= FLUSH_BYTES:
             self._flush()
 
@@ -410,20 +408,18 @@ class Recorder:
         self._read_counts()
         if self.state is RecorderState.RECORDING and self._loop is not None:
             self._timer = self._loop.call_later(FLUSH_S if self._buf else IDLE_S, self._tick)
+        self._open()
 
     def _flush(self) -> None:
         """Write what the buffer holds to the pipe, as much as it takes (never waits)."""
-        buf = self._buf
-        if not buf or self._fd < 0:
+        if not self._buf or self._fd < 0:
             return
         try:
-            n = os.write(self._fd, buf)
+            self._buf.write(self._fd)
         except BlockingIOError:
             return
         except OSError as exc:  # the writer process is gone
             self._lose(f"its pipe failed ({exc.strerror or exc})")
-            return
-        del buf[:n]
 
     def _read_counts(self) -> None:
         shared = self._shared
@@ -494,6 +490,13 @@ class Recorder:
                     os.close(fd)
         self.state = RecorderState.RECORDING
         self.counts[RECORDING] = 1
+        global _said_buffer
+        if not NATIVE and not _said_buffer:
+            _said_buffer = True
+            log.warning(
+                "--record: the native step buffer is missing (`make record-deps` builds it): "
+                "each recorded step costs the event loop ~0.25 µs more"
+            )
 
     def close(self, timeout: float = 5.0) -> None:
         """Hand the writer what is buffered, let it write its last shard and exit (waits up
@@ -501,6 +504,7 @@ class Recorder:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+            self._open()
         proc = self._proc
         if self.state is RecorderState.RECORDING and self._fd >= 0:
             deadline = time.monotonic() + timeout

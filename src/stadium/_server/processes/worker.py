@@ -75,6 +75,21 @@ def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
         ConfigError: the env cannot be durable (the message says why), or the store
             cannot be opened.
     """
+    if spec.env_cls not in _PROBED:  # (the server probed it at start, before forking us)
+        probe_durable(config, spec)
+    return _store(config)
+
+
+_PROBED: set[type[Any]] = set()
+
+
+def probe_durable(config: ServerConfig, spec: EnvSpec) -> None:
+    """Make one env of ``spec`` and check it can be snapshotted (``--durable``, in process):
+    at start, before the server says it serves, and in each worker.
+
+    Raises:
+        ConfigError: it cannot be made or snapshotted (the message says why and what to do).
+    """
     try:
         env = spec.factory(**config.env_kwargs)
     except Exception as exc:  # the server would fail to create sessions just the same
@@ -89,7 +104,7 @@ def _durable(config: ServerConfig, spec: EnvSpec) -> Durable:
             f"--durable: {spec.name} sessions cannot be made durable: {why}; implement "
             "snapshot() and restore() on the env, or serve it without --durable"
         )
-    return _store(config)
+    _PROBED.add(spec.env_cls)
 
 
 def _store(config: ServerConfig) -> Durable:
