@@ -327,7 +327,7 @@ async def test_no_template_starts_again_once_the_isolation_is_shut_down(
     """The warm pool's fills still on their way when the worker shuts down start no
     template again (one did, and its process and socket outlived the server)."""
     from stadium._server.isolation import Isolation, IsolationConfig
-    from stadium._server.isolation.worker import isolation as host
+    from stadium._server.isolation.worker import template_host as host
 
     started: list[Any] = []
     popen = host.subprocess.Popen

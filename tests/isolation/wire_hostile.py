@@ -80,9 +80,8 @@ class Seam(stadium.Environment[Act, Obs, stadium.State]):
         if do == "endless":  # a reply that never ends
             _write(_header(8 * 1024 * 1024) + b"\x96\x00" + b"\x00" * 65536)
         if do == "key":  # this process's key, as its template made it
-            return str(
-                sys.modules["stadium._server.isolation.template.child"]._Ctx.key_base | os.getpid()
-            )
+            env_process = sys.modules["stadium._server.isolation.template.env_process"]
+            return str(env_process._Ctx.key_base | os.getpid())
         if do == "slow-fork":  # the next fork's reply: one byte every 3 s
             _patch_fork_reply(slow=True)
             return "armed"

@@ -160,7 +160,7 @@ class Runtime:
         self.env_kwargs = env_kwargs or {}
         self.attachable: dict[str, Any] = {}
         """Envs a WebSocket may attach to by id (``/ws?session_id=``): OpenEnv's HTTP MCP
-        sessions (``endpoints.McpSessions``), which hold their slot and close their env."""
+        sessions (``mcp_sessions.McpSessions``), which hold their slot and close their env."""
         self.attached: dict[str, SessionLike] = {}
         self.attachable_tenant: dict[str, str | None] = {}
         """The tenant (``--tenants``; ``None``: none) of each of :attr:`attachable`: only a

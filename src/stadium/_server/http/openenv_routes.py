@@ -38,14 +38,9 @@ from stadium._env.contract import StepResult
 from stadium._env.spec import CallMode
 from stadium._errors import StadiumError, ValidationError
 from stadium._server.admission.doorway import CALLER
-from stadium._server.http.endpoints import (
-    HttpEndpoints,
-    HttpResponse,
-    _new_episode_id,
-    _reset,
-    _step,
-    error_response,
-)
+from stadium._server.http.endpoints import HttpEndpoints
+from stadium._server.http.env_calls import _new_episode_id, _reset, _step
+from stadium._server.http.responses import HttpResponse, error_response
 from stadium._server.invoke import awaited
 
 TASK_METHODS = ("list_splits", "list_tasks", "num_tasks", "get_task", "get_task_range")

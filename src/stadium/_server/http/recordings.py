@@ -45,7 +45,8 @@ from typing import Any
 import msgspec
 
 from stadium._server.admission.doorway import CALLER
-from stadium._server.http.endpoints import ExtraRoutes, HttpEndpoints, HttpResponse, error_response
+from stadium._server.http.endpoints import HttpEndpoints
+from stadium._server.http.responses import ExtraRoutes, HttpResponse, error_response
 
 #: Episodes per page, at most.
 PAGE_MAX = 200

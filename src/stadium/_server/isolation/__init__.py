@@ -2,7 +2,8 @@
 its own sandboxed process (``--isolation sandbox``), forked from a per-worker template.
 
 Two sides and what they share: ``worker/`` is the worker's side (:mod:`.worker.isolation`:
-the template, the warm pool, the env processes; :mod:`.worker.proc` one env process as the
+the warm pool, the env processes sessions get; :mod:`.worker.template_host` the template and
+the processes' bookkeeping; :mod:`.worker.proc` one env process as the
 worker holds it; :mod:`.worker.proxy` the env a session drives; :mod:`.worker.reaper` the
 teardown off the event loop; ...), ``template/`` the env's side (:mod:`.template.child`: the
 template and the env processes; :mod:`.template.seccomp` the sandboxed sessions' filter;
@@ -15,8 +16,9 @@ messages and frames between them, :mod:`.sandbox` the namespaces, mounts, uids a
 """
 
 from stadium._server.isolation.sandbox import Limits, sandbox_unavailable
-from stadium._server.isolation.worker.isolation import MODES, Isolation, IsolationConfig
+from stadium._server.isolation.worker.isolation import Isolation
 from stadium._server.isolation.worker.proxy import ProcessEnv, isolated_spec
+from stadium._server.isolation.worker.template_host import MODES, IsolationConfig
 
 __all__ = [
     "MODES",

@@ -36,7 +36,7 @@ from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
 from stadium._env.contract import Environment
 from stadium._server.config import ServerConfig
-from stadium._server.http.endpoints import TOO_LARGE, HttpResponse
+from stadium._server.http.responses import TOO_LARGE, HttpResponse
 from stadium._server.http.upgrade import open_upgrade
 from stadium._server.processes.worker import Worker
 from stadium._server.runtime import MAX_UNSENT_BYTES, NODE_NAME

@@ -16,7 +16,8 @@ import h11
 
 from stadium._core.access import Tenant
 from stadium._core.limits import client_address
-from stadium._server.http.endpoints import TOO_LARGE, HttpEndpoints, HttpResponse, error_response
+from stadium._server.http.endpoints import HttpEndpoints
+from stadium._server.http.responses import TOO_LARGE, HttpResponse, error_response
 from stadium._server.runtime import Runtime
 
 

@@ -38,8 +38,9 @@ from stadium._core.handshake import PLAIN, Terms, Upgrade, host_port, negotiate
 from stadium._core.limits import client_address
 from stadium._core.protocol import Encoding
 from stadium._server.http.batch_socket import BatchServerConnection
-from stadium._server.http.endpoints import HttpEndpoints, HttpResponse
+from stadium._server.http.endpoints import HttpEndpoints
 from stadium._server.http.mcp_socket import McpSocket
+from stadium._server.http.responses import HttpResponse
 from stadium._server.http.upgrade import open_upgrade
 from stadium._server.runtime import MAX_FRAGMENTS, MAX_UNSENT_BYTES, NODE_NAME, Runtime
 from stadium._server.sessions.runner import Session

@@ -4,7 +4,7 @@ It imports the env's code (as a template does, :mod:`.child`), answers ``Ready``
 ``Failed``), waits for the worker's ``go`` (the point a snapshot is taken at: each
 restored copy continues from here), mixes the ``go``'s fresh entropy into the guest
 kernel's pool and Python's ``random``, then serves one session with the same loop as a
-sandboxed process (:func:`~stadium._server.isolation.child.session_main`), on the
+sandboxed process (:func:`~stadium._server.isolation.template.env_process.session_main`), on the
 virtio-serial port in place of a socket.
 """
 
@@ -21,7 +21,7 @@ import msgspec
 
 from stadium._env.spec import EnvSpec
 from stadium._server.isolation import wire
-from stadium._server.isolation.template import child
+from stadium._server.isolation.template import env_process
 from stadium._server.loader import load_target
 
 #: The largest ``go`` frame read.
@@ -33,12 +33,12 @@ def serve(port: Any, settings: dict[str, Any], recv: Callable[[Any, int], bytes]
     """Import the target, say ``Ready``, wait for ``go``, serve the session (never returns)."""
     env_kwargs = settings.get("env_kwargs") or {}
     try:
-        child._Ctx.spec = EnvSpec.of(load_target(settings["target"], env_kwargs=env_kwargs))
+        env_process._Ctx.spec = EnvSpec.of(load_target(settings["target"], env_kwargs=env_kwargs))
     except Exception as exc:
         port.sendall(wire.frame(wire.encode(wire.Failed(f"{type(exc).__name__}: {exc}"))))
         os._exit(3)
-    child._Ctx.env_kwargs = env_kwargs
-    child._Ctx.sandbox = False
+    env_process._Ctx.env_kwargs = env_kwargs
+    env_process._Ctx.sandbox = False
     gc.collect()
     gc.freeze()
     port.sendall(wire.frame(wire.encode(wire.Ready(os.getpid(), None, None))))
@@ -46,4 +46,4 @@ def serve(port: Any, settings: dict[str, Any], recv: Callable[[Any, int], bytes]
     with open("/dev/urandom", "wb") as pool:  # mixed in: restored copies diverge
         pool.write(go.seed)
     random.seed(go.seed + os.urandom(16))
-    child.session_main(cast(socket.socket, port))
+    env_process.session_main(cast(socket.socket, port))

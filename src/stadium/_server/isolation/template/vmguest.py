@@ -13,7 +13,7 @@ built. Standard library only until the worker's settings set ``sys.path``. It:
    the env's code and answers ``Ready`` (or ``Failed``);
 5. waits for the ``go`` frame (fresh entropy, mixed into the kernel's pool: VMs restored
    from one snapshot must not share their random state), then serves one session
-   (:func:`~stadium._server.isolation.child.session_main`) on the port.
+   (:func:`~stadium._server.isolation.template.env_process.session_main`) on the port.
 
 The worker may snapshot the VM between 4 and 5 (:mod:`.vm`): every restored copy starts
 at step 5. When the session's process ends, pid 1 ends, the kernel panics and the VM

@@ -10,7 +10,8 @@ import dataclasses
 from stadium._errors import ConfigError, StadiumError, TargetError
 from stadium._server.isolation import wire
 from stadium._server.isolation.remote import Description, decode_description
-from stadium._server.isolation.worker.isolation import TEMPLATE_START_S, Isolation, IsolationConfig
+from stadium._server.isolation.worker.isolation import Isolation
+from stadium._server.isolation.worker.template_host import TEMPLATE_START_S, IsolationConfig
 
 
 def describe_remote(settings: IsolationConfig) -> Description:

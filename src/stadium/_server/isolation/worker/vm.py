@@ -61,15 +61,15 @@ from stadium._errors import (
 )
 from stadium._server.isolation import wire
 from stadium._server.isolation.worker import vmimage, vmsnap
-from stadium._server.isolation.worker.isolation import (
+from stadium._server.isolation.worker.isolation import Isolation
+from stadium._server.isolation.worker.proc import EnvProcess, Gone
+from stadium._server.isolation.worker.template_host import (
     EXIT_REPORT_S,
     FORK_S,
     TEMPLATE_START_S,
-    Isolation,
     IsolationConfig,
     _ShutDown,
 )
-from stadium._server.isolation.worker.proc import EnvProcess, Gone
 from stadium._server.isolation.worker.vmconsole import Console, exit_text, why
 
 log = logging.getLogger("stadium.isolation")
