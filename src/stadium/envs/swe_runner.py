@@ -41,27 +41,37 @@ _exit = os._exit
 _dumps = json.dumps
 
 
+def _unittest_modules() -> list[Any]:
+    names = "unittest unittest.case unittest.result unittest.suite unittest.loader unittest.util"
+    return [sys.modules[n] for n in (*names.split(), "unittest._log") if n in sys.modules]
+
+
+_spaces: list[tuple[str, Any]] = []
+
+
 def _watched() -> list[tuple[str, Any]]:
-    """The namespaces whose bindings a forger would patch: the unittest classes and modules
-    the run goes through, the builtins, json, and this runner itself."""
-    spaces: list[tuple[str, Any]] = [
+    """The namespaces whose bindings a forger would patch: the unittest modules and every
+    class they define (an assertion's context manager included), the builtins, json, and
+    this runner itself. A class's name ends with ``:`` (an attribute added to it counts:
+    a ``__getattribute__`` or ``__init_subclass__`` it did not have changes its tests).
+    Chosen once, before any repository code runs (a class unittest imports later is not
+    one a forger could have patched before it existed)."""
+    if _spaces:
+        return _spaces
+    spaces = _spaces
+    spaces += [
         ("builtins", builtins.__dict__),
         ("json", json.__dict__),
         ("runner", globals()),
     ]
-    for mod in (unittest, unittest.case, unittest.result, unittest.suite, unittest.loader):
+    classes: dict[int, Any] = {id(_Result): _Result}
+    for mod in _unittest_modules():
         spaces.append((mod.__name__, mod.__dict__))
-    for cls in (
-        unittest.case.TestCase,
-        unittest.case.FunctionTestCase,
-        unittest.case._Outcome,  # type: ignore[attr-defined]
-        unittest.result.TestResult,
-        unittest.suite.BaseTestSuite,
-        unittest.suite.TestSuite,
-        unittest.loader.TestLoader,
-        _Result,
-    ):
-        spaces.append((cls.__qualname__, cls.__dict__))
+        for value in list(mod.__dict__.values()):
+            if isinstance(value, type) and str(value.__module__).startswith("unittest"):
+                classes[id(value)] = value
+    for cls in classes.values():
+        spaces.append((cls.__module__ + "." + cls.__qualname__ + ":", cls.__dict__))
     return spaces
 
 
@@ -84,6 +94,9 @@ def _fingerprint() -> dict[str, tuple[int, ...]]:
 def _changed(before: dict[str, tuple[int, ...]], after: dict[str, tuple[int, ...]]) -> str | None:
     for key, mark in before.items():
         if after.get(key) != mark:
+            return key
+    for key in after:  # a callable added to a class (a module may gain one: lazy imports)
+        if key not in before and ":." in key:
             return key
     return None
 
