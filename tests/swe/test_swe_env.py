@@ -21,7 +21,7 @@ import pytest
 from stadium import ConfigError, SessionError, ValidationError
 from stadium._env.tool_env import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
-from stadium.envs.swe_grading import judge
+from stadium.envs.swe_grading import Rules, judge
 from tests.conftest import UNIT, proc_alive
 from tests.swe.tasks import FIXES, inline_tasks
 
@@ -423,3 +423,56 @@ def test_the_server_reads_a_tasks_file_for_the_sessions(tmp_path: Path) -> None:
     path.write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(ConfigError, match="task 2"):
         SweEnv.prepare_kwargs({"tasks": str(path)})
+
+
+# -- a test module outside a tests folder ------------------------------------------------
+
+
+def _beside_task() -> dict[str, Any]:
+    """calc-abs with its test module beside the code (calc/check_ops.py): no tests folder
+    and no test_*.py name protect it, only test_files and the test ids do."""
+    task = next(t for t in inline_tasks() if t["instance_id"] == "calc-abs")
+    files = dict(task["files"])
+    files["calc/check_ops.py"] = files.pop("tests/test_ops.py")
+    ids = [i.replace("tests.test_ops", "calc.check_ops") for i in IDS]
+    return {**task, "instance_id": "calc-beside", "files": files,
+            "test_files": ["calc/check_ops.py"], "FAIL_TO_PASS": ids[:1],
+            "PASS_TO_PASS": ids[1:]}  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_package_shadowing_the_test_module_is_removed() -> None:
+    shadow = "calc/check_ops/__init__.py"  # a package beats a module of its name
+    env = SweEnv([_beside_task()], test_timeout_s=30 * UNIT)
+    try:
+        env.reset(options={"task": "calc-beside"})
+        _data(await _call(env, "write_file", path=shadow, content=FAKE_TESTS))
+        naive = _data(
+            await _call(env, "run", command=f"{sys.executable} -m unittest -v calc.check_ops")
+        )
+        assert naive["exit_code"] == 0, naive  # the shadow passes the task's own tests
+        done = await _call(env, "submit")
+        graded = _data(done)
+        assert (done.reward, graded["resolved"]) == (0.0, False), graded
+        assert f"removed {shadow}" in graded["restored"], graded
+    finally:
+        env.close()
+
+
+def test_what_python_would_import_instead_of_a_test_module_is_never_the_policys() -> None:
+    rules = Rules(("calc/check_ops.py",), (), ("calc.check_ops.TestAbsolute.test_negative",
+                  "tests/test_slug.py::test_lowercase"))  # fmt: skip
+    for shadow in [
+        "calc/check_ops",  # a package of the module's name
+        "calc/check_ops/__init__.py",
+        "calc/check_ops.abi3.so",  # an extension module beats a .py of its name
+        "calc/check_ops.cpython-311-x86_64-linux-gnu.so",
+        "calc/__init__.abi3.so",  # ... and a package's __init__.py
+        "calc/check_ops/TestAbsolute.py",
+        "calc.so",  # a module beats a namespace package (a folder without __init__.py)
+        "tests.abi3.so",
+        "tests/test_slug.so",
+    ]:
+        assert rules.shadows(shadow), shadow
+    for fix in ["calc/ops.py", "calc/ops.abi3.so", "calc/helpers/__init__.py", "textkit/slug.py"]:
+        assert not rules.shadows(fix), fix

@@ -399,7 +399,7 @@ class SweEnv(ToolEnvironment):
         assert self.current is not None
         assert self.pristine is not None
         task = self.current
-        rules = Rules(tuple(task.test_files), tuple(task.src_paths))
+        rules = Rules(tuple(task.test_files), tuple(task.src_paths), tuple(task.tests))
         try:  # first, nothing the policy started may run on (and rewrite a test after this)
             self._workspace().stop_others()
         except ExecutionError as exc:

@@ -83,18 +83,60 @@ class Entry(NamedTuple):
     data: bytes
 
 
+def _dotted(test_id: str) -> tuple[str, ...]:
+    """A test id as the dotted parts the runner imports (``swe_runner._name``'s reading)."""
+    if "::" in test_id:
+        path, _, rest = test_id.partition("::")
+        module = path[:-3] if path.endswith(".py") else path
+        name = module.replace("\\", "/").strip("/").replace("/", ".")
+        name += "." + rest.split("[")[0].replace("::", ".")
+    elif test_id.endswith(")") and " (" in test_id:  # Django: "test_x (pkg.mod.Class)"
+        method, _, owner = test_id[:-1].partition(" (")
+        name = owner + "." + method
+    else:
+        name = test_id
+    return tuple(name.split("."))
+
+
+def _module_key(rel: str) -> tuple[str, ...]:
+    """The dotted name Python could import a path as (``a/b/c.abi3.so``: ``a.b.c``)."""
+    parts = rel.split("/")
+    parts[-1] = parts[-1].split(".", 1)[0]
+    return tuple(parts)
+
+
 class Rules(msgspec.Struct, frozen=True):
     """Which paths (relative to the repository, ``/``-separated) the policy may change.
 
     ``test_files``: the task's tests (and the ``__init__.py`` of their packages) are never
     the policy's; nor is anything under a ``test``/``tests``/``testing`` directory, a
     ``test_*.py``/``*_test.py`` file, a :data:`CONFIG_NAMES` file, ``__pycache__``,
-    ``*.pyc`` or ``*.pth``. ``src_paths`` (when not empty): the policy may change only
-    paths under these.
+    ``*.pyc`` or ``*.pth``. Nor may the policy add anything Python would import in place
+    of a test module or of a package on its way (:meth:`shadows`; from ``test_ids``, the
+    ids the runner imports, and ``test_files``): a package, an extension module (``.so``)
+    or a module of any suffix with the test module's name or a namespace package's name
+    on its dotted path, or an ``__init__`` (any suffix) in a folder on it. ``src_paths``
+    (when not empty): the policy may change only paths under these.
     """
 
     test_files: tuple[str, ...] = ()
     src_paths: tuple[str, ...] = ()
+    test_ids: tuple[str, ...] = ()
+
+    def _chains(self) -> list[tuple[str, ...]]:
+        chains = [_dotted(t) for t in self.test_ids]
+        return chains + [_module_key(t) for t in self.test_files if t.endswith(".py")]
+
+    def shadows(self, rel: str) -> bool:
+        """Whether ``rel``, if the policy added it, would be imported in place of a test
+        module or of a package on a test's dotted path (see the class docstring)."""
+        key = _module_key(rel)
+        for chain in self._chains():
+            if chain[: len(key)] == key:  # the module itself, a package or module on its path
+                return True
+            if key[-1] == "__init__" and chain[: len(key) - 1] == key[:-1]:
+                return True  # makes a namespace package on the path a package of its own
+        return any(key[: len(c)] == c for c in map(_module_key, self.test_files))
 
     def protected(self, rel: str) -> bool:
         parts = rel.split("/")
@@ -217,6 +259,8 @@ def _keep(rel: str, entry: Entry, was: Entry | None, rules: Rules, root: str) ->
     """Whether a live path stays as the policy left it."""
     if was is not None and was.kind != entry.kind:
         return False  # a type change is never kept (nor followed)
+    if was is None and rules.shadows(rel):
+        return False  # added where Python would import it instead of a test's module
     if entry.kind == "link":
         return entry == was  # links the policy made or changed: never followed, never kept
     if entry.kind == "dir":
