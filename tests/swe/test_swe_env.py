@@ -476,3 +476,28 @@ def test_what_python_would_import_instead_of_a_test_module_is_never_the_policys(
         assert rules.shadows(shadow), shadow
     for fix in ["calc/ops.py", "calc/ops.abi3.so", "calc/helpers/__init__.py", "textkit/slug.py"]:
         assert not rules.shadows(fix), fix
+
+
+@pytest.mark.slow
+async def test_a_reset_ends_what_the_last_episode_left_running(env: SweEnv) -> None:
+    # Left running, the daemon rewrites the next episode's fresh copy of the failing test
+    # before the env reads the pristine copy from it: the forged test would be "pristine".
+    env.reset(options={"task": "calc-abs"})
+    for name, arguments in FORGERIES["leaves a daemon rewriting the failing test"][0]:
+        _data(await _call(env, name, **arguments))
+    assert env._ws is not None
+    pid = int(env._ws.read_file("daemon.pid"))
+    assert proc_alive(pid)
+    env.reset(options={"task": "calc-abs"})  # no submit: the episode is abandoned
+    assert not proc_alive(pid), "the last episode's daemon runs on into this one"
+
+
+@pytest.mark.slow
+async def test_a_repository_replaced_by_a_link_is_not_followed_at_reset(env: SweEnv) -> None:
+    env.reset(options={"task": "calc-abs"})
+    _data(await _call(env, "run", command="mkdir ../elsewhere && cd .. && mv repo r && "
+                      "ln -s elsewhere repo"))  # fmt: skip
+    env.reset(options={"task": "calc-abs"})  # was: OSError, rmtree on a symbolic link
+    assert env._ws is not None
+    kinds = {e.name: e.kind for e in env._ws.list_dir(".")}
+    assert (kinds["elsewhere"], kinds["repo"]) == ("dir", "dir"), kinds

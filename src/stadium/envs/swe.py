@@ -322,7 +322,9 @@ class SweEnv(ToolEnvironment):
         ws = self._workspace()
         if task.image is None:
             target = os.path.join(ws.root, "repo")
-            if os.path.lexists(target):
+            if os.path.islink(target) or os.path.isfile(target):
+                os.unlink(target)  # (the policy's: never followed)
+            elif os.path.lexists(target):
                 shutil.rmtree(target)
             try:
                 if task.files:
@@ -355,6 +357,10 @@ class SweEnv(ToolEnvironment):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> ToolObservation:
         task = self._choose(seed, options or {})
+        # Nothing the last episode started may run on: it could rewrite the fresh copy of
+        # the repository before the pristine copy is read from it (an image's session
+        # starts each episode in a fresh process; without one the workspace stays).
+        self._workspace().stop_others()
         self.repo = self._place(task, options or {})
         self.pristine = Pristine.capture(self.repo)
         self.current, self.steps, self.done = task, 0, False
