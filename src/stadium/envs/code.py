@@ -45,6 +45,7 @@ import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
 from stadium._env.workspace import Workspace, current_image
+from stadium._errors import ConfigError
 
 #: The most bytes one reply of the submission's process may take (the rest: that test fails).
 MAX_REPLY = 1 << 20
@@ -245,6 +246,8 @@ def run_tests(
     ``timeout_s`` in all); compare what it returns, decoded as ``returns``, with each
     test's expected value, here."""
     report = Report()
+    decoder = _decoder(returns)
+    wanted = [_canonical(decoder, function, returns, i, exp) for i, (_, exp) in enumerate(tests)]
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
     try:
@@ -265,9 +268,8 @@ def run_tests(
     channel = _Channel(
         requests_w, replies_r, proc.stdout.fileno(), time.monotonic() + timeout_s, timeout_s
     )
-    decoder = _decoder(returns)
     try:
-        for i, (args, expected) in enumerate(tests):
+        for i, ((args, expected), want) in enumerate(zip(tests, wanted, strict=True)):
             call = f"{function}{tuple(args)!r}"
             try:
                 channel.send(msgspec.json.encode(args) + b"\n")
@@ -287,10 +289,13 @@ def run_tests(
                 break
             if isinstance(reply, RunFailed):
                 report.failures.append(f"{call} {_message(reply.message)}")
-            elif reply.value == expected:  # plain values the decoder built: no __eq__ of theirs
+            elif _same(reply.value, want):  # both built by the decoder: no __eq__ of theirs
                 report.passed += 1
             else:
-                report.failures.append(f"{call} returned {reply.value!r}, expected {expected!r}")
+                got = _message(repr(reply.value))
+                report.failures.append(
+                    f"{call} returned {got}, expected {_message(repr(expected))}"
+                )
     finally:
         proc.kill()
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -303,6 +308,40 @@ def run_tests(
         os.close(replies_r)
         proc.stdout.close()
     return report
+
+
+def _canonical(decoder: msgspec.json.Decoder[Any], function: str, returns: Any, i: int,
+               expected: Any) -> Any:  # fmt: skip
+    """``expected`` as the decoder builds it from its JSON (a tuple: a list; ``3`` for a
+    ``float``: ``3.0``): what a right reply decodes to, compared with :func:`_same`."""
+    try:
+        reply = decoder.decode(msgspec.json.encode(Returned(expected)))
+    except (msgspec.DecodeError, msgspec.EncodeError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"test {i} of {function}: its expected value {_message(repr(expected))} is no "
+            f"{_name(returns)} as JSON ({exc}): no reply could equal it; fix the test or "
+            "the declared return type"
+        ) from None
+    return reply.value
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal and of the same type, at every depth (``True`` is no ``1``, ``1.0`` no ``1``;
+    ``-0.0`` is ``0.0``, as ``==`` has it). Both come from the same decoder, so their depth
+    is bounded by ``want``'s."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, dict):
+        keys = {k: k for k in want}
+        return len(got) == len(want) and all(
+            k in want and _same(k, keys[k]) and _same(v, want[k]) for k, v in got.items()
+        )
+    if isinstance(want, msgspec.Struct):
+        fields = want.__struct_fields__
+        return all(_same(getattr(got, f), getattr(want, f)) for f in fields)
+    return bool(got == want)
 
 
 def _name(returns: Any) -> str:
