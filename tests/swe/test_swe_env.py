@@ -501,3 +501,36 @@ async def test_a_repository_replaced_by_a_link_is_not_followed_at_reset(env: Swe
     assert env._ws is not None
     kinds = {e.name: e.kind for e in env._ws.list_dir(".")}
     assert (kinds["elsewhere"], kinds["repo"]) == ("dir", "dir"), kinds
+
+
+#: A right fix whose import (in the grading's test run) leaves a daemon in its own session,
+#: its descriptors closed (the run ends normally), that outlives the grading.
+GRADING_DAEMON = (
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.closerange(0, 1024)\n"
+    "        with open('../grading-daemon.pid', 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "        time.sleep(1000)\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+)
+
+
+@pytest.mark.slow
+async def test_nothing_the_graded_code_started_outlives_the_grading(env: SweEnv) -> None:
+    # Left running (without an image the session's process, and its files, stay for the
+    # next episode), it could rewrite the next episode's copy before it is read.
+    env.reset(options={"task": "calc-abs"})
+    path, fixed = FIXES["calc-abs"]
+    _data(await _call(env, "write_file", path=path, content=GRADING_DAEMON + fixed))
+    graded = _data(await _call(env, "submit"))
+    assert graded["resolved"], graded
+    assert env._ws is not None
+    pid = int(env._ws.read_file("grading-daemon.pid"))
+    alive = proc_alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "a process the graded code started outlived the grading"

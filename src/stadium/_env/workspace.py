@@ -346,6 +346,20 @@ class Workspace:
         code = None if timed_out else status
         return self._result(code, out, err, timed_out, start)
 
+    def start(
+        self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], stdin: int, stdout: int,
+        stderr: int, extra: int = -1,
+    ) -> Child:  # fmt: skip
+        """Start ``argv`` under the workspace's supervisor, as :meth:`run` does, but leave it
+        to the caller (a grader that talks to it on pipes of its own): ``env`` is its whole
+        environment, ``extra`` one more descriptor passed on (:data:`FD_MARK` in ``argv``
+        names its number). :meth:`stop_others` ends it and anything it left behind. The
+        caller waits for the returned :class:`Child` (its ``kill`` ends its group) and
+        closes it. OSError: it could not start."""
+        return self._supervisor().spawn(
+            argv, self._path(cwd), env, stdin, stdout, stderr, extra=extra
+        )
+
     @staticmethod
     def _result(
         code: int | None, out: _Stream, err: _Stream, timed_out: bool, start: float

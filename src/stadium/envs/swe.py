@@ -428,8 +428,9 @@ class SweEnv(ToolEnvironment):
             "HOME": self.repo,
         }
         verdict: GradingVerdict = run_tests(
-            self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env
-        )
+            self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env,
+            workspace=self._workspace(),
+        )  # fmt: skip
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)
 
     def task_info(self) -> TaskInfo:

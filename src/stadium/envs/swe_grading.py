@@ -48,7 +48,9 @@ from typing import Literal, NamedTuple
 
 import msgspec
 
-from stadium._errors import ConfigError
+from stadium._env.workspace import Workspace
+from stadium._env.workspace_supervisor import FD_MARK
+from stadium._errors import ConfigError, ExecutionError
 
 #: The runner's source, read once (the sandbox may not reach the file later).
 RUNNER_SOURCE = importlib.resources.files("stadium.envs").joinpath("swe_runner.py").read_text()
@@ -374,54 +376,109 @@ class _Pipes:
         self.sel.close()
 
 
+class _Popen:
+    """A test run started here (no workspace): a subprocess in a session of its own."""
+
+    def __init__(self, argv: list[str], cwd: str, env: dict[str, str], stdin: int, out: int,
+                 results: int) -> None:  # fmt: skip
+        self.proc = subprocess.Popen(
+            [*argv, str(stdin), str(results)], cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=out, pass_fds=(stdin, results), start_new_session=True, env=env,
+        )  # fmt: skip
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def end(self) -> None:
+        self.proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+class _Supervised:
+    """A test run started under a workspace's supervisor: whatever it leaves running
+    (``setsid``, a double fork) stays where :meth:`Workspace.stop_others` ends it."""
+
+    def __init__(self, ws: Workspace, argv: list[str], cwd: str, env: dict[str, str],
+                 stdin: int, out: int, results: int) -> None:  # fmt: skip
+        self.ws = ws
+        self.child = ws.start(
+            [*argv, "0", FD_MARK], cwd=cwd, env=env, stdin=stdin, stdout=out, stderr=out,
+            extra=results,
+        )  # fmt: skip
+
+    def wait(self, timeout: float) -> int | None:
+        try:
+            return self.child.wait(time.monotonic() + timeout)
+        except ExecutionError:
+            return None
+
+    def end(self) -> None:
+        self.child.kill()
+        with contextlib.suppress(ExecutionError):
+            self.child.wait(time.monotonic() + 5.0)
+        self.child.close()
+
+
 def run_tests(
     root: str, tests: Sequence[str], *, python: str, timeout_s: float,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, workspace: Workspace | None = None,
 ) -> GradingVerdict:  # fmt: skip
-    """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream."""
+    """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream.
+
+    With ``workspace`` the run starts under its supervisor, and everything it started is
+    ended (:meth:`Workspace.stop_others`) before this returns; a supervisor that cannot
+    vouch for that (killed by the tests) fails the run."""
     nonce = secrets.token_hex(16)
     request = msgspec.json.encode({"nonce": nonce, "tests": list(tests)}) + b"\n"
     control_r, control_w = os.pipe()
     results_r, results_w = os.pipe()
+    output_r, output_w = os.pipe()
+    argv = [python, "-I", "-B", "-c", RUNNER_SOURCE]
+    run_env = env if env is not None else {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
+    run: _Popen | _Supervised
     try:
-        proc = subprocess.Popen(
-            [python, "-I", "-B", "-c", RUNNER_SOURCE, str(control_r), str(results_w)],
-            cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(control_r, results_w), start_new_session=True,
-            env=env if env is not None else {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"},
-        )  # fmt: skip
-    except OSError as exc:
-        for fd in (control_r, control_w, results_r, results_w):
+        if workspace is None:
+            run = _Popen(argv, root, run_env, control_r, output_w, results_w)
+        else:
+            run = _Supervised(workspace, argv, root, run_env, control_r, output_w, results_w)
+    except (OSError, ExecutionError) as exc:
+        for fd in (control_r, control_w, results_r, results_w, output_r, output_w):
             os.close(fd)
         return GradingVerdict(
             False, dict.fromkeys(tests, "missing"), [f"the tests could not start: {exc}"]
         )
-    os.close(control_r)
-    os.close(results_w)
-    assert proc.stdout is not None
-    pipes = _Pipes(control_w, results_r, proc.stdout.fileno(), request)
+    for fd in (control_r, results_w, output_w):
+        os.close(fd)
+    pipes = _Pipes(control_w, results_r, output_r, request)
+    stopped: str | None = None
     try:
         finished = pipes.pump(time.monotonic() + timeout_s)
+        code = None
         if finished and not pipes.overflow:
-            try:
-                code: int | None = proc.wait(max(0.1, min(5.0, timeout_s)))
-            except subprocess.TimeoutExpired:
-                code = None
-        else:
-            code = None
+            code = run.wait(max(0.1, min(5.0, timeout_s)))
     finally:
-        proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        run.end()
+        if workspace is not None:
+            try:
+                workspace.stop_others()
+            except ExecutionError as exc:
+                stopped = f"what the tests started could not all be stopped: {exc.message}"
         pipes.close()
         os.close(results_r)
-        proc.stdout.close()
+        os.close(output_r)
     verdict = judge(bytes(pipes.inbox), tests, nonce, code)
     if not finished:
         verdict.problems.insert(0, f"the tests ran longer than {timeout_s:g} s")
     if pipes.overflow:
         verdict.problems.insert(0, "the test run wrote more results than it was asked for")
+    if stopped is not None:
+        verdict.problems.insert(0, stopped)
+        verdict.resolved = False
     verdict.output = pipes.tail.decode("utf-8", "replace")[-MAX_OUTPUT:]
     return verdict
 

@@ -7,8 +7,9 @@ untrusted from the first test on (the tests import the repository's code, which 
 anything in this process); the grader believes only what it decodes from the results pipe and
 checks it against what it asked (see ``docs/SWE.md``).
 
-Protocol. The grader writes one JSON line on CONTROL_FD, ``{"nonce": str, "tests": [id, ...]}``,
-and closes it; the runner reads it before it imports any code of the repository. On
+Protocol. The grader writes one JSON line on CONTROL_FD (0: stdin, then ``/dev/null``),
+``{"nonce": str, "tests": [id, ...]}``; the runner reads it before it imports any code of the
+repository. On
 RESULTS_FD it writes one JSON line per test, ``{"kind": "result", "test": id, "outcome":
 "passed"|"failed"|"error"|"skipped", "detail": str}``, then ``{"kind": "done", "nonce": nonce}``,
 and exits 0. If the unittest machinery, the builtins or this runner's own functions were
@@ -179,10 +180,21 @@ def _outcome(tests: list[Any]) -> tuple[str, str]:
 
 def main() -> None:
     control, results = int(sys.argv[1]), int(sys.argv[2])
-    with os.fdopen(control, "rb") as f:
-        request = json.loads(f.read(1 << 20).decode("utf-8"))
+    data = b""
+    while not data.endswith(b"\n") and len(data) < 1 << 20:  # one line (then EOF)
+        chunk = os.read(control, 1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    if control == 0:  # the request came on stdin: the tests read nothing from it
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    else:
+        os.close(control)
+    request = json.loads(data.decode("utf-8"))
     nonce, wanted = request["nonce"], request["tests"]
-    del request
+    del request, data
 
     def send(record: dict[str, str]) -> None:
         data = (_dumps(record) + "\n").encode("utf-8")
