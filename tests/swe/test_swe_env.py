@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -534,3 +535,31 @@ async def test_nothing_the_graded_code_started_outlives_the_grading(env: SweEnv)
     if alive:
         os.kill(pid, signal.SIGKILL)
     assert not alive, "a process the graded code started outlived the grading"
+
+
+RESTORE_UNDER_A_MEMORY_LIMIT = """
+import os, resource, sys
+from stadium.envs.swe_grading import Pristine, Rules, restore
+root = sys.argv[1]
+pristine = Pristine.capture(root)
+os.truncate(os.path.join(root, "tests/test_ops.py"), 64 << 30)  # sparse: no disk, 64 GiB
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+print(restore(pristine, Rules(("tests/test_ops.py",))))
+"""
+
+
+@pytest.mark.slow
+def test_a_huge_sparse_test_file_is_restored_without_reading_it(tmp_path: Path) -> None:
+    # Read whole to compare it with the pristine bytes, a 64 GiB sparse file (made in an
+    # instant, on no disk) took the grader's memory (MemoryError: the env crashed).
+    task = next(t for t in inline_tasks() if t["instance_id"] == "calc-abs")
+    for rel, text in task["files"].items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-c", RESTORE_UNDER_A_MEMORY_LIMIT, str(tmp_path)],
+        capture_output=True, text=True, timeout=60 * UNIT, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.stdout.strip() == "['restored tests/test_ops.py']", done.stderr[-2000:]
+    assert (tmp_path / "tests/test_ops.py").read_text() == task["files"]["tests/test_ops.py"]
