@@ -24,7 +24,8 @@ next snippet), no interpreter start. Both start through the workspace's process
 supervisor (:mod:`stadium._env.workspace_supervisor`, a child subreaper forked on first use), so
 that what escapes a command's group and session (``setsid``, a double fork) still stays
 under it: :meth:`Workspace.stop_others` ends all of it (a grader calls it before it looks
-at the files). Output is
+at the files); :meth:`Workspace.start` starts a process there that the caller talks to on
+pipes of its own (a grader's test run). Output is
 decoded as UTF-8 (errors replaced) and at most ``max_output`` characters of each stream are
 kept; a cut stream ends with a visible marker and sets ``truncated``.
 """

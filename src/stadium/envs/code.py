@@ -15,7 +15,9 @@ submission's process only for return values: one request per test on a pipe (the
 call's arguments), one reply per request on another (``{"kind": "returned",
 "value": ...}``, JSON, at most :data:`MAX_REPLY` bytes), decoded into the type the task
 declares (``returns``: ``int`` accepts no ``true`` and no ``1.0``; a ``list[int]`` no
-deeper list). The grader compares plain decoded values; so a printed results line, an
+deeper list). The grader compares plain decoded values with the expected value as the same
+decoder builds it, equal and of the same type at every depth (under a loose declared type,
+``Any``, ``True`` is still no ``1``); so a printed results line, an
 early ``exit(0)``, a patched harness or an object whose ``__eq__`` is always true pass
 no test. Sandboxed, the grader is not dumpable (its process changed uid), so the
 submission's process, of the same uid, can neither open its memory nor its

@@ -14,11 +14,14 @@ the source files the task lets it change:
    files and the files that configure a test run (``conftest.py``, ``setup.cfg``, ``*.pth``,
    ``sitecustomize.py``, a test package's ``__init__.py``, ``__pycache__``...) get their
    pristine bytes back, files added there are removed, and so is every link the policy made
-   and anything not a file, directory or link.
+   and anything not a file, directory or link, and anything added where Python would import
+   it instead of a test module (:meth:`Rules.shadows`).
 3. **Run** (:func:`run_tests`): the runner (:mod:`stadium.envs.swe_runner`, shipped with
    Stadium, run with the image's ``python3 -I``) gets the test ids and a fresh nonce on a pipe
    made for this run, before any repository code loads, and reports each test on another.
-   Its stdout and stderr are output (a bounded tail for the policy), never parsed.
+   Its stdout and stderr are output (a bounded tail for the policy), never parsed. Given the
+   session's workspace, the run starts under its process supervisor, and everything it
+   started is ended before the verdict is returned.
 4. **Verdict** (:class:`GradingVerdict`): resolved only if every FAIL_TO_PASS and PASS_TO_PASS
    test is reported ``passed`` by name, once, the stream ends with the run's nonce, the runner
    saw no rebinding of unittest, the builtins or itself, and the process exited 0 in time.
