@@ -404,7 +404,7 @@ class SweEnv(ToolEnvironment):
         """Grade the repository as it is now (restoring what the policy may not change)."""
         assert self.current is not None
         assert self.pristine is not None
-        task = self.current
+        task, pristine = self.current, self.pristine
         rules = Rules(tuple(task.test_files), tuple(task.src_paths), tuple(task.tests))
         try:  # first, nothing the policy started may run on (and rewrite a test after this)
             self._workspace().stop_others()
@@ -429,7 +429,7 @@ class SweEnv(ToolEnvironment):
         }
         verdict: GradingVerdict = run_tests(
             self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env,
-            workspace=self._workspace(),
+            workspace=self._workspace(), vouch=lambda path: pristine.vouch(path, rules),
         )  # fmt: skip
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)
 

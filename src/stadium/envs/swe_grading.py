@@ -46,7 +46,7 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import msgspec
@@ -228,6 +228,35 @@ class Pristine:
                 entries[rel] = entry._replace(data=data)
         return cls(root, {k: v for k, v in entries.items() if v.mode >= 0 or v.kind != "file"})
 
+    def vouch(self, path: str, rules: Rules) -> str | None:
+        """Why the code of a passed test, from the file ``path`` (as the test run reported
+        it), may not be the task's test (``None``: it is). In the repository it must be a
+        file of the pristine copy the policy may not change (restored before the run) with
+        its pristine bytes still; outside, a file neither the session nor the tests could
+        write (the image's). A test module replaced in ``sys.modules``, or test methods
+        swapped, by the code under test come from elsewhere."""
+        if not path or not os.path.isabs(path):
+            return f"its code comes from no file ({path[:200]!r})"
+        norm = os.path.normpath(path)
+        for root in {os.path.normpath(self.root), os.path.realpath(self.root)}:
+            if norm.startswith(root + os.sep):
+                rel = norm[len(root) + 1 :]
+                was = self.entries.get(rel)
+                if was is None or was.kind != "file" or rules.allowed(rel):
+                    return f"its code comes from {rel[:200]}, which is no test file of the task"
+                try:
+                    same = _read(norm, len(was.data)) == was.data
+                except OSError:
+                    same = False
+                if not same:
+                    return f"its code comes from {rel[:200]}, changed while the tests ran"
+                return None
+        if os.access(norm, os.W_OK) or os.access(os.path.dirname(norm), os.W_OK):
+            return (
+                f"its code comes from {norm[:200]}, outside the repository, a file it could write"
+            )
+        return None
+
 
 def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list[str]:
     """Undo, in the live repository, every change the policy may not make; returns what was
@@ -298,6 +327,7 @@ class Reported(msgspec.Struct, tag="result", tag_field="kind", forbid_unknown_fi
     test: str
     outcome: Literal["passed", "failed", "error", "skipped"]
     detail: str = ""
+    sources: list[str] = []
 
 
 class GradingDone(msgspec.Struct, tag="done", tag_field="kind", forbid_unknown_fields=True):
@@ -437,12 +467,13 @@ class _Supervised:
 def run_tests(
     root: str, tests: Sequence[str], *, python: str, timeout_s: float,
     env: dict[str, str] | None = None, workspace: Workspace | None = None,
+    vouch: Callable[[str], str | None] | None = None,
 ) -> GradingVerdict:  # fmt: skip
     """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream.
 
     With ``workspace`` the run starts under its supervisor, and everything it started is
     ended (:meth:`Workspace.stop_others`) before this returns; a supervisor that cannot
-    vouch for that (killed by the tests) fails the run."""
+    vouch for that (killed by the tests) fails the run. ``vouch``: see :func:`judge`."""
     nonce = secrets.token_hex(16)
     request = msgspec.json.encode({"nonce": nonce, "tests": list(tests)}) + b"\n"
     control_r, control_w = os.pipe()
@@ -481,7 +512,7 @@ def run_tests(
         pipes.close()
         os.close(results_r)
         os.close(output_r)
-    verdict = judge(bytes(pipes.inbox), tests, nonce, code)
+    verdict = judge(bytes(pipes.inbox), tests, nonce, code, vouch)
     if not finished:
         verdict.problems.insert(0, f"the tests ran longer than {timeout_s:g} s")
     if pipes.overflow:
@@ -493,8 +524,13 @@ def run_tests(
     return verdict
 
 
-def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None) -> GradingVerdict:
-    """The verdict on a results stream (pure: the tests feed it literal streams)."""
+def judge(
+    stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None,
+    vouch: Callable[[str], str | None] | None = None,
+) -> GradingVerdict:  # fmt: skip
+    """The verdict on a results stream (pure: the tests feed it literal streams). With
+    ``vouch``, a passed test counts only if every source its record names is vouched for
+    (:meth:`Pristine.vouch`)."""
     wanted = set(tests)
     outcomes: dict[str, str] = {}
     problems: list[str] = []
@@ -528,6 +564,11 @@ def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None
         if record.test in outcomes:
             problems.append(f"two results for {record.test[:200]!r}")
             break
+        if vouch is not None and record.outcome == "passed":
+            why = next(filter(None, map(vouch, record.sources or [""])), None)
+            if why is not None:
+                problems.append(f"{record.test[:200]} passed, but {why}")
+                break
         outcomes[record.test] = record.outcome
     if not done and not problems:
         problems.append("the test run did not finish (it exited or was killed before the end)")

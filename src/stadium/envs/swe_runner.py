@@ -11,7 +11,8 @@ Protocol. The grader writes one JSON line on CONTROL_FD (0: stdin, then ``/dev/n
 ``{"nonce": str, "tests": [id, ...]}``; the runner reads it before it imports any code of the
 repository. On
 RESULTS_FD it writes one JSON line per test, ``{"kind": "result", "test": id, "outcome":
-"passed"|"failed"|"error"|"skipped", "detail": str}``, then ``{"kind": "done", "nonce": nonce}``,
+"passed"|"failed"|"error"|"skipped", "detail": str, "sources": [path, ...]}`` (the files the
+code of the test functions it ran came from), then ``{"kind": "done", "nonce": nonce}``,
 and exits 0. If the unittest machinery, the builtins or this runner's own functions were
 rebound while the tests ran (a module under test patching ``TestCase.assertEqual``), it
 writes ``{"kind": "tampered", "what": name}`` instead and exits 3.
@@ -157,11 +158,39 @@ def _flatten(suite: Any) -> Iterator[Any]:
             yield item
 
 
-def _outcome(tests: list[Any]) -> tuple[str, str]:
+def _code_file(fn: Any) -> str:
+    """The file the code of a test's function comes from (decorators' ``__wrapped__``
+    followed); ``""``: not a function."""
+    for _ in range(50):
+        fn = getattr(fn, "__func__", fn)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = inner
+    code = getattr(fn, "__code__", None)
+    return str(getattr(code, "co_filename", "")) if code is not None else ""
+
+
+def _source(test: Any) -> str:
+    """Where the code this test case is about to run comes from (the grader vouches for it:
+    a test module replaced in ``sys.modules``, or a method swapped by code under test, comes
+    from another file)."""
+    try:
+        if isinstance(test, unittest.case.FunctionTestCase):
+            return _code_file(test._testFunc)  # type: ignore[attr-defined]
+        return _code_file(getattr(test, test._testMethodName))
+    except BaseException:
+        return ""
+
+
+def _outcome(tests: list[Any], sources: list[str]) -> tuple[str, str]:
     if not tests:
         return "error", "no such test"
     result = _Result()
     for test in tests:
+        source = _source(test)
+        if source not in sources:
+            sources.append(source)
         test(result)
     if result.errors:
         return "error", result.errors[0][1][-1500:]
@@ -196,7 +225,7 @@ def main() -> None:
     nonce, wanted = request["nonce"], request["tests"]
     del request, data
 
-    def send(record: dict[str, str]) -> None:
+    def send(record: dict[str, Any]) -> None:
         data = (_dumps(record) + "\n").encode("utf-8")
         while data:
             data = data[_write(results, data) :]
@@ -204,15 +233,17 @@ def main() -> None:
     sys.path.insert(0, os.getcwd())
     before = _fingerprint()
     for test_id in wanted:
+        sources: list[str] = []
         try:
-            outcome, detail = _outcome(_load(test_id))
+            outcome, detail = _outcome(_load(test_id), sources)
         except BaseException as exc:  # a test may raise anything, even SystemExit
             outcome, detail = "error", f"{type(exc).__name__}: {exc}"
         changed = _changed(before, _fingerprint())
         if changed is not None:
             send({"kind": "tampered", "what": changed})
             _exit(3)
-        send({"kind": "result", "test": test_id, "outcome": outcome, "detail": str(detail)[-1500:]})
+        record = {"kind": "result", "test": test_id, "outcome": outcome}
+        send({**record, "detail": str(detail)[-1500:], "sources": sources[:50]})
     send({"kind": "done", "nonce": nonce})
     sys.stdout.flush()
     sys.stderr.flush()
