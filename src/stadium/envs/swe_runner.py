@@ -25,6 +25,7 @@ Django's ``test_neg (tests.test_calc.TestAdd)``.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import json
 import os
@@ -37,6 +38,9 @@ import unittest.result
 import unittest.suite
 from collections.abc import Iterator
 from typing import Any
+
+with contextlib.suppress(ImportError):  # assertLogs' context (3.9+), else imported on first
+    import unittest._log  # type: ignore[import-not-found,unused-ignore]  # use: unwatched
 
 _write = os.write
 _exit = os._exit
