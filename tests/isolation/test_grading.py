@@ -5,6 +5,8 @@ return an object equal to everything pass no test, served as the env asks
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,8 @@ import pytest
 
 import stadium
 from stadium import ConfigError
-from stadium.envs.code import MAX_MESSAGE, run_tests
-from tests.conftest import UNIT, serve
+from stadium.envs.code import MAX_MESSAGE, CodeAction, CodeEnv, run_tests
+from tests.conftest import UNIT, proc_alive, serve
 from tests.isolation.test_isolation import needs_sandbox
 
 pytestmark = pytest.mark.slow
@@ -135,3 +137,36 @@ def test_an_expected_value_no_reply_could_equal_is_the_tasks_error(tmp_path: Pat
     (tmp_path / "submission.py").write_text("def f():\n    return 1\n")
     with pytest.raises(ConfigError, match="expected value"):
         run_tests(str(tmp_path), "f", [([], "1")], int, timeout_s=30 * UNIT)
+
+
+DAEMON_AT_IMPORT = (
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.closerange(0, 1024)\n"
+    "        with open('daemon.pid', 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "        time.sleep(1000)\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+    "def add(a, b):\n    return a + b\n"
+)
+
+
+def test_nothing_a_submission_started_outlives_its_step() -> None:
+    # A daemon in a session of its own escaped the process group the grader killed, and
+    # ran on through the session's later steps (writing, say, their submission.py).
+    env = CodeEnv()
+    try:
+        env.reset(options={"task": "add"})
+        result = env.step(CodeAction(code=DAEMON_AT_IMPORT))
+        assert result.reward == 1.0, result.observation
+        assert env._ws is not None
+        pid = int(env._ws.read_file("daemon.pid"))
+        alive = proc_alive(pid)
+        if alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, "a process the submission started outlived the step"
+    finally:
+        env.close()

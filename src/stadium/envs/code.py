@@ -31,14 +31,11 @@ read them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import random
 import selectors
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, ClassVar, Generic, TypeVar
@@ -47,7 +44,8 @@ import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
 from stadium._env.workspace import Workspace, current_image
-from stadium._errors import ConfigError
+from stadium._errors import ConfigError, ExecutionError
+from stadium.envs.graded_process import GradedProcess
 
 #: The most bytes one reply of the submission's process may take (the rest: that test fails).
 MAX_REPLY = 1 << 20
@@ -242,34 +240,33 @@ def _message(text: str) -> str:
 def run_tests(
     folder: str, function: str, tests: list[tuple[list[Any], Any]], returns: Any,
     timeout_s: float, python: str = sys.executable, path: str = "/usr/bin:/bin",
+    workspace: Workspace | None = None,
 ) -> Report:  # fmt: skip
     """Run ``folder/submission.py``'s ``function`` on each test's arguments in a fresh
     ``python -I`` process (``python``; cwd ``folder``; ``PATH`` ``path``; at most
     ``timeout_s`` in all); compare what it returns, decoded as ``returns``, with each
-    test's expected value, here."""
+    test's expected value, here. With the session's ``workspace`` the process starts under
+    its supervisor, and nothing it started outlives the call
+    (:mod:`stadium.envs.graded_process`)."""
     report = Report()
     decoder = _decoder(returns)
     wanted = [_canonical(decoder, function, returns, i, exp) for i, (_, exp) in enumerate(tests)]
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
+    output_r, output_w = os.pipe()
+    argv = [python, "-I", "-u", "-c", _HARNESS, function]
     try:
-        proc = subprocess.Popen(
-            [python, "-I", "-u", "-c", _HARNESS, function, str(requests_r), str(replies_w)],
-            cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, pass_fds=(requests_r, replies_w),
-            env={"PATH": path}, start_new_session=True,
-        )  # fmt: skip
-    except OSError as exc:
-        for fd in (requests_r, requests_w, replies_r, replies_w):
+        proc = GradedProcess.start(
+            argv, folder, {"PATH": path}, requests_r, output_w, replies_w, workspace
+        )
+    except (OSError, ExecutionError) as exc:
+        for fd in (requests_r, requests_w, replies_r, replies_w, output_r, output_w):
             os.close(fd)
         report.failures = [f"the tests could not be run: {exc}"]
         return report
-    os.close(requests_r)
-    os.close(replies_w)
-    assert proc.stdout is not None
-    channel = _Channel(
-        requests_w, replies_r, proc.stdout.fileno(), time.monotonic() + timeout_s, timeout_s
-    )
+    for fd in (requests_r, replies_w, output_w):
+        os.close(fd)
+    channel = _Channel(requests_w, replies_r, output_r, time.monotonic() + timeout_s, timeout_s)
     try:
         for i, ((args, expected), want) in enumerate(zip(tests, wanted, strict=True)):
             call = f"{function}{tuple(args)!r}"
@@ -299,16 +296,15 @@ def run_tests(
                     f"{call} returned {got}, expected {_message(repr(expected))}"
                 )
     finally:
-        proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # and what it started in its group
-        proc.wait()
+        stopped = proc.end()  # and what it started
         channel.drain()
         report.output = channel.text()
         channel.close()
         os.close(requests_w)
         os.close(replies_r)
-        proc.stdout.close()
+        os.close(output_r)
+    if stopped is not None:  # what it left may still answer: nothing it answered counts
+        report.passed, report.failures = 0, [stopped]
     return report
 
 
@@ -415,7 +411,7 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         if current_image() is not None:
             python = shutil.which("python3", path=path) or "python3"
         report = run_tests(
-            ws.root, task.function, task.tests, task.returns, self.timeout_s, python, path
+            ws.root, task.function, task.tests, task.returns, self.timeout_s, python, path, ws
         )
         obs = CodeObservation(
             task.name, task.prompt, passed=report.passed, total=len(task.tests),

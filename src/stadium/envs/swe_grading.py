@@ -35,16 +35,13 @@ the image's root owns them).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import importlib.resources
 import os
 import secrets
 import selectors
 import shutil
-import signal
 import stat
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
@@ -52,8 +49,8 @@ from typing import Literal, NamedTuple
 import msgspec
 
 from stadium._env.workspace import Workspace
-from stadium._env.workspace_supervisor import FD_MARK
 from stadium._errors import ConfigError, ExecutionError
+from stadium.envs.graded_process import GradedProcess
 
 #: The runner's source, read once (the sandbox may not reach the file later).
 RUNNER_SOURCE = importlib.resources.files("stadium.envs").joinpath("swe_runner.py").read_text()
@@ -416,54 +413,6 @@ class _Pipes:
         self.sel.close()
 
 
-class _Popen:
-    """A test run started here (no workspace): a subprocess in a session of its own."""
-
-    def __init__(self, argv: list[str], cwd: str, env: dict[str, str], stdin: int, out: int,
-                 results: int) -> None:  # fmt: skip
-        self.proc = subprocess.Popen(
-            [*argv, str(stdin), str(results)], cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-            stderr=out, pass_fds=(stdin, results), start_new_session=True, env=env,
-        )  # fmt: skip
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return None
-
-    def end(self) -> None:
-        self.proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-class _Supervised:
-    """A test run started under a workspace's supervisor: whatever it leaves running
-    (``setsid``, a double fork) stays where :meth:`Workspace.stop_others` ends it."""
-
-    def __init__(self, ws: Workspace, argv: list[str], cwd: str, env: dict[str, str],
-                 stdin: int, out: int, results: int) -> None:  # fmt: skip
-        self.ws = ws
-        self.child = ws.start(
-            [*argv, "0", FD_MARK], cwd=cwd, env=env, stdin=stdin, stdout=out, stderr=out,
-            extra=results,
-        )  # fmt: skip
-
-    def wait(self, timeout: float) -> int | None:
-        try:
-            return self.child.wait(time.monotonic() + timeout)
-        except ExecutionError:
-            return None
-
-    def end(self) -> None:
-        self.child.kill()
-        with contextlib.suppress(ExecutionError):
-            self.child.wait(time.monotonic() + 5.0)
-        self.child.close()
-
-
 def run_tests(
     root: str, tests: Sequence[str], *, python: str, timeout_s: float,
     env: dict[str, str] | None = None, workspace: Workspace | None = None,
@@ -481,12 +430,8 @@ def run_tests(
     output_r, output_w = os.pipe()
     argv = [python, "-I", "-B", "-c", RUNNER_SOURCE]
     run_env = env if env is not None else {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
-    run: _Popen | _Supervised
     try:
-        if workspace is None:
-            run = _Popen(argv, root, run_env, control_r, output_w, results_w)
-        else:
-            run = _Supervised(workspace, argv, root, run_env, control_r, output_w, results_w)
+        run = GradedProcess.start(argv, root, run_env, control_r, output_w, results_w, workspace)
     except (OSError, ExecutionError) as exc:
         for fd in (control_r, control_w, results_r, results_w, output_r, output_w):
             os.close(fd)
@@ -503,12 +448,7 @@ def run_tests(
         if finished and not pipes.overflow:
             code = run.wait(max(0.1, min(5.0, timeout_s)))
     finally:
-        run.end()
-        if workspace is not None:
-            try:
-                workspace.stop_others()
-            except ExecutionError as exc:
-                stopped = f"what the tests started could not all be stopped: {exc.message}"
+        stopped = run.end()
         pipes.close()
         os.close(results_r)
         os.close(output_r)
