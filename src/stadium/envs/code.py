@@ -4,7 +4,8 @@ reward is the share of tests passed.
 Each step's code runs in a fresh ``python -I`` subprocess of the session (bounded by
 ``timeout_s``), in the session's :class:`~stadium.Workspace` (``--image REF``: the image's
 ``python3``, packages and working directory; else the server's interpreter in a work
-directory of the session's own). Served as it asks
+directory of the session's own), started under the workspace's process supervisor:
+everything it starts ends with the step. Served as it asks
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
 uid, memory, process and disk limits (docs/ISOLATION.md); so the policy's
 code can do what it likes to it and nothing else.
