@@ -162,29 +162,31 @@ def _flatten(suite: Any) -> Iterator[Any]:
             yield item
 
 
-def _code_file(fn: Any) -> str:
-    """The file the code of a test's function comes from (decorators' ``__wrapped__``
-    followed); ``""``: not a function."""
+def _code_files(fn: Any) -> list[str]:
+    """The files the code of a test's function comes from: its own and each decorator's
+    wrapper's (through ``__wrapped__``: a wrapper decides whether the test runs at all);
+    ``""`` for a callable that is no function."""
+    files: list[str] = []
     for _ in range(50):
         fn = getattr(fn, "__func__", fn)
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
+        code = getattr(fn, "__code__", None)
+        files.append(str(getattr(code, "co_filename", "")) if code is not None else "")
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
             break
-        fn = inner
-    code = getattr(fn, "__code__", None)
-    return str(getattr(code, "co_filename", "")) if code is not None else ""
+    return files
 
 
-def _source(test: Any) -> str:
+def _sources(test: Any) -> list[str]:
     """Where the code this test case is about to run comes from (the grader vouches for it:
     a test module replaced in ``sys.modules``, or a method swapped by code under test, comes
     from another file)."""
     try:
         if isinstance(test, unittest.case.FunctionTestCase):
-            return _code_file(test._testFunc)  # type: ignore[attr-defined]
-        return _code_file(getattr(test, test._testMethodName))
+            return _code_files(test._testFunc)  # type: ignore[attr-defined]
+        return _code_files(getattr(test, test._testMethodName))
     except BaseException:
-        return ""
+        return [""]
 
 
 def _outcome(tests: list[Any], sources: list[str]) -> tuple[str, str]:
@@ -192,9 +194,7 @@ def _outcome(tests: list[Any], sources: list[str]) -> tuple[str, str]:
         return "error", "no such test"
     result = _Result()
     for test in tests:
-        source = _source(test)
-        if source not in sources:
-            sources.append(source)
+        sources.extend(f for f in _sources(test) if f not in sources)
         test(result)
     if result.errors:
         return "error", result.errors[0][1][-1500:]
