@@ -53,6 +53,7 @@ def _unittest_modules() -> list[Any]:
 
 
 _spaces: list[tuple[str, Any]] = []
+_unittest_classes: set[int] = set()
 
 
 def _watched() -> list[tuple[str, Any]]:
@@ -78,6 +79,7 @@ def _watched() -> list[tuple[str, Any]]:
                 classes[id(value)] = value
     for cls in classes.values():
         spaces.append((cls.__module__ + "." + cls.__qualname__ + ":", cls.__dict__))
+    _unittest_classes.update(classes)
     return spaces
 
 
@@ -177,14 +179,35 @@ def _code_files(fn: Any) -> list[str]:
     return files
 
 
+def _class_files(test: Any) -> list[str]:
+    """The files the functions of the test's own classes come from (every class of its MRO
+    but unittest's, which the fingerprint watches, and ``object``): a ``run``, ``__call__``
+    or ``setUp`` given to the test class by code under test is code of another file."""
+    files: list[str] = []
+    for klass in type(test).__mro__:
+        if id(klass) in _unittest_classes or klass is object:
+            continue
+        for value in list(vars(klass).values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            parts = [value]
+            if isinstance(value, property):
+                parts = [value.fget, value.fset, value.fdel]
+            for part in parts:
+                if isinstance(part, types.FunctionType):
+                    files.extend(f for f in _code_files(part) if f not in files)
+    return files
+
+
 def _sources(test: Any) -> list[str]:
     """Where the code this test case is about to run comes from (the grader vouches for it:
-    a test module replaced in ``sys.modules``, or a method swapped by code under test, comes
-    from another file)."""
+    a test module replaced in ``sys.modules``, a method swapped or a ``run`` given to the
+    test's class by code under test, comes from another file)."""
     try:
         if isinstance(test, unittest.case.FunctionTestCase):
             return _code_files(test._testFunc)  # type: ignore[attr-defined]
-        return _code_files(getattr(test, test._testMethodName))
+        files = _code_files(getattr(test, test._testMethodName))
+        return files + [f for f in _class_files(test) if f not in files]
     except BaseException:
         return [""]
 
@@ -247,7 +270,7 @@ def main() -> None:
             send({"kind": "tampered", "what": changed})
             _exit(3)
         record = {"kind": "result", "test": test_id, "outcome": outcome}
-        send({**record, "detail": str(detail)[-1500:], "sources": sources[:50]})
+        send({**record, "detail": str(detail)[-1500:], "sources": sources[:200]})
     send({"kind": "done", "nonce": nonce})
     sys.stdout.flush()
     sys.stderr.flush()
