@@ -170,3 +170,22 @@ def test_nothing_a_submission_started_outlives_its_step() -> None:
         assert not alive, "a process the submission started outlived the step"
     finally:
         env.close()
+
+
+def test_the_next_submission_is_not_written_through_a_link(tmp_path: Path) -> None:
+    # The grader wrote each step's code through a submission.py the last submission had
+    # made a link: into any file the env's process may write (unsandboxed: the server's).
+    target = tmp_path / "not-the-envs.txt"
+    target.write_text("kept\n")
+    env = CodeEnv()
+    try:
+        env.reset(options={"task": "add"})
+        relink = (
+            f"import os\nos.remove('submission.py')\nos.symlink({str(target)!r}, 'submission.py')\n"
+        )
+        env.step(CodeAction(code=relink + "def add(a, b):\n    return a + b\n"))
+        result = env.step(CodeAction(code="def add(a, b):\n    return a + b\n"))
+        assert result.reward == 1.0, result.observation
+        assert target.read_text() == "kept\n"
+    finally:
+        env.close()

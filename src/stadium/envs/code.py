@@ -32,6 +32,7 @@ read them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -347,6 +348,16 @@ def _name(returns: Any) -> str:
     return returns.__name__ if isinstance(returns, type) else repr(returns)
 
 
+def _clear(path: str) -> None:
+    """Remove what the last submission left at ``path`` (a link, a folder: never written
+    through, nor into)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 class CodeAction(msgspec.Struct):
     """Python source defining the task's function."""
 
@@ -406,6 +417,7 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         self.attempts += 1
         task = self.task
         ws = self._workspace()
+        _clear(os.path.join(ws.root, "submission.py"))
         ws.write_file("submission.py", action.code)
         path = ws.env.get("PATH", "/usr/bin:/bin")
         python = sys.executable  # the server's interpreter, without an image; else the image's
