@@ -26,6 +26,7 @@ what that stops and what it does not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import shutil
@@ -429,7 +430,7 @@ class SweEnv(ToolEnvironment):
         }
         verdict: GradingVerdict = run_tests(
             self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env,
-            workspace=self._workspace(), vouch=lambda path: pristine.vouch(path, rules),
+            workspace=self._workspace(), vouch=functools.cache(lambda p: pristine.vouch(p, rules)),
         )  # fmt: skip
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)
 
