@@ -611,3 +611,18 @@ def test_a_huge_sparse_test_file_is_restored_without_reading_it(tmp_path: Path) 
     )  # fmt: skip
     assert done.stdout.strip() == "['restored tests/test_ops.py']", done.stderr[-2000:]
     assert (tmp_path / "tests/test_ops.py").read_text() == task["files"]["tests/test_ops.py"]
+
+
+@pytest.mark.slow
+async def test_tool_calls_over_mcp_keep_to_the_step_budget() -> None:
+    # tools/call (MCP) runs call_tool, not step: the call that reached max_steps graded
+    # nothing and ended nothing, so a policy over MCP had as many calls as it liked.
+    env = SweEnv(inline_tasks(), max_steps=2, test_timeout_s=30 * UNIT)
+    try:
+        env.reset(options={"task": "calc-abs"})
+        await env.call_tool("task", {})
+        await env.call_tool("task", {})
+        with pytest.raises(SessionError, match="steps"):
+            await env.call_tool("task", {})
+    finally:
+        env.close()

@@ -378,6 +378,8 @@ class SweEnv(ToolEnvironment):
             raise SessionError("no task yet: reset first")
         if self.done:
             raise SessionError("the episode is over (submitted or out of steps): reset")
+        if self.steps >= self.max_steps:  # (over MCP: step() grades at the last one)
+            raise SessionError(f"out of steps: the episode's {self.max_steps} calls are used")
         self.steps += 1
         return await super().call_tool(name, arguments)
 
