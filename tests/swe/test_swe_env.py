@@ -626,3 +626,13 @@ async def test_tool_calls_over_mcp_keep_to_the_step_budget() -> None:
             await env.call_tool("task", {})
     finally:
         env.close()
+
+
+@pytest.mark.slow
+async def test_a_file_name_that_is_no_utf8_is_shown_not_fatal(env: SweEnv) -> None:
+    # The grade named it as it was: a string no JSON or MessagePack encoder takes.
+    env.reset(options={"task": "calc-abs"})
+    _data(await _call(env, "run", command="touch \"tests/$(printf 'x\\377')_test.py\""))
+    graded = _data(await _call(env, "submit"))
+    assert "removed tests/x\\xff_test.py" in graded["restored"], graded
+    assert msgspec.json.encode(graded)

@@ -196,6 +196,13 @@ def _walk(root: str, max_files: int, max_bytes: int, what: str) -> dict[str, Ent
     return entries
 
 
+def _shown(path: str) -> str:
+    """A path as the grade shows it: a name that is no UTF-8 (``os.fsdecode``'s surrogates,
+    which no encoder of the reply takes) escaped, at most 200 characters."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _read(path: str, limit: int) -> bytes:
     """At most ``limit + 1`` bytes of the file (never its whole, if the policy made it huge:
     a sparse file of any size costs it nothing)."""
@@ -240,17 +247,17 @@ class Pristine:
                 rel = norm[len(root) + 1 :]
                 was = self.entries.get(rel)
                 if was is None or was.kind != "file" or rules.allowed(rel):
-                    return f"its code comes from {rel[:200]}, which is no test file of the task"
+                    return f"its code comes from {_shown(rel)}, which is no test file of the task"
                 try:
                     same = _read(norm, len(was.data)) == was.data
                 except OSError:
                     same = False
                 if not same:
-                    return f"its code comes from {rel[:200]}, changed while the tests ran"
+                    return f"its code comes from {_shown(rel)}, changed while the tests ran"
                 return None
         if os.access(norm, os.W_OK) or os.access(os.path.dirname(norm), os.W_OK):
             return (
-                f"its code comes from {norm[:200]}, outside the repository, a file it could write"
+                f"its code comes from {_shown(norm)}, outside the repository, a file it could write"
             )
         return None
 
@@ -267,7 +274,7 @@ def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list
             if not _keep(rel, live[rel], pristine.entries.get(rel), rules, root):
                 _remove(os.path.join(root, rel))
                 if rel not in pristine.entries:
-                    undone.append(f"removed {rel}")
+                    undone.append(f"removed {_shown(rel)}")
         for rel in sorted(pristine.entries, key=lambda r: r.count("/")):  # folders first
             was = pristine.entries[rel]
             path = os.path.join(root, rel)
@@ -279,13 +286,13 @@ def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list
                 continue  # the policy deleted a file it may change: its change
             elif was.kind == "link":
                 os.symlink(os.fsdecode(was.data), path)
-                undone.append(f"restored {rel}")
+                undone.append(f"restored {_shown(rel)}")
             else:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
                     f.write(was.data)
                 os.chmod(path, was.mode)
-                undone.append(f"restored {rel}")
+                undone.append(f"restored {_shown(rel)}")
     except OSError as exc:
         raise GradingError(f"the repository could not be restored for grading: {exc}") from None
     return undone
