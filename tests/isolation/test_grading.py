@@ -5,12 +5,17 @@ return an object equal to everything pass no test, served as the env asks
 
 from __future__ import annotations
 
+import os
+import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import stadium
-from tests.conftest import serve
+from stadium import ConfigError
+from stadium.envs.code import MAX_MESSAGE, CodeAction, CodeEnv, run_tests
+from tests.conftest import UNIT, proc_alive, serve
 from tests.isolation.test_isolation import needs_sandbox
 
 pytestmark = pytest.mark.slow
@@ -93,3 +98,94 @@ async def test_a_submission_cannot_forge_its_reward(mode: str) -> None:
                 assert [line.split()[0] for line in lines] == ["refused", "refused"], lines
             right = await _submit(env, RIGHT)
             assert (right.reward, right.observation["passed"], right.done) == (1.0, 3, True)
+
+
+# The grader compares values its own decoder built, of the same type: a reply equal under
+# Python's == but of another type (True for 1, 1.0 for 1, at any depth) passes no test,
+# where the task declares a loose type (Any, a union). The first case of each is right.
+@pytest.mark.parametrize(
+    ("returns", "expected", "replies"),
+    [
+        (Any, 1, ["1", "True", "1.0"]),
+        (int | bool, 1, ["1", "True"]),
+        (int | float, 2, ["2", "2.0"]),
+        (Any, [1, [2]], ["(1, [2])", "[True, [2]]", "[1, [2.0]]"]),  # a tuple is a JSON list
+        (Any, {"a": 0}, ["{'a': 0}", "{'a': False}", "{'a': 0.0}"]),
+        (Any, (1, 2), ["[1, 2]", "[1, True]"]),  # a tuple is sent as a JSON list
+        (float, 3, ["3", "3.0", "True"]),  # the expected value, as the declared type: 3.0
+    ],
+)
+def test_a_value_of_another_type_passes_no_test(
+    tmp_path: Path, returns: Any, expected: Any, replies: list[str]
+) -> None:
+    source = "answers = iter([" + ", ".join(replies) + "])\ndef f():\n    return next(answers)\n"
+    (tmp_path / "submission.py").write_text(source)
+    tests = [([], expected)] * len(replies)
+    report = run_tests(str(tmp_path), "f", tests, returns, timeout_s=30 * UNIT)
+    right = 2 if returns is float else 1
+    assert (report.passed, len(report.failures)) == (right, len(replies) - right), report
+
+
+def test_a_huge_wrong_reply_is_cut_in_the_failure(tmp_path: Path) -> None:
+    (tmp_path / "submission.py").write_text("def f():\n    return 'x' * 900_000\n")
+    report = run_tests(str(tmp_path), "f", [([], "y")], str, timeout_s=30 * UNIT)
+    assert report.passed == 0
+    assert len(report.failures[0]) < 2 * MAX_MESSAGE, len(report.failures[0])
+
+
+def test_an_expected_value_no_reply_could_equal_is_the_tasks_error(tmp_path: Path) -> None:
+    (tmp_path / "submission.py").write_text("def f():\n    return 1\n")
+    with pytest.raises(ConfigError, match="expected value"):
+        run_tests(str(tmp_path), "f", [([], "1")], int, timeout_s=30 * UNIT)
+
+
+DAEMON_AT_IMPORT = (
+    "import os, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.closerange(0, 1024)\n"
+    "        with open('daemon.pid', 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "        time.sleep(1000)\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+    "def add(a, b):\n    return a + b\n"
+)
+
+
+def test_nothing_a_submission_started_outlives_its_step() -> None:
+    # A daemon in a session of its own escaped the process group the grader killed, and
+    # ran on through the session's later steps (writing, say, their submission.py).
+    env = CodeEnv()
+    try:
+        env.reset(options={"task": "add"})
+        result = env.step(CodeAction(code=DAEMON_AT_IMPORT))
+        assert result.reward == 1.0, result.observation
+        assert env._ws is not None
+        pid = int(env._ws.read_file("daemon.pid"))
+        alive = proc_alive(pid)
+        if alive:
+            os.kill(pid, signal.SIGKILL)
+        assert not alive, "a process the submission started outlived the step"
+    finally:
+        env.close()
+
+
+def test_the_next_submission_is_not_written_through_a_link(tmp_path: Path) -> None:
+    # The grader wrote each step's code through a submission.py the last submission had
+    # made a link: into any file the env's process may write (unsandboxed: the server's).
+    target = tmp_path / "not-the-envs.txt"
+    target.write_text("kept\n")
+    env = CodeEnv()
+    try:
+        env.reset(options={"task": "add"})
+        relink = (
+            f"import os\nos.remove('submission.py')\nos.symlink({str(target)!r}, 'submission.py')\n"
+        )
+        env.step(CodeAction(code=relink + "def add(a, b):\n    return a + b\n"))
+        result = env.step(CodeAction(code="def add(a, b):\n    return a + b\n"))
+        assert result.reward == 1.0, result.observation
+        assert target.read_text() == "kept\n"
+    finally:
+        env.close()

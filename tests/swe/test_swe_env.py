@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 from stadium import ConfigError, SessionError, ValidationError
 from stadium._env.tool_env import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
-from stadium.envs.swe_grading import judge
+from stadium.envs.swe_grading import Rules, judge
 from tests.conftest import UNIT, proc_alive
 from tests.swe.tasks import FIXES, inline_tasks
 
@@ -118,6 +119,62 @@ FORGERIES: dict[str, tuple[list[Call], bool]] = {
     ),
     "leaves a daemon rewriting the failing test": (
         [_write("../fake_test_ops.py", FAKE_TESTS), _run(DAEMON)],
+        True,
+    ),
+    "adds a unittest hook instead of rebinding one (__getattribute__)": (
+        [_write("calc/ops.py", "import unittest\n"
+                "def _get(self, name):\n"
+                "    got = object.__getattribute__(self, name)\n"
+                "    return (lambda _: None).__get__(self) if name.startswith('test_') else got\n"
+                "unittest.TestCase.__getattribute__ = _get\n" + OPS)],
+        True,
+    ),
+    "replaces the test module in sys.modules while it loads": (
+        [_write("calc/ops.py", "import sys, types\n"
+                "fake = types.ModuleType('tests.test_ops')\n"
+                f"exec({FAKE_TESTS!r}, fake.__dict__)\n"
+                "sys.modules['tests.test_ops'] = fake  # what the import returns\n" + OPS)],
+        True,
+    ),
+    "swaps the test methods once the test module has run (a profile hook)": (
+        [_write("calc/ops.py", "import sys\n"
+                "def hook(frame, event, arg):\n"
+                "    if event == 'return' and frame.f_code.co_name == '<module>' and "
+                "frame.f_globals.get('__name__') == 'tests.test_ops':\n"
+                "        names = frame.f_globals\n"
+                "        for c in (names['TestAbsolute'], names['TestClamp']):\n"
+                "            for n in [n for n in vars(c) if n.startswith('test_')]:\n"
+                "                setattr(c, n, lambda self: None)\n"
+                "        sys.setprofile(None)\n"
+                "sys.setprofile(hook)\n" + OPS)],
+        True,
+    ),
+    "swaps the test methods for wrappers that name them (functools.wraps)": (
+        [_write("calc/ops.py", "import functools, sys\n"
+                "def hook(frame, event, arg):\n"
+                "    if event == 'return' and frame.f_code.co_name == '<module>' and "
+                "frame.f_globals.get('__name__') == 'tests.test_ops':\n"
+                "        names = frame.f_globals\n"
+                "        for c in (names['TestAbsolute'], names['TestClamp']):\n"
+                "            for n in [n for n in vars(c) if n.startswith('test_')]:\n"
+                "                setattr(c, n, functools.wraps(vars(c)[n])(lambda self: None))\n"
+                "        sys.setprofile(None)\n"
+                "sys.setprofile(hook)\n" + OPS)],
+        True,
+    ),
+    "gives the test classes a run() that reports a success (a profile hook)": (
+        [_write("calc/ops.py", "import sys\n"
+                "def run(self, result=None):\n"
+                "    result.startTest(self)\n"
+                "    result.addSuccess(self)\n"
+                "    result.stopTest(self)\n"
+                "def hook(frame, event, arg):\n"
+                "    if event == 'return' and frame.f_code.co_name == '<module>' and "
+                "frame.f_globals.get('__name__') == 'tests.test_ops':\n"
+                "        frame.f_globals['TestAbsolute'].run = run\n"
+                "        frame.f_globals['TestClamp'].run = run\n"
+                "        sys.setprofile(None)\n"
+                "sys.setprofile(hook)\n" + OPS)],
         True,
     ),
     "adds sitecustomize.py, usercustomize.py and a .pth": (
@@ -415,3 +472,167 @@ def test_the_server_reads_a_tasks_file_for_the_sessions(tmp_path: Path) -> None:
     path.write_text(json.dumps(rows[0]) + "\n{not json\n")
     with pytest.raises(ConfigError, match="task 2"):
         SweEnv.prepare_kwargs({"tasks": str(path)})
+
+
+# -- a test module outside a tests folder ------------------------------------------------
+
+
+def _beside_task() -> dict[str, Any]:
+    """calc-abs with its test module beside the code (calc/check_ops.py): no tests folder
+    and no test_*.py name protect it, only test_files and the test ids do."""
+    task = next(t for t in inline_tasks() if t["instance_id"] == "calc-abs")
+    files = dict(task["files"])
+    files["calc/check_ops.py"] = files.pop("tests/test_ops.py")
+    ids = [i.replace("tests.test_ops", "calc.check_ops") for i in IDS]
+    return {**task, "instance_id": "calc-beside", "files": files,
+            "test_files": ["calc/check_ops.py"], "FAIL_TO_PASS": ids[:1],
+            "PASS_TO_PASS": ids[1:]}  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_a_package_shadowing_the_test_module_is_removed() -> None:
+    shadow = "calc/check_ops/__init__.py"  # a package beats a module of its name
+    env = SweEnv([_beside_task()], test_timeout_s=30 * UNIT)
+    try:
+        env.reset(options={"task": "calc-beside"})
+        _data(await _call(env, "write_file", path=shadow, content=FAKE_TESTS))
+        naive = _data(
+            await _call(env, "run", command=f"{sys.executable} -m unittest -v calc.check_ops")
+        )
+        assert naive["exit_code"] == 0, naive  # the shadow passes the task's own tests
+        done = await _call(env, "submit")
+        graded = _data(done)
+        assert (done.reward, graded["resolved"]) == (0.0, False), graded
+        assert f"removed {shadow}" in graded["restored"], graded
+    finally:
+        env.close()
+
+
+def test_what_python_would_import_instead_of_a_test_module_is_never_the_policys() -> None:
+    rules = Rules(("calc/check_ops.py",), (), ("calc.check_ops.TestAbsolute.test_negative",
+                  "tests/test_slug.py::test_lowercase"))  # fmt: skip
+    for shadow in [
+        "calc/check_ops",  # a package of the module's name
+        "calc/check_ops/__init__.py",
+        "calc/check_ops.abi3.so",  # an extension module beats a .py of its name
+        "calc/check_ops.cpython-311-x86_64-linux-gnu.so",
+        "calc/__init__.abi3.so",  # ... and a package's __init__.py
+        "calc/check_ops/TestAbsolute.py",
+        "calc.so",  # a module beats a namespace package (a folder without __init__.py)
+        "tests.abi3.so",
+        "tests/test_slug.so",
+    ]:
+        assert rules.shadows(shadow), shadow
+    for fix in ["calc/ops.py", "calc/ops.abi3.so", "calc/helpers/__init__.py", "textkit/slug.py"]:
+        assert not rules.shadows(fix), fix
+
+
+@pytest.mark.slow
+async def test_a_reset_ends_what_the_last_episode_left_running(env: SweEnv) -> None:
+    # Left running, the daemon rewrites the next episode's fresh copy of the failing test
+    # before the env reads the pristine copy from it: the forged test would be "pristine".
+    env.reset(options={"task": "calc-abs"})
+    for name, arguments in FORGERIES["leaves a daemon rewriting the failing test"][0]:
+        _data(await _call(env, name, **arguments))
+    assert env._ws is not None
+    pid = int(env._ws.read_file("daemon.pid"))
+    assert proc_alive(pid)
+    env.reset(options={"task": "calc-abs"})  # no submit: the episode is abandoned
+    assert not proc_alive(pid), "the last episode's daemon runs on into this one"
+
+
+@pytest.mark.slow
+async def test_a_repository_replaced_by_a_link_is_not_followed_at_reset(env: SweEnv) -> None:
+    env.reset(options={"task": "calc-abs"})
+    _data(await _call(env, "run", command="mkdir ../elsewhere && cd .. && mv repo r && "
+                      "ln -s elsewhere repo"))  # fmt: skip
+    env.reset(options={"task": "calc-abs"})  # was: OSError, rmtree on a symbolic link
+    assert env._ws is not None
+    kinds = {e.name: e.kind for e in env._ws.list_dir(".")}
+    assert (kinds["elsewhere"], kinds["repo"]) == ("dir", "dir"), kinds
+
+
+#: A right fix whose import (in the grading's test run) leaves a daemon in its own session,
+#: its descriptors closed (the run ends normally), that outlives the grading.
+GRADING_DAEMON = (
+    "import os, sys, time\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.closerange(0, 1024)\n"
+    "        with open('../grading-daemon.pid', 'w') as f:\n"
+    "            f.write(str(os.getpid()))\n"
+    "        time.sleep(1000)\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+)
+
+
+@pytest.mark.slow
+async def test_nothing_the_graded_code_started_outlives_the_grading(env: SweEnv) -> None:
+    # Left running (without an image the session's process, and its files, stay for the
+    # next episode), it could rewrite the next episode's copy before it is read.
+    env.reset(options={"task": "calc-abs"})
+    path, fixed = FIXES["calc-abs"]
+    _data(await _call(env, "write_file", path=path, content=GRADING_DAEMON + fixed))
+    graded = _data(await _call(env, "submit"))
+    assert graded["resolved"], graded
+    assert env._ws is not None
+    pid = int(env._ws.read_file("grading-daemon.pid"))
+    alive = proc_alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "a process the graded code started outlived the grading"
+
+
+RESTORE_UNDER_A_MEMORY_LIMIT = """
+import os, resource, sys
+from stadium.envs.swe_grading import Pristine, Rules, restore
+root = sys.argv[1]
+pristine = Pristine.capture(root)
+os.truncate(os.path.join(root, "tests/test_ops.py"), 64 << 30)  # sparse: no disk, 64 GiB
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+print(restore(pristine, Rules(("tests/test_ops.py",))))
+"""
+
+
+@pytest.mark.slow
+def test_a_huge_sparse_test_file_is_restored_without_reading_it(tmp_path: Path) -> None:
+    # Read whole to compare it with the pristine bytes, a 64 GiB sparse file (made in an
+    # instant, on no disk) took the grader's memory (MemoryError: the env crashed).
+    task = next(t for t in inline_tasks() if t["instance_id"] == "calc-abs")
+    for rel, text in task["files"].items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-c", RESTORE_UNDER_A_MEMORY_LIMIT, str(tmp_path)],
+        capture_output=True, text=True, timeout=60 * UNIT, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.stdout.strip() == "['restored tests/test_ops.py']", done.stderr[-2000:]
+    assert (tmp_path / "tests/test_ops.py").read_text() == task["files"]["tests/test_ops.py"]
+
+
+@pytest.mark.slow
+async def test_tool_calls_over_mcp_keep_to_the_step_budget() -> None:
+    # tools/call (MCP) runs call_tool, not step: the call that reached max_steps graded
+    # nothing and ended nothing, so a policy over MCP had as many calls as it liked.
+    env = SweEnv(inline_tasks(), max_steps=2, test_timeout_s=30 * UNIT)
+    try:
+        env.reset(options={"task": "calc-abs"})
+        await env.call_tool("task", {})
+        await env.call_tool("task", {})
+        with pytest.raises(SessionError, match="steps"):
+            await env.call_tool("task", {})
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+async def test_a_file_name_that_is_no_utf8_is_shown_not_fatal(env: SweEnv) -> None:
+    # The grade named it as it was: a string no JSON or MessagePack encoder takes.
+    env.reset(options={"task": "calc-abs"})
+    _data(await _call(env, "run", command="touch \"tests/$(printf 'x\\377')_test.py\""))
+    graded = _data(await _call(env, "submit"))
+    assert "removed tests/x\\xff_test.py" in graded["restored"], graded
+    assert msgspec.json.encode(graded)

@@ -24,7 +24,8 @@ next snippet), no interpreter start. Both start through the workspace's process
 supervisor (:mod:`stadium._env.workspace_supervisor`, a child subreaper forked on first use), so
 that what escapes a command's group and session (``setsid``, a double fork) still stays
 under it: :meth:`Workspace.stop_others` ends all of it (a grader calls it before it looks
-at the files). Output is
+at the files); :meth:`Workspace.start` starts a process there that the caller talks to on
+pipes of its own (a grader's test run). Output is
 decoded as UTF-8 (errors replaced) and at most ``max_output`` characters of each stream are
 kept; a cut stream ends with a visible marker and sets ``truncated``.
 """
@@ -345,6 +346,20 @@ class Workspace:
             os.close(err_r)
         code = None if timed_out else status
         return self._result(code, out, err, timed_out, start)
+
+    def start(
+        self, argv: Sequence[str], *, cwd: str, env: Mapping[str, str], stdin: int, stdout: int,
+        stderr: int, extra: int = -1,
+    ) -> Child:  # fmt: skip
+        """Start ``argv`` under the workspace's supervisor, as :meth:`run` does, but leave it
+        to the caller (a grader that talks to it on pipes of its own): ``env`` is its whole
+        environment, ``extra`` one more descriptor passed on (:data:`FD_MARK` in ``argv``
+        names its number). :meth:`stop_others` ends it and anything it left behind. The
+        caller waits for the returned :class:`Child` (its ``kill`` ends its group) and
+        closes it. OSError: it could not start."""
+        return self._supervisor().spawn(
+            argv, self._path(cwd), env, stdin, stdout, stderr, extra=extra
+        )
 
     @staticmethod
     def _result(

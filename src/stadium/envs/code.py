@@ -4,7 +4,8 @@ reward is the share of tests passed.
 Each step's code runs in a fresh ``python -I`` subprocess of the session (bounded by
 ``timeout_s``), in the session's :class:`~stadium.Workspace` (``--image REF``: the image's
 ``python3``, packages and working directory; else the server's interpreter in a work
-directory of the session's own). Served as it asks
+directory of the session's own), started under the workspace's process supervisor:
+everything it starts ends with the step. Served as it asks
 (``isolation = "sandbox"``), that is the session's own sandbox: no network, its own
 uid, memory, process and disk limits (docs/ISOLATION.md); so the policy's
 code can do what it likes to it and nothing else.
@@ -15,7 +16,9 @@ submission's process only for return values: one request per test on a pipe (the
 call's arguments), one reply per request on another (``{"kind": "returned",
 "value": ...}``, JSON, at most :data:`MAX_REPLY` bytes), decoded into the type the task
 declares (``returns``: ``int`` accepts no ``true`` and no ``1.0``; a ``list[int]`` no
-deeper list). The grader compares plain decoded values; so a printed results line, an
+deeper list). The grader compares plain decoded values with the expected value as the same
+decoder builds it, equal and of the same type at every depth (under a loose declared type,
+``Any``, ``True`` is still no ``1``); so a printed results line, an
 early ``exit(0)``, a patched harness or an object whose ``__eq__`` is always true pass
 no test. Sandboxed, the grader is not dumpable (its process changed uid), so the
 submission's process, of the same uid, can neither open its memory nor its
@@ -35,8 +38,6 @@ import os
 import random
 import selectors
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from typing import Any, ClassVar, Generic, TypeVar
@@ -45,6 +46,8 @@ import msgspec
 
 from stadium._env.contract import Environment, State, StepResult
 from stadium._env.workspace import Workspace, current_image
+from stadium._errors import ConfigError, ExecutionError
+from stadium.envs.graded_process import GradedProcess
 
 #: The most bytes one reply of the submission's process may take (the rest: that test fails).
 MAX_REPLY = 1 << 20
@@ -239,35 +242,35 @@ def _message(text: str) -> str:
 def run_tests(
     folder: str, function: str, tests: list[tuple[list[Any], Any]], returns: Any,
     timeout_s: float, python: str = sys.executable, path: str = "/usr/bin:/bin",
+    workspace: Workspace | None = None,
 ) -> Report:  # fmt: skip
     """Run ``folder/submission.py``'s ``function`` on each test's arguments in a fresh
     ``python -I`` process (``python``; cwd ``folder``; ``PATH`` ``path``; at most
     ``timeout_s`` in all); compare what it returns, decoded as ``returns``, with each
-    test's expected value, here."""
+    test's expected value, here. With the session's ``workspace`` the process starts under
+    its supervisor, and nothing it started outlives the call
+    (:mod:`stadium.envs.graded_process`)."""
     report = Report()
+    decoder = _decoder(returns)
+    wanted = [_canonical(decoder, function, returns, i, exp) for i, (_, exp) in enumerate(tests)]
     requests_r, requests_w = os.pipe()
     replies_r, replies_w = os.pipe()
+    output_r, output_w = os.pipe()
+    argv = [python, "-I", "-u", "-c", _HARNESS, function]
     try:
-        proc = subprocess.Popen(
-            [python, "-I", "-u", "-c", _HARNESS, function, str(requests_r), str(replies_w)],
-            cwd=folder, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, pass_fds=(requests_r, replies_w),
-            env={"PATH": path}, start_new_session=True,
-        )  # fmt: skip
-    except OSError as exc:
-        for fd in (requests_r, requests_w, replies_r, replies_w):
+        proc = GradedProcess.start(
+            argv, folder, {"PATH": path}, requests_r, output_w, replies_w, workspace
+        )
+    except (OSError, ExecutionError) as exc:
+        for fd in (requests_r, requests_w, replies_r, replies_w, output_r, output_w):
             os.close(fd)
         report.failures = [f"the tests could not be run: {exc}"]
         return report
-    os.close(requests_r)
-    os.close(replies_w)
-    assert proc.stdout is not None
-    channel = _Channel(
-        requests_w, replies_r, proc.stdout.fileno(), time.monotonic() + timeout_s, timeout_s
-    )
-    decoder = _decoder(returns)
+    for fd in (requests_r, replies_w, output_w):
+        os.close(fd)
+    channel = _Channel(requests_w, replies_r, output_r, time.monotonic() + timeout_s, timeout_s)
     try:
-        for i, (args, expected) in enumerate(tests):
+        for i, ((args, expected), want) in enumerate(zip(tests, wanted, strict=True)):
             call = f"{function}{tuple(args)!r}"
             try:
                 channel.send(msgspec.json.encode(args) + b"\n")
@@ -287,26 +290,72 @@ def run_tests(
                 break
             if isinstance(reply, RunFailed):
                 report.failures.append(f"{call} {_message(reply.message)}")
-            elif reply.value == expected:  # plain values the decoder built: no __eq__ of theirs
+            elif _same(reply.value, want):  # both built by the decoder: no __eq__ of theirs
                 report.passed += 1
             else:
-                report.failures.append(f"{call} returned {reply.value!r}, expected {expected!r}")
+                got = _message(repr(reply.value))
+                report.failures.append(
+                    f"{call} returned {got}, expected {_message(repr(expected))}"
+                )
     finally:
-        proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)  # and what it started in its group
-        proc.wait()
+        stopped = proc.end()  # and what it started
         channel.drain()
         report.output = channel.text()
         channel.close()
         os.close(requests_w)
         os.close(replies_r)
-        proc.stdout.close()
+        os.close(output_r)
+    if stopped is not None:  # what it left may still answer: nothing it answered counts
+        report.passed, report.failures = 0, [stopped]
     return report
+
+
+def _canonical(decoder: msgspec.json.Decoder[Any], function: str, returns: Any, i: int,
+               expected: Any) -> Any:  # fmt: skip
+    """``expected`` as the decoder builds it from its JSON (a tuple: a list; ``3`` for a
+    ``float``: ``3.0``): what a right reply decodes to, compared with :func:`_same`."""
+    try:
+        reply = decoder.decode(msgspec.json.encode(Returned(expected)))
+    except (msgspec.DecodeError, msgspec.EncodeError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"test {i} of {function}: its expected value {_message(repr(expected))} is no "
+            f"{_name(returns)} as JSON ({exc}): no reply could equal it; fix the test or "
+            "the declared return type"
+        ) from None
+    return reply.value
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Equal and of the same type, at every depth (``True`` is no ``1``, ``1.0`` no ``1``;
+    ``-0.0`` is ``0.0``, as ``==`` has it). Both come from the same decoder, so their depth
+    is bounded by ``want``'s."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(map(_same, got, want))
+    if isinstance(want, dict):
+        keys = {k: k for k in want}
+        return len(got) == len(want) and all(
+            k in want and _same(k, keys[k]) and _same(v, want[k]) for k, v in got.items()
+        )
+    if isinstance(want, msgspec.Struct):
+        fields = want.__struct_fields__
+        return all(_same(getattr(got, f), getattr(want, f)) for f in fields)
+    return bool(got == want)
 
 
 def _name(returns: Any) -> str:
     return returns.__name__ if isinstance(returns, type) else repr(returns)
+
+
+def _clear(path: str) -> None:
+    """Remove what the last submission left at ``path`` (a link, a folder: never written
+    through, nor into)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 class CodeAction(msgspec.Struct):
@@ -368,13 +417,14 @@ class CodeEnv(Environment[CodeAction, CodeObservation, State]):
         self.attempts += 1
         task = self.task
         ws = self._workspace()
+        _clear(os.path.join(ws.root, "submission.py"))
         ws.write_file("submission.py", action.code)
         path = ws.env.get("PATH", "/usr/bin:/bin")
         python = sys.executable  # the server's interpreter, without an image; else the image's
         if current_image() is not None:
             python = shutil.which("python3", path=path) or "python3"
         report = run_tests(
-            ws.root, task.function, task.tests, task.returns, self.timeout_s, python, path
+            ws.root, task.function, task.tests, task.returns, self.timeout_s, python, path, ws
         )
         obs = CodeObservation(
             task.name, task.prompt, passed=report.passed, total=len(task.tests),

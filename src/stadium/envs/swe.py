@@ -26,6 +26,7 @@ what that stops and what it does not.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import shutil
@@ -322,7 +323,9 @@ class SweEnv(ToolEnvironment):
         ws = self._workspace()
         if task.image is None:
             target = os.path.join(ws.root, "repo")
-            if os.path.lexists(target):
+            if os.path.islink(target) or os.path.isfile(target):
+                os.unlink(target)  # (the policy's: never followed)
+            elif os.path.lexists(target):
                 shutil.rmtree(target)
             try:
                 if task.files:
@@ -355,6 +358,10 @@ class SweEnv(ToolEnvironment):
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> ToolObservation:
         task = self._choose(seed, options or {})
+        # Nothing the last episode started may run on: it could rewrite the fresh copy of
+        # the repository before the pristine copy is read from it (an image's session
+        # starts each episode in a fresh process; without one the workspace stays).
+        self._workspace().stop_others()
         self.repo = self._place(task, options or {})
         self.pristine = Pristine.capture(self.repo)
         self.current, self.steps, self.done = task, 0, False
@@ -371,6 +378,8 @@ class SweEnv(ToolEnvironment):
             raise SessionError("no task yet: reset first")
         if self.done:
             raise SessionError("the episode is over (submitted or out of steps): reset")
+        if self.steps >= self.max_steps:  # (over MCP: step() grades at the last one)
+            raise SessionError(f"out of steps: the episode's {self.max_steps} calls are used")
         self.steps += 1
         return await super().call_tool(name, arguments)
 
@@ -398,8 +407,8 @@ class SweEnv(ToolEnvironment):
         """Grade the repository as it is now (restoring what the policy may not change)."""
         assert self.current is not None
         assert self.pristine is not None
-        task = self.current
-        rules = Rules(tuple(task.test_files), tuple(task.src_paths))
+        task, pristine = self.current, self.pristine
+        rules = Rules(tuple(task.test_files), tuple(task.src_paths), tuple(task.tests))
         try:  # first, nothing the policy started may run on (and rewrite a test after this)
             self._workspace().stop_others()
         except ExecutionError as exc:
@@ -422,8 +431,9 @@ class SweEnv(ToolEnvironment):
             "HOME": self.repo,
         }
         verdict: GradingVerdict = run_tests(
-            self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env
-        )
+            self.repo, task.tests, python=python, timeout_s=self.test_timeout_s, env=env,
+            workspace=self._workspace(), vouch=functools.cache(lambda p: pristine.vouch(p, rules)),
+        )  # fmt: skip
         return Graded(verdict.resolved, verdict.tests, verdict.problems, restored, verdict.output)
 
     def task_info(self) -> TaskInfo:

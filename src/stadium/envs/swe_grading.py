@@ -14,11 +14,14 @@ the source files the task lets it change:
    files and the files that configure a test run (``conftest.py``, ``setup.cfg``, ``*.pth``,
    ``sitecustomize.py``, a test package's ``__init__.py``, ``__pycache__``...) get their
    pristine bytes back, files added there are removed, and so is every link the policy made
-   and anything not a file, directory or link.
+   and anything not a file, directory or link, and anything added where Python would import
+   it instead of a test module (:meth:`Rules.shadows`).
 3. **Run** (:func:`run_tests`): the runner (:mod:`stadium.envs.swe_runner`, shipped with
    Stadium, run with the image's ``python3 -I``) gets the test ids and a fresh nonce on a pipe
    made for this run, before any repository code loads, and reports each test on another.
-   Its stdout and stderr are output (a bounded tail for the policy), never parsed.
+   Its stdout and stderr are output (a bounded tail for the policy), never parsed. Given the
+   session's workspace, the run starts under its process supervisor, and everything it
+   started is ended before the verdict is returned.
 4. **Verdict** (:class:`GradingVerdict`): resolved only if every FAIL_TO_PASS and PASS_TO_PASS
    test is reported ``passed`` by name, once, the stream ends with the run's nonce, the runner
    saw no rebinding of unittest, the builtins or itself, and the process exited 0 in time.
@@ -32,23 +35,22 @@ the image's root owns them).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import importlib.resources
 import os
 import secrets
 import selectors
 import shutil
-import signal
 import stat
-import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple
 
 import msgspec
 
-from stadium._errors import ConfigError
+from stadium._env.workspace import Workspace
+from stadium._errors import ConfigError, ExecutionError
+from stadium.envs.graded_process import GradedProcess
 
 #: The runner's source, read once (the sandbox may not reach the file later).
 RUNNER_SOURCE = importlib.resources.files("stadium.envs").joinpath("swe_runner.py").read_text()
@@ -83,18 +85,60 @@ class Entry(NamedTuple):
     data: bytes
 
 
+def _dotted(test_id: str) -> tuple[str, ...]:
+    """A test id as the dotted parts the runner imports (``swe_runner._name``'s reading)."""
+    if "::" in test_id:
+        path, _, rest = test_id.partition("::")
+        module = path[:-3] if path.endswith(".py") else path
+        name = module.replace("\\", "/").strip("/").replace("/", ".")
+        name += "." + rest.split("[")[0].replace("::", ".")
+    elif test_id.endswith(")") and " (" in test_id:  # Django: "test_x (pkg.mod.Class)"
+        method, _, owner = test_id[:-1].partition(" (")
+        name = owner + "." + method
+    else:
+        name = test_id
+    return tuple(name.split("."))
+
+
+def _module_key(rel: str) -> tuple[str, ...]:
+    """The dotted name Python could import a path as (``a/b/c.abi3.so``: ``a.b.c``)."""
+    parts = rel.split("/")
+    parts[-1] = parts[-1].split(".", 1)[0]
+    return tuple(parts)
+
+
 class Rules(msgspec.Struct, frozen=True):
     """Which paths (relative to the repository, ``/``-separated) the policy may change.
 
     ``test_files``: the task's tests (and the ``__init__.py`` of their packages) are never
     the policy's; nor is anything under a ``test``/``tests``/``testing`` directory, a
     ``test_*.py``/``*_test.py`` file, a :data:`CONFIG_NAMES` file, ``__pycache__``,
-    ``*.pyc`` or ``*.pth``. ``src_paths`` (when not empty): the policy may change only
-    paths under these.
+    ``*.pyc`` or ``*.pth``. Nor may the policy add anything Python would import in place
+    of a test module or of a package on its way (:meth:`shadows`; from ``test_ids``, the
+    ids the runner imports, and ``test_files``): a package, an extension module (``.so``)
+    or a module of any suffix with the test module's name or a namespace package's name
+    on its dotted path, or an ``__init__`` (any suffix) in a folder on it. ``src_paths``
+    (when not empty): the policy may change only paths under these.
     """
 
     test_files: tuple[str, ...] = ()
     src_paths: tuple[str, ...] = ()
+    test_ids: tuple[str, ...] = ()
+
+    def _chains(self) -> list[tuple[str, ...]]:
+        chains = [_dotted(t) for t in self.test_ids]
+        return chains + [_module_key(t) for t in self.test_files if t.endswith(".py")]
+
+    def shadows(self, rel: str) -> bool:
+        """Whether ``rel``, if the policy added it, would be imported in place of a test
+        module or of a package on a test's dotted path (see the class docstring)."""
+        key = _module_key(rel)
+        for chain in self._chains():
+            if chain[: len(key)] == key:  # the module itself, a package or module on its path
+                return True
+            if key[-1] == "__init__" and chain[: len(key) - 1] == key[:-1]:
+                return True  # makes a namespace package on the path a package of its own
+        return any(key[: len(c)] == c for c in map(_module_key, self.test_files))
 
     def protected(self, rel: str) -> bool:
         parts = rel.split("/")
@@ -152,10 +196,19 @@ def _walk(root: str, max_files: int, max_bytes: int, what: str) -> dict[str, Ent
     return entries
 
 
-def _read(path: str) -> bytes:
+def _shown(path: str) -> str:
+    """A path as the grade shows it: a name that is no UTF-8 (``os.fsdecode``'s surrogates,
+    which no encoder of the reply takes) escaped, at most 200 characters."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _read(path: str, limit: int) -> bytes:
+    """At most ``limit + 1`` bytes of the file (never its whole, if the policy made it huge:
+    a sparse file of any size costs it nothing)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
-        return f.read()
+        return f.read(limit + 1)
 
 
 class Pristine:
@@ -173,8 +226,40 @@ class Pristine:
         entries = _walk(root, max_files, max_bytes, "the repository")
         for rel, entry in entries.items():
             if entry.kind == "file" and entry.mode >= 0:
-                entries[rel] = entry._replace(data=_read(os.path.join(root, rel)))
+                data = _read(os.path.join(root, rel), max_bytes)
+                if len(data) > max_bytes:
+                    raise GradingError(f"the repository at {root} grew while it was read: {rel}")
+                entries[rel] = entry._replace(data=data)
         return cls(root, {k: v for k, v in entries.items() if v.mode >= 0 or v.kind != "file"})
+
+    def vouch(self, path: str, rules: Rules) -> str | None:
+        """Why the code of a passed test, from the file ``path`` (as the test run reported
+        it), may not be the task's test (``None``: it is). In the repository it must be a
+        file of the pristine copy the policy may not change (restored before the run) with
+        its pristine bytes still; outside, a file neither the session nor the tests could
+        write (the image's). A test module replaced in ``sys.modules``, or test methods
+        swapped, by the code under test come from elsewhere."""
+        if not path or not os.path.isabs(path):
+            return f"its code comes from no file ({path[:200]!r})"
+        norm = os.path.normpath(path)
+        for root in {os.path.normpath(self.root), os.path.realpath(self.root)}:
+            if norm.startswith(root + os.sep):
+                rel = norm[len(root) + 1 :]
+                was = self.entries.get(rel)
+                if was is None or was.kind != "file" or rules.allowed(rel):
+                    return f"its code comes from {_shown(rel)}, which is no test file of the task"
+                try:
+                    same = _read(norm, len(was.data)) == was.data
+                except OSError:
+                    same = False
+                if not same:
+                    return f"its code comes from {_shown(rel)}, changed while the tests ran"
+                return None
+        if os.access(norm, os.W_OK) or os.access(os.path.dirname(norm), os.W_OK):
+            return (
+                f"its code comes from {_shown(norm)}, outside the repository, a file it could write"
+            )
+        return None
 
 
 def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list[str]:
@@ -189,7 +274,7 @@ def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list
             if not _keep(rel, live[rel], pristine.entries.get(rel), rules, root):
                 _remove(os.path.join(root, rel))
                 if rel not in pristine.entries:
-                    undone.append(f"removed {rel}")
+                    undone.append(f"removed {_shown(rel)}")
         for rel in sorted(pristine.entries, key=lambda r: r.count("/")):  # folders first
             was = pristine.entries[rel]
             path = os.path.join(root, rel)
@@ -201,13 +286,13 @@ def restore(pristine: Pristine, rules: Rules, *, max_files: int = 50000) -> list
                 continue  # the policy deleted a file it may change: its change
             elif was.kind == "link":
                 os.symlink(os.fsdecode(was.data), path)
-                undone.append(f"restored {rel}")
+                undone.append(f"restored {_shown(rel)}")
             else:
                 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                 with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
                     f.write(was.data)
                 os.chmod(path, was.mode)
-                undone.append(f"restored {rel}")
+                undone.append(f"restored {_shown(rel)}")
     except OSError as exc:
         raise GradingError(f"the repository could not be restored for grading: {exc}") from None
     return undone
@@ -217,6 +302,8 @@ def _keep(rel: str, entry: Entry, was: Entry | None, rules: Rules, root: str) ->
     """Whether a live path stays as the policy left it."""
     if was is not None and was.kind != entry.kind:
         return False  # a type change is never kept (nor followed)
+    if was is None and rules.shadows(rel):
+        return False  # added where Python would import it instead of a test's module
     if entry.kind == "link":
         return entry == was  # links the policy made or changed: never followed, never kept
     if entry.kind == "dir":
@@ -225,7 +312,9 @@ def _keep(rel: str, entry: Entry, was: Entry | None, rules: Rules, root: str) ->
         return False  # a fifo, socket or device
     if rules.allowed(rel):
         return True
-    return was is not None and entry.mode == was.mode and _read(os.path.join(root, rel)) == was.data
+    if was is None or entry.mode != was.mode:
+        return False
+    return _read(os.path.join(root, rel), len(was.data)) == was.data
 
 
 def _remove(path: str) -> None:
@@ -242,6 +331,7 @@ class Reported(msgspec.Struct, tag="result", tag_field="kind", forbid_unknown_fi
     test: str
     outcome: Literal["passed", "failed", "error", "skipped"]
     detail: str = ""
+    sources: list[str] = []
 
 
 class GradingDone(msgspec.Struct, tag="done", tag_field="kind", forbid_unknown_fields=True):
@@ -332,58 +422,62 @@ class _Pipes:
 
 def run_tests(
     root: str, tests: Sequence[str], *, python: str, timeout_s: float,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, workspace: Workspace | None = None,
+    vouch: Callable[[str], str | None] | None = None,
 ) -> GradingVerdict:  # fmt: skip
-    """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream."""
+    """Run ``tests`` (unittest ids) with the runner in ``root`` and judge the stream.
+
+    With ``workspace`` the run starts under its supervisor, and everything it started is
+    ended (:meth:`Workspace.stop_others`) before this returns; a supervisor that cannot
+    vouch for that (killed by the tests) fails the run. ``vouch``: see :func:`judge`."""
     nonce = secrets.token_hex(16)
     request = msgspec.json.encode({"nonce": nonce, "tests": list(tests)}) + b"\n"
     control_r, control_w = os.pipe()
     results_r, results_w = os.pipe()
+    output_r, output_w = os.pipe()
+    argv = [python, "-I", "-B", "-c", RUNNER_SOURCE]
+    run_env = env if env is not None else {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
     try:
-        proc = subprocess.Popen(
-            [python, "-I", "-B", "-c", RUNNER_SOURCE, str(control_r), str(results_w)],
-            cwd=root, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(control_r, results_w), start_new_session=True,
-            env=env if env is not None else {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"},
-        )  # fmt: skip
-    except OSError as exc:
-        for fd in (control_r, control_w, results_r, results_w):
+        run = GradedProcess.start(argv, root, run_env, control_r, output_w, results_w, workspace)
+    except (OSError, ExecutionError) as exc:
+        for fd in (control_r, control_w, results_r, results_w, output_r, output_w):
             os.close(fd)
         return GradingVerdict(
             False, dict.fromkeys(tests, "missing"), [f"the tests could not start: {exc}"]
         )
-    os.close(control_r)
-    os.close(results_w)
-    assert proc.stdout is not None
-    pipes = _Pipes(control_w, results_r, proc.stdout.fileno(), request)
+    for fd in (control_r, results_w, output_w):
+        os.close(fd)
+    pipes = _Pipes(control_w, results_r, output_r, request)
+    stopped: str | None = None
     try:
         finished = pipes.pump(time.monotonic() + timeout_s)
+        code = None
         if finished and not pipes.overflow:
-            try:
-                code: int | None = proc.wait(max(0.1, min(5.0, timeout_s)))
-            except subprocess.TimeoutExpired:
-                code = None
-        else:
-            code = None
+            code = run.wait(max(0.1, min(5.0, timeout_s)))
     finally:
-        proc.kill()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stopped = run.end()
         pipes.close()
         os.close(results_r)
-        proc.stdout.close()
-    verdict = judge(bytes(pipes.inbox), tests, nonce, code)
+        os.close(output_r)
+    verdict = judge(bytes(pipes.inbox), tests, nonce, code, vouch)
     if not finished:
         verdict.problems.insert(0, f"the tests ran longer than {timeout_s:g} s")
     if pipes.overflow:
         verdict.problems.insert(0, "the test run wrote more results than it was asked for")
+    if stopped is not None:
+        verdict.problems.insert(0, stopped)
+        verdict.resolved = False
     verdict.output = pipes.tail.decode("utf-8", "replace")[-MAX_OUTPUT:]
     return verdict
 
 
-def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None) -> GradingVerdict:
-    """The verdict on a results stream (pure: the tests feed it literal streams)."""
+def judge(
+    stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None,
+    vouch: Callable[[str], str | None] | None = None,
+) -> GradingVerdict:  # fmt: skip
+    """The verdict on a results stream (pure: the tests feed it literal streams). With
+    ``vouch``, a passed test counts only if every source its record names is vouched for
+    (:meth:`Pristine.vouch`)."""
     wanted = set(tests)
     outcomes: dict[str, str] = {}
     problems: list[str] = []
@@ -417,6 +511,11 @@ def judge(stream: bytes, tests: Sequence[str], nonce: str, exit_code: int | None
         if record.test in outcomes:
             problems.append(f"two results for {record.test[:200]!r}")
             break
+        if vouch is not None and record.outcome == "passed":
+            why = next(filter(None, map(vouch, record.sources or [""])), None)
+            if why is not None:
+                problems.append(f"{record.test[:200]} passed, but {why}")
+                break
         outcomes[record.test] = record.outcome
     if not done and not problems:
         problems.append("the test run did not finish (it exited or was killed before the end)")
