@@ -139,15 +139,18 @@ def test_an_expected_value_no_reply_could_equal_is_the_tasks_error(tmp_path: Pat
         run_tests(str(tmp_path), "f", [([], "1")], int, timeout_s=30 * UNIT)
 
 
-DAEMON_AT_IMPORT = (
+DAEMON_AT_IMPORT = (  # its pid written before the import goes on (a loaded machine)
     "import os, time\n"
+    "r, w = os.pipe()\n"
     "if os.fork() == 0:\n"
     "    os.setsid()\n"
     "    if os.fork() == 0:\n"
+    "        os.write(w, str(os.getpid()).encode())\n"
     "        os.closerange(0, 1024)\n"
-    "        with open('daemon.pid', 'w') as f:\n"
-    "            f.write(str(os.getpid()))\n"
     "        time.sleep(1000)\n"
+    "    pid = os.read(r, 32)\n"
+    "    with open('daemon.pid', 'wb') as f:\n"
+    "        f.write(pid)\n"
     "    os._exit(0)\n"
     "os.wait()\n"
     "def add(a, b):\n    return a + b\n"
