@@ -92,6 +92,14 @@ VM_FORK_S = 6 * FORK_S
 #: What a guest kernel says when its memory is gone: the env, its init, cannot be killed by
 #: its OOM killer, so the kernel panics with it (``LIMIT_EXCEEDED memory``, not a crash).
 OUT_OF_MEMORY = b"Kernel panic - not syncing: System is deadlocked on memory"
+#: The share of ``--sandbox-memory`` a VM's QEMU must have held (its peak resident memory,
+#: ``wait4``'s: the host kernel's word) for its guest's :data:`OUT_OF_MEMORY` line to be
+#: believed: the guest's root can print that line (on its console, in its kernel's log)
+#: but not fill its RAM without filling it. A guest out of memory held all its RAM (the
+#: limit and its initramfs: 663 MiB of 653 under TCG, 512 MiB limit), one that only says
+#: so far less (361 MiB: the pages it touched since its restore, QEMU's own).
+FILLED = 1.0
+MIB = 1 << 20
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
 _READY: msgspec.msgpack.Decoder[wire.Ready | wire.Failed] = msgspec.msgpack.Decoder(
@@ -192,6 +200,9 @@ class VmIsolation(Isolation):
         self._qmps: dict[int, vmsnap.Qmp] = {}
         """Each restored VM's QMP connection (kept for ``fork``), by its key."""
         self._copies = itertools.count(1)
+        self.peaks: dict[int, int] = {}
+        """Each ended VM's QEMU's peak resident memory (bytes, ``wait4``'s), by its key,
+        until its death is told."""
         self.consoles: dict[int, Console] = {}
         """Each VM's output's tail (:mod:`.vmconsole`), by its key, until it is released
         or its death is told."""
@@ -446,7 +457,11 @@ class VmIsolation(Isolation):
         status = -1
         if qemu is not None:
             with contextlib.suppress(ChildProcessError, OSError):
-                _pid, status = os.waitpid(key, os.WNOHANG)
+                _pid, status, used = os.wait4(key, os.WNOHANG)
+                if _pid == key:  # the host kernel's word, not the guest's
+                    self.peaks[key] = used.ru_maxrss * 1024
+                    if len(self.peaks) > 4096:  # never asked for: forget the oldest
+                        self.peaks.pop(next(iter(self.peaks)))
             qemu.returncode = 0  # reaped here: Popen must not wait on it again
         self._on_exit(key, status)
 
@@ -475,15 +490,25 @@ class VmIsolation(Isolation):
             return late
         if console is not None:  # the guest's last words: the log (they may be the env's)
             await console.drained()
-        if console is not None and OUT_OF_MEMORY in console.tail:
+        peak = self.peaks.pop(proc.pid, None)
+        said_oom = console is not None and OUT_OF_MEMORY in console.tail
+        if said_oom and peak is not None and peak >= self.limits.memory_mib * FILLED * MIB:
             self.limit_kills += 1
             return LimitExceededError(
                 f"{op} used more than the {self.limits.memory_mib} MiB memory limit: the "
-                "env's VM ran out of memory (its guest kernel stopped); reset to start a "
-                "fresh one", operation=op, limit="memory", value=self.limits.memory_mib,
+                f"env's VM ran out of memory (its guest kernel stopped; its QEMU held "
+                f"{peak // MIB} MiB); reset to start a fresh one",
+                operation=op, limit="memory", value=self.limits.memory_mib,
             )  # fmt: skip
         self.crashes += 1
         session = console.session if console is not None else None
+        if said_oom:  # the guest's word alone: a crash (see FILLED)
+            log.warning(
+                "the VM of session %s said it ran out of memory, but its QEMU held %s MiB "
+                "(the limit: %d MiB): not believed, told as a crash", session or "-",
+                "?" if peak is None else peak // MIB, self.limits.memory_mib,
+                extra={"session": session} if session else {},
+            )  # fmt: skip
         log.warning(
             "the VM of session %s ended during %s: %s", session or "-", op, why(status, console),
             extra={"session": session} if session else {},

@@ -1,0 +1,104 @@
+"""``--isolation vm``'s seam, attacked from inside the guest (issue #30): the env's code,
+as its guest's root, against the worker that reads it. One server, two VM sessions:
+
+- a forged out-of-memory panic (the kernel's line, printed on the console and written to
+  the kernel's log, then an exit) is a crash of the env's VM, never ``LIMIT_EXCEEDED``
+  (``memory``): that verdict rests on QEMU's own peak memory, which the guest cannot
+  forge without filling its RAM (it was taken from the console's text alone);
+- a reply header of 2 GiB written straight on the channel: ``ENV_PROTOCOL``, that session
+  only;
+- a console flooded from a thread: both sessions keep stepping;
+- what the guest is given of the host: one virtio device (the console and channel), no
+  network interface but ``lo``, no vsock, no 9p or virtiofs mount;
+- a real out-of-memory panic is still ``LIMIT_EXCEEDED`` (``memory``).
+
+The worker-side halves that need no VM (a console flood's cost to the loop, QEMU's QMP
+replies) are in ``tests/isolation/test_vm_seam_unit.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import stadium
+from stadium import ErrorCode
+from stadium._server.isolation.worker.vm import vm_unavailable
+from stadium.bench.arms import spawn_server
+from tests.conftest import UNIT, wait_until
+
+TARGET = f"{Path(__file__).with_name('vm_seam_env.py')}:VmSeam"
+WHY_NO_VM = vm_unavailable()
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(900 * UNIT),
+    pytest.mark.skipif(WHY_NO_VM is not None, reason=f"--isolation vm: {WHY_NO_VM}"),
+]
+
+
+async def _step(env: stadium.AsyncClient[Any], do: str, arg: str = "") -> str:
+    step = await env.step({"do": do, "arg": arg})
+    text: str = step.observation["text"]
+    return text
+
+
+def _metric(url: str, name: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10 * UNIT) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.split(" ")[0] == name:
+                return float(line.split(" ")[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STADIUM_VM_BOOT_S", str(180 * UNIT))
+    serving = spawn_server(
+        TARGET, "--isolation", "vm", "--sandbox-memory", "512", "--sandbox-output", "drop",
+        "--step-timeout", str(120 * UNIT), "--drain-timeout", "0", timeout=240 * UNIT,
+    )  # fmt: skip
+    with serving as (_, url):
+        async with (
+            stadium.AsyncClient(url, request_timeout=300 * UNIT) as a,
+            stadium.AsyncClient(url, request_timeout=300 * UNIT) as b,
+        ):
+            await asyncio.gather(a.reset(), b.reset())
+            # what of the host the guest has: nothing but its channel and console
+            said = dict(part.split("=", 1) for part in (await _step(a, "shares")).split())
+            assert said["virtio"] == "0x0003", said  # virtio-serial: the channel, the console
+            assert said["net"] == "lo", said
+            assert said["vsock"] == "False", said
+            assert not {"9p", "virtiofs", "nfs", "fuse"} & set(said["fs"].split(",")), said
+            # the kernel's out-of-memory line, forged: a crash, not a memory limit
+            with pytest.raises(stadium.StadiumError) as forged:
+                await _step(b, "forge_oom")
+            assert forged.value.code == ErrorCode.ENV_CRASHED, forged.value
+            await b.reset()
+            # a console flooded: both sessions step on
+            assert await _step(a, "flood") == "flooding"
+            for n in range(3):
+                assert await _step(b, "echo", f"b {n}") == f"b {n}"
+                assert await _step(a, "echo", f"a {n}") == f"a {n}"
+            # a 2 GiB reply header on the channel: refused by its header, this session only
+            with pytest.raises(stadium.StadiumError) as oversize:
+                await _step(b, "oversize")
+            assert oversize.value.code == ErrorCode.ENV_PROTOCOL, oversize.value
+            assert oversize.value.context["limit"] == "frame_bytes"
+            await a.reset()
+            assert await _step(a, "echo", "a again") == "a again"
+            # a real out-of-memory panic: still the memory limit
+            with pytest.raises(stadium.StadiumError) as oom:
+                await _step(a, "memory")
+            assert oom.value.code == ErrorCode.LIMIT_EXCEEDED, oom.value
+            assert oom.value.context["limit"] == "memory"
+        await wait_until(lambda: _metric(url, "stadium_isolated_processes") == 0, 30 * UNIT,
+                         "VMs ended")  # fmt: skip
+        assert _metric(url, "stadium_isolated_crashes_total") == 1
+        assert _metric(url, "stadium_isolated_limit_kills_total") == 1
+        assert _metric(url, "stadium_isolated_protocol_errors_total") == 1
