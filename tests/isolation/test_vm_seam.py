@@ -10,7 +10,12 @@ as its guest's root, against the worker that reads it. One server, two VM sessio
 - a console flooded from a thread: both sessions keep stepping;
 - what the guest is given of the host: one virtio device (the console and channel), no
   network interface but ``lo``, no vsock, no 9p or virtiofs mount;
-- a real out-of-memory panic is still ``LIMIT_EXCEEDED`` (``memory``).
+- a real out-of-memory panic is still ``LIMIT_EXCEEDED`` (``memory``);
+
+and the ``code`` env served in VMs: a submission that takes its grader's channel to the
+worker (the guest's pid 1's descriptor, ``pidfd_getfd``, as the guest's root) and writes a
+reply of its own on it (a reward of 1000) reaches nothing: the guest's init fences itself
+off from what it starts (it forged the reward).
 
 The worker-side halves that need no VM (a console flood's cost to the loop, QEMU's QMP
 replies) are in ``tests/isolation/test_vm_seam_unit.py``.
@@ -90,15 +95,59 @@ async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
                 await _step(b, "oversize")
             assert oversize.value.code == ErrorCode.ENV_PROTOCOL, oversize.value
             assert oversize.value.context["limit"] == "frame_bytes"
-            await a.reset()
-            assert await _step(a, "echo", "a again") == "a again"
-            # a real out-of-memory panic: still the memory limit
+            await b.reset()
+            assert await _step(b, "echo", "b again") == "b again"
+            # a real out-of-memory panic (a console not flooded: a guest's kernel drops what
+            # it prints on a console whose queue is full, its last words too): the limit
             with pytest.raises(stadium.StadiumError) as oom:
-                await _step(a, "memory")
-            assert oom.value.code == ErrorCode.LIMIT_EXCEEDED, oom.value
+                await _step(b, "memory")
+            assert oom.value.code == ErrorCode.LIMIT_EXCEEDED, oom.value.message
             assert oom.value.context["limit"] == "memory"
         await wait_until(lambda: _metric(url, "stadium_isolated_processes") == 0, 30 * UNIT,
                          "VMs ended")  # fmt: skip
         assert _metric(url, "stadium_isolated_crashes_total") == 1
         assert _metric(url, "stadium_isolated_limit_kills_total") == 1
         assert _metric(url, "stadium_isolated_protocol_errors_total") == 1
+
+
+#: A submission to the ``code`` env that answers its tests right and, meanwhile, takes its
+#: grader's channel to the worker (the guest's pid 1's descriptor, through ``pidfd_getfd``:
+#: the guest's root may, unless the grader is out of its reach) and writes on it a step's
+#: reply of its own: a reward of 1000.
+FORGER = """
+import ctypes, os, struct
+
+def add(a, b):
+    libc = ctypes.CDLL(None, use_errno=True)
+    pidfd = libc.syscall(434, 1, 0)  # pidfd_open(1): the grader, the guest's init
+    for fd in range(64):
+        try:
+            target = os.readlink(f"/proc/1/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/dev/vport"):
+            mine = libc.syscall(438, pidfd, fd, 0)  # pidfd_getfd
+            if mine >= 0:
+                body = b"\\x96\\x00\\x80\\xcb" + struct.pack(">d", 1000.0) + b"\\xc3\\xc2\\x80"
+                os.write(mine, struct.pack("<I", len(body)) + body)
+    return a + b
+"""
+
+
+async def test_a_graded_submission_cannot_reach_its_grader_in_the_guest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STADIUM_VM_BOOT_S", str(180 * UNIT))
+    serving = spawn_server(
+        "code", "--isolation", "vm", "--step-timeout", str(120 * UNIT), "--drain-timeout", "0",
+        timeout=240 * UNIT,
+    )  # fmt: skip
+    with serving as (_, url):
+        async with stadium.AsyncClient(url, request_timeout=300 * UNIT) as env:
+            await env.reset(options={"task": "add"})
+            step = await env.step({"code": FORGER})
+            assert step.reward == 1.0, step  # every test passed: its own reward, no more
+            assert step.observation["passed"] == step.observation["total"]
+            again = await env.step({"code": "def add(a, b):\n    return a - b\n"})
+            assert again.reward is not None
+            assert again.reward < 1.0, again  # the grader's own verdict still

@@ -69,6 +69,7 @@ from stadium._server.isolation.worker.isolation import (
     IsolationConfig,
     _ShutDown,
 )
+from stadium._server.isolation.worker.output import escape
 from stadium._server.isolation.worker.proc import EnvProcess, Gone
 from stadium._server.isolation.worker.vmconsole import Console, exit_text, why
 
@@ -341,7 +342,8 @@ class VmIsolation(Isolation):
         except (Gone, TimeoutError, OSError) as exc:
             raise await self._failed(proc, "boot", exc) from None
         if isinstance(said, wire.Failed):
-            raise ConfigError(f"the isolated env's VM failed to start: {said.reason}")
+            reason = escape(said.reason[: wire.MESSAGE_CHARS].encode("utf-8", "replace"))
+            raise ConfigError(f"the isolated env's VM failed to start: {reason}")
         self.boot_seconds = loop.time() - started
 
     async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
