@@ -8,6 +8,9 @@ as its guest's root, against the worker that reads it. One server, two VM sessio
 - a reply header of 2 GiB written straight on the channel: ``ENV_PROTOCOL``, that session
   only;
 - a console flooded from a thread: both sessions keep stepping;
+- new guest code, translated anew pass after pass (4 MiB of basic blocks, 8 times): its
+  QEMU's peak memory grows by at most 160 MiB (by 1,235 MiB with QEMU's default 1 GiB code
+  buffer: ``tb-size`` bounds it now);
 - what the guest is given of the host: one virtio device (the console and channel), no
   network interface but ``lo``, no vsock, no 9p or virtiofs mount;
 - a real out-of-memory panic is still ``LIMIT_EXCEEDED`` (``memory``);
@@ -24,6 +27,8 @@ replies) are in ``tests/isolation/test_vm_seam_unit.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -60,6 +65,32 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def _qemu_peaks(server: int) -> dict[int, int]:
+    """The peak resident memory (``VmHWM``, bytes) of each QEMU process under ``server``."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                parents[int(entry)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+    peaks = {}
+    for pid in parents:
+        up, hops = parents.get(pid), 0
+        while up not in (None, 0, 1, server) and hops < 8:
+            up, hops = parents.get(up), hops + 1
+        if up != server:
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                comm = f.read()
+            with open(f"/proc/{pid}/status", "rb") as f:
+                status = f.read()
+            if comm.startswith(b"qemu-system"):
+                for line in status.splitlines():
+                    if line.startswith(b"VmHWM:"):
+                        peaks[pid] = int(line.split()[1]) * 1024
+    return peaks
+
+
 async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -68,7 +99,7 @@ async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
         TARGET, "--isolation", "vm", "--sandbox-memory", "512", "--sandbox-output", "drop",
         "--step-timeout", str(120 * UNIT), "--drain-timeout", "0", timeout=240 * UNIT,
     )  # fmt: skip
-    with serving as (_, url):
+    with serving as (server, url):
         async with (
             stadium.AsyncClient(url, request_timeout=300 * UNIT) as a,
             stadium.AsyncClient(url, request_timeout=300 * UNIT) as b,
@@ -97,6 +128,12 @@ async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
             assert oversize.value.context["limit"] == "frame_bytes"
             await b.reset()
             assert await _step(b, "echo", "b again") == "b again"
+            # new code, translated anew pass after pass: QEMU's own memory stays bounded
+            before = _qemu_peaks(server.pid)
+            assert int(await _step(b, "jit", "8")) == sum(range(1, 9)) << 19
+            after = _qemu_peaks(server.pid)
+            grown = max(after[pid] - before.get(pid, after[pid]) for pid in after)
+            assert grown <= 160 << 20, f"a QEMU grew by {grown >> 20} MiB running new code"
             # a real out-of-memory panic (a console not flooded: a guest's kernel drops what
             # it prints on a console whose queue is full, its last words too): the limit
             with pytest.raises(stadium.StadiumError) as oom:

@@ -5,7 +5,9 @@ host its guest is given (``tests/isolation/test_vm_seam.py``)."""
 
 from __future__ import annotations
 
+import ctypes
 import glob
+import mmap
 import os
 import struct
 import threading
@@ -32,8 +34,23 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _jit(passes: int, blocks: int = 1 << 19) -> int:
+    """Run ``passes`` times a fresh chain of ``blocks`` basic blocks (``add rax, n``;
+    ``jmp`` to the next): under QEMU's emulator each is one more translation block in its
+    code buffer (a guest's RAM does not bound that buffer; ``tb-size`` does)."""
+    code = mmap.mmap(-1, 3 + 8 * blocks, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    run = ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(code)))
+    total = 0
+    for n in range(passes):
+        code[0:2] = b"\x31\xc0"  # xor eax, eax
+        code[2 : 2 + 8 * blocks] = (b"\x48\x05" + struct.pack("<i", n + 1) + b"\xeb\x00") * blocks
+        code[2 + 8 * blocks] = 0xC3  # ret
+        total += run()
+    return total
+
+
 class VmSeam(VmHostile):
-    """``forge_oom``, ``oversize``, ``flood``, ``shares`` on top of :class:`VmHostile`'s."""
+    """``forge_oom``, ``oversize``, ``flood``, ``jit``, ``shares``, and :class:`VmHostile`'s."""
 
     def _do(self, do: str, arg: str) -> str:
         if do == "forge_oom":  # the kernel's out-of-memory panic, said by the env, then out
@@ -56,6 +73,8 @@ class VmSeam(VmHostile):
 
             threading.Thread(target=flood, daemon=True).start()
             return "flooding"
+        if do == "jit":  # new guest code, pass after pass: each translated anew by TCG
+            return str(_jit(int(arg or 8)))
         if do == "shares":  # what of the host the guest has: devices, mounts, sockets
             ids = sorted(_read(p).strip() for p in glob.glob("/sys/bus/virtio/devices/*/device"))
             mounts = sorted({line.split()[2] for line in _read("/proc/mounts").splitlines()})

@@ -31,7 +31,9 @@ Limits: ``--sandbox-memory`` is the guest's RAM (plus the initramfs it unpacks),
 ``--sandbox-cpus`` its vCPUs (rounded up), ``--sandbox-disk`` its ``/tmp``, the call and
 episode timeouts kill the VM. The guest has no network device at all. A guest out of
 memory panics (its env is its init, which its OOM killer spares): ``LIMIT_EXCEEDED``
-(``memory``), told by the panic's line in its console.
+(``memory``), told by the panic's line in its console, believed only when its QEMU's peak
+memory shows the guest filled its RAM (:data:`FILLED`: the guest's root can print the
+line). Under TCG, QEMU's code buffer is bounded (:data:`TB_MIB`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ VM_BOOT_S = float(os.environ.get("STADIUM_VM_BOOT_S", "0") or 0) or 3 * TEMPLATE
 HARDENING = (
     "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny", "-runas", "nobody",
 )  # fmt: skip
+#: MiB of QEMU's emulator's code buffer (``tb-size``): QEMU 7.2's default is 1 GiB, which
+#: a guest running new code fills (QEMU grew by 1,235 MiB past its 512 MiB guest); this
+#: bounds what a VM's QEMU holds past its guest's RAM (and what a forged out-of-memory line
+#: can add to its peak, :data:`FILLED`). 32 MiB was QEMU's own default until 5.0.
+TB_MIB = 64
 #: Seconds a VM's ``fork`` may take (its whole RAM copied to a file and restored: seconds
 #: under TCG on a loaded host), where a process's takes ``FORK_S``; still within the call's
 #: time limit.
@@ -93,13 +100,14 @@ VM_FORK_S = 6 * FORK_S
 #: What a guest kernel says when its memory is gone: the env, its init, cannot be killed by
 #: its OOM killer, so the kernel panics with it (``LIMIT_EXCEEDED memory``, not a crash).
 OUT_OF_MEMORY = b"Kernel panic - not syncing: System is deadlocked on memory"
-#: The share of ``--sandbox-memory`` a VM's QEMU must have held (its peak resident memory,
-#: ``wait4``'s: the host kernel's word) for its guest's :data:`OUT_OF_MEMORY` line to be
-#: believed: the guest's root can print that line (on its console, in its kernel's log)
-#: but not fill its RAM without filling it. A guest out of memory held all its RAM (the
-#: limit and its initramfs: 663 MiB of 653 under TCG, 512 MiB limit), one that only says
-#: so far less (361 MiB: the pages it touched since its restore, QEMU's own).
-FILLED = 1.0
+#: The share of a VM's RAM (``--sandbox-memory`` and its initramfs) its QEMU must have held
+#: (its peak resident memory, ``wait4``'s: the host kernel's word), and at least the limit,
+#: for its guest's :data:`OUT_OF_MEMORY` line to be believed: the guest's root can print
+#: that line (on its console, in its kernel's log) but not fill its RAM without filling it.
+#: Measured under TCG, 512 MiB limit, a 653 MiB RAM: a guest out of memory held 663 MiB,
+#: one that only said so 361 (the pages it touched since its restore, QEMU's own), and at
+#: most :data:`TB_MIB` more by running new code.
+FILLED = 0.85
 MIB = 1 << 20
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
@@ -150,7 +158,8 @@ def qemu_argv(
     """The QEMU command of one VM: ``microvm``, no network, no disk, no devices but the
     virtio-serial port (``chan_fd``, the session's channel) and the console (``out_fd``,
     its output, :mod:`.vmconsole`; -1: none). ``kvm``: no legacy timers (kvmclock);
-    ``tcg``: the PIT, and the TSC's rate given (the emulator cannot calibrate it)."""
+    ``tcg``: the PIT, the TSC's rate given (the emulator cannot calibrate it), and its code
+    buffer bounded (:data:`TB_MIB`)."""
     console = (
         ["-chardev", f"socket,id=out,fd={out_fd}", "-device", "virtconsole,chardev=out"]
         if out_fd >= 0
@@ -166,8 +175,9 @@ def qemu_argv(
         machine, cpu, extra = "microvm,isa-serial=off", "max", "tsc_early_khz=2000000"
     if ram_file:  # the RAM is the memory-backend-file object named ram (:mod:`.vmsnap`)
         machine += ",memory-backend=ram"
+    accel_opts = accel if accel == "kvm" else f"tcg,tb-size={TB_MIB}"
     return [
-        QEMU, "-M", machine, "-accel", accel, "-cpu", cpu, "-m", str(memory_mib),
+        QEMU, "-M", machine, "-accel", accel_opts, "-cpu", cpu, "-m", str(memory_mib),
         "-smp", str(max(1, math.ceil(cpus))), "-nodefaults", "-no-user-config",
         "-display", "none", "-no-reboot", *HARDENING,
         "-kernel", image.kernel, "-initrd", image.initrd,
@@ -494,7 +504,8 @@ class VmIsolation(Isolation):
             await console.drained()
         peak = self.peaks.pop(proc.pid, None)
         said_oom = console is not None and OUT_OF_MEMORY in console.tail
-        if said_oom and peak is not None and peak >= self.limits.memory_mib * FILLED * MIB:
+        filled = max(self.limits.memory_mib, FILLED * self._memory()) * MIB
+        if said_oom and peak is not None and peak >= filled:
             self.limit_kills += 1
             return LimitExceededError(
                 f"{op} used more than the {self.limits.memory_mib} MiB memory limit: the "
@@ -507,8 +518,8 @@ class VmIsolation(Isolation):
         if said_oom:  # the guest's word alone: a crash (see FILLED)
             log.warning(
                 "the VM of session %s said it ran out of memory, but its QEMU held %s MiB "
-                "(the limit: %d MiB): not believed, told as a crash", session or "-",
-                "?" if peak is None else peak // MIB, self.limits.memory_mib,
+                "(%d MiB needed): not believed, told as a crash", session or "-",
+                "?" if peak is None else peak // MIB, filled // MIB,
                 extra={"session": session} if session else {},
             )  # fmt: skip
         log.warning(
