@@ -8,9 +8,9 @@ as its guest's root, against the worker that reads it. One server, two VM sessio
 - a reply header of 2 GiB written straight on the channel: ``ENV_PROTOCOL``, that session
   only;
 - a console flooded from a thread: both sessions keep stepping;
-- new guest code, translated anew pass after pass (4 MiB of basic blocks, 8 times): its
-  QEMU's peak memory grows by at most 160 MiB (by 1,235 MiB with QEMU's default 1 GiB code
-  buffer: ``tb-size`` bounds it now);
+- new guest code, translated anew pass after pass (4 MiB of basic blocks, 4 times): its
+  QEMU's peak memory grows by at most 160 MiB (with QEMU's default 1 GiB code buffer, by
+  1,235 MiB in 8 passes: ``tb-size`` bounds it now);
 - what the guest is given of the host: one virtio device (the console and channel), no
   network interface but ``lo``, no vsock, no 9p or virtiofs mount;
 - a real out-of-memory panic is still ``LIMIT_EXCEEDED`` (``memory``);
@@ -130,7 +130,7 @@ async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
             assert await _step(b, "echo", "b again") == "b again"
             # new code, translated anew pass after pass: QEMU's own memory stays bounded
             before = _qemu_peaks(server.pid)
-            assert int(await _step(b, "jit", "8")) == sum(range(1, 9)) << 19
+            assert int(await _step(b, "jit", "4")) == sum(range(1, 5)) << 19
             after = _qemu_peaks(server.pid)
             grown = max(after[pid] - before.get(pid, after[pid]) for pid in after)
             assert grown <= 160 << 20, f"a QEMU grew by {grown >> 20} MiB running new code"
@@ -150,12 +150,30 @@ async def test_a_hostile_guest_forges_no_verdict_and_reaches_nothing(
 #: A submission to the ``code`` env that answers its tests right and, meanwhile, takes its
 #: grader's channel to the worker (the guest's pid 1's descriptor, through ``pidfd_getfd``:
 #: the guest's root may, unless the grader is out of its reach) and writes on it a step's
-#: reply of its own: a reward of 1000.
+#: reply of its own: a reward of 1000. It then tries the other ways to its grader or the
+#: guest's kernel, each refused: its memory, descriptors, ptrace, the channel's device,
+#: a usermode helper, the image's files, a mount, ``/dev/mem``, a kernel module.
 FORGER = """
-import ctypes, os, struct
+import ctypes, glob, os, struct
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def probe(name, attempt):
+    try:
+        err = ctypes.get_errno() if attempt() == -1 else 0
+    except OSError as exc:
+        err = exc.errno
+    # EPERM, EACCES, EBUSY, EROFS, ENXIO: refused; anything else is said
+    print(f"PROBE {name}: {'refused' if err in (1, 13, 16, 30, 6) else f'errno {err}'}")
+
+
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
 
 def add(a, b):
-    libc = ctypes.CDLL(None, use_errno=True)
     pidfd = libc.syscall(434, 1, 0)  # pidfd_open(1): the grader, the guest's init
     for fd in range(64):
         try:
@@ -167,6 +185,15 @@ def add(a, b):
             if mine >= 0:
                 body = b"\\x96\\x00\\x80\\xcb" + struct.pack(">d", 1000.0) + b"\\xc3\\xc2\\x80"
                 os.write(mine, struct.pack("<I", len(body)) + body)
+    probe("proc-mem", lambda: open("/proc/1/mem", "r+b").close())
+    probe("proc-fd", lambda: os.readlink("/proc/1/fd/0"))
+    probe("ptrace", lambda: libc.ptrace(16, 1, 0, 0))  # PTRACE_ATTACH
+    probe("channel", lambda: [os.open(p, os.O_RDWR) for p in glob.glob("/dev/vport*")] and 0)
+    probe("core-pattern", lambda: write("/proc/sys/kernel/core_pattern", b"|/tmp/x"))
+    probe("image-file", lambda: write("/etc/hosts", b"forged"))
+    probe("mount", lambda: libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None))
+    probe("dev-mem", lambda: open("/dev/mem", "rb").close())
+    probe("module", lambda: libc.syscall(313, 0, b"", 0))  # finit_module
     return a + b
 """
 
@@ -185,6 +212,9 @@ async def test_a_graded_submission_cannot_reach_its_grader_in_the_guest(
             step = await env.step({"code": FORGER})
             assert step.reward == 1.0, step  # every test passed: its own reward, no more
             assert step.observation["passed"] == step.observation["total"]
+            probes = [line for line in step.observation["output"].splitlines() if "PROBE" in line]
+            assert len(probes) >= 9, step.observation["output"]
+            assert all(line.endswith(": refused") for line in probes), probes
             again = await env.step({"code": "def add(a, b):\n    return a - b\n"})
             assert again.reward is not None
             assert again.reward < 1.0, again  # the grader's own verdict still

@@ -286,7 +286,7 @@ class VmIsolation(Isolation):
             raise
         finally:
             qmp_ours.close()
-            self._end(proc)
+            await self._end(proc)
 
     def _launch(self, extra: list[str], fds: list[int], track: bool = True) -> EnvProcess:
         """Start one VM's QEMU process (``extra``: its snapshot or template arguments);
@@ -325,15 +325,15 @@ class VmIsolation(Isolation):
                 loop.add_reader(proc.pidfd, self._reap, key)
         return proc
 
-    def _end(self, proc: EnvProcess) -> None:
-        """Kill and reap an untracked VM (the template)."""
+    async def _end(self, proc: EnvProcess) -> None:
+        """Kill and reap an untracked VM (the template), waiting on the loop without
+        blocking it (at most ``EXIT_REPORT_S``; past it ``subprocess`` reaps it later)."""
         proc.close()
         self.consoles.pop(proc.pid, None)
         qemu = self._qemu.pop(proc.pid, None)
         if qemu is not None:
             qemu.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                qemu.wait(REAP_S)
+            await _wait_status(qemu)
 
     async def _boot(self, proc: EnvProcess) -> None:
         """Send a booting VM its settings; wait for its ``Ready``."""
