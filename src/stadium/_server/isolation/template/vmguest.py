@@ -3,14 +3,17 @@
 Runs inside the VM the worker started (:mod:`.vm`), from the initramfs :mod:`.vmimage`
 built. Standard library only until the worker's settings set ``sys.path``. It:
 
-1. mounts ``/proc``, ``/sys``, ``/dev`` (devtmpfs) and a ``/tmp`` tmpfs, in which what
-   the image holds under ``/tmp`` (code the worker runs from there: a checkout in
+1. mounts ``/proc``, ``/sys`` (read-only), ``/dev`` (devtmpfs) and a ``/tmp`` tmpfs, in
+   which what the image holds under ``/tmp`` (code the worker runs from there: a checkout in
    ``/tmp``, a target in a temporary folder) stays visible, read-only (:func:`_tmp`);
 2. loads the kernel modules of its channel to the worker (virtio-mmio, virtio-console);
 3. opens the virtio-serial port named ``stadium`` (the worker's end is a socket of its
    own: the same framed messages as a sandboxed process's socket, :mod:`.wire`);
-4. reads the settings frame (JSON: ``sys_path``, ``target``, ``env_kwargs``), imports
-   the env's code and answers ``Ready`` (or ``Failed``);
+4. reads the settings frame (JSON: ``sys_path``, ``target``, ``env_kwargs``), fences
+   itself off from what it will start (:func:`_fence`: not dumpable, no capability that
+   reaches another process's memory or the kernel, ``/`` and ``/proc/sys`` read-only: a
+   grader env's submission cannot reach its grader), imports the env's code and answers
+   ``Ready`` (or ``Failed``);
 5. waits for the ``go`` frame (fresh entropy, mixed into the kernel's pool: VMs restored
    from one snapshot must not share their random state), then serves one session
    (:func:`~stadium._server.isolation.template.env_process.session_main`) on the port.
@@ -41,6 +44,14 @@ _MS_REMOUNT = 32
 _MS_BIND = 4096
 _MS_MOVE = 8192
 _MS_REC = 16384
+_PR_SET_DUMPABLE = 4
+_PR_CAPBSET_DROP = 24
+_CAP_V3 = 0x20080522
+#: The capabilities no process of the guest holds once its init is set up (:func:`_fence`):
+#: ``CAP_MKNOD``, ``CAP_SYS_MODULE``, ``CAP_SYS_RAWIO``, ``CAP_SYS_PTRACE``,
+#: ``CAP_SYS_ADMIN``, ``CAP_SYS_BOOT``, ``CAP_PERFMON``, ``CAP_BPF``,
+#: ``CAP_CHECKPOINT_RESTORE``.
+_DROPPED = (27, 16, 17, 19, 21, 22, 38, 39, 40)
 #: Where the guest's ``/tmp`` is made before it is moved onto ``/tmp``.
 _NEW_TMP = _GUEST_DIR + "/tmp"
 #: Seconds the guest waits for its port to appear, unless the worker says (below).
@@ -82,7 +93,7 @@ def _mount(
 
 def _mounts(libc: ctypes.CDLL) -> None:
     _mount(libc, "proc", "/proc", "proc", 0, None)
-    _mount(libc, "sysfs", "/sys", "sysfs", 0, None)
+    _mount(libc, "sysfs", "/sys", "sysfs", _MS_RDONLY, None)
     _mount(libc, "devtmpfs", "/dev", "devtmpfs", 0, None)
     _tmp(libc)
 
@@ -105,6 +116,35 @@ def _tmp(libc: ctypes.CDLL) -> None:
         _mount(libc, held, there, None, _MS_BIND | _MS_REC, None)
         _mount(libc, "", there, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None)
     _mount(libc, _NEW_TMP, "/tmp", None, _MS_MOVE, None)
+
+
+def _fence(libc: ctypes.CDLL) -> None:
+    """Put the env's process (this one, pid 1: a grader, say) out of reach of the processes
+    it starts (a graded submission, uid 0 as it is), as a sandbox's changed uid does: it
+    is not dumpable (no ``/proc/1/mem``, ``/proc/1/fd``, ``pidfd_getfd``, ``ptrace`` without
+    ``CAP_SYS_PTRACE``), and neither it nor anything it starts holds :data:`_DROPPED` (those
+    capabilities, dropped from its bounding set and its own sets, would reach it anyway:
+    the kernel's memory, modules, a new kernel). The image's files and the kernel's
+    settings are read-only (``/``, ``/proc/sys``; ``/sys`` is mounted so): no lazy import
+    of the env's reads a file a child rewrote, no usermode helper (``core_pattern``,
+    ``modprobe``) runs what a child named. Its ``/tmp`` stays writable, as a sandbox's."""
+    _mount(libc, "", "/", None, _MS_REMOUNT | _MS_RDONLY, None)
+    _mount(libc, "/proc/sys", "/proc/sys", None, _MS_BIND, None)
+    _mount(libc, "", "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY, None)
+    for cap in _DROPPED:
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"dropping capability {cap}")
+    header = (ctypes.c_uint32 * 2)(_CAP_V3, 0)
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; twice (caps 0-63)
+    if libc.capget(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    for cap in _DROPPED:
+        for which in range(3):
+            sets[3 * (cap // 32) + which] &= ~(1 << (cap % 32)) & 0xFFFFFFFF
+    if libc.capset(header, sets) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "not dumpable")
 
 
 def _modules(libc: ctypes.CDLL) -> None:
@@ -209,6 +249,7 @@ def main() -> None:
     sys.path[:] = [str(p) for p in settings["sys_path"]]
     os.environ.update({"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", "LANG": "C.UTF-8"})
     os.chdir("/tmp")
+    _fence(libc)
     from stadium._server.isolation.template import vmchild
 
     vmchild.serve(port, settings, _recv)

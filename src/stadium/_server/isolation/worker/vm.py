@@ -31,7 +31,9 @@ Limits: ``--sandbox-memory`` is the guest's RAM (plus the initramfs it unpacks),
 ``--sandbox-cpus`` its vCPUs (rounded up), ``--sandbox-disk`` its ``/tmp``, the call and
 episode timeouts kill the VM. The guest has no network device at all. A guest out of
 memory panics (its env is its init, which its OOM killer spares): ``LIMIT_EXCEEDED``
-(``memory``), told by the panic's line in its console.
+(``memory``), told by the panic's line in its console, believed only when its QEMU's peak
+memory shows the guest filled its RAM (:data:`FILLED`: the guest's root can print the
+line). Under TCG, QEMU's code buffer is bounded (:data:`TB_MIB`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from stadium._errors import (
 from stadium._server.isolation import wire
 from stadium._server.isolation.worker import vmimage, vmsnap
 from stadium._server.isolation.worker.isolation import Isolation
+from stadium._server.isolation.worker.output import escape
 from stadium._server.isolation.worker.proc import EnvProcess, Gone
 from stadium._server.isolation.worker.template_host import (
     EXIT_REPORT_S,
@@ -85,6 +88,11 @@ VM_BOOT_S = float(os.environ.get("STADIUM_VM_BOOT_S", "0") or 0) or 3 * TEMPLATE
 HARDENING = (
     "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny", "-runas", "nobody",
 )  # fmt: skip
+#: MiB of QEMU's emulator's code buffer (``tb-size``): QEMU 7.2's default is 1 GiB, which
+#: a guest running new code fills (QEMU grew by 1,235 MiB past its 512 MiB guest); this
+#: bounds what a VM's QEMU holds past its guest's RAM (and what a forged out-of-memory line
+#: can add to its peak, :data:`FILLED`). 32 MiB was QEMU's own default until 5.0.
+TB_MIB = 64
 #: Seconds a VM's ``fork`` may take (its whole RAM copied to a file and restored: seconds
 #: under TCG on a loaded host), where a process's takes ``FORK_S``; still within the call's
 #: time limit.
@@ -92,6 +100,15 @@ VM_FORK_S = 6 * FORK_S
 #: What a guest kernel says when its memory is gone: the env, its init, cannot be killed by
 #: its OOM killer, so the kernel panics with it (``LIMIT_EXCEEDED memory``, not a crash).
 OUT_OF_MEMORY = b"Kernel panic - not syncing: System is deadlocked on memory"
+#: The share of a VM's RAM (``--sandbox-memory`` and its initramfs) its QEMU must have held
+#: (its peak resident memory, ``wait4``'s: the host kernel's word), and at least the limit,
+#: for its guest's :data:`OUT_OF_MEMORY` line to be believed: the guest's root can print
+#: that line (on its console, in its kernel's log) but not fill its RAM without filling it.
+#: Measured under TCG, 512 MiB limit, a 653 MiB RAM: a guest out of memory held 663 MiB,
+#: one that only said so 361 (the pages it touched since its restore, QEMU's own), and at
+#: most :data:`TB_MIB` more by running new code.
+FILLED = 0.85
+MIB = 1 << 20
 #: Seconds to wait for a killed VM's QEMU process to be reaped.
 REAP_S = 5.0
 _READY: msgspec.msgpack.Decoder[wire.Ready | wire.Failed] = msgspec.msgpack.Decoder(
@@ -141,7 +158,8 @@ def qemu_argv(
     """The QEMU command of one VM: ``microvm``, no network, no disk, no devices but the
     virtio-serial port (``chan_fd``, the session's channel) and the console (``out_fd``,
     its output, :mod:`.vmconsole`; -1: none). ``kvm``: no legacy timers (kvmclock);
-    ``tcg``: the PIT, and the TSC's rate given (the emulator cannot calibrate it)."""
+    ``tcg``: the PIT, the TSC's rate given (the emulator cannot calibrate it), and its code
+    buffer bounded (:data:`TB_MIB`)."""
     console = (
         ["-chardev", f"socket,id=out,fd={out_fd}", "-device", "virtconsole,chardev=out"]
         if out_fd >= 0
@@ -157,8 +175,9 @@ def qemu_argv(
         machine, cpu, extra = "microvm,isa-serial=off", "max", "tsc_early_khz=2000000"
     if ram_file:  # the RAM is the memory-backend-file object named ram (:mod:`.vmsnap`)
         machine += ",memory-backend=ram"
+    accel_opts = accel if accel == "kvm" else f"tcg,tb-size={TB_MIB}"
     return [
-        QEMU, "-M", machine, "-accel", accel, "-cpu", cpu, "-m", str(memory_mib),
+        QEMU, "-M", machine, "-accel", accel_opts, "-cpu", cpu, "-m", str(memory_mib),
         "-smp", str(max(1, math.ceil(cpus))), "-nodefaults", "-no-user-config",
         "-display", "none", "-no-reboot", *HARDENING,
         "-kernel", image.kernel, "-initrd", image.initrd,
@@ -192,6 +211,9 @@ class VmIsolation(Isolation):
         self._qmps: dict[int, vmsnap.Qmp] = {}
         """Each restored VM's QMP connection (kept for ``fork``), by its key."""
         self._copies = itertools.count(1)
+        self.peaks: dict[int, int] = {}
+        """Each ended VM's QEMU's peak resident memory (bytes, ``wait4``'s), by its key,
+        until its death is told."""
         self.consoles: dict[int, Console] = {}
         """Each VM's output's tail (:mod:`.vmconsole`), by its key, until it is released
         or its death is told."""
@@ -264,7 +286,7 @@ class VmIsolation(Isolation):
             raise
         finally:
             qmp_ours.close()
-            self._end(proc)
+            await self._end(proc)
 
     def _launch(self, extra: list[str], fds: list[int], track: bool = True) -> EnvProcess:
         """Start one VM's QEMU process (``extra``: its snapshot or template arguments);
@@ -303,15 +325,15 @@ class VmIsolation(Isolation):
                 loop.add_reader(proc.pidfd, self._reap, key)
         return proc
 
-    def _end(self, proc: EnvProcess) -> None:
-        """Kill and reap an untracked VM (the template)."""
+    async def _end(self, proc: EnvProcess) -> None:
+        """Kill and reap an untracked VM (the template), waiting on the loop without
+        blocking it (at most ``EXIT_REPORT_S``; past it ``subprocess`` reaps it later)."""
         proc.close()
         self.consoles.pop(proc.pid, None)
         qemu = self._qemu.pop(proc.pid, None)
         if qemu is not None:
             qemu.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                qemu.wait(REAP_S)
+            await _wait_status(qemu)
 
     async def _boot(self, proc: EnvProcess) -> None:
         """Send a booting VM its settings; wait for its ``Ready``."""
@@ -330,7 +352,8 @@ class VmIsolation(Isolation):
         except (Gone, TimeoutError, OSError) as exc:
             raise await self._failed(proc, "boot", exc) from None
         if isinstance(said, wire.Failed):
-            raise ConfigError(f"the isolated env's VM failed to start: {said.reason}")
+            reason = escape(said.reason[: wire.MESSAGE_CHARS].encode("utf-8", "replace"))
+            raise ConfigError(f"the isolated env's VM failed to start: {reason}")
         self.boot_seconds = loop.time() - started
 
     async def _spawn_once(self, ref: str | None = None) -> EnvProcess:
@@ -446,7 +469,11 @@ class VmIsolation(Isolation):
         status = -1
         if qemu is not None:
             with contextlib.suppress(ChildProcessError, OSError):
-                _pid, status = os.waitpid(key, os.WNOHANG)
+                _pid, status, used = os.wait4(key, os.WNOHANG)
+                if _pid == key:  # the host kernel's word, not the guest's
+                    self.peaks[key] = used.ru_maxrss * 1024
+                    if len(self.peaks) > 4096:  # never asked for: forget the oldest
+                        self.peaks.pop(next(iter(self.peaks)))
             qemu.returncode = 0  # reaped here: Popen must not wait on it again
         self._on_exit(key, status)
 
@@ -475,15 +502,26 @@ class VmIsolation(Isolation):
             return late
         if console is not None:  # the guest's last words: the log (they may be the env's)
             await console.drained()
-        if console is not None and OUT_OF_MEMORY in console.tail:
+        peak = self.peaks.pop(proc.pid, None)
+        said_oom = console is not None and OUT_OF_MEMORY in console.tail
+        filled = max(self.limits.memory_mib, FILLED * self._memory()) * MIB
+        if said_oom and peak is not None and peak >= filled:
             self.limit_kills += 1
             return LimitExceededError(
                 f"{op} used more than the {self.limits.memory_mib} MiB memory limit: the "
-                "env's VM ran out of memory (its guest kernel stopped); reset to start a "
-                "fresh one", operation=op, limit="memory", value=self.limits.memory_mib,
+                f"env's VM ran out of memory (its guest kernel stopped; its QEMU held "
+                f"{peak // MIB} MiB); reset to start a fresh one",
+                operation=op, limit="memory", value=self.limits.memory_mib,
             )  # fmt: skip
         self.crashes += 1
         session = console.session if console is not None else None
+        if said_oom:  # the guest's word alone: a crash (see FILLED)
+            log.warning(
+                "the VM of session %s said it ran out of memory, but its QEMU held %s MiB "
+                "(%d MiB needed): not believed, told as a crash", session or "-",
+                "?" if peak is None else peak // MIB, filled // MIB,
+                extra={"session": session} if session else {},
+            )  # fmt: skip
         log.warning(
             "the VM of session %s ended during %s: %s", session or "-", op, why(status, console),
             extra={"session": session} if session else {},

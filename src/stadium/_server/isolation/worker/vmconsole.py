@@ -2,14 +2,19 @@
 
 Each VM's QEMU process writes its own errors (its stderr) and its guest's console
 (``hvc0``: the guest kernel's panic, the guest init's traceback, the env's prints) to one
-socket the worker reads on its loop, without blocking (:class:`Console`). Whatever
-``--sandbox-output`` says, its last :data:`KEEP_MAX` bytes are kept, and told as at most
+socket the worker reads on its loop, without blocking (:class:`Console`), bounded as
+:class:`~.output.OutputReader` bounds any env's output whatever ``--sandbox-output`` says:
+a guest that floods its console costs the worker one read of ``READ_MAX`` per pause (its
+writes block meanwhile), with ``drop`` as with ``log``; once the VM has ended, what its
+socket still holds (its last words, behind a flood) is read whole (:meth:`Console.drained`:
+bounded by the socket's buffer, its writer gone). Its last :data:`KEEP_MAX` bytes are
+kept, and told as at most
 :data:`TAIL_MAX` characters of printable lines, a guest kernel's stack dump left out (its
 panic's reason stays: the dump would push it out) (:meth:`Console.text`). When a VM ends while
 it boots or starts, its error carries them (:func:`why`), and when one ends during a
 session, the server's log does (a session's console may hold what its env printed: it
 is not sent to the client). With ``--sandbox-output log`` every line is logged as well,
-bounded as :class:`~.output.OutputReader` bounds any env's output.
+at the reader's rate.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import re
 import signal
 from collections.abc import Callable
 
-from stadium._server.isolation.worker.output import OutputReader, ReaderState, escape
+from stadium._server.isolation.worker.output import PAUSE_S, OutputReader, ReaderState, escape
 
 #: The bytes of a VM's output kept (its last ones).
 KEEP_MAX = 8192
@@ -51,20 +56,35 @@ class Console(OutputReader):
         self.tail = bytearray()
         """The last :data:`KEEP_MAX` bytes read."""
         self.forward = forward
+        self.final = False
+        """The VM has ended: the rest is read whole, unthrottled (:meth:`drained`)."""
         self._ended = asyncio.Event()
         super().__init__(loop, fd, tag, on_close)
 
-    def _readable(self) -> None:
-        if self.forward:  # read, rate-bounded, logged; the tail kept in _lines
-            super()._readable()
-            return
-        data = self._read()
-        if data is not None:
+    def _read(self) -> bytes | None:
+        data = super()._read()
+        if data is not None:  # every byte read is kept (logged or not)
             self._keep(data)
+        return data
+
+    def _readable(self) -> None:
+        if self.final:  # its writer gone: what is left, as fast as the loop reads it
+            self._read()
+            return
+        super()._readable()  # rate-bounded
 
     def _lines(self, data: bytes) -> None:
-        self._keep(data)
-        super()._lines(data)
+        if self.forward:
+            super()._lines(data)
+
+    def _drop(self, count: int, now: float) -> None:
+        if self.forward:  # logged: said as dropped; else only paused
+            super()._drop(count, now)
+        elif self.state is ReaderState.READING:
+            self.dropped += count
+            self.state = ReaderState.PAUSED
+            self.loop.remove_reader(self.fd)
+            self._resume = self.loop.call_later(PAUSE_S, self._resumed)
 
     def _keep(self, data: bytes) -> None:
         self.tail += data[-KEEP_MAX:]
@@ -75,8 +95,14 @@ class Console(OutputReader):
         self._ended.set()
 
     async def drained(self, within: float = DRAIN_S) -> None:
-        """Wait (at most ``within`` seconds) for the end of its output: every writer gone."""
+        """Wait (at most ``within`` seconds) for the end of its output: every writer gone
+        (its QEMU has ended), so what is left is read unthrottled."""
         if self.state is not ReaderState.CLOSED:
+            self.final = True
+            if self.state is ReaderState.PAUSED:
+                if self._resume is not None:
+                    self._resume.cancel()
+                self._resumed()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ended.wait(), within)
 

@@ -16,7 +16,10 @@ of the template's folder, then runs it on; the copy is a VM restored from that f
 any session's is, continuing where its parent was.
 
 QMP here is a socket pair (``-chardev socket,fd=``), read without blocking the loop, each
-reply bounded (:data:`QMP_MAX`) and decoded as JSON.
+reply bounded (:data:`QMP_MAX`), decoded as JSON and checked for the shape expected (an
+object; its ``return`` an object, its ``error`` an object); anything else is refused with
+an :class:`~stadium.ExecutionError`, as QEMU's fault: a QEMU the guest has taken over
+through its device models writes these lines (issue #30: nothing out of a VM is trusted).
 """
 
 from __future__ import annotations
@@ -117,7 +120,11 @@ class Qmp:
                 raise ExecutionError("QEMU's QMP closed (the template VM ended)")
             self._buf += data
         line, self._buf = self._buf.split(b"\n", 1)
-        msg = json.loads(line)
+        try:
+            msg = json.loads(line)
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
+            what = type(exc).__name__
+            raise ExecutionError(f"QEMU's QMP sent what is not JSON ({what})") from None
         if not isinstance(msg, dict):
             raise ExecutionError("QEMU's QMP sent what is not an object")
         return msg
@@ -126,9 +133,13 @@ class Qmp:
         await self._line()  # the greeting
         await self.command("qmp_capabilities")
 
-    async def command(self, name: str, fd: int = -1, **arguments: Any) -> Any:
-        """Run ``name``; its ``return`` (events on the way are skipped). ``fd``: a
-        descriptor sent along (``getfd``)."""
+    async def command(self, name: str, fd: int = -1, **arguments: Any) -> dict[str, Any]:
+        """Run ``name``; its ``return``, an object (events on the way are skipped). ``fd``:
+        a descriptor sent along (``getfd``).
+
+        Raises:
+            ExecutionError: QEMU refused it, or its QMP sent what is not a reply.
+        """
         body = json.dumps({"execute": name, "arguments": arguments}).encode() + b"\n"
         if fd >= 0:
             socket.send_fds(self.sock, [body], [fd])
@@ -137,9 +148,16 @@ class Qmp:
         for _ in range(1000):
             msg = await self._line()
             if "return" in msg:
-                return msg["return"]
+                said = msg["return"]
+                if not isinstance(said, dict):
+                    raise ExecutionError(f"QEMU's QMP sent a {name} reply that is not an object")
+                return said
             if "error" in msg:
-                raise ExecutionError(f"QEMU refused {name}: {msg['error'].get('desc', msg)}")
+                error = msg["error"]
+                desc = error.get("desc") if isinstance(error, dict) else None
+                if not isinstance(desc, str):
+                    raise ExecutionError(f"QEMU's QMP sent a {name} error that is not an object")
+                raise ExecutionError(f"QEMU refused {name}: {desc[:500]}")
         raise ExecutionError(f"QEMU's QMP sent no reply to {name}")
 
 
