@@ -271,7 +271,7 @@ def read_image(layout: Layout, tag: str | None) -> Manifested:
         )
         for d, diff_id in zip(manifest.layers, config.rootfs.diff_ids, strict=True)
     )
-    return Manifested(config_digest, image_config(config.config), layers)
+    return Manifested(config_digest, image_config(config.config, layout.what), layers)
 
 
 def _choose(manifests: list[_Descriptor], tag: str | None, what: str) -> _Descriptor:
@@ -300,9 +300,17 @@ def _platform(manifests: list[_Descriptor], what: str) -> _Descriptor:
     raise ConfigError(f"{what}: the image index has no linux/{arch} image")
 
 
-def image_config(section: ConfigSection | None) -> ImageConfig:
+def image_config(section: ConfigSection | None, what: str = "the image") -> ImageConfig:
+    """What a session honours of ``section``; a NUL byte in ``Env`` or ``WorkingDir`` (which
+    no process environment or path can hold) refuses the image."""
     if section is None:
         return ImageConfig()
+    for item in (*(section.env or ()), section.workdir or ""):
+        if "\0" in item:
+            raise ConfigError(
+                f"{what}: its config's Env or WorkingDir {item[:100]!r} holds a NUL byte, "
+                f"which no environment or path can: fix the image's ENV/WORKDIR and rebuild"
+            )
     env: dict[str, str] = {}
     for item in section.env or ():
         key, sep, value = item.partition("=")

@@ -2,7 +2,8 @@
 evicted least recently used first under a disk budget.
 
 The layout below the root (docs/IMAGES.md; default ``/var/lib/stadium/images``, or
-``STADIUM_IMAGE_CACHE_DIR``; root-owned 0700, refused when others can write it)::
+``STADIUM_IMAGE_CACHE_DIR``; root-owned 0700, refused when others can write it or, without the
+sticky bit, a folder above it, or when another user owns one of those)::
 
     .lock                   flock: shared while an image is prepared, exclusive while pruning
     layers/HEX/             a layer extracted (HEX: the sha256 of its uncompressed tar, the
@@ -187,6 +188,7 @@ class ImageStore:
                 f"the image cache {root} is writable by others or owned by uid {st.st_uid}: "
                 f"`chown {os.geteuid()} {root} && chmod 700 {root}`, or set {ROOT_ENV}"
             )
+        _check_ancestors(root)
         for sub in _SUBDIRS:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self._path(sub), 0o700)
@@ -428,7 +430,7 @@ class ImageStore:
                         blob_digest=digest,
                         diff_id=diff_id,
                         what=f"layer {digest} of {what}",
-                        limit_bytes=self.budget_bytes,
+                        **self._layer_limit(),
                     )
                 self._write_json(meta, {"size_bytes": facts.size_bytes, "blob": digest})
                 os.rename(tmp, dest)
@@ -436,6 +438,19 @@ class ImageStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return dest, facts.size_bytes
+
+    def _layer_limit(self) -> dict[str, Any]:
+        """What a layer may take: the budget, else the cache's disk's free space but a
+        twentieth of the disk (a layer that decompresses without end fills no disk)."""
+        if self.budget_bytes is not None:
+            return {"limit_bytes": self.budget_bytes}
+        vfs = os.statvfs(self._path("tmp"))
+        free = vfs.f_bavail * vfs.f_frsize - vfs.f_blocks * vfs.f_frsize // 20
+        return {
+            "limit_bytes": max(0, free),
+            "over_limit": "the free space of the image cache's disk (keeping 5% of it "
+            "free): free some, or prune the cache (stadium images prune)",
+        }
 
     # ------------------------------------------------------------------ leases
 
@@ -605,6 +620,26 @@ class ImageStore:
             ):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(images, name))
+
+
+def _check_ancestors(root: str) -> None:
+    """Refuse a cache whose folders above could be renamed away and replaced by another
+    user (one writable by others without the sticky bit, or owned by another user): who
+    swaps the cache swaps its records, and so the layers (any host folder) sessions mount."""
+    me = os.geteuid()
+    path = os.path.dirname(root)
+    for _ in range(root.count("/") + 1):
+        st = os.stat(path)
+        loose = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+        if st.st_uid not in (0, me) or loose:
+            raise ConfigError(
+                f"the image cache {root} is below {path}, which uid {st.st_uid} owns or others "
+                f"may write (mode {stat.S_IMODE(st.st_mode):o}): another user could replace the "
+                f"cache; set {ROOT_ENV} to a directory under folders only root (or you) can write"
+            )
+        if path == "/":
+            return
+        path = os.path.dirname(path)
 
 
 def _layer_sizes(records: Iterable[dict[str, Any]]) -> dict[str, int]:

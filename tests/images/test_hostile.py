@@ -1,0 +1,215 @@
+"""A hostile image's author against the store, and another user of the node against its
+cache: memory and disk bombs, names no file system holds, configs no process can take, a
+cache below a folder others may write. Then the attacks the design already stops, kept as
+cheap regressions (index chains, lying media types, deep JSON, links through whiteouts and
+replaced symlinks). Hand-made layouts: milliseconds each, no Podman."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stadium import ConfigError
+from stadium._server.images import ImageStore
+from stadium._server.images import store as store_module
+from tests.images.layouts import Entry, make_layout
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0, reason="the image store extracts layers as root (owners, whiteouts)"
+)
+MIB = 1 << 20
+
+
+def _raw(tmp_path: Path, tar: bytes, *, gz: bool = False, **kw: Any) -> str:
+    """A layout of one layer given as its tar bytes (gzip-compressed when ``gz``)."""
+    diff_id = f"sha256:{hashlib.sha256(tar).hexdigest()}"
+    blob = gzip.compress(tar, compresslevel=1, mtime=0) if gz else tar
+    layout = make_layout(tmp_path / "layout", [], raw_layers=[blob], diff_ids=[diff_id], **kw)
+    return f"oci:{layout}"
+
+
+def _tar(*members: tuple[tarfile.TarInfo, bytes], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt) as tar:
+        for info, data in members:
+            info.size = len(data) if info.isreg() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
+    return buf.getvalue()
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, **pax: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.mtime, info.pax_headers = kind, 1_700_000_000, dict(pax)
+    return info
+
+
+def _nothing_published(store: ImageStore) -> None:
+    root = Path(store.root)
+    assert list((root / "layers").iterdir()) == []
+    assert list((root / "tmp").iterdir()) == []
+
+
+# ------------------------------------------------------------------ found and fixed
+
+
+@pytest.mark.parametrize("kind", ["pax", "gnu-longname", "trailing"])
+def test_a_tar_whose_headers_or_tail_expand_without_end_is_refused(
+    image_store: ImageStore, tmp_path: Path, kind: str
+) -> None:
+    # A 2 MiB PAX record (or GNU long name) is held whole in memory by tarfile: a few KiB of
+    # gzip could make GiB. Before the fix the first two were extracted (the memory spent).
+    big = "x" * (2 * MIB)
+    if kind == "pax":
+        tar = _tar((_info("f", comment=big), b"ok"))
+    elif kind == "gnu-longname":
+        tar = _tar((_info("d/" * (MIB // 2) + "f"), b"ok"), fmt=tarfile.GNU_FORMAT)
+    else:  # gigabytes of zeros after the end-of-archive, hashed for minutes before
+        tar = _tar((_info("f"), b"ok")) + bytes(2 * MIB)
+    ref = _raw(tmp_path, tar, gz=True)
+    says = "data after the tar's end" if kind == "trailing" else "a tar header .* is over 1024 KiB"
+    with pytest.raises(ConfigError, match=says):
+        image_store.prepare(ref)
+    _nothing_published(image_store)
+
+
+@pytest.mark.parametrize(
+    ("info", "says"),
+    [
+        (_info("a", path="x\0y"), r"the entry 'x\\x00y' holds a NUL byte"),
+        (_info("s", tarfile.SYMTYPE, linkpath="/x\0y"), "the symlink's target .* a NUL byte"),
+        (_info("f", **{"SCHILY.xattr.user.a\0b": "v"}), "the attribute .* a NUL byte"),
+        (_info("a" * 256), r"longer than Linux allows \(255 bytes a name"),
+        (_info("a/" * 2100 + "f"), "longer than Linux allows"),
+    ],
+    ids=["nul-name", "nul-symlink", "nul-xattr", "name-max", "path-max"],
+)
+def test_names_no_file_system_holds_are_refused_with_what_is_wrong(
+    image_store: ImageStore, tmp_path: Path, info: tarfile.TarInfo, says: str
+) -> None:
+    # Before: a NUL was a ValueError escaping the store (not a ConfigError: a worker's reset
+    # failed with a traceback); a long name was said to be "a symlink or a file".
+    with pytest.raises(ConfigError, match=says):
+        image_store.prepare(_raw(tmp_path, _tar((info, b""))))
+    _nothing_published(image_store)
+
+
+@pytest.mark.parametrize(
+    ("env", "workdir"), [(("A=x\0y",), "/work"), (("A=1",), "/wo\0rk")], ids=["env", "workdir"]
+)
+def test_a_config_no_process_can_take_is_refused_when_prepared(
+    image_store: ImageStore, tmp_path: Path, env: tuple[str, ...], workdir: str
+) -> None:
+    # Before: prepared; each session of the image then died in its sandbox (os.environ and
+    # chdir raise ValueError on a NUL) with nothing saying why.
+    layout = make_layout(tmp_path / "layout", [[Entry("f")]], env=env, workdir=workdir)
+    with pytest.raises(ConfigError, match=r"holds a NUL byte.*ENV/WORKDIR"):
+        image_store.prepare(f"oci:{layout}")
+
+
+def test_a_cache_below_a_folder_others_may_write_is_refused(tmp_path: Path) -> None:
+    # Another user could rename the cache away and plant one whose records name any host
+    # folder as a layer (sessions would mount it). Before: accepted.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(ConfigError, match="another user could replace the cache"):
+        ImageStore(str(shared / "cache")).images()
+    os.chmod(shared, 0o1777)  # sticky, like /tmp: nobody else may rename what is ours
+    assert ImageStore(str(shared / "cache")).images() == []
+
+
+def test_without_a_budget_a_layer_cannot_fill_the_disk(
+    image_store: ImageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 8 MiB of zeros (8 KiB of gzip) on a disk with 6 MiB free. Before: extracted (a bomb of
+    # a few MiB of gzip fills any disk when --image-cache-mib is not set, the default).
+    assert image_store.budget_bytes is None
+    ref = _raw(tmp_path, _tar((_info("zeros"), bytes(8 * MIB))), gz=True)
+
+    class Disk:
+        f_frsize, f_blocks, f_bavail = 4096, 20 * MIB // 4096, 7 * MIB // 4096
+
+    monkeypatch.setattr(store_module.os, "statvfs", lambda path: Disk())
+    with pytest.raises(ConfigError, match="free space of the image cache's disk"):
+        image_store.prepare(ref)
+    _nothing_published(image_store)
+
+
+# ------------------------------------------------------------------ stopped by design
+
+
+def _put(root: Path, doc: object) -> str:
+    data = json.dumps(doc).encode()
+    digest = hashlib.sha256(data).hexdigest()
+    (root / "blobs" / "sha256" / digest).write_bytes(data)
+    return f"sha256:{digest}"
+
+
+def test_index_chains_and_lying_media_types_are_refused(
+    image_store: ImageStore, tmp_path: Path
+) -> None:
+    layout = make_layout(tmp_path / "layout", [[Entry("f")]])
+    index = json.loads((layout / "index.json").read_text())
+    manifest = index["manifests"][0]["digest"]
+    config = json.loads((layout / "blobs/sha256" / manifest[7:]).read_text())["config"]
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(os.uname().machine, os.uname().machine)
+    nested = "application/vnd.oci.image.index.v1+json"
+    target = {"mediaType": nested, "digest": manifest}
+    for _ in range(5):  # indexes within indexes (a cycle cannot be: each names a digest)
+        target = {"mediaType": nested, "platform": {"os": "linux", "architecture": arch},
+                  "digest": _put(layout, {"manifests": [target]})}  # fmt: skip
+    deep = b'{"manifests": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    (layout / "blobs/sha256" / hashlib.sha256(deep).hexdigest()).write_bytes(deep)
+    lies = {  # the descriptor, what the refusal says
+        "chain": (target, "the manifest .* is not what an OCI layout holds"),
+        "config-as-manifest": (
+            {"mediaType": index["manifests"][0]["mediaType"], **config},
+            "the manifest .* is not what an OCI layout holds: Object missing required field",
+        ),
+        "deep": (
+            {"mediaType": nested, "digest": f"sha256:{hashlib.sha256(deep).hexdigest()}"},
+            "nested more deeply than the decoder allows",
+        ),
+    }
+    for name, (desc, says) in lies.items():
+        (layout / "index.json").write_text(json.dumps({"manifests": [desc]}))
+        with pytest.raises(ConfigError, match=says):
+            image_store.prepare(f"oci:{layout}")
+        assert image_store.images() == [], name
+
+
+def test_links_through_whiteouts_and_replaced_directories_are_refused(
+    image_store: ImageStore, tmp_path: Path
+) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    cases = {  # the entries, what the refusal says
+        "hard link to a whiteout": (
+            [Entry(".wh.gone"), Entry("x", "hardlink", target="gone")],
+            "the hard link 'x' points at 'gone', which is not a file earlier",
+        ),
+        "whiteout of ..": ([Entry("d", "dir"), Entry("d/.wh...")], "the whiteout .* malformed"),
+        "a dir replaced by a symlink, then written through": (
+            [
+                Entry("a", "dir"),
+                Entry("a/f", data=b"1"),
+                Entry("a", "symlink", target=str(victim)),
+                Entry("a/pwn", data=b"x"),
+            ],
+            "'a' is used as a directory but is a symlink",
+        ),
+    }
+    for i, (name, (entries, says)) in enumerate(cases.items()):
+        layout = make_layout(tmp_path / f"l{i}", [entries])
+        with pytest.raises(ConfigError, match=says):
+            image_store.prepare(f"oci:{layout}")
+        assert list(victim.iterdir()) == [], name
+        _nothing_published(image_store)
