@@ -12,6 +12,7 @@ import io
 import json
 import os
 import tarfile
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from stadium import ConfigError
 from stadium._server.images import ImageStore
 from stadium._server.images import store as store_module
+from stadium._server.images.extract import extract_layer
 from tests.images.layouts import Entry, make_layout
 
 pytestmark = pytest.mark.skipif(
@@ -129,18 +131,63 @@ def test_a_cache_below_a_folder_others_may_write_is_refused(tmp_path: Path) -> N
 def test_without_a_budget_a_layer_cannot_fill_the_disk(
     image_store: ImageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 8 MiB of zeros (8 KiB of gzip) on a disk with 6 MiB free. Before: extracted (a bomb of
-    # a few MiB of gzip fills any disk when --image-cache-mib is not set, the default).
+    # 8 MiB of zeros (8 KiB of gzip) on a 20 GiB disk with 1 GiB + 7 MiB free (5% kept).
+    # Before: extracted (a few MiB of gzip filled any disk without --image-cache-mib, the
+    # default).
     assert image_store.budget_bytes is None
     ref = _raw(tmp_path, _tar((_info("zeros"), bytes(8 * MIB))), gz=True)
 
-    class Disk:
-        f_frsize, f_blocks, f_bavail = 4096, 20 * MIB // 4096, 7 * MIB // 4096
-
-    monkeypatch.setattr(store_module.os, "statvfs", lambda path: Disk())
+    _disk(monkeypatch, free_mib=1024 + 7)
     with pytest.raises(ConfigError, match="free space of the image cache's disk"):
         image_store.prepare(ref)
     _nothing_published(image_store)
+
+
+def test_a_layer_cannot_take_the_disks_last_inodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 80 empty files on a disk with 100 inodes free of 1000 (5% kept: 50 for the layer).
+    # Before: extracted (millions of empty files: a few MiB of gzip, any disk's inodes).
+    store = ImageStore(str(tmp_path / "cache"), budget_bytes=64 * MIB)
+    ref = _raw(tmp_path, _tar(*((_info(f"f{i}"), b"") for i in range(80))), gz=True)
+    _disk(monkeypatch, free_mib=1024, inodes=(1000, 100))
+    with pytest.raises(ConfigError, match=r"more than 50 entries, more than .* inodes free"):
+        store.prepare(ref)
+    _nothing_published(store)
+
+
+def test_a_layer_of_huge_entries_is_extracted_in_bounded_memory(tmp_path: Path) -> None:
+    # 200 directories of 128 KiB of PAX records each (~40 KiB of gzip): tarfile kept every
+    # entry read, and the store every directory's entry until the end. Before: ~25 MiB
+    # traced (a 100 MiB blob: 100 GiB); now what one entry takes.
+    tar = _tar(*((_info(f"d{i}", tarfile.DIRTYPE, comment="x" * (128 << 10)), b"")
+                 for i in range(200)))  # fmt: skip
+    blob = gzip.compress(tar, compresslevel=1, mtime=0)
+    dest = tmp_path / "layer"
+    dest.mkdir()
+    digest = f"sha256:{hashlib.sha256(tar).hexdigest()}"
+    tracemalloc.start()
+    try:
+        extract_layer(
+            io.BytesIO(blob), str(dest), what="L", diff_id=digest,
+            blob_digest=f"sha256:{hashlib.sha256(blob).hexdigest()}",
+        )  # fmt: skip
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(list(dest.iterdir())) == 200
+    assert peak < 12 * MIB, f"{peak >> 20} MiB traced"
+
+
+def _disk(monkeypatch: pytest.MonkeyPatch, free_mib: int, inodes: tuple[int, int] = (0, 0)) -> None:
+    """The cache's disk as os.statvfs tells the store: 20 GiB of which ``free_mib`` are free,
+    ``inodes`` (total, free; 0: not counted, as btrfs)."""
+
+    class Disk:
+        f_frsize, f_blocks, f_bavail = 4096, (20 << 30) // 4096, (free_mib << 20) // 4096
+        f_files, f_favail = inodes
+
+    monkeypatch.setattr(store_module.os, "statvfs", lambda path: Disk())
 
 
 # ------------------------------------------------------------------ stopped by design

@@ -36,7 +36,7 @@ import stat
 import tarfile
 import zlib
 from collections.abc import Callable
-from typing import IO, Protocol
+from typing import IO, NamedTuple, Protocol
 
 from stadium._errors import ConfigError
 
@@ -155,6 +155,7 @@ def extract_layer(
     what: str,
     limit_bytes: int | None = None,
     over_limit: str = "the image cache's budget: raise --image-cache-mib",
+    limit_entries: int | None = None,
 ) -> LayerFacts:
     """Extract the layer ``blob`` into the new, empty directory ``dest``.
 
@@ -165,7 +166,8 @@ def extract_layer(
             uncompressed tar. Either not matching: a ConfigError.
         what: names the layer and the REF in errors.
         limit_bytes: refuse the layer past this many bytes (the cache's budget, or its
-            disk's free space); over_limit: what that limit is and what to do, for the error.
+            disk's free space); over_limit: what that limit is and what to do, for the error;
+            limit_entries: refuse the layer past this many entries (the disk's free inodes).
 
     Raises:
         ConfigError: a corrupt, unreadable or hostile layer (``dest`` is then left for the
@@ -182,7 +184,7 @@ def extract_layer(
         tar_stream = source
     tar_bytes = _Hashing(tar_stream)
     facts = LayerFacts()
-    writer = _Writer(dest, what, facts, limit_bytes, over_limit)
+    writer = _Writer(dest, what, facts, (limit_bytes, over_limit, limit_entries))
     tar_bytes.stop = MAX_HEADER_BYTES
     tar_bytes.stopped = (
         f"{what}: a tar header (PAX records, a long name or a sparse map) is over "
@@ -190,7 +192,9 @@ def extract_layer(
     )
     try:
         with tarfile.open(fileobj=tar_bytes, mode="r|") as tar:  # type: ignore[call-overload]
-            for member in tar:  # its data, then at most MAX_HEADER_BYTES up to the next one
+            while (member := tar.next()) is not None:
+                tar.members.clear()  # tarfile keeps every entry read (its PAX records too)
+                # its data, then at most MAX_HEADER_BYTES up to the next entry
                 tar_bytes.stop = tar_bytes.count + max(0, member.size) + MAX_HEADER_BYTES
                 writer.entry(member, tar.extractfile)
         tar_bytes.stop = tar_bytes.count + MAX_TRAILING_BYTES
@@ -264,15 +268,15 @@ class _Writer:
     a symlink), then applies the directories' metadata."""
 
     def __init__(
-        self, dest: str, what: str, facts: LayerFacts, limit: int | None, over: str
+        self, dest: str, what: str, facts: LayerFacts, limits: tuple[int | None, str, int | None]
     ) -> None:
         self._what = what
         self._facts = facts
-        self._limit = limit
-        self._over = over
+        self._limit, self._over, self._max_entries = limits
         self._root = os.open(dest, _DIR_FLAGS)
         self._fds: dict[tuple[str, ...], int] = {}
-        self._dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
+        self._dirs: dict[tuple[str, ...], _DirMeta] = {}
+        """Directories' metadata to set at the end (an entry removed since: skipped then)."""
 
     def close(self) -> None:
         self._drop_fds()
@@ -311,6 +315,12 @@ class _Writer:
         facts = self._facts
         facts.entries += 1
         facts.size_bytes += data_bytes + _ENTRY_BYTES
+        if self._max_entries is not None and facts.entries > self._max_entries:
+            raise ConfigError(
+                f"{self._what} has more than {self._max_entries} entries, more than the "
+                f"image cache's disk has inodes free (keeping 5% of them): free some, or prune "
+                f"the cache (stadium images prune)"
+            )
         if self._limit is not None and facts.size_bytes > self._limit:
             raise ConfigError(
                 f"{self._what} takes more than {self._limit >> 20} MiB, {self._over} "
@@ -324,10 +334,9 @@ class _Writer:
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            n = len(parts)  # what was below it goes: its descriptors, its metadata to set
-            for below in [p for p in self._fds if p[:n] == parts]:
+            n = len(parts)  # what was below it goes: its descriptors (few); its metadata
+            for below in [p for p in self._fds if p[:n] == parts]:  # is skipped at the end
                 os.close(self._fds.pop(below))
-            self._dirs = {p: m for p, m in self._dirs.items() if p[:n] != parts}
             shutil.rmtree(parts[-1], dir_fd=parent)
         else:
             os.unlink(parts[-1], dir_fd=parent)
@@ -340,7 +349,7 @@ class _Writer:
         parts = _parts(m.name, self._what)
         if not parts:  # the layer's root ("./")
             if m.isdir():
-                self._dirs[()] = m
+                self._dirs[()] = _DirMeta.of(m, os.fstat(self._root).st_ino)
             return
         base = parts[-1]
         parent = self._dir(parts[:-1])
@@ -359,8 +368,9 @@ class _Writer:
                     os.mkdir(base, 0o700, dir_fd=parent)
             except FileNotFoundError:
                 os.mkdir(base, 0o700, dir_fd=parent)
-            self._dirs[parts] = m
-            self._xattrs(self._dir(parts), m)
+            fd = self._dir(parts)
+            self._dirs[parts] = _DirMeta.of(m, os.fstat(fd).st_ino)
+            self._xattrs(fd, m)
             self._count(0)
         elif m.isreg():
             self._file(parent, parts, m, extractfile)
@@ -452,12 +462,32 @@ class _Writer:
         """Directories' owners, modes and times, deepest first (their entries are written)."""
         for parts in sorted(self._dirs, key=len, reverse=True):
             m = self._dirs[parts]
-            fd = self._dir(parts, create=False)
+            try:
+                fd = self._dir(parts, create=False)
+            except (FileNotFoundError, NotADirectoryError, ConfigError):
+                continue  # replaced by a later entry: removed, or no longer a directory
+            if os.fstat(fd).st_ino != m.ino:
+                continue  # removed, then made again as another entry's parent
             os.fchown(fd, m.uid, m.gid)
-            os.fchmod(fd, m.mode & 0o7777)
-            os.utime(fd, ns=_ns(m))
+            os.fchmod(fd, m.mode)
+            os.utime(fd, ns=(m.mtime_ns, m.mtime_ns))
         if () not in self._dirs:
             os.fchmod(self._root, 0o755)
+
+
+class _DirMeta(NamedTuple):
+    """What is kept of a directory's entry until the end (not its TarInfo: its PAX records
+    could be a MiB each)."""
+
+    uid: int
+    gid: int
+    mode: int
+    mtime_ns: int
+    ino: int
+
+    @classmethod
+    def of(cls, m: tarfile.TarInfo, ino: int) -> _DirMeta:
+        return cls(m.uid, m.gid, m.mode & 0o7777, _ns(m)[0], ino)
 
 
 def _ns(m: tarfile.TarInfo) -> tuple[int, int]:

@@ -441,12 +441,17 @@ class ImageStore:
 
     def _layer_limit(self) -> dict[str, Any]:
         """What a layer may take: the budget, else the cache's disk's free space but a
-        twentieth of the disk (a layer that decompresses without end fills no disk)."""
-        if self.budget_bytes is not None:
-            return {"limit_bytes": self.budget_bytes}
+        twentieth of the disk; at most its free inodes but a twentieth (a layer that
+        decompresses without end, or into millions of empty files, fills no disk)."""
         vfs = os.statvfs(self._path("tmp"))
-        free = vfs.f_bavail * vfs.f_frsize - vfs.f_blocks * vfs.f_frsize // 20
+        limits: dict[str, Any] = {}
+        if vfs.f_files:  # 0: the file system has no inode count (btrfs)
+            limits["limit_entries"] = max(0, vfs.f_favail - vfs.f_files // 20)
+        if self.budget_bytes is not None:
+            return {**limits, "limit_bytes": self.budget_bytes}
+        free = (vfs.f_bavail - vfs.f_blocks // 20) * vfs.f_frsize
         return {
+            **limits,
             "limit_bytes": max(0, free),
             "over_limit": "the free space of the image cache's disk (keeping 5% of it "
             "free): free some, or prune the cache (stadium images prune)",
