@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import signal
 import tarfile
 import tracemalloc
 from pathlib import Path
@@ -22,6 +23,7 @@ from stadium import ConfigError
 from stadium._server.images import ImageStore
 from stadium._server.images import store as store_module
 from stadium._server.images.extract import extract_layer
+from tests.conftest import UNIT
 from tests.images.layouts import Entry, make_layout
 
 pytestmark = pytest.mark.skipif(
@@ -188,6 +190,37 @@ def _disk(monkeypatch: pytest.MonkeyPatch, free_mib: int, inodes: tuple[int, int
         f_files, f_favail = inodes
 
     monkeypatch.setattr(store_module.os, "statvfs", lambda path: Disk())
+
+
+@pytest.mark.parametrize("what", ["index", "layer"])
+def test_a_layout_whose_files_are_a_fifo_or_a_device_is_refused(
+    image_store: ImageStore, tmp_path: Path, what: str
+) -> None:
+    # Before: open() of a FIFO blocked for ever (the store's locks held, `stadium images
+    # prune` waiting behind them); a layer linked to /dev/zero was hashed without end.
+    layout = make_layout(tmp_path / "layout", [[Entry("f")]])
+    if what == "index":
+        (layout / "index.json").unlink()
+        os.mkfifo(layout / "index.json")
+    else:
+        manifest = json.loads((layout / "index.json").read_text())["manifests"][0]["digest"]
+        blobs = layout / "blobs/sha256"
+        layer = json.loads((blobs / manifest[7:]).read_text())["layers"][0]["digest"][7:]
+        (blobs / layer).unlink()
+        (blobs / layer).symlink_to("/dev/zero")
+
+    def hung(signum: int, frame: object) -> None:
+        raise TimeoutError("the store blocked on the layout's file")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.setitimer(signal.ITIMER_REAL, 10 * UNIT)
+    try:
+        with pytest.raises(ConfigError, match="is not a regular file: the layout is malformed"):
+            image_store.prepare(f"oci:{layout}")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    _nothing_published(image_store)
 
 
 # ------------------------------------------------------------------ stopped by design
