@@ -24,7 +24,7 @@ from stadium._server.images import ImageStore
 from stadium._server.images import store as store_module
 from stadium._server.images.extract import extract_layer
 from tests.conftest import UNIT
-from tests.images.layouts import Entry, make_layout
+from tests.images.layouts import Entry, make_layout, overlay_reads
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0, reason="the image store extracts layers as root (owners, whiteouts)"
@@ -293,3 +293,19 @@ def test_links_through_whiteouts_and_replaced_directories_are_refused(
             image_store.prepare(f"oci:{layout}")
         assert list(victim.iterdir()) == [], name
         _nothing_published(image_store)
+
+
+def test_a_lower_layers_symlink_is_not_written_through_by_the_next_layer(
+    image_store: ImageStore, tmp_path: Path
+) -> None:
+    # Layer 1: etc -> the host's folder; layer 2: etc/pwn. Each layer is extracted on its
+    # own (layer 2 makes a directory etc), and overlayfs shows the upper directory.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    layout = make_layout(tmp_path / "layout", [
+        [Entry("etc", "symlink", target=str(victim))],
+        [Entry("etc/pwn", data=b"inside")],
+    ])  # fmt: skip
+    image = image_store.prepare(f"oci:{layout}")
+    assert list(victim.iterdir()) == []
+    overlay_reads(image.layers, {"etc/pwn": "inside"})
