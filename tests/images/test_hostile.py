@@ -309,3 +309,15 @@ def test_a_lower_layers_symlink_is_not_written_through_by_the_next_layer(
     image = image_store.prepare(f"oci:{layout}")
     assert list(victim.iterdir()) == []
     overlay_reads(image.layers, {"etc/pwn": "inside"})
+
+
+def test_a_layer_given_twice_mounts_once_where_it_is_topmost(
+    image_store: ImageStore, tmp_path: Path
+) -> None:
+    # Before: layers (X, Y, X) were three lowerdirs, two the same folder: overlayfs refused
+    # the mount ("conflicting lowerdir path"), so every session of the image failed.
+    x = [Entry("f", data=b"x"), Entry("g", data=b"x")]
+    layout = make_layout(tmp_path / "layout", [x, [Entry("f", data=b"y")], x])
+    image = image_store.prepare(f"oci:{layout}")
+    assert len(image.layers) == 2
+    overlay_reads(image.layers, {"f": "x", "g": "x"})

@@ -386,7 +386,7 @@ class ImageStore:
         what: str,
     ) -> PreparedImage:
         unique = dict(zip(dirs, sizes, strict=True))
-        image = PreparedImage(r.text, digest, tuple(dirs), config, sum(unique.values()))
+        image = PreparedImage(r.text, digest, _stack(dirs), config, sum(unique.values()))
         if self.budget_bytes is not None and image.size_bytes > self.budget_bytes:
             raise ConfigError(
                 f"{what} takes {image.size_bytes >> 20} MiB, over the image cache's budget "
@@ -693,11 +693,18 @@ def _image_json(image: PreparedImage) -> dict[str, Any]:
     }
 
 
+def _stack(dirs: Iterable[str]) -> tuple[str, ...]:
+    """Layers bottom first, a layer given twice (the same diff_id) once, where it is topmost:
+    the same overlay, and overlayfs refuses a lowerdir given twice ("conflicting lowerdir
+    path"). Records written before this was done are read through it too."""
+    return tuple(reversed(dict.fromkeys(reversed(list(dirs)))))
+
+
 def _prepared(ref: str, body: dict[str, Any]) -> PreparedImage:
     return PreparedImage(
         ref,
         body["digest"],
-        tuple(body["layers"]),
+        _stack(body["layers"]),
         ImageConfig.from_json(body["config"]),
         int(body["size_bytes"]),
     )
