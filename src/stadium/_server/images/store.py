@@ -20,8 +20,11 @@ sticky bit, a folder above it, or when another user owns one of those)::
 source and the image's record); the first time it is O(layers): each missing layer is
 extracted once, into ``tmp/`` and renamed into place, under that layer's lock, so two
 processes preparing one image extract each layer once and a crash leaves no half layer
-(``tmp/`` is emptied by the next prune). Invariant: every image record's layers exist
-(layers are removed only under the exclusive lock, when no record names them).
+(``tmp/`` is emptied by the next prune). A layer may take at most the budget (without one:
+the disk's free space but a twentieth of the disk) and the disk's free inodes but a
+twentieth. A layer an image has twice is stacked once, where it is topmost. Invariant:
+every image record's layers exist (layers are removed only under the exclusive lock, when no
+record names them).
 """
 
 from __future__ import annotations
