@@ -321,3 +321,19 @@ def test_a_layer_given_twice_mounts_once_where_it_is_topmost(
     image = image_store.prepare(f"oci:{layout}")
     assert len(image.layers) == 2
     overlay_reads(image.layers, {"f": "x", "g": "x"})
+
+
+def test_a_half_extracted_layer_of_a_killed_worker_is_never_used(
+    image_store: ImageStore, tmp_path: Path
+) -> None:
+    # What a worker killed mid-extraction leaves: tmp/layer-HEX, no layers/HEX. The next
+    # preparation (under that layer's lock) starts it again; nothing half is published.
+    layout = make_layout(tmp_path / "layout", [[Entry("whole", data=b"1")]])
+    hexd = image_store.prepare(f"oci:{layout}").layers[0].rsplit("/", 1)[1]
+    image_store.prune(keep_bytes=0)
+    partial = Path(image_store.root, "tmp", f"layer-{hexd}")
+    partial.mkdir()
+    (partial / "half").write_bytes(b"")
+    layer = Path(image_store.prepare(f"oci:{layout}").layers[0])
+    assert sorted(p.name for p in layer.iterdir()) == ["whole"]
+    assert not partial.exists()
