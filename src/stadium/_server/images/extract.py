@@ -12,6 +12,11 @@ directory descriptors opened with ``O_NOFOLLOW``, so that nothing a tar says can
 * device nodes: skipped (a layer cannot hand a session a device); FIFOs are made;
 * extended attributes: only ``user.*`` and ``security.capability``; ``trusted.*`` (overlayfs'
   own: opaque, redirect, metacopy) never comes from a tar;
+* a name over 255 bytes or a path over 4095 (Linux's limits): refused;
+* a NUL byte in a name, a link's target or an attribute's name: refused;
+* a tar header (PAX records, a GNU long name, a sparse map) over :data:`MAX_HEADER_BYTES`:
+  refused before it is read whole (a few KiB of gzip would otherwise make GiB of memory),
+  and so is more than :data:`MAX_TRAILING_BYTES` of data after the tar's end;
 * setuid/setgid bits are kept (the image as built; the cache root is 0700 and sessions run
   with ``no_new_privs``, under which they grant nothing);
 * owners, modes and times as the tar says (the store runs as root).
@@ -31,7 +36,7 @@ import stat
 import tarfile
 import zlib
 from collections.abc import Callable
-from typing import IO, Protocol
+from typing import IO, NamedTuple, Protocol
 
 from stadium._errors import ConfigError
 
@@ -43,6 +48,12 @@ _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXE
 _FD_CACHE = 256
 MAX_DEPTH = 128
 """The deepest entry a layer may have (each level is a descriptor while it is written)."""
+MAX_HEADER_BYTES = 1 << 20
+"""The most a layer's tar may read between one entry's data and the next entry (its PAX
+records, GNU long names, sparse maps): tarfile holds all of it in memory."""
+MAX_TRAILING_BYTES = 1 << 20
+"""The most a layer may hold after its tar's end-of-archive (padding is a few KiB)."""
+_NAME_MAX, _PATH_MAX = 255, 4095
 _ENTRY_BYTES = 512
 """What an entry costs beside its data in the size accounting (its inode, roughly)."""
 _KEPT_XATTRS = ("user.", "security.capability")
@@ -66,15 +77,22 @@ class _Reader(Protocol):
 
 
 class _Hashing:
-    """Reads through ``source`` and hashes what passes (``sha256`` of every byte read)."""
+    """Reads through ``source`` and hashes what passes (``sha256`` of every byte read);
+    counts the bytes, and refuses to read past ``stop`` (``stopped`` says why)."""
 
     def __init__(self, source: _Reader) -> None:
         self._source = source
         self.hash = hashlib.sha256()
+        self.count = 0
+        self.stop: int | None = None
+        self.stopped = ""
 
     def read(self, n: int = -1, /) -> bytes:
         data = self._source.read(n)
         self.hash.update(data)
+        self.count += len(data)
+        if self.stop is not None and self.count > self.stop:
+            raise ConfigError(self.stopped)
         return data
 
     def drain(self) -> None:
@@ -136,6 +154,8 @@ def extract_layer(
     diff_id: str,
     what: str,
     limit_bytes: int | None = None,
+    over_limit: str = "the image cache's budget: raise --image-cache-mib",
+    limit_entries: int | None = None,
 ) -> LayerFacts:
     """Extract the layer ``blob`` into the new, empty directory ``dest``.
 
@@ -145,7 +165,9 @@ def extract_layer(
         blob_digest: the manifest's digest of the blob; diff_id: the config's digest of the
             uncompressed tar. Either not matching: a ConfigError.
         what: names the layer and the REF in errors.
-        limit_bytes: refuse the layer past this many bytes (the cache's budget).
+        limit_bytes: refuse the layer past this many bytes (the cache's budget, or its
+            disk's free space); over_limit: what that limit is and what to do, for the error;
+            limit_entries: refuse the layer past this many entries (the disk's free inodes).
 
     Raises:
         ConfigError: a corrupt, unreadable or hostile layer (``dest`` is then left for the
@@ -162,11 +184,24 @@ def extract_layer(
         tar_stream = source
     tar_bytes = _Hashing(tar_stream)
     facts = LayerFacts()
-    writer = _Writer(dest, what, facts, limit_bytes)
+    writer = _Writer(dest, what, facts, (limit_bytes, over_limit, limit_entries))
+    tar_bytes.stop = MAX_HEADER_BYTES
+    tar_bytes.stopped = (
+        f"{what}: a tar header (PAX records, a long name or a sparse map) is over "
+        f"{MAX_HEADER_BYTES >> 10} KiB: refused (a hostile or broken layer; rebuild the image)"
+    )
     try:
         with tarfile.open(fileobj=tar_bytes, mode="r|") as tar:  # type: ignore[call-overload]
-            for member in tar:
+            while (member := tar.next()) is not None:
+                tar.members.clear()  # tarfile keeps every entry read (its PAX records too)
+                # its data, then at most MAX_HEADER_BYTES up to the next entry
+                tar_bytes.stop = tar_bytes.count + max(0, member.size) + MAX_HEADER_BYTES
                 writer.entry(member, tar.extractfile)
+        tar_bytes.stop = tar_bytes.count + MAX_TRAILING_BYTES
+        tar_bytes.stopped = (
+            f"{what}: over {MAX_TRAILING_BYTES >> 10} KiB of data after the tar's end: "
+            f"refused (a hostile or broken layer; rebuild the image)"
+        )
         tar_bytes.drain()
         raw.drain()
         writer.finish()
@@ -204,9 +239,23 @@ class _Unhashed:
         return self._raw.read(n)
 
 
+def _no_nul(text: str, kind: str, what: str) -> str:
+    if "\0" in text:
+        raise ConfigError(f"{what}: {kind} {text[:200]!r} holds a NUL byte: refused")
+    return text
+
+
 def _parts(name: str, what: str) -> tuple[str, ...]:
     """A tar name as path components below the layer's root ("/" and "." dropped)."""
+    _no_nul(name, "the entry", what)
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if len(name.encode("utf-8", "surrogateescape")) > _PATH_MAX or any(
+        len(p.encode("utf-8", "surrogateescape")) > _NAME_MAX for p in parts
+    ):
+        raise ConfigError(
+            f"{what}: the entry {name[:200]!r}... is longer than Linux allows ({_NAME_MAX} "
+            f"bytes a name, {_PATH_MAX} a path): refused"
+        )
     if len(parts) > MAX_DEPTH:
         raise ConfigError(f"{what}: the entry {name[:200]!r}... is over {MAX_DEPTH} deep: refused")
     if ".." in parts:
@@ -218,13 +267,16 @@ class _Writer:
     """Writes entries below ``dest`` through cached directory descriptors (never following
     a symlink), then applies the directories' metadata."""
 
-    def __init__(self, dest: str, what: str, facts: LayerFacts, limit: int | None) -> None:
+    def __init__(
+        self, dest: str, what: str, facts: LayerFacts, limits: tuple[int | None, str, int | None]
+    ) -> None:
         self._what = what
         self._facts = facts
-        self._limit = limit
+        self._limit, self._over, self._max_entries = limits
         self._root = os.open(dest, _DIR_FLAGS)
         self._fds: dict[tuple[str, ...], int] = {}
-        self._dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
+        self._dirs: dict[tuple[str, ...], _DirMeta] = {}
+        """Directories' metadata to set at the end (an entry removed since: skipped then)."""
 
     def close(self) -> None:
         self._drop_fds()
@@ -263,10 +315,16 @@ class _Writer:
         facts = self._facts
         facts.entries += 1
         facts.size_bytes += data_bytes + _ENTRY_BYTES
+        if self._max_entries is not None and facts.entries > self._max_entries:
+            raise ConfigError(
+                f"{self._what} has more than {self._max_entries} entries, more than the "
+                f"image cache's disk has inodes free (keeping 5% of them): free some, or prune "
+                f"the cache (stadium images prune)"
+            )
         if self._limit is not None and facts.size_bytes > self._limit:
             raise ConfigError(
-                f"{self._what} takes more than the image cache's budget "
-                f"({self._limit >> 20} MiB): raise --image-cache-mib"
+                f"{self._what} takes more than {self._limit >> 20} MiB, {self._over} "
+                f"(a decompression bomb stops here)"
             )
 
     def _clear(self, parent: int, parts: tuple[str, ...]) -> None:
@@ -276,10 +334,9 @@ class _Writer:
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            n = len(parts)  # what was below it goes: its descriptors, its metadata to set
-            for below in [p for p in self._fds if p[:n] == parts]:
+            n = len(parts)  # what was below it goes: its descriptors (few); its metadata
+            for below in [p for p in self._fds if p[:n] == parts]:  # is skipped at the end
                 os.close(self._fds.pop(below))
-            self._dirs = {p: m for p, m in self._dirs.items() if p[:n] != parts}
             shutil.rmtree(parts[-1], dir_fd=parent)
         else:
             os.unlink(parts[-1], dir_fd=parent)
@@ -292,7 +349,7 @@ class _Writer:
         parts = _parts(m.name, self._what)
         if not parts:  # the layer's root ("./")
             if m.isdir():
-                self._dirs[()] = m
+                self._dirs[()] = _DirMeta.of(m, os.fstat(self._root).st_ino)
             return
         base = parts[-1]
         parent = self._dir(parts[:-1])
@@ -311,14 +368,15 @@ class _Writer:
                     os.mkdir(base, 0o700, dir_fd=parent)
             except FileNotFoundError:
                 os.mkdir(base, 0o700, dir_fd=parent)
-            self._dirs[parts] = m
-            self._xattrs(self._dir(parts), m)
+            fd = self._dir(parts)
+            self._dirs[parts] = _DirMeta.of(m, os.fstat(fd).st_ino)
+            self._xattrs(fd, m)
             self._count(0)
         elif m.isreg():
             self._file(parent, parts, m, extractfile)
         elif m.issym():
             self._clear(parent, parts)
-            os.symlink(m.linkname, base, dir_fd=parent)
+            os.symlink(_no_nul(m.linkname, "the symlink's target", self._what), base, dir_fd=parent)
             os.chown(base, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
             _utime(base, m, parent)
             self._count(len(m.linkname))
@@ -395,7 +453,7 @@ class _Writer:
         for key, value in m.pax_headers.items():
             if not key.startswith("SCHILY.xattr."):
                 continue
-            name = key[len("SCHILY.xattr.") :]
+            name = _no_nul(key[len("SCHILY.xattr.") :], "the attribute", self._what)
             if name.startswith(_KEPT_XATTRS):
                 data = value.encode("utf-8", "surrogateescape")
                 os.setxattr(fd, name, data)
@@ -404,12 +462,32 @@ class _Writer:
         """Directories' owners, modes and times, deepest first (their entries are written)."""
         for parts in sorted(self._dirs, key=len, reverse=True):
             m = self._dirs[parts]
-            fd = self._dir(parts, create=False)
+            try:
+                fd = self._dir(parts, create=False)
+            except (FileNotFoundError, NotADirectoryError, ConfigError):
+                continue  # replaced by a later entry: removed, or no longer a directory
+            if os.fstat(fd).st_ino != m.ino:
+                continue  # removed, then made again as another entry's parent
             os.fchown(fd, m.uid, m.gid)
-            os.fchmod(fd, m.mode & 0o7777)
-            os.utime(fd, ns=_ns(m))
+            os.fchmod(fd, m.mode)
+            os.utime(fd, ns=(m.mtime_ns, m.mtime_ns))
         if () not in self._dirs:
             os.fchmod(self._root, 0o755)
+
+
+class _DirMeta(NamedTuple):
+    """What is kept of a directory's entry until the end (not its TarInfo: its PAX records
+    could be a MiB each)."""
+
+    uid: int
+    gid: int
+    mode: int
+    mtime_ns: int
+    ino: int
+
+    @classmethod
+    def of(cls, m: tarfile.TarInfo, ino: int) -> _DirMeta:
+        return cls(m.uid, m.gid, m.mode & 0o7777, _ns(m)[0], ino)
 
 
 def _ns(m: tarfile.TarInfo) -> tuple[int, int]:

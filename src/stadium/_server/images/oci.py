@@ -3,7 +3,8 @@
 A layout is a directory (``oci:DIR``) or a tar of one (``oci-archive:FILE``, read in place
 with random access, nothing unpacked). Every JSON document is decoded into its expected
 shape with a size limit and its ``sha256`` checked against the digest that named it; blob
-paths are built only from checked digests (``sha256:`` + 64 hex digits).
+paths are built only from checked digests (``sha256:`` + 64 hex digits), and what they name
+must be a regular file (a FIFO would block the store, a device give bytes without end).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import hashlib
 import os
 import platform
+import stat
 import tarfile
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -168,7 +170,7 @@ class DirLayout:
 
     def read_index(self) -> bytes:
         try:
-            with open(os.path.join(self.path, "index.json"), "rb") as f:
+            with _open_file(os.path.join(self.path, "index.json"), self.what) as f:
                 return f.read(MAX_DOC_BYTES + 1)
         except FileNotFoundError:
             raise ConfigError(
@@ -183,11 +185,21 @@ class DirLayout:
     def blob(self, digest: str) -> Iterator[IO[bytes]]:
         path = os.path.join(self.path, "blobs", "sha256", digest.removeprefix("sha256:"))
         try:
-            f = open(path, "rb")  # noqa: SIM115
+            f = _open_file(path, self.what)
         except OSError as exc:
             raise ConfigError(f"{self.what}: the blob {digest} is missing: {exc}") from None
         with f:
             yield f
+
+
+def _open_file(path: str, what: str) -> IO[bytes]:
+    """``path`` opened for reading if it is a regular file (a layout is a stranger's: a
+    FIFO would block the store for ever, a device give bytes without end)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"{what}: {path} is not a regular file: the layout is malformed")
+    return os.fdopen(fd, "rb")
 
 
 class ArchiveLayout:
@@ -271,7 +283,7 @@ def read_image(layout: Layout, tag: str | None) -> Manifested:
         )
         for d, diff_id in zip(manifest.layers, config.rootfs.diff_ids, strict=True)
     )
-    return Manifested(config_digest, image_config(config.config), layers)
+    return Manifested(config_digest, image_config(config.config, layout.what), layers)
 
 
 def _choose(manifests: list[_Descriptor], tag: str | None, what: str) -> _Descriptor:
@@ -300,9 +312,17 @@ def _platform(manifests: list[_Descriptor], what: str) -> _Descriptor:
     raise ConfigError(f"{what}: the image index has no linux/{arch} image")
 
 
-def image_config(section: ConfigSection | None) -> ImageConfig:
+def image_config(section: ConfigSection | None, what: str = "the image") -> ImageConfig:
+    """What a session honours of ``section``; a NUL byte in ``Env`` or ``WorkingDir`` (which
+    no process environment or path can hold) refuses the image."""
     if section is None:
         return ImageConfig()
+    for item in (*(section.env or ()), section.workdir or ""):
+        if "\0" in item:
+            raise ConfigError(
+                f"{what}: its config's Env or WorkingDir {item[:100]!r} holds a NUL byte, "
+                f"which no environment or path can: fix the image's ENV/WORKDIR and rebuild"
+            )
     env: dict[str, str] = {}
     for item in section.env or ():
         key, sep, value = item.partition("=")

@@ -78,7 +78,7 @@ def inspect(name: str, what: str) -> PodmanImage:
         info = json.loads(out.stdout)[0]
         digest = check_digest(f"sha256:{info['Id']}", f"{what}: podman's image ID")
         diff_ids = tuple(check_digest(d, what) for d in info["RootFS"]["Layers"])
-        config = image_config(msgspec.convert(info.get("Config"), ConfigSection | None))
+        config = image_config(msgspec.convert(info.get("Config"), ConfigSection | None), what)
     except (ValueError, LookupError, TypeError, msgspec.ValidationError):
         raise ConfigError(f"{what}: podman image inspect answered what it should not") from None
     return PodmanImage(digest, _stamp_path(info), diff_ids, config)

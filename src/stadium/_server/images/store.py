@@ -2,7 +2,8 @@
 evicted least recently used first under a disk budget.
 
 The layout below the root (docs/IMAGES.md; default ``/var/lib/stadium/images``, or
-``STADIUM_IMAGE_CACHE_DIR``; root-owned 0700, refused when others can write it)::
+``STADIUM_IMAGE_CACHE_DIR``; root-owned 0700, refused when others can write it or, without the
+sticky bit, a folder above it, or when another user owns one of those)::
 
     .lock                   flock: shared while an image is prepared, exclusive while pruning
     layers/HEX/             a layer extracted (HEX: the sha256 of its uncompressed tar, the
@@ -19,8 +20,11 @@ The layout below the root (docs/IMAGES.md; default ``/var/lib/stadium/images``, 
 source and the image's record); the first time it is O(layers): each missing layer is
 extracted once, into ``tmp/`` and renamed into place, under that layer's lock, so two
 processes preparing one image extract each layer once and a crash leaves no half layer
-(``tmp/`` is emptied by the next prune). Invariant: every image record's layers exist
-(layers are removed only under the exclusive lock, when no record names them).
+(``tmp/`` is emptied by the next prune). A layer may take at most the budget (without one:
+the disk's free space but a twentieth of the disk) and the disk's free inodes but a
+twentieth. A layer an image has twice is stacked once, where it is topmost. Invariant:
+every image record's layers exist (layers are removed only under the exclusive lock, when no
+record names them).
 """
 
 from __future__ import annotations
@@ -187,6 +191,7 @@ class ImageStore:
                 f"the image cache {root} is writable by others or owned by uid {st.st_uid}: "
                 f"`chown {os.geteuid()} {root} && chmod 700 {root}`, or set {ROOT_ENV}"
             )
+        _check_ancestors(root)
         for sub in _SUBDIRS:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(self._path(sub), 0o700)
@@ -384,7 +389,7 @@ class ImageStore:
         what: str,
     ) -> PreparedImage:
         unique = dict(zip(dirs, sizes, strict=True))
-        image = PreparedImage(r.text, digest, tuple(dirs), config, sum(unique.values()))
+        image = PreparedImage(r.text, digest, _stack(dirs), config, sum(unique.values()))
         if self.budget_bytes is not None and image.size_bytes > self.budget_bytes:
             raise ConfigError(
                 f"{what} takes {image.size_bytes >> 20} MiB, over the image cache's budget "
@@ -428,7 +433,7 @@ class ImageStore:
                         blob_digest=digest,
                         diff_id=diff_id,
                         what=f"layer {digest} of {what}",
-                        limit_bytes=self.budget_bytes,
+                        **self._layer_limit(),
                     )
                 self._write_json(meta, {"size_bytes": facts.size_bytes, "blob": digest})
                 os.rename(tmp, dest)
@@ -436,6 +441,24 @@ class ImageStore:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
         return dest, facts.size_bytes
+
+    def _layer_limit(self) -> dict[str, Any]:
+        """What a layer may take: the budget, else the cache's disk's free space but a
+        twentieth of the disk; at most its free inodes but a twentieth (a layer that
+        decompresses without end, or into millions of empty files, fills no disk)."""
+        vfs = os.statvfs(self._path("tmp"))
+        limits: dict[str, Any] = {}
+        if vfs.f_files:  # 0: the file system has no inode count (btrfs)
+            limits["limit_entries"] = max(0, vfs.f_favail - vfs.f_files // 20)
+        if self.budget_bytes is not None:
+            return {**limits, "limit_bytes": self.budget_bytes}
+        free = (vfs.f_bavail - vfs.f_blocks // 20) * vfs.f_frsize
+        return {
+            **limits,
+            "limit_bytes": max(0, free),
+            "over_limit": "the free space of the image cache's disk (keeping 5% of it "
+            "free): free some, or prune the cache (stadium images prune)",
+        }
 
     # ------------------------------------------------------------------ leases
 
@@ -607,6 +630,26 @@ class ImageStore:
                     os.unlink(os.path.join(images, name))
 
 
+def _check_ancestors(root: str) -> None:
+    """Refuse a cache whose folders above could be renamed away and replaced by another
+    user (one writable by others without the sticky bit, or owned by another user): who
+    swaps the cache swaps its records, and so the layers (any host folder) sessions mount."""
+    me = os.geteuid()
+    path = os.path.dirname(root)
+    for _ in range(root.count("/") + 1):
+        st = os.stat(path)
+        loose = st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX
+        if st.st_uid not in (0, me) or loose:
+            raise ConfigError(
+                f"the image cache {root} is below {path}, which uid {st.st_uid} owns or others "
+                f"may write (mode {stat.S_IMODE(st.st_mode):o}): another user could replace the "
+                f"cache; set {ROOT_ENV} to a directory under folders only root (or you) can write"
+            )
+        if path == "/":
+            return
+        path = os.path.dirname(path)
+
+
 def _layer_sizes(records: Iterable[dict[str, Any]]) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for rec in records:
@@ -653,11 +696,18 @@ def _image_json(image: PreparedImage) -> dict[str, Any]:
     }
 
 
+def _stack(dirs: Iterable[str]) -> tuple[str, ...]:
+    """Layers bottom first, a layer given twice (the same diff_id) once, where it is topmost:
+    the same overlay, and overlayfs refuses a lowerdir given twice ("conflicting lowerdir
+    path"). Records written before this was done are read through it too."""
+    return tuple(reversed(dict.fromkeys(reversed(list(dirs)))))
+
+
 def _prepared(ref: str, body: dict[str, Any]) -> PreparedImage:
     return PreparedImage(
         ref,
         body["digest"],
-        tuple(body["layers"]),
+        _stack(body["layers"]),
         ImageConfig.from_json(body["config"]),
         int(body["size_bytes"]),
     )
