@@ -132,15 +132,15 @@ const F_DONE: u8 = 3;
 const F_TRUNC: u8 = 4;
 const F_INFO: u8 = 5;
 
-fn field_of(name: &str, info_key: &str) -> Option<u8> {
-    if name == info_key {
+fn field_of(name: &[u8], info_key: &str) -> Option<u8> {
+    if name == info_key.as_bytes() {
         return Some(F_INFO);
     }
     match name {
-        "observation" => Some(F_OBS),
-        "reward" => Some(F_REWARD),
-        "done" => Some(F_DONE),
-        "truncated" => Some(F_TRUNC),
+        b"observation" => Some(F_OBS),
+        b"reward" => Some(F_REWARD),
+        b"done" => Some(F_DONE),
+        b"truncated" => Some(F_TRUNC),
         _ => None,
     }
 }
@@ -166,16 +166,6 @@ fn json_members(s: &mut Scan<'_>, mut each: impl FnMut(&[u8], bool, (usize, usiz
     })
 }
 
-fn json_key(tok: &[u8], esc: bool) -> Option<String> {
-    if esc {
-        json::unescape(tok).ok()
-    } else {
-        std::str::from_utf8(&tok[1..tok.len() - 1])
-            .ok()
-            .map(str::to_owned)
-    }
-}
-
 /// A JSON frame's top-level `data` and, when it is an object, its fields: the frame's
 /// UTF-8 checked whole, then one pass over its top level and `data`'s members, their
 /// values skipped, not validated ([`Scan::skip`]: the frames are the worker's own, a
@@ -193,11 +183,9 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
             let mut g = Fields::default();
             json_members(s, |tok, esc, span| {
                 let which = if esc {
-                    json_key(tok, esc).and_then(|k| field_of(&k, info_key))
+                    json::unescape(tok).ok().and_then(|k| field_of(k.as_bytes(), info_key))
                 } else {
-                    std::str::from_utf8(&tok[1..tok.len() - 1])
-                        .ok()
-                        .and_then(|k| field_of(k, info_key))
+                    field_of(&tok[1..tok.len() - 1], info_key) // UTF-8: `Scan::string` checked it
                 };
                 if let Some(which) = which {
                     set(&mut g, which, span);
@@ -252,7 +240,7 @@ fn msgpack_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
                     let key = d.item()?;
                     let span = msgpack::skip(&mut d, 2)?;
                     if let Item::Str(k) = key {
-                        if let Some(which) = field_of(k, info_key) {
+                        if let Some(which) = field_of(k.as_bytes(), info_key) {
                             set(&mut f, which, span);
                         }
                     }
