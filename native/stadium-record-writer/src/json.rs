@@ -274,68 +274,119 @@ impl<'a> Scan<'a> {
     }
 }
 
-/// The bytes [`skip_nested`] looks at: quotes, backslashes, brackets.
-static SPECIAL: [bool; 256] = {
-    let mut t = [false; 256];
-    t[b'"' as usize] = true;
-    t[b'\\' as usize] = true;
-    t[b'{' as usize] = true;
-    t[b'[' as usize] = true;
-    t[b'}' as usize] = true;
-    t[b']' as usize] = true;
-    t
-};
+/// The bytes [`skip_nested`] looks at, among the 16 of a block: bit k for its k-th byte.
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Marks {
+    quotes: u32,
+    backslashes: u32,
+    opens: u32,
+    closes: u32,
+}
 
-/// The [`SPECIAL`] bytes among the 16 at `c`: bit k for `c[k]`.
+impl Marks {
+    fn any(&self) -> u32 {
+        self.quotes | self.backslashes | self.opens | self.closes
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn special16(c: &[u8; 16]) -> u32 {
+fn marks(c: &[u8; 16]) -> Marks {
     use std::arch::x86_64::*;
     // SAFETY: SSE2 is part of x86_64; the load reads the 16 bytes of `c`, unaligned.
     unsafe {
         let v = _mm_loadu_si128(c.as_ptr() as *const __m128i);
         // `|0x20` maps `[` to `{` and `]` to `}` (and no other byte to either)
         let low = _mm_or_si128(v, _mm_set1_epi8(0x20));
-        let brackets = _mm_or_si128(
-            _mm_cmpeq_epi8(low, _mm_set1_epi8(b'{' as i8)),
-            _mm_cmpeq_epi8(low, _mm_set1_epi8(b'}' as i8)),
-        );
-        let quotes = _mm_or_si128(
-            _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8)),
-            _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8)),
-        );
-        _mm_movemask_epi8(_mm_or_si128(brackets, quotes)) as u32
+        let bits = |x: __m128i, c: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(c as i8))) as u32;
+        Marks {
+            quotes: bits(v, b'"'),
+            backslashes: bits(v, b'\\'),
+            opens: bits(low, b'{'),
+            closes: bits(low, b'}'),
+        }
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[inline(always)]
-fn special16(c: &[u8; 16]) -> u32 {
-    special16_bytewise(c)
+fn marks(c: &[u8; 16]) -> Marks {
+    marks_bytewise(c)
 }
 
-#[allow(dead_code)] // the other architectures' [`special16`], and its tests' reference
-fn special16_bytewise(c: &[u8; 16]) -> u32 {
-    let mut m = 0;
+#[allow(dead_code)] // the other architectures' [`marks`], and its tests' reference
+fn marks_bytewise(c: &[u8; 16]) -> Marks {
+    let mut m = Marks {
+        quotes: 0,
+        backslashes: 0,
+        opens: 0,
+        closes: 0,
+    };
     for (k, &x) in c.iter().enumerate() {
-        m |= (SPECIAL[x as usize] as u32) << k;
+        match x {
+            b'"' => m.quotes |= 1 << k,
+            b'\\' => m.backslashes |= 1 << k,
+            b'{' | b'[' => m.opens |= 1 << k,
+            b'}' | b']' => m.closes |= 1 << k,
+            _ => {}
+        }
     }
     m
 }
 
+/// Bit k set when an odd number of `x`'s bits 0..=k are (the bytes a block's quotes enclose,
+/// with its opening quotes).
+#[inline(always)]
+fn prefix_xor(mut x: u32) -> u32 {
+    x ^= x << 1;
+    x ^= x << 2;
+    x ^= x << 4;
+    x ^= x << 8;
+    x & 0xffff
+}
+
 /// The index after the container or string that opens at `i` (a trusted text: strings to
 /// their closing quote, escapes stepped over, not checked; containers by their brackets'
-/// depth, at most [`MAX_DEPTH`], not matched), 16 bytes at a time: each block's
-/// [`SPECIAL`] bytes found at once, then visited in order.
+/// depth, at most [`MAX_DEPTH`], not matched), 16 bytes at a time. A block without a
+/// backslash in which the value cannot end (fewer closing brackets outside strings than the
+/// depth; for a string, no quote) is passed whole, its brackets and quotes counted; any
+/// other block's marks are visited one by one, in order.
 fn skip_nested(b: &[u8], mut i: usize) -> R<usize> {
     let mut depth = 0usize;
     let mut quoted = false;
     let mut escaped = false; // the block's first byte is escaped (a backslash ended the last)
+    match b[i] {
+        b'"' => quoted = true,
+        _ => depth = 1, // `{` or `[`
+    }
+    i += 1;
     while i < b.len() {
         let n = (b.len() - i).min(16);
-        let mut block = [0u8; 16]; // past the text: zeros, no special byte
-        block[..n].copy_from_slice(&b[i..i + n]);
-        let mut m = special16(&block);
+        let mk = match b.get(i..i + 16) {
+            Some(block) => marks(block.try_into().unwrap()),
+            None => {
+                let mut block = [0u8; 16]; // past the text: zeros, no mark
+                block[..n].copy_from_slice(&b[i..]);
+                marks(&block)
+            }
+        };
+        if !escaped && mk.backslashes == 0 {
+            let inside = prefix_xor(mk.quotes) ^ if quoted { 0xffff } else { 0 };
+            let opens = (mk.opens & !inside).count_ones() as usize;
+            let closes = (mk.closes & !inside).count_ones() as usize;
+            let passed = if depth == 0 {
+                quoted && mk.quotes == 0 // within the string the value is
+            } else {
+                closes < depth && depth + opens <= MAX_DEPTH
+            };
+            if passed {
+                depth = depth + opens - closes;
+                quoted ^= mk.quotes.count_ones() & 1 == 1;
+                i += n;
+                continue;
+            }
+        }
+        let mut m = mk.any();
         if escaped {
             m &= !1;
             escaped = false;
@@ -824,13 +875,18 @@ mod tests {
     fn skips_as_before_on_any_text() {
         // texts of the bytes that matter, of every length across a block or two, drawn by a
         // fixed xorshift: the block-wise skip gives the spans (and refusals) of the old one
-        let alphabet = b"{}[]\"\\a:, \xc3";
+        let dense = b"{}[]\"\\a:, \xc3";
+        let sparse = b"{}[]\"\\a:, \xc3aaaaaaaaaaaaaaaaaaaa";
         let mut x = 0x9e3779b97f4a7c15u64;
-        for _ in 0..200_000 {
+        for round in 0..400_000 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let len = (x % 40) as usize;
+            let (alphabet, len) = if round % 2 == 0 {
+                (&dense[..], (x % 40) as usize)
+            } else {
+                (&sparse[..], (x % 120) as usize)
+            };
             let mut text = Vec::with_capacity(len);
             let mut y = x;
             for _ in 0..len {
@@ -848,7 +904,7 @@ mod tests {
         let mut block = [0u8; 16];
         for x in 0..=255u8 {
             block[x as usize % 16] = x;
-            assert_eq!(special16(&block), special16_bytewise(&block), "{}", x);
+            assert_eq!(marks(&block), marks_bytewise(&block), "{}", x);
         }
     }
 }
