@@ -10,13 +10,28 @@ use crate::msgpack::{self, Cur, Item};
 /// A text of the row: a range of [`Out::arena`], or a null.
 pub type Txt = Option<(usize, usize)>;
 
-/// One step as the pipe brought it.
+/// One step as the pipe brought it: its request frame at `start..mid` of its episode's
+/// buffer, its reply at `mid..end` (24 bytes: written per step, read back at the episode's
+/// end, a fifth of the memory the frames take).
 pub struct Step {
-    pub action: (usize, usize),
-    pub reply: (usize, usize),
-    pub failed: bool,
     pub took: f64,
+    pub start: u32,
+    pub mid: u32,
+    pub end: u32,
+    pub failed: bool,
 }
+
+impl Step {
+    fn action(&self) -> std::ops::Range<usize> {
+        self.start as usize..self.mid as usize
+    }
+
+    fn reply(&self) -> std::ops::Range<usize> {
+        self.mid as usize..self.end as usize
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<Step>() == 24);
 
 /// An episode's frames: the reset reply and its steps, in one buffer.
 pub struct Frames<'a> {
@@ -320,8 +335,8 @@ pub fn usual(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
         out.reset_info = out.put_value(ep.reset, span, json, true)?;
     }
     for st in ep.steps {
-        let request = &ep.data[st.action.0..st.action.1];
-        let reply = &ep.data[st.reply.0..st.reply.1];
+        let request = &ep.data[st.action()];
+        let reply = &ep.data[st.reply()];
         let rq = fields(request, json, info_key, false)?;
         let f = fields(reply, json, info_key, true)?;
         match f.data {
@@ -396,13 +411,13 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
     out.reset_observation = plain_value(out, ep.reset, reset.observation, json, false)?;
     out.reset_info = plain_value(out, ep.reset, reset.info, json, false)?;
     for st in ep.steps {
-        let request = &ep.data[st.action.0..st.action.1];
+        let request = &ep.data[st.action()];
         let rq = fields(request, json, info_key, false)?;
         let action = plain_value(out, request, rq.data, json, true)?;
         out.actions.push(action);
         if st.failed {
             // the error's text (UTF-8 from the worker; undecodable bytes replaced)
-            let text = String::from_utf8_lossy(&ep.data[st.reply.0..st.reply.1]).into_owned();
+            let text = String::from_utf8_lossy(&ep.data[st.reply()]).into_owned();
             let text = text.as_str();
             out.observations.push(None);
             out.rewards.push(None);
@@ -419,7 +434,7 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
                 out.error = Some(text.to_owned());
             }
         } else {
-            let reply = &ep.data[st.reply.0..st.reply.1];
+            let reply = &ep.data[st.reply()];
             let f = plain_fields(reply, json, info_key)?;
             let obs = plain_value(out, reply, f.observation, json, true)?;
             out.observations.push(obs);

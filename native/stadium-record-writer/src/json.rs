@@ -371,9 +371,12 @@ fn skip_nested(b: &[u8], mut i: usize) -> R<usize> {
             }
         };
         if !escaped && mk.backslashes == 0 {
-            let inside = prefix_xor(mk.quotes) ^ if quoted { 0xffff } else { 0 };
-            let opens = (mk.opens & !inside).count_ones() as usize;
-            let closes = (mk.closes & !inside).count_ones() as usize;
+            let enclosed = prefix_xor(mk.quotes); // its bit 15: the quotes' parity
+            let inside = enclosed ^ if quoted { 0xffff } else { 0 };
+            // counted only when some are: the baseline x86_64 has no popcnt instruction
+            let count = |m: u32| if m == 0 { 0 } else { m.count_ones() as usize };
+            let opens = count(mk.opens & !inside);
+            let closes = count(mk.closes & !inside);
             let passed = if depth == 0 {
                 quoted && mk.quotes == 0 // within the string the value is
             } else {
@@ -381,7 +384,7 @@ fn skip_nested(b: &[u8], mut i: usize) -> R<usize> {
             };
             if passed {
                 depth = depth + opens - closes;
-                quoted ^= mk.quotes.count_ones() & 1 == 1;
+                quoted ^= enclosed >> 15 == 1;
                 i += n;
                 continue;
             }

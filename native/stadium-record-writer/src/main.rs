@@ -244,12 +244,13 @@ impl Writer {
                     let start = ep.data.len();
                     ep.data.extend_from_slice(a);
                     ep.data.extend_from_slice(b);
-                    let mid = start + a.len();
+                    // within u32: `episode_limit` is
                     ep.steps.push(Step {
-                        action: (start, mid),
-                        reply: (mid, ep.data.len()),
-                        failed: flag != 0,
                         took: number,
+                        start: start as u32,
+                        mid: (start + a.len()) as u32,
+                        end: ep.data.len() as u32,
+                        failed: flag != 0,
                     });
                     ep.failed |= flag != 0;
                 }
@@ -619,7 +620,11 @@ fn main() {
         flush_s: num("config.flush_s"),
         shard_bytes: num("config.shard_bytes") as i64,
         // the worker keeps an episode's frames under episode_bytes (one step past it at most)
-        episode_limit: episode_bytes.saturating_mul(2).saturating_add(queue_bytes),
+        // (and its offsets fit a `Step`'s u32s)
+        episode_limit: episode_bytes
+            .saturating_mul(2)
+            .saturating_add(queue_bytes)
+            .min(u32::MAX as usize),
         filter,
         counts,
         open: ByRid::default(),
