@@ -198,7 +198,9 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
             let mut g = Fields::default();
             json_members(s, |tok, esc, span| {
                 let which = if esc {
-                    json::unescape(tok).ok().and_then(|k| field_of(k.as_bytes(), info_key))
+                    json::unescape(tok)
+                        .ok()
+                        .and_then(|k| field_of(k.as_bytes(), info_key))
                 } else {
                     field_of(&tok[1..tok.len() - 1], info_key) // UTF-8: `Scan::string` checked it
                 };

@@ -298,7 +298,8 @@ fn marks(c: &[u8; 16]) -> Marks {
         let v = _mm_loadu_si128(c.as_ptr() as *const __m128i);
         // `|0x20` maps `[` to `{` and `]` to `}` (and no other byte to either)
         let low = _mm_or_si128(v, _mm_set1_epi8(0x20));
-        let bits = |x: __m128i, c: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(c as i8))) as u32;
+        let bits =
+            |x: __m128i, c: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(c as i8))) as u32;
         Marks {
             quotes: bits(v, b'"'),
             backslashes: bits(v, b'\\'),
