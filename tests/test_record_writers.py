@@ -79,13 +79,13 @@ def _episodes() -> list[tuple[str, bool, bytes, list[tuple[bytes, bytes | str]],
     # a request the same as the step before's is not scanned again by the native writer
     same, other = b'{"type":"step","data": { "w" : [0.0, "a"] } }', b"{}"
     s, t = b'{"data":"s"}', b'{"d":"ssss"}'  # the same length
-    repeats = [
+    repeats: list[tuple[bytes, bytes | str]] = [
         (r, j({"observation": {"step": i}, "reward": 0.5, "done": False}))
         for i, r in enumerate([same, same, other, same, s, s, t, s])
     ]
     mp_same = msgspec.msgpack.encode({"type": "step", "data": {"a": [1, None]}})
     mp_other = msgspec.msgpack.encode({})
-    mp_repeats = [
+    mp_repeats: list[tuple[bytes, bytes | str]] = [
         (r, m({"observation": i, "reward": 1}))
         for i, r in enumerate([mp_same, mp_same, mp_other, mp_same])
     ]
