@@ -76,6 +76,19 @@ def _episodes() -> list[tuple[str, bool, bytes, list[tuple[bytes, bytes | str]],
     ]
     plain = [(b'{"type":"step","data":{"a":%d}}' % i, j({"observation": {"step": i},
               "reward": 1.0, "done": i == 4, "metadata": {}})) for i in range(5)]  # fmt: skip
+    # a request the same as the step before's is not scanned again by the native writer
+    same, other = b'{"type":"step","data": { "w" : [0.0, "a"] } }', b"{}"
+    s, t = b'{"data":"s"}', b'{"d":"ssss"}'  # the same length
+    repeats: list[tuple[bytes, bytes | str]] = [
+        (r, j({"observation": {"step": i}, "reward": 0.5, "done": False}))
+        for i, r in enumerate([same, same, other, same, s, s, t, s])
+    ]
+    mp_same = msgspec.msgpack.encode({"type": "step", "data": {"a": [1, None]}})
+    mp_other = msgspec.msgpack.encode({})
+    mp_repeats: list[tuple[bytes, bytes | str]] = [
+        (r, m({"observation": i, "reward": 1}))
+        for i, r in enumerate([mp_same, mp_same, mp_other, mp_same])
+    ]
     reset_j = j({"observation": {"start": 1}, "metadata": {"seed": 3}})
     reset_m = m({"observation": [1, 2], "metadata": None})
     return [
@@ -86,6 +99,8 @@ def _episodes() -> list[tuple[str, bool, bytes, list[tuple[bytes, bytes | str]],
         ("msgpack", False, reset_m, mp, EndReason.CLOSED),
         ("msgpack-failed", False, reset_m, mp_failed, EndReason.DONE),
         ("empty", True, reset_j, [], EndReason.CLOSED),
+        ("repeats", True, reset_j, repeats, EndReason.DONE),
+        ("msgpack-repeats", False, reset_m, mp_repeats, EndReason.TRUNCATED),
     ]
 
 

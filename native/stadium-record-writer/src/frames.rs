@@ -10,13 +10,28 @@ use crate::msgpack::{self, Cur, Item};
 /// A text of the row: a range of [`Out::arena`], or a null.
 pub type Txt = Option<(usize, usize)>;
 
-/// One step as the pipe brought it.
+/// One step as the pipe brought it: its request frame at `start..mid` of its episode's
+/// buffer, its reply at `mid..end` (24 bytes: written per step, read back at the episode's
+/// end, a fifth of the memory the frames take).
 pub struct Step {
-    pub action: (usize, usize),
-    pub reply: (usize, usize),
-    pub failed: bool,
     pub took: f64,
+    pub start: u32,
+    pub mid: u32,
+    pub end: u32,
+    pub failed: bool,
 }
+
+impl Step {
+    fn action(&self) -> std::ops::Range<usize> {
+        self.start as usize..self.mid as usize
+    }
+
+    fn reply(&self) -> std::ops::Range<usize> {
+        self.mid as usize..self.end as usize
+    }
+}
+
+const _: () = assert!(std::mem::size_of::<Step>() == 24);
 
 /// An episode's frames: the reset reply and its steps, in one buffer.
 pub struct Frames<'a> {
@@ -132,15 +147,15 @@ const F_DONE: u8 = 3;
 const F_TRUNC: u8 = 4;
 const F_INFO: u8 = 5;
 
-fn field_of(name: &str, info_key: &str) -> Option<u8> {
-    if name == info_key {
+fn field_of(name: &[u8], info_key: &str) -> Option<u8> {
+    if name == info_key.as_bytes() {
         return Some(F_INFO);
     }
     match name {
-        "observation" => Some(F_OBS),
-        "reward" => Some(F_REWARD),
-        "done" => Some(F_DONE),
-        "truncated" => Some(F_TRUNC),
+        b"observation" => Some(F_OBS),
+        b"reward" => Some(F_REWARD),
+        b"done" => Some(F_DONE),
+        b"truncated" => Some(F_TRUNC),
         _ => None,
     }
 }
@@ -166,16 +181,6 @@ fn json_members(s: &mut Scan<'_>, mut each: impl FnMut(&[u8], bool, (usize, usiz
     })
 }
 
-fn json_key(tok: &[u8], esc: bool) -> Option<String> {
-    if esc {
-        json::unescape(tok).ok()
-    } else {
-        std::str::from_utf8(&tok[1..tok.len() - 1])
-            .ok()
-            .map(str::to_owned)
-    }
-}
-
 /// A JSON frame's top-level `data` and, when it is an object, its fields: the frame's
 /// UTF-8 checked whole, then one pass over its top level and `data`'s members, their
 /// values skipped, not validated ([`Scan::skip`]: the frames are the worker's own, a
@@ -193,11 +198,11 @@ fn json_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
             let mut g = Fields::default();
             json_members(s, |tok, esc, span| {
                 let which = if esc {
-                    json_key(tok, esc).and_then(|k| field_of(&k, info_key))
-                } else {
-                    std::str::from_utf8(&tok[1..tok.len() - 1])
+                    json::unescape(tok)
                         .ok()
-                        .and_then(|k| field_of(k, info_key))
+                        .and_then(|k| field_of(k.as_bytes(), info_key))
+                } else {
+                    field_of(&tok[1..tok.len() - 1], info_key) // UTF-8: `Scan::string` checked it
                 };
                 if let Some(which) = which {
                     set(&mut g, which, span);
@@ -252,7 +257,7 @@ fn msgpack_fields(frame: &[u8], info_key: &str, inner: bool) -> R<Fields> {
                     let key = d.item()?;
                     let span = msgpack::skip(&mut d, 2)?;
                     if let Item::Str(k) = key {
-                        if let Some(which) = field_of(k, info_key) {
+                        if let Some(which) = field_of(k.as_bytes(), info_key) {
                             set(&mut f, which, span);
                         }
                     }
@@ -331,10 +336,20 @@ pub fn usual(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
     if let Some(span) = reset.info {
         out.reset_info = out.put_value(ep.reset, span, json, true)?;
     }
+    // a request the same as the step before's (an env's few actions, a client's fixed
+    // frame) is not scanned again: its fields are the same spans of the same bytes
+    let mut last: Option<(&[u8], Fields)> = None;
     for st in ep.steps {
-        let request = &ep.data[st.action.0..st.action.1];
-        let reply = &ep.data[st.reply.0..st.reply.1];
-        let rq = fields(request, json, info_key, false)?;
+        let request = &ep.data[st.action()];
+        let reply = &ep.data[st.reply()];
+        let rq = match last {
+            Some((before, f)) if before == request => f,
+            _ => {
+                let f = fields(request, json, info_key, false)?;
+                last = Some((request, f));
+                f
+            }
+        };
         let f = fields(reply, json, info_key, true)?;
         match f.data {
             Some(span) if is_object(reply, span, json) => {}
@@ -408,13 +423,13 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
     out.reset_observation = plain_value(out, ep.reset, reset.observation, json, false)?;
     out.reset_info = plain_value(out, ep.reset, reset.info, json, false)?;
     for st in ep.steps {
-        let request = &ep.data[st.action.0..st.action.1];
+        let request = &ep.data[st.action()];
         let rq = fields(request, json, info_key, false)?;
         let action = plain_value(out, request, rq.data, json, true)?;
         out.actions.push(action);
         if st.failed {
             // the error's text (UTF-8 from the worker; undecodable bytes replaced)
-            let text = String::from_utf8_lossy(&ep.data[st.reply.0..st.reply.1]).into_owned();
+            let text = String::from_utf8_lossy(&ep.data[st.reply()]).into_owned();
             let text = text.as_str();
             out.observations.push(None);
             out.rewards.push(None);
@@ -431,7 +446,7 @@ pub fn plain(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
                 out.error = Some(text.to_owned());
             }
         } else {
-            let reply = &ep.data[st.reply.0..st.reply.1];
+            let reply = &ep.data[st.reply()];
             let f = plain_fields(reply, json, info_key)?;
             let obs = plain_value(out, reply, f.observation, json, true)?;
             out.observations.push(obs);

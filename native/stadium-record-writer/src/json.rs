@@ -23,25 +23,6 @@ static STOP: [bool; 256] = {
     t
 };
 
-/// The bytes [`Scan::skip`] stops at inside a container: brackets and quotes.
-static NEST: [bool; 256] = {
-    let mut t = [false; 256];
-    t[b'"' as usize] = true;
-    t[b'{' as usize] = true;
-    t[b'[' as usize] = true;
-    t[b'}' as usize] = true;
-    t[b']' as usize] = true;
-    t
-};
-
-/// The bytes that end a skipped string's plain run: a quote, a backslash.
-static QUOTE: [bool; 256] = {
-    let mut t = [false; 256];
-    t[b'"' as usize] = true;
-    t[b'\\' as usize] = true;
-    t
-};
-
 /// A cursor over one JSON text (already checked to be UTF-8).
 pub struct Scan<'a> {
     pub b: &'a [u8],
@@ -171,36 +152,7 @@ impl<'a> Scan<'a> {
         let start = self.i;
         let mut i = start;
         match *b.get(i).ok_or(Bad)? {
-            b'{' | b'[' => {
-                let mut depth = 0usize;
-                loop {
-                    while i < b.len() && !NEST[b[i] as usize] {
-                        i += 1; // a run of bytes that neither open, close nor quote
-                    }
-                    match *b.get(i).ok_or(Bad)? {
-                        b'"' => {
-                            i = skip_string(b, i)?;
-                            continue;
-                        }
-                        b'{' | b'[' => {
-                            depth += 1;
-                            if depth > MAX_DEPTH {
-                                return Err(Bad);
-                            }
-                        }
-                        b'}' | b']' => {
-                            depth -= 1;
-                            if depth == 0 {
-                                self.i = i + 1;
-                                return Ok((start, self.i));
-                            }
-                        }
-                        _ => {}
-                    }
-                    i += 1;
-                }
-            }
-            b'"' => i = skip_string(b, i)?,
+            b'{' | b'[' | b'"' => i = skip_nested(b, i)?,
             b'}' | b']' | b',' | b':' => return Err(Bad),
             _ => {
                 while i < b.len()
@@ -322,20 +274,164 @@ impl<'a> Scan<'a> {
     }
 }
 
-/// The index after the string whose opening quote is at `i` (a trusted text: escapes are
-/// stepped over, not checked).
-fn skip_string(b: &[u8], mut i: usize) -> R<usize> {
-    i += 1;
-    loop {
-        while i < b.len() && !QUOTE[b[i] as usize] {
-            i += 1;
-        }
-        match *b.get(i).ok_or(Bad)? {
-            b'"' => return Ok(i + 1),
-            b'\\' => i += 2,
-            _ => i += 1,
+/// The bytes [`skip_nested`] looks at, among the 16 of a block: bit k for its k-th byte.
+#[derive(Clone, Copy, PartialEq, Debug)]
+struct Marks {
+    quotes: u32,
+    backslashes: u32,
+    opens: u32,
+    closes: u32,
+}
+
+impl Marks {
+    fn any(&self) -> u32 {
+        self.quotes | self.backslashes | self.opens | self.closes
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn marks(c: &[u8; 16]) -> Marks {
+    use std::arch::x86_64::*;
+    // SAFETY: SSE2 is part of x86_64; the load reads the 16 bytes of `c`, unaligned.
+    unsafe {
+        let v = _mm_loadu_si128(c.as_ptr() as *const __m128i);
+        // `|0x20` maps `[` to `{` and `]` to `}` (and no other byte to either)
+        let low = _mm_or_si128(v, _mm_set1_epi8(0x20));
+        let bits =
+            |x: __m128i, c: u8| _mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_set1_epi8(c as i8))) as u32;
+        Marks {
+            quotes: bits(v, b'"'),
+            backslashes: bits(v, b'\\'),
+            opens: bits(low, b'{'),
+            closes: bits(low, b'}'),
         }
     }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+fn marks(c: &[u8; 16]) -> Marks {
+    marks_bytewise(c)
+}
+
+#[allow(dead_code)] // the other architectures' [`marks`], and its tests' reference
+fn marks_bytewise(c: &[u8; 16]) -> Marks {
+    let mut m = Marks {
+        quotes: 0,
+        backslashes: 0,
+        opens: 0,
+        closes: 0,
+    };
+    for (k, &x) in c.iter().enumerate() {
+        match x {
+            b'"' => m.quotes |= 1 << k,
+            b'\\' => m.backslashes |= 1 << k,
+            b'{' | b'[' => m.opens |= 1 << k,
+            b'}' | b']' => m.closes |= 1 << k,
+            _ => {}
+        }
+    }
+    m
+}
+
+/// Bit k set when an odd number of `x`'s bits 0..=k are (the bytes a block's quotes enclose,
+/// with its opening quotes).
+#[inline(always)]
+fn prefix_xor(mut x: u32) -> u32 {
+    x ^= x << 1;
+    x ^= x << 2;
+    x ^= x << 4;
+    x ^= x << 8;
+    x & 0xffff
+}
+
+/// The index after the container or string that opens at `i` (a trusted text: strings to
+/// their closing quote, escapes stepped over, not checked; containers by their brackets'
+/// depth, at most [`MAX_DEPTH`], not matched), 16 bytes at a time. A block without a
+/// backslash in which the value cannot end (fewer closing brackets outside strings than the
+/// depth; for a string, no quote) is passed whole, its brackets and quotes counted; any
+/// other block's marks are visited one by one, in order.
+fn skip_nested(b: &[u8], mut i: usize) -> R<usize> {
+    let mut depth = 0usize;
+    let mut quoted = false;
+    let mut escaped = false; // the block's first byte is escaped (a backslash ended the last)
+    match b[i] {
+        b'"' => quoted = true,
+        _ => depth = 1, // `{` or `[`
+    }
+    i += 1;
+    while i < b.len() {
+        let n = (b.len() - i).min(16);
+        let mk = match b.get(i..i + 16) {
+            Some(block) => marks(block.try_into().unwrap()),
+            None => {
+                let mut block = [0u8; 16]; // past the text: zeros, no mark
+                block[..n].copy_from_slice(&b[i..]);
+                marks(&block)
+            }
+        };
+        if !escaped && mk.backslashes == 0 {
+            let enclosed = prefix_xor(mk.quotes); // its bit 15: the quotes' parity
+            let inside = enclosed ^ if quoted { 0xffff } else { 0 };
+            // counted only when some are: the baseline x86_64 has no popcnt instruction
+            let count = |m: u32| if m == 0 { 0 } else { m.count_ones() as usize };
+            let opens = count(mk.opens & !inside);
+            let closes = count(mk.closes & !inside);
+            let passed = if depth == 0 {
+                quoted && mk.quotes == 0 // within the string the value is
+            } else {
+                closes < depth && depth + opens <= MAX_DEPTH
+            };
+            if passed {
+                depth = depth + opens - closes;
+                quoted ^= enclosed >> 15 == 1;
+                i += n;
+                continue;
+            }
+        }
+        let mut m = mk.any();
+        if escaped {
+            m &= !1;
+            escaped = false;
+        }
+        while m != 0 {
+            let k = m.trailing_zeros();
+            m &= m - 1;
+            let j = i + k as usize;
+            match b[j] {
+                b'"' => {
+                    quoted = !quoted;
+                    if !quoted && depth == 0 {
+                        return Ok(j + 1);
+                    }
+                }
+                b'\\' if quoted => {
+                    if k == 15 {
+                        escaped = true;
+                    } else {
+                        m &= !(1 << (k + 1));
+                    }
+                }
+                b'{' | b'[' if !quoted => {
+                    depth += 1;
+                    if depth > MAX_DEPTH {
+                        return Err(Bad);
+                    }
+                }
+                b'}' | b']' if !quoted => {
+                    // a text opening with a quote is a string: it ends at its quote, first
+                    depth = depth.checked_sub(1).ok_or(Bad)?;
+                    if depth == 0 {
+                        return Ok(j + 1);
+                    }
+                }
+                _ => {}
+            }
+        }
+        i += n;
+    }
+    Err(Bad)
 }
 
 /// The text of a string token (its quotes included), escapes undone.
@@ -718,5 +814,101 @@ mod tests {
         }
         let deep = vec![b'['; MAX_DEPTH + 1];
         assert!(Scan::new(&deep).skip().is_err());
+    }
+    /// The skip of before [`skip_nested`] (byte by byte): the reference it is held to.
+    fn skip_bytewise(b: &[u8]) -> R<(usize, usize)> {
+        let nest = |c: u8| matches!(c, b'"' | b'{' | b'[' | b'}' | b']');
+        let string = |b: &[u8], mut i: usize| -> R<usize> {
+            i += 1;
+            loop {
+                while i < b.len() && !matches!(b[i], b'"' | b'\\') {
+                    i += 1;
+                }
+                match *b.get(i).ok_or(Bad)? {
+                    b'"' => return Ok(i + 1),
+                    _ => i += 2,
+                }
+            }
+        };
+        let mut s = Scan::new(b);
+        s.ws();
+        let start = s.i;
+        let mut i = start;
+        match *b.get(i).ok_or(Bad)? {
+            b'{' | b'[' => {
+                let mut depth = 0usize;
+                loop {
+                    while i < b.len() && !nest(b[i]) {
+                        i += 1;
+                    }
+                    match *b.get(i).ok_or(Bad)? {
+                        b'"' => {
+                            i = string(b, i)?;
+                            continue;
+                        }
+                        b'{' | b'[' => {
+                            depth += 1;
+                            if depth > MAX_DEPTH {
+                                return Err(Bad);
+                            }
+                        }
+                        _ => {
+                            depth -= 1;
+                            if depth == 0 {
+                                return Ok((start, i + 1));
+                            }
+                        }
+                    }
+                    i += 1;
+                }
+            }
+            b'"' => i = string(b, i)?,
+            b'}' | b']' | b',' | b':' => return Err(Bad),
+            _ => {
+                while i < b.len()
+                    && !matches!(b[i], b',' | b'}' | b']' | b' ' | b'\t' | b'\n' | b'\r')
+                {
+                    i += 1;
+                }
+            }
+        }
+        Ok((start, i))
+    }
+
+    #[test]
+    fn skips_as_before_on_any_text() {
+        // texts of the bytes that matter, of every length across a block or two, drawn by a
+        // fixed xorshift: the block-wise skip gives the spans (and refusals) of the old one
+        let dense = b"{}[]\"\\a:, \xc3";
+        let sparse = b"{}[]\"\\a:, \xc3aaaaaaaaaaaaaaaaaaaa";
+        let mut x = 0x9e3779b97f4a7c15u64;
+        for round in 0..400_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let (alphabet, len) = if round % 2 == 0 {
+                (&dense[..], (x % 40) as usize)
+            } else {
+                (&sparse[..], (x % 120) as usize)
+            };
+            let mut text = Vec::with_capacity(len);
+            let mut y = x;
+            for _ in 0..len {
+                y ^= y << 13;
+                y ^= y >> 7;
+                y ^= y << 17;
+                text.push(alphabet[(y % alphabet.len() as u64) as usize]);
+            }
+            if !text.is_empty() && x & 1 == 0 {
+                text[0] = b"{[\""[(x >> 8) as usize % 3];
+            }
+            let mine = Scan::new(&text).skip();
+            assert_eq!(mine.ok(), skip_bytewise(&text).ok(), "{:?}", text);
+        }
+        let mut block = [0u8; 16];
+        for x in 0..=255u8 {
+            block[x as usize % 16] = x;
+            assert_eq!(marks(&block), marks_bytewise(&block), "{}", x);
+        }
     }
 }
