@@ -336,20 +336,10 @@ pub fn usual(ep: &Frames<'_>, info_key: &str, out: &mut Out) -> R<()> {
     if let Some(span) = reset.info {
         out.reset_info = out.put_value(ep.reset, span, json, true)?;
     }
-    // a request the same as the step before's (an env's few actions, a client's fixed
-    // frame) is not scanned again: its fields are the same spans of the same bytes
-    let mut last: Option<(&[u8], Fields)> = None;
     for st in ep.steps {
         let request = &ep.data[st.action()];
         let reply = &ep.data[st.reply()];
-        let rq = match last {
-            Some((before, f)) if before == request => f,
-            _ => {
-                let f = fields(request, json, info_key, false)?;
-                last = Some((request, f));
-                f
-            }
-        };
+        let rq = fields(request, json, info_key, false)?;
         let f = fields(reply, json, info_key, true)?;
         match f.data {
             Some(span) if is_object(reply, span, json) => {}
