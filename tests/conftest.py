@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -146,6 +147,35 @@ def proc_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone (reaped between open and read)
         return False
+
+
+def daemon_code(pid_file: str) -> str:
+    """Python that leaves a daemon running (in a session of its own, after a double fork,
+    its descriptors closed) and has written its pid to ``pid_file`` before it goes on (so
+    that a loaded machine cannot end the caller first)."""
+    return (
+        "import os, time\n"
+        "r, w = os.pipe()\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        os.write(w, str(os.getpid()).encode())\n"
+        "        os.closerange(0, 1024)\n"
+        "        time.sleep(1000)\n"
+        "    pid = os.read(r, 32)\n"
+        f"    with open({pid_file!r}, 'wb') as f:\n"
+        "        f.write(pid)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+    )
+
+
+def assert_ended(pid: int, what: str) -> None:
+    """``pid`` no longer runs (killed here if it does, and the test fails naming ``what``)."""
+    alive = proc_alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"{what} outlived it"
 
 
 def proc_children(pid: int) -> list[int]:

@@ -5,8 +5,6 @@ return an object equal to everything pass no test, served as the env asks
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import pytest
 import stadium
 from stadium import ConfigError
 from stadium.envs.code import MAX_MESSAGE, CodeAction, CodeEnv, run_tests
-from tests.conftest import UNIT, proc_alive, serve
+from tests.conftest import UNIT, assert_ended, daemon_code, serve
 from tests.isolation.test_isolation import needs_sandbox
 
 pytestmark = pytest.mark.slow
@@ -139,22 +137,7 @@ def test_an_expected_value_no_reply_could_equal_is_the_tasks_error(tmp_path: Pat
         run_tests(str(tmp_path), "f", [([], "1")], int, timeout_s=30 * UNIT)
 
 
-DAEMON_AT_IMPORT = (  # its pid written before the import goes on (a loaded machine)
-    "import os, time\n"
-    "r, w = os.pipe()\n"
-    "if os.fork() == 0:\n"
-    "    os.setsid()\n"
-    "    if os.fork() == 0:\n"
-    "        os.write(w, str(os.getpid()).encode())\n"
-    "        os.closerange(0, 1024)\n"
-    "        time.sleep(1000)\n"
-    "    pid = os.read(r, 32)\n"
-    "    with open('daemon.pid', 'wb') as f:\n"
-    "        f.write(pid)\n"
-    "    os._exit(0)\n"
-    "os.wait()\n"
-    "def add(a, b):\n    return a + b\n"
-)
+DAEMON_AT_IMPORT = daemon_code("daemon.pid") + "def add(a, b):\n    return a + b\n"
 
 
 def test_nothing_a_submission_started_outlives_its_step() -> None:
@@ -166,11 +149,7 @@ def test_nothing_a_submission_started_outlives_its_step() -> None:
         result = env.step(CodeAction(code=DAEMON_AT_IMPORT))
         assert result.reward == 1.0, result.observation
         assert env._ws is not None
-        pid = int(env._ws.read_file("daemon.pid"))
-        alive = proc_alive(pid)
-        if alive:
-            os.kill(pid, signal.SIGKILL)
-        assert not alive, "a process the submission started outlived the step"
+        assert_ended(int(env._ws.read_file("daemon.pid")), "a process the submission started")
     finally:
         env.close()
 

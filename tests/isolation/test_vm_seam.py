@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ from stadium import ErrorCode
 from stadium._server.isolation.worker.vm import vm_unavailable
 from stadium.bench.arms import spawn_server
 from tests.conftest import UNIT, wait_until
+from tests.isolation.test_vm import _metric
 
 TARGET = f"{Path(__file__).with_name('vm_seam_env.py')}:VmSeam"
 WHY_NO_VM = vm_unavailable()
@@ -55,14 +55,6 @@ async def _step(env: stadium.AsyncClient[Any], do: str, arg: str = "") -> str:
     step = await env.step({"do": do, "arg": arg})
     text: str = step.observation["text"]
     return text
-
-
-def _metric(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10 * UNIT) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.split(" ")[0] == name:
-                return float(line.split(" ")[1])
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def _qemu_peaks(server: int) -> dict[int, int]:

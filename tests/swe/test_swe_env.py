@@ -23,7 +23,7 @@ from stadium import ConfigError, SessionError, ValidationError
 from stadium._env.tool_env import CallToolAction
 from stadium.envs.swe import SweEnv, load_tasks, reset_options
 from stadium.envs.swe_grading import Rules, judge
-from tests.conftest import UNIT, proc_alive
+from tests.conftest import UNIT, assert_ended, daemon_code, proc_alive
 from tests.swe.tasks import FIXES, inline_tasks
 
 FAKE_TESTS = (
@@ -554,18 +554,7 @@ async def test_a_repository_replaced_by_a_link_is_not_followed_at_reset(env: Swe
 
 #: A right fix whose import (in the grading's test run) leaves a daemon in its own session,
 #: its descriptors closed (the run ends normally), that outlives the grading.
-GRADING_DAEMON = (
-    "import os, sys, time\n"
-    "if os.fork() == 0:\n"
-    "    os.setsid()\n"
-    "    if os.fork() == 0:\n"
-    "        os.closerange(0, 1024)\n"
-    "        with open('../grading-daemon.pid', 'w') as f:\n"
-    "            f.write(str(os.getpid()))\n"
-    "        time.sleep(1000)\n"
-    "    os._exit(0)\n"
-    "os.wait()\n"
-)
+GRADING_DAEMON = daemon_code("../grading-daemon.pid")
 
 
 @pytest.mark.slow
@@ -578,11 +567,7 @@ async def test_nothing_the_graded_code_started_outlives_the_grading(env: SweEnv)
     graded = _data(await _call(env, "submit"))
     assert graded["resolved"], graded
     assert env._ws is not None
-    pid = int(env._ws.read_file("grading-daemon.pid"))
-    alive = proc_alive(pid)
-    if alive:
-        os.kill(pid, signal.SIGKILL)
-    assert not alive, "a process the graded code started outlived the grading"
+    assert_ended(int(env._ws.read_file("grading-daemon.pid")), "a process the graded code started")
 
 
 RESTORE_UNDER_A_MEMORY_LIMIT = """
