@@ -396,3 +396,31 @@ async def test_the_limit_holds_across_workers_for_sessions_and_http(tmp_path: Pa
             served = await waiting
             assert served.status_code == 200
             assert served.json()["observation"]["running"] == 1
+
+
+async def test_a_client_still_sending_reads_its_413_whole() -> None:
+    """A body over the bound, still being sent when the server refuses it: the 413 reaches
+    the client, then a clean end. The server used to close the socket at once with the
+    client's input unread: the kernel answered with a reset, which can discard the reply
+    before the client reads it (test_headers_sent_byte_by_byte_are_cut_off lost its 408 so)."""
+    async with serve("echo", max_message_bytes=64 * 1024) as server:
+        async with _raw(server.port) as (reader, writer):
+            size = 4 << 20
+            writer.write(
+                b"POST /step HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % size
+            )
+            sending = asyncio.ensure_future(_send_all(writer, b"x" * size))
+            data = b""
+            try:  # to a clean end: a reset (ConnectionResetError) fails the test
+                while chunk := await asyncio.wait_for(reader.read(65536), 10 * UNIT):
+                    data += chunk
+            finally:
+                sending.cancel()
+        assert data.startswith(b"HTTP/1.1 413"), data[:200]
+
+
+async def _send_all(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError):
+        for i in range(0, len(data), 16384):
+            writer.write(data[i : i + 16384])
+            await writer.drain()

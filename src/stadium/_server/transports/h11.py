@@ -76,6 +76,13 @@ _HEADERS = "headers"
 _BODY = "body"
 _BUSY = "busy"  # answering: no socket timeout (the env call's own limits apply)
 _IDLE = "keep-alive"
+_LINGER = "linger"  # an error reply sent, the write side shut: input read and dropped
+#: After an error reply that closes the connection, the client's input is read and dropped
+#: for at most this long and this many bytes before the socket is closed (a socket closed
+#: with unread input answers with a reset, which can discard the reply at the client
+#: before it reads it: a client still sending would never see its 408 or 413).
+LINGER_S = 2.0
+LINGER_BYTES = 256 << 10
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -99,6 +106,7 @@ class HttpProtocol(asyncio.Protocol):
         self._deadline = header_deadline
         self._wait = _HEADERS
         self._timer: asyncio.TimerHandle | None = None
+        self._linger_left = 0  # bytes still dropped while lingering
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
@@ -133,14 +141,36 @@ class HttpProtocol(asyncio.Protocol):
         if self._transport is None or self._task is not None:
             return
         wait = self._wait
+        if wait is _LINGER:
+            self._close()
+            return
         self._owner.timed_out(wait)
-        if wait is not _IDLE:
-            owner = self._owner
-            limit = owner.header_timeout if wait is _HEADERS else owner.body_timeout
-            self._send(timeout_response(wait, limit))
-        self._close()
+        if wait is _IDLE:
+            self._close()
+            return
+        owner = self._owner
+        limit = owner.header_timeout if wait is _HEADERS else owner.body_timeout
+        self._send(timeout_response(wait, limit))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an error reply: the write side shut at once (the reply, then FIN),
+        the socket closed when the client closes its side, or after :data:`LINGER_S` or
+        :data:`LINGER_BYTES` more of its input, dropped unread (see :data:`LINGER_S`)."""
+        transport = self._transport
+        if transport is None or not transport.can_write_eof():
+            self._close()
+            return
+        transport.write_eof()
+        self._linger_left = LINGER_BYTES
+        self._arm(_LINGER, LINGER_S)
 
     def data_received(self, data: bytes) -> None:
+        if self._wait is _LINGER:
+            self._linger_left -= len(data)
+            if self._linger_left <= 0:
+                self._close()
+            return
         if self._wait is _IDLE:  # the next request begins
             self._arm(_HEADERS, self._owner.header_timeout)
         self._conn.receive_data(data)
@@ -152,7 +182,7 @@ class HttpProtocol(asyncio.Protocol):
                 event = self._conn.next_event()
             except h11.RemoteProtocolError as exc:
                 self._send(error_response(exc.error_status_hint, str(exc), "BAD_REQUEST"))
-                self._close()
+                self._linger()
                 return
             if event is h11.NEED_DATA or event is h11.PAUSED:
                 return
@@ -161,12 +191,12 @@ class HttpProtocol(asyncio.Protocol):
                 if b"content-length" in names and b"transfer-encoding" in names:
                     # Two framings: a proxy in front may read the other one (smuggling).
                     self._send(_AMBIGUOUS_LENGTH)
-                    self._close()
+                    self._linger()
                     return
                 refusal = self._owner.http_refusal(event, self._transport)
                 if refusal is not None:
                     self._send(refusal, body=event.method != b"HEAD")
-                    self._close()
+                    self._linger()
                     return
                 self._request = event
                 self._tenant = self._owner.http_tenant(event)
@@ -177,7 +207,7 @@ class HttpProtocol(asyncio.Protocol):
                 self._size += len(event.data)
                 if self._size > self._owner.max_message_bytes:
                     self._send(TOO_LARGE)
-                    self._close()
+                    self._linger()
                     return
                 self._body.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
